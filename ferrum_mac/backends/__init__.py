@@ -1,0 +1,43 @@
+"""Backends implement `DecoderOnlyLLM`; this module picks one and opens a checkpoint with it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ferrum_mac.errors import UnsupportedError
+from ferrum_mac.llm import DecoderOnlyLLM
+
+BACKENDS = ("mlx", "torch")
+
+
+def available(backend: str) -> bool:
+    module = {"mlx": "mlx.core", "torch": "torch"}[backend]
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def choose(backend: str) -> str:
+    if backend == "auto":
+        for candidate in BACKENDS:
+            if available(candidate):
+                return candidate
+        raise UnsupportedError("no backend is installed; install ferrum-mac with MLX (or the torch extra)")
+    if backend not in BACKENDS:
+        raise UnsupportedError(f"unknown backend {backend!r}; choose one of: auto, {', '.join(BACKENDS)}")
+    if not available(backend):
+        raise UnsupportedError(f"the {backend} backend is not installed; pip install {backend}")
+    return backend
+
+
+def open_path(path: Path, backend: str = "auto", dtype: str | None = None) -> DecoderOnlyLLM:
+    from ferrum_mac.weights import load_checkpoint
+
+    chosen = choose(backend)
+    if chosen == "mlx":
+        from ferrum_mac.backends.mlx.runtime import MlxLLM
+
+        return MlxLLM(load_checkpoint(path), dtype=dtype)
+    raise UnsupportedError("the torch backend is not built yet; use backend='mlx'")

@@ -1,0 +1,98 @@
+"""Attention over a batch of sequence segments, each reading and writing its own KV cache.
+
+Every forward runs on a flat row of tokens `(1, T, hidden)`. A `Plan` says which tokens
+belong to which sequence: a segment is `length` tokens starting at row `start`, placed at
+absolute position `offset` of its cache. Projections run once over all T tokens; RoPE
+runs once with per-token positions; attention runs per segment against its cache.
+With a single segment (the usual prefill or decode) nothing is sliced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ferrum_mac.backends.mlx.kv import SequenceCache
+from ferrum_mac.backends.mlx.layers import Projections, Rope, TensorSource
+from ferrum_mac.weights import ModelConfig
+
+
+@dataclass
+class Segment:
+    cache: SequenceCache
+    start: int
+    length: int
+    offset: int
+
+
+class Plan:
+    def __init__(self, segments: list[Segment]):
+        self.segments = segments
+        self.total = sum(s.length for s in segments)
+        self.positions = None
+        if len(segments) > 1:
+            self.positions = mx.concatenate([mx.arange(s.offset, s.offset + s.length) for s in segments])
+
+
+class Attention:
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int):
+        p = f"layers.{layer}.self_attn"
+        c = config
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv = Projections(
+            [
+                src.linear(f"{p}.q_proj", q_out, c.hidden_size, c.qkv_bias),
+                src.linear(f"{p}.k_proj", kv_out, c.hidden_size, c.qkv_bias),
+                src.linear(f"{p}.v_proj", kv_out, c.hidden_size, c.qkv_bias),
+            ]
+        )
+        self.o_proj = src.linear(f"{p}.o_proj", c.hidden_size, q_out, c.o_bias)
+        self.q_norm = src.norm(f"{p}.q_norm", c.head_dim) if c.qk_norm else None
+        self.k_norm = src.norm(f"{p}.k_norm", c.head_dim) if c.qk_norm else None
+        self.eps = c.rms_norm_eps
+        self.rope = Rope(config)
+
+    def __call__(self, x: mx.array, plan: Plan) -> mx.array:
+        T = x.shape[1]
+        q, k, v = self.qkv(x)
+        q = q.reshape(T, self.heads, self.head_dim)
+        k = k.reshape(T, self.kv_heads, self.head_dim)
+        v = v.reshape(T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = mx.fast.rms_norm(q, self.q_norm, self.eps)
+            k = mx.fast.rms_norm(k, self.k_norm, self.eps)
+        if plan.positions is None:
+            out = self._attend_one(q, k, v, plan.segments[0])
+        else:
+            out = self._attend_many(q, k, v, plan)
+        return self.o_proj(out.reshape(1, T, self.heads * self.head_dim))
+
+    def _attend_one(self, q, k, v, seg: Segment) -> mx.array:
+        q = self.rope(q.transpose(1, 0, 2)[None], seg.offset)
+        k = self.rope(k.transpose(1, 0, 2)[None], seg.offset)
+        return self._attend(q, k, v.transpose(1, 0, 2)[None], seg)
+
+    def _attend_many(self, q, k, v, plan: Plan) -> mx.array:
+        # RoPE with one position per token: each token is its own rope "batch" row.
+        q = self.rope(q[:, :, None, :], plan.positions)[:, :, 0, :]
+        k = self.rope(k[:, :, None, :], plan.positions)[:, :, 0, :]
+        outs = []
+        for seg in plan.segments:
+            rows = slice(seg.start, seg.start + seg.length)
+            outs.append(
+                self._attend(
+                    q[rows].transpose(1, 0, 2)[None], k[rows].transpose(1, 0, 2)[None], v[rows].transpose(1, 0, 2)[None], seg
+                )
+            )
+        return mx.concatenate(outs, axis=0)
+
+    def _attend(self, q, k, v, seg: Segment) -> mx.array:
+        """q/k/v `(1, heads, n, head_dim)` -> `(n, heads, head_dim)`."""
+        keys, values = seg.cache.write(self.layer, k, v, seg.offset)
+        mask = "causal" if seg.length > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return out[0].transpose(1, 0, 2)

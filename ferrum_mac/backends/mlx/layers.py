@@ -1,0 +1,151 @@
+"""Building blocks shared by the MLX model families: linear layers (dense or affine
+quantized, optionally fused), embeddings, RMSNorm, RoPE and SwiGLU."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ferrum_mac.errors import CorruptModelError
+from ferrum_mac.weights import ModelConfig
+
+
+class TensorSource:
+    """Hands out a checkpoint's tensors by canonical name, checking presence and shape."""
+
+    def __init__(self, tensors: dict, config: ModelConfig, dtype: mx.Dtype, where: str):
+        self.tensors, self.config, self.dtype, self.where = tensors, config, dtype, where
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def take(self, name: str, shape: tuple[int, ...], cast: bool = True) -> mx.array:
+        if name not in self.tensors:
+            raise CorruptModelError(f"{self.where} lacks tensor {name!r}; the checkpoint is incomplete or not a {self.config.model_type} model")
+        array = self.tensors[name]
+        if tuple(array.shape) != tuple(shape):
+            raise CorruptModelError(
+                f"{self.where}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(shape)} from the model's config"
+            )
+        if cast and mx.issubdtype(array.dtype, mx.floating) and array.dtype != self.dtype:
+            array = array.astype(self.dtype)
+        return array
+
+    def linear(self, module: str, out_dim: int, in_dim: int, bias: bool = False) -> "Linear":
+        quant = self.config.quant_for(module)
+        b = self.take(f"{module}.bias", (out_dim,)) if bias else None
+        if quant is None:
+            return Linear(self.take(f"{module}.weight", (out_dim, in_dim)), b)
+        group, bits = quant["group_size"], quant["bits"]
+        weight = self.take(f"{module}.weight", (out_dim, in_dim * bits // 32), cast=False)
+        scales = self.take(f"{module}.scales", (out_dim, in_dim // group))
+        biases = self.take(f"{module}.biases", (out_dim, in_dim // group))
+        return Linear(weight, b, scales, biases, group, bits)
+
+    def norm(self, module: str, dim: int) -> mx.array:
+        return self.take(f"{module}.weight", (dim,))
+
+
+class Linear:
+    """y = x W^T (+ b), with W dense or affine-quantized (packed uint32, scales, biases)."""
+
+    def __init__(self, weight, bias=None, scales=None, biases=None, group_size=0, bits=0):
+        self.weight, self.bias = weight, bias
+        self.scales, self.biases, self.group_size, self.bits = scales, biases, group_size, bits
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.quantized:
+            y = mx.quantized_matmul(
+                x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
+            )
+        else:
+            y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Rows of W (an embedding lookup), dequantized when needed."""
+        if not self.quantized:
+            return self.weight[ids]
+        return mx.dequantize(
+            self.weight[ids], self.scales[ids], self.biases[ids], group_size=self.group_size, bits=self.bits
+        )
+
+
+def fuse(linears: list[Linear]) -> Linear | None:
+    """Stack linears that read the same input into one matmul, or None if their formats differ."""
+    first = linears[0]
+    same = all(
+        (l.quantized, l.group_size, l.bits, l.bias is None) == (first.quantized, first.group_size, first.bits, first.bias is None)
+        for l in linears
+    )
+    if not same:
+        return None
+
+    def cat(attr):
+        parts = [getattr(l, attr) for l in linears]
+        return None if parts[0] is None else mx.concatenate(parts, axis=0)
+
+    return Linear(cat("weight"), cat("bias"), cat("scales"), cat("biases"), first.group_size, first.bits)
+
+
+class Projections:
+    """Several linears over one input, run as one fused matmul when their formats allow."""
+
+    def __init__(self, linears: list[Linear]):
+        self.sizes = [l.weight.shape[0] for l in linears]
+        self.fused = fuse(linears)
+        self.parts = None if self.fused else linears
+        self.splits = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        if self.fused is not None:
+            return mx.split(self.fused(x), self.splits, axis=-1)
+        return [l(x) for l in self.parts]
+
+
+class Rope:
+    """Rotary position embedding with the default, linear or Llama-3 frequency schedule."""
+
+    def __init__(self, config: ModelConfig):
+        self.dims = config.head_dim
+        self.traditional = config.rope_traditional
+        self.base: float | None = config.rope_theta
+        self.scale = 1.0
+        self.freqs = None
+        scaling = config.rope_scaling or {}
+        kind = scaling.get("rope_type", "default")
+        if kind == "linear":
+            self.scale = 1.0 / scaling["factor"]
+        elif kind == "llama3":
+            self.freqs = llama3_frequencies(self.dims, config.rope_theta, scaling)
+            self.base = None
+
+    def __call__(self, x: mx.array, offset) -> mx.array:
+        return mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset, freqs=self.freqs
+        )
+
+
+def llama3_frequencies(dims: int, base: float, scaling: dict) -> mx.array:
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    freqs = base ** (mx.arange(0, dims, 2) / dims)
+    wavelens = 2 * math.pi * freqs
+    freqs = mx.where(wavelens > old_len / low, freqs * factor, freqs)
+    medium = (wavelens > old_len / high) & (wavelens < old_len / low)
+    smooth = (old_len / wavelens - low) / (high - low)
+    return mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up

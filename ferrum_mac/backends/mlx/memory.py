@@ -1,0 +1,47 @@
+"""Device memory facts for MLX on Metal, CUDA or the CPU. Metal-only calls stay behind checks."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+
+def _metal() -> bool:
+    return mx.metal.is_available()
+
+
+def _cuda() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def device_name() -> str:
+    if _metal():
+        return f"metal ({mx.device_info().get('device_name', 'Apple GPU')})"
+    if _cuda():
+        return f"cuda ({mx.device_info().get('device_name', 'NVIDIA GPU')})"
+    return "cpu"
+
+
+def total_memory_bytes() -> int:
+    info = mx.device_info()
+    if _metal():
+        return int(info.get("max_recommended_working_set_size") or info.get("memory_size", 0))
+    if _cuda() and info.get("total_memory"):
+        return int(info["total_memory"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def free_memory_bytes() -> int:
+    """Memory a KV cache may still take: what the device offers less what MLX holds."""
+    if _metal() or _cuda():
+        return max(0, total_memory_bytes() - mx.get_active_memory())
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def wire_model_memory(model_bytes: int) -> None:
+    """Keep the weights resident on Metal (macOS 15+) so decode never waits on paging."""
+    if _metal():
+        limit = int(mx.device_info().get("max_recommended_working_set_size", 0))
+        if limit and model_bytes < limit:
+            mx.metal.set_wired_limit(limit)

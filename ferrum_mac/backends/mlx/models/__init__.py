@@ -1,0 +1,7 @@
+"""Model families, by `model_type`."""
+
+from __future__ import annotations
+
+from ferrum_mac.backends.mlx.models import llama
+
+FAMILIES = {"llama": llama.Model, "mistral": llama.Model, "qwen2": llama.Model, "qwen3": llama.Model}

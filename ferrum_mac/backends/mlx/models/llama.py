@@ -1,0 +1,66 @@
+"""The Llama family: Llama 1-3.x, Mistral, SmolLM2, TinyLlama, Qwen2/2.5 (qkv bias) and
+Qwen3 (q/k RMSNorm). Embedding, blocks of attention + SwiGLU MLP, final norm, head."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ferrum_mac.backends.mlx.attention import Attention, Plan
+from ferrum_mac.backends.mlx.layers import Linear, Projections, TensorSource, swiglu
+from ferrum_mac.weights import ModelConfig
+
+
+class Mlp:
+    def __init__(self, src: TensorSource, config: ModelConfig, prefix: str, hidden: int):
+        c, bias = config, config.mlp_bias
+        self.gate_up = Projections(
+            [
+                src.linear(f"{prefix}.gate_proj", hidden, c.hidden_size, bias),
+                src.linear(f"{prefix}.up_proj", hidden, c.hidden_size, bias),
+            ]
+        )
+        self.down = src.linear(f"{prefix}.down_proj", c.hidden_size, hidden, bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = self.gate_up(x)
+        return self.down(swiglu(gate, up))
+
+
+class Block:
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int, mlp):
+        p = f"layers.{layer}"
+        self.attn = Attention(src, config, layer)
+        self.mlp = mlp
+        self.attn_norm = src.norm(f"{p}.input_layernorm", config.hidden_size)
+        self.mlp_norm = src.norm(f"{p}.post_attention_layernorm", config.hidden_size)
+        self.eps = config.rms_norm_eps
+
+    def __call__(self, x: mx.array, plan: Plan) -> mx.array:
+        h = x + self.attn(mx.fast.rms_norm(x, self.attn_norm, self.eps), plan)
+        return h + self.mlp(mx.fast.rms_norm(h, self.mlp_norm, self.eps))
+
+
+class Model:
+    """A decoder: `hidden(tokens, plan)` runs the blocks, `logits(h)` the norm and head."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig):
+        c = config
+        self.config = c
+        self.embed = src.linear("embed_tokens", c.vocab_size, c.hidden_size)
+        self.layers = [Block(src, c, i, self.make_mlp(src, i)) for i in range(c.num_layers)]
+        self.norm = src.norm("norm", c.hidden_size)
+        tied = c.tie_word_embeddings or not src.has("lm_head.weight")
+        self.head: Linear = self.embed if tied else src.linear("lm_head", c.vocab_size, c.hidden_size)
+
+    def make_mlp(self, src: TensorSource, layer: int):
+        return Mlp(src, self.config, f"layers.{layer}.mlp", self.config.intermediate_size)
+
+    def hidden(self, tokens: mx.array, plan: Plan) -> mx.array:
+        """tokens `(T,)` -> final hidden states `(1, T, hidden)` before the norm."""
+        h = self.embed.rows(tokens)[None]
+        for block in self.layers:
+            h = block(h, plan)
+        return h
+
+    def logits(self, h: mx.array) -> mx.array:
+        return self.head(mx.fast.rms_norm(h, self.norm, self.config.rms_norm_eps))

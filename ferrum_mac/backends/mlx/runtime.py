@@ -1,0 +1,202 @@
+"""`MlxLLM`: the `DecoderOnlyLLM` contract on MLX.
+
+Every method is one call of `_forward` over a list of (cache, tokens, offset) segments:
+prefill and decode are one segment, `decode_batch` many one-token segments,
+`unified_forward` a mix. All checks run before any cache changes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from ferrum_mac.backends.mlx.attention import Plan, Segment
+from ferrum_mac.backends.mlx.kv import KvManager
+from ferrum_mac.backends.mlx.layers import TensorSource
+from ferrum_mac.backends.mlx.memory import free_memory_bytes, wire_model_memory
+from ferrum_mac.backends.mlx.models import FAMILIES
+from ferrum_mac.errors import CacheStateError, FerrumError, UnsupportedModelError
+from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_from_env
+from ferrum_mac.weights import Checkpoint
+
+PREFILL_CHUNK = 2048  # longer prompts run in chunks so activations stay bounded
+KV_MEMORY_SHARE = 0.8  # of free memory one sequence's cache may plan on
+WARMUP_ID = "__ferrum_warmup__"
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def compute_dtype(checkpoint: Checkpoint, override: str | None) -> mx.Dtype:
+    if override:
+        return DTYPES[override]
+    if checkpoint.config.quantization:
+        scales = next((t for n, t in checkpoint.tensors.items() if n.endswith(".scales")), None)
+        return scales.dtype if scales is not None else mx.float16
+    return DTYPES.get(checkpoint.config.dtype, mx.float16)
+
+
+class MlxLLM(DecoderOnlyLLM):
+    def __init__(self, checkpoint: Checkpoint, dtype: str | None = None):
+        c = checkpoint.config
+        family = FAMILIES.get(c.model_type)
+        if family is None:
+            raise UnsupportedModelError(
+                f"the MLX backend has no {c.model_type!r} model (supported: {', '.join(sorted(FAMILIES))})"
+            )
+        self.dtype = compute_dtype(checkpoint, dtype)
+        self.model = family(TensorSource(checkpoint.tensors, c, self.dtype, str(checkpoint.path)), c)
+        checkpoint.tensors.clear()  # the model holds what it needs (fused copies included)
+        params = model_arrays(self.model)
+        mx.eval(params)
+        self.weight_bytes = sum(a.nbytes for a in params)
+        wire_model_memory(self.weight_bytes)
+        self.model_config = c
+        self.source = checkpoint
+        self._config = LlmRuntimeConfig(
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            vocab_size=c.vocab_size,
+            max_seq_len=c.max_position_embeddings,
+            model_type=c.model_type,
+            dtype=str(self.dtype).split(".")[-1],
+            bos_token_id=c.bos_token_id,
+            eos_token_ids=tuple(c.eos_token_ids),
+        )
+        by_memory = int(free_memory_bytes() * KV_MEMORY_SHARE) // self._config.kv_bytes_per_token(self.dtype.size)
+        self._capacity = max(1, min(kv_capacity_from_env(c.max_position_embeddings), by_memory))
+        self.kv = KvManager(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity)
+
+    # -- contract -------------------------------------------------------------------
+
+    @property
+    def config(self) -> LlmRuntimeConfig:
+        return self._config
+
+    def kv_capacity(self) -> int:
+        return self._capacity
+
+    def kv_len(self, cache_id: str) -> int:
+        return self.kv.length(cache_id)
+
+    def prefill(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
+        tokens = list(tokens)
+        offset = self.kv.length(cache_id)
+        self._check([(cache_id, len(tokens), offset)])
+        for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
+            self._forward([(cache_id, tokens[start : start + PREFILL_CHUNK], offset + start)])
+            mx.eval(self.kv.get(cache_id).arrays())
+        last = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        h = self._forward([(cache_id, tokens[last:], offset + last)])
+        return self.model.logits(h[:, -1:, :])[0, 0]
+
+    def decode(self, cache_id: str, token: Token, pos: int) -> mx.array:
+        self._check([(cache_id, 1, pos)])
+        h = self._forward([(cache_id, token, pos)])
+        return self.model.logits(h)[0, 0]
+
+    def decode_batch(self, items: Sequence[DecodeItem]) -> mx.array:
+        segments = [(it.cache_id, it.token, it.pos) for it in items]
+        self._check([(cid, 1, pos) for cid, _, pos in segments])
+        return self.model.logits(self._forward(segments))[0]
+
+    def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
+        tokens = list(tokens)
+        offset = self.kv.length(cache_id)
+        self._check([(cache_id, len(tokens), offset)])
+        return self.model.logits(self._forward([(cache_id, tokens, offset)]))[0]
+
+    def unified_forward(self, items: Sequence[ForwardItem]) -> list[mx.array | None]:
+        segments = [(it.cache_id, list(it.tokens), it.pos_offset) for it in items]
+        self._check([(cid, len(toks), pos) for cid, toks, pos in segments])
+        h = self._forward(segments)
+        ends, row = [], 0
+        for it in items:
+            row += len(it.tokens)
+            ends.append(row - 1)
+        final_rows = [end for end, it in zip(ends, items) if it.is_final]
+        if not final_rows:
+            return [None] * len(items)
+        logits = iter(self.model.logits(h[:, mx.array(final_rows), :])[0])
+        return [next(logits) if it.is_final else None for it in items]
+
+    def prepare(self, cache_id: str, max_tokens: int) -> None:
+        self.kv.reserve(self.kv.acquire(cache_id), min(max(1, max_tokens), self._capacity))
+        warm = min(8, self._capacity - 1)
+        if warm >= 1:
+            logits = self.prefill(WARMUP_ID, [0] * warm)
+            logits = self.decode(WARMUP_ID, mx.argmax(logits), warm)
+            mx.eval(logits)
+        self.release(WARMUP_ID)
+
+    def truncate_kv(self, cache_id: str, new_len: int) -> None:
+        if new_len < 0:
+            raise CacheStateError(f"cannot truncate {cache_id!r} to a negative length ({new_len})")
+        self.kv.truncate(cache_id, new_len)
+
+    def release(self, cache_id: str) -> None:
+        self.kv.release(cache_id)
+
+    def reset(self) -> None:
+        self.kv.reset()
+        mx.clear_cache()
+
+    # -- one forward over segments ----------------------------------------------------
+
+    def _check(self, segments: list[tuple[str, int, int]]) -> None:
+        """Validate (cache_id, n_tokens, offset) for each segment before touching any state."""
+        seen = set()
+        for cache_id, n, offset in segments:
+            if n < 1:
+                raise FerrumError(f"no tokens given for sequence {cache_id!r}; pass at least one token")
+            if cache_id in seen:
+                raise CacheStateError(f"sequence {cache_id!r} appears twice in one batch; give each sequence one item")
+            seen.add(cache_id)
+            held = self.kv.length(cache_id)
+            if offset != held:
+                raise CacheStateError(
+                    f"sequence {cache_id!r} holds {held} tokens but the call places its token(s) at position {offset}; "
+                    "positions must continue the cache (truncate_kv first to rewrite it)"
+                )
+            self.check_capacity(cache_id, offset + n)
+
+    def _forward(self, segments: list[tuple[str, object, int]]) -> mx.array:
+        plan_segments, token_parts, start = [], [], 0
+        for cache_id, tokens, offset in segments:
+            ids = as_token_array(tokens)
+            cache = self.kv.acquire(cache_id)
+            self.kv.reserve(cache, offset + ids.size)
+            plan_segments.append(Segment(cache, start, ids.size, offset))
+            token_parts.append(ids)
+            start += ids.size
+        tokens = token_parts[0] if len(token_parts) == 1 else mx.concatenate(token_parts)
+        h = self.model.hidden(tokens, Plan(plan_segments))
+        for seg in plan_segments:
+            seg.cache.length = seg.offset + seg.length
+        return h
+
+
+def as_token_array(tokens) -> mx.array:
+    if isinstance(tokens, mx.array):
+        return tokens.reshape(-1).astype(mx.uint32)
+    if isinstance(tokens, int):
+        return mx.array([tokens], dtype=mx.uint32)
+    return mx.array(list(tokens), dtype=mx.uint32)
+
+
+def model_arrays(obj, seen: set | None = None) -> list[mx.array]:
+    """Every distinct array reachable from a model object (tied weights counted once)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        children = obj
+    elif hasattr(obj, "__dict__"):
+        children = [v for k, v in vars(obj).items() if k != "config"]
+    else:
+        return []
+    return [a for child in children for a in model_arrays(child, seen)]

@@ -1,0 +1,164 @@
+"""The model contract: `DecoderOnlyLLM`, the interface the engine drives every backend through.
+
+It keeps every method of Ferrum's `DecoderOnlyLLM` trait, made Pythonic:
+
+- batch items are typed (`DecodeItem`, `ForwardItem`) instead of anonymous tuples;
+- nothing panics by default: work a backend cannot do raises `UnsupportedError`, and a
+  request that would grow a sequence past `kv_capacity()` raises `KvCapacityError`
+  *before* any state changes;
+- logits stay on the device (an `mx.array` or `torch.Tensor`); only sampled token ids
+  cross to the host. A backend may accept a lazy device scalar as `token` so step n+1
+  can be queued before step n is read.
+
+Positions: a cache holds `kv_len(cache_id)` tokens; `decode(..., pos)` and
+`ForwardItem.pos_offset` must equal that length (the token goes right after what is
+cached). To rewrite history, `truncate_kv` first.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ferrum_mac.errors import (  # noqa: F401  (re-exported: the contract's errors)
+    CacheStateError,
+    CorruptModelError,
+    FerrumError,
+    KvCapacityError,
+    ModelFileError,
+    ModelNotFoundError,
+    UnsupportedError,
+    UnsupportedModelError,
+)
+
+Logits = Any  # a device array: mx.array or torch.Tensor
+Token = Any  # an int, or a device scalar holding a token id
+
+
+@dataclass(frozen=True)
+class LlmRuntimeConfig:
+    """What the engine needs to know about a model: sizes for KV budgeting and sampling."""
+
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_seq_len: int
+    model_type: str = ""
+    dtype: str = ""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    """One sequence's next token in a batched decode: `token` sits at position `pos`."""
+
+    cache_id: str
+    token: Token
+    pos: int
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """One sequence's part of a mixed batch: a decode step or a prefill chunk.
+
+    `pos_offset` is the absolute KV position of `tokens[0]`. Logits come back only for
+    items with `is_final=True` (a decode step or the last chunk of a prefill).
+    """
+
+    cache_id: str
+    tokens: Sequence[int]
+    pos_offset: int
+    is_final: bool = True
+
+
+KV_CAPACITY_ENV = "FERRUM_KV_CAPACITY"
+
+
+def kv_capacity_from_env(model_max: int) -> int:
+    """`FERRUM_KV_CAPACITY` clamped to the model's maximum, or the model's maximum."""
+    raw = os.environ.get(KV_CAPACITY_ENV, "").strip()
+    if not raw:
+        return model_max
+    try:
+        wanted = int(raw)
+    except ValueError:
+        raise FerrumError(f"{KV_CAPACITY_ENV}={raw!r} is not a whole number; set it to a token count like 8192") from None
+    if wanted <= 0:
+        raise FerrumError(f"{KV_CAPACITY_ENV}={wanted} must be positive; set it to a token count like 8192")
+    return min(wanted, model_max)
+
+
+class DecoderOnlyLLM(abc.ABC):
+    """A decoder-only language model that owns the KV caches of its sequences."""
+
+    # -- required -------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def config(self) -> LlmRuntimeConfig:
+        """Runtime-facing configuration."""
+
+    @abc.abstractmethod
+    def prefill(self, cache_id: str, tokens: Sequence[int]) -> Logits:
+        """Append `tokens` to the cache (created if new); return `[vocab]` logits of the last one."""
+
+    @abc.abstractmethod
+    def decode(self, cache_id: str, token: Token, pos: int) -> Logits:
+        """Append one token at position `pos`; return `[vocab]` logits for the next step."""
+
+    @abc.abstractmethod
+    def release(self, cache_id: str) -> None:
+        """Free the cache of a finished sequence. Idempotent; unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def kv_len(self, cache_id: str) -> int:
+        """Tokens held in the cache of `cache_id` (0 when it has none)."""
+
+    # -- provided ------------------------------------------------------------------
+
+    def prepare(self, cache_id: str, max_tokens: int) -> None:
+        """Allocate `cache_id`'s cache for `max_tokens` and warm the kernels up. Changes no logits."""
+
+    def kv_capacity(self) -> int:
+        """Most tokens any one cache may hold; callers check it before they extend a sequence."""
+        return kv_capacity_from_env(self.config.max_seq_len)
+
+    def decode_batch(self, items: Sequence[DecodeItem]) -> Logits:
+        """One decode step for each item; returns `[len(items), vocab]` logits in item order."""
+        raise UnsupportedError(f"{type(self).__name__} has no batched decode; call decode() per sequence")
+
+    def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> Logits:
+        """Append `tokens` in one forward; return `[len(tokens), vocab]` logits, one row per position."""
+        raise UnsupportedError(f"{type(self).__name__} has no multi-token verify; call decode() per token")
+
+    def unified_forward(self, items: Sequence[ForwardItem]) -> list[Logits | None]:
+        """One forward over decode steps and prefill chunks; `[vocab]` logits for final items, else None."""
+        raise UnsupportedError(f"{type(self).__name__} has no unified forward; use prefill() and decode_batch()")
+
+    def truncate_kv(self, cache_id: str, new_len: int) -> None:
+        """Drop every cached position from `new_len` on."""
+        raise UnsupportedError(f"{type(self).__name__} cannot truncate its KV cache")
+
+    def reset(self) -> None:
+        """Drop all cached state."""
+
+    # -- helpers for implementations --------------------------------------------------
+
+    def check_capacity(self, cache_id: str, new_len: int) -> None:
+        """Raise `KvCapacityError` if `cache_id` would hold more than `kv_capacity()` tokens."""
+        capacity = self.kv_capacity()
+        if new_len > capacity:
+            raise KvCapacityError(
+                f"sequence {cache_id!r} would hold {new_len} tokens but the KV capacity is {capacity}; "
+                f"shorten the prompt, truncate the conversation or raise {KV_CAPACITY_ENV}",
+                needed=new_len,
+                capacity=capacity,
+            )

@@ -1,0 +1,48 @@
+"""Weights: any supported checkpoint -> (`ModelConfig`, canonical tensor map).
+
+Canonical names are the Hugging Face names without the `model.` prefix
+(`embed_tokens.weight`, `layers.3.self_attn.q_proj.scales`, `lm_head.weight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ferrum_mac.errors import ModelNotFoundError
+from ferrum_mac.weights.config import SUPPORTED_TYPES, ModelConfig, config_from_hf
+
+__all__ = ["Checkpoint", "ModelConfig", "SUPPORTED_TYPES", "load_checkpoint"]
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tensors: dict  # canonical name -> mx.array
+    path: Path
+    format: str  # "safetensors", "mlx-quantized" or "gguf"
+
+
+def find_gguf(folder: Path) -> Path | None:
+    files = sorted(folder.glob("*.gguf"))
+    return files[0] if len(files) == 1 else None
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"{path} does not exist; give a model folder, a .gguf file or a model name")
+    if path.is_dir() and not (path / "config.json").is_file() and find_gguf(path):
+        path = find_gguf(path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"{path} is not a model; give a model folder (with config.json) or a .gguf file")
+        from ferrum_mac.weights.gguf import load_gguf
+
+        config, tensors = load_gguf(path)
+        return Checkpoint(config, tensors, path, "gguf")
+    from ferrum_mac.weights.safetensors import load_safetensors
+
+    config = config_from_hf(path)
+    tensors = load_safetensors(path)
+    return Checkpoint(config, tensors, path, "mlx-quantized" if config.quantization else "safetensors")

@@ -1,0 +1,146 @@
+"""`ModelConfig`: a model's architecture, read from config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferrum_mac.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_TYPES = ("qwen3_moe",)
+SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES
+ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_traditional: bool = False  # GGUF llama weights are permuted for interleaved rope
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    dtype: str = "float16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    quantization: dict | None = None  # {"group_size", "bits", per-module overrides}
+    extra: dict[str, Any] = field(default_factory=dict)  # family-specific keys (MoE)
+
+    def quant_for(self, module: str) -> dict | None:
+        """Quantization of one module (canonical name without `.weight`), or None if dense."""
+        q = self.quantization
+        if not q:
+            return None
+        override = q.get(module, q.get(f"model.{module}"))
+        if override is False:
+            return None
+        if isinstance(override, dict):
+            return {"group_size": override.get("group_size", q["group_size"]), "bits": override.get("bits", q["bits"])}
+        return {"group_size": q["group_size"], "bits": q["bits"]}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CorruptModelError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-download the model") from None
+
+
+def _rope_settings(raw: dict) -> tuple[float, dict | None]:
+    """rope theta and scaling from `rope_theta`/`rope_scaling` or transformers 5's `rope_parameters`."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or None
+    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+    return float(theta), scaling
+
+
+def _eos_ids(raw: dict, generation: dict) -> tuple[int, ...]:
+    eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _mlx_quantization(raw: dict, path: Path) -> dict | None:
+    """MLX's `quantization` block; other quantizers (GPTQ, AWQ, fp8) are refused by name."""
+    q = raw.get("quantization") or raw.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method is not None or q.get("mode", "affine") != "affine":
+        kind = method or q.get("mode")
+        raise UnsupportedModelError(
+            f"{path}: {kind} quantization is not supported; use an MLX affine-quantized (mlx-community) or bf16 checkpoint"
+        )
+    return q
+
+
+def check_model_type(model_type: str, where: str) -> None:
+    if model_type not in SUPPORTED_TYPES:
+        raise UnsupportedModelError(
+            f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+        )
+
+
+def config_from_hf(folder: Path) -> ModelConfig:
+    """Read config.json (and generation_config.json when present) from a model folder."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"{folder} has no config.json; point at a model folder or a .gguf file")
+    raw = _read_json(path)
+    generation_path = folder / "generation_config.json"
+    generation = _read_json(generation_path) if generation_path.is_file() else {}
+    model_type = raw.get("model_type", "")
+    check_model_type(model_type, str(path))
+    theta, scaling = _rope_settings(raw)
+    heads = raw["num_attention_heads"]
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or "float16"
+    try:
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw.get("intermediate_size", 0),
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            qkv_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            o_bias=model_type != "qwen2" and raw.get("attention_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            dtype=str(dtype).replace("torch.", ""),
+            bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
+            eos_token_ids=_eos_ids(raw, generation),
+            quantization=_mlx_quantization(raw, path),
+            extra=raw,
+        )
+    except KeyError as e:
+        raise CorruptModelError(f"{path} lacks {e.args[0]!r}; re-download the model or fix its config.json") from None

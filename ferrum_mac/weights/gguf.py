@@ -1,0 +1,130 @@
+"""GGUF checkpoints through `mx.load`: Q4_0, Q4_1 and Q8_0 arrive as MLX affine-quantized
+tensors (group size 32), F16/F32 as dense arrays. Names are mapped to the canonical
+(Hugging Face, without the `model.` prefix) names the backends use."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
+from ferrum_mac.weights.config import ModelConfig, check_model_type
+from ferrum_mac.weights.gguf_header import read_tensor_table
+
+# ggml type -> MLX quantization (None: dense)
+SUPPORTED_GGML = {"F32": None, "F16": None, "Q4_0": (32, 4), "Q4_1": (32, 4), "Q8_0": (32, 8)}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)$")
+
+
+def canonical_module(gguf_module: str) -> str | None:
+    if gguf_module in _TOP_NAMES:
+        return _TOP_NAMES[gguf_module]
+    m = _BLOCK.match(gguf_module)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    return None
+
+
+def _scalar(meta: dict, key: str, default=None):
+    value = meta.get(key, default)
+    if hasattr(value, "item"):
+        value = value.item()
+    return value
+
+
+def config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bool) -> ModelConfig:
+    arch_name = _scalar(meta, "general.architecture", "")
+    model_type = ARCHITECTURES.get(arch_name, arch_name)
+    check_model_type(model_type, str(path))
+    a = arch_name
+    heads = _scalar(meta, f"{a}.attention.head_count")
+    hidden = _scalar(meta, f"{a}.embedding_length")
+    vocab = _scalar(meta, f"{a}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    eos = _scalar(meta, "tokenizer.ggml.eos_token_id")
+    extra = {k.split(".", 1)[1]: _scalar(meta, k) for k in meta if k.startswith(f"{a}.") and "." in k}
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=_scalar(meta, f"{a}.feed_forward_length", 0),
+        num_layers=_scalar(meta, f"{a}.block_count"),
+        num_heads=heads,
+        num_kv_heads=_scalar(meta, f"{a}.attention.head_count_kv", heads),
+        head_dim=_scalar(meta, f"{a}.attention.key_length") or hidden // heads,
+        rms_norm_eps=float(_scalar(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_scalar(meta, f"{a}.rope.freq_base", 10000.0)),
+        # llama.cpp permutes llama q/k rows so its interleaved rope applies; use the same.
+        rope_traditional=arch_name == "llama",
+        max_position_embeddings=_scalar(meta, f"{a}.context_length", 4096),
+        tie_word_embeddings=not has_output,
+        qkv_bias=arch_name == "qwen2",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        dtype="float16",
+        bos_token_id=_scalar(meta, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+        quantization=quantization or None,
+        extra=extra,
+    )
+
+
+def _quantization_by_module(path: Path) -> dict:
+    """Per-module quantization from the tensor table; refuses ggml types MLX cannot keep."""
+    per_module: dict = {}
+    for info in read_tensor_table(path):
+        if info.type_name not in SUPPORTED_GGML:
+            raise UnsupportedModelError(
+                f"{path}: tensor {info.name} is {info.type_name}, which ferrum cannot load "
+                f"(supported GGUF types: {', '.join(SUPPORTED_GGML)}); use a Q4_0, Q4_1, Q8_0 or F16 file"
+            )
+        quant = SUPPORTED_GGML[info.type_name]
+        module = canonical_module(info.name.rsplit(".", 1)[0])
+        if quant and module:
+            per_module[module] = {"group_size": quant[0], "bits": quant[1]}
+    if not per_module:
+        return {}
+    first = next(iter(per_module.values()))
+    return {"group_size": first["group_size"], "bits": first["bits"], **per_module}
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, dict]:
+    import mlx.core as mx
+
+    quantization = _quantization_by_module(path)
+    try:
+        raw, meta = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise CorruptModelError(f"{path} cannot be read ({str(e).splitlines()[0]}); download it again") from None
+    tensors = {}
+    for name, array in raw.items():
+        module, _, suffix = name.rpartition(".")
+        canonical = canonical_module(module)
+        if canonical is not None:
+            tensors[f"{canonical}.{suffix}"] = array
+    config = config_from_gguf(path, meta, quantization, has_output="lm_head.weight" in tensors)
+    # Only modules GGUF stored quantized are quantized; mark the rest dense.
+    if config.quantization:
+        for name in tensors:
+            module = name.rsplit(".", 1)[0]
+            if name.endswith(".weight") and module not in config.quantization:
+                config.quantization[module] = False
+    return config, tensors

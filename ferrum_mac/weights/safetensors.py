@@ -1,0 +1,74 @@
+"""Hugging Face safetensors checkpoints (single file or sharded with an index), dense or
+MLX-quantized (packed uint32 weights with `.scales` and `.biases`)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from ferrum_mac.errors import CorruptModelError, ModelNotFoundError
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def shard_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError):
+            raise CorruptModelError(f"{index} is not a valid safetensors index; re-download the model") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelNotFoundError(f"{folder} lacks shard(s) {', '.join(missing)} named in its index; finish the download")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{folder} has no .safetensors weights; ferrum reads safetensors and GGUF, not .bin")
+    return files
+
+
+def check_complete(path: Path) -> None:
+    """Refuse a truncated or malformed file before MLX reads it (its own error is vague)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CorruptModelError(f"{path} is truncated ({size} bytes); download it again")
+        header_len = struct.unpack("<Q", head)[0]
+        if header_len > size - 8:
+            raise CorruptModelError(f"{path} is truncated (header runs past the end); download it again")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CorruptModelError(f"{path} has a malformed safetensors header; download it again") from None
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise CorruptModelError(
+            f"{path} is truncated ({size} of {8 + header_len + end} bytes); download it again"
+        )
+
+
+def canonical_name(name: str) -> str | None:
+    if name.endswith(_IGNORED_SUFFIXES):
+        return None
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def load_safetensors(folder: Path) -> dict:
+    import mlx.core as mx
+
+    tensors = {}
+    for path in shard_files(folder):
+        check_complete(path)
+        try:
+            loaded = mx.load(str(path))
+        except (RuntimeError, ValueError) as e:
+            raise CorruptModelError(f"{path} cannot be read ({str(e).splitlines()[0]}); download it again") from None
+        for name, array in loaded.items():
+            canonical = canonical_name(name)
+            if canonical is not None:
+                tensors[canonical] = array
+    return tensors

@@ -1,0 +1,21 @@
+# Sourced by scripts/run and scripts/test: create or reuse .venv and install the
+# project (with the extras named in FERRUM_EXTRAS) when pyproject.toml changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${FERRUM_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+    echo "ferrum: creating virtual environment in $venv" >&2
+    "$python" -m venv "$venv"
+fi
+stamp="$venv/.ferrum-install-${FERRUM_EXTRAS:-base}"
+want="$(cat "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "ferrum: installing dependencies (first run takes a few minutes)" >&2
+    "$venv/bin/python" -m pip install -q --upgrade pip >&2
+    spec="$root"
+    [ -n "${FERRUM_EXTRAS:-}" ] && spec="$root[$FERRUM_EXTRAS]"
+    "$venv/bin/python" -m pip install -q -e "$spec" >&2
+    echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"

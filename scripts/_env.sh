@@ -12,10 +12,14 @@ stamp="$venv/.ferrum-install-${FERRUM_EXTRAS:-base}"
 want="$(cat "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "ferrum: installing dependencies (first run takes a few minutes)" >&2
-    "$venv/bin/python" -m pip install -q --upgrade pip >&2
     spec="$root"
     [ -n "${FERRUM_EXTRAS:-}" ] && spec="$root[$FERRUM_EXTRAS]"
-    "$venv/bin/python" -m pip install -q -e "$spec" >&2
+    log="$venv/install.log"
+    if ! "$venv/bin/python" -m pip install -e "$spec" >"$log" 2>&1; then
+        grep -v '^WARNING: Location' "$log" | tail -n 20 >&2
+        echo "ferrum: installing dependencies failed (full log: $log)" >&2
+        exit 1
+    fi
     echo "$want" > "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

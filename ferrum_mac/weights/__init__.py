@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ferrum_mac.errors import ModelNotFoundError
-from ferrum_mac.weights.config import SUPPORTED_TYPES, ModelConfig, config_from_hf
+from ferrum_mac.weights.config import SUPPORTED_TYPES, ModelConfig, config_from_dict, config_from_hf
 
-__all__ = ["Checkpoint", "ModelConfig", "SUPPORTED_TYPES", "load_checkpoint"]
+__all__ = ["Checkpoint", "ModelConfig", "SUPPORTED_TYPES", "config_from_dict", "load_checkpoint"]
 
 
 @dataclass

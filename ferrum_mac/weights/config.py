@@ -83,7 +83,7 @@ def _eos_ids(raw: dict, generation: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def _mlx_quantization(raw: dict, path: Path) -> dict | None:
+def _mlx_quantization(raw: dict, where: str) -> dict | None:
     """MLX's `quantization` block; other quantizers (GPTQ, AWQ, fp8) are refused by name."""
     q = raw.get("quantization") or raw.get("quantization_config")
     if not q:
@@ -92,7 +92,7 @@ def _mlx_quantization(raw: dict, path: Path) -> dict | None:
     if method is not None or q.get("mode", "affine") != "affine":
         kind = method or q.get("mode")
         raise UnsupportedModelError(
-            f"{path}: {kind} quantization is not supported; use an MLX affine-quantized (mlx-community) or bf16 checkpoint"
+            f"{where}: {kind} quantization is not supported; use an MLX affine-quantized (mlx-community) or bf16 checkpoint"
         )
     return q
 
@@ -109,15 +109,20 @@ def config_from_hf(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     if not path.is_file():
         raise ModelNotFoundError(f"{folder} has no config.json; point at a model folder or a .gguf file")
-    raw = _read_json(path)
     generation_path = folder / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.is_file() else {}
+    return config_from_dict(_read_json(path), generation, str(path))
+
+
+def config_from_dict(raw: dict, generation: dict | None = None, where: str = "config.json") -> ModelConfig:
+    """A `ModelConfig` from a Hugging Face config dict (and its generation config)."""
+    generation = generation or {}
     model_type = raw.get("model_type", "")
-    check_model_type(model_type, str(path))
+    check_model_type(model_type, where)
     theta, scaling = _rope_settings(raw)
-    heads = raw["num_attention_heads"]
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float16"
     try:
+        heads = raw["num_attention_heads"]
         return ModelConfig(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -139,8 +144,8 @@ def config_from_hf(folder: Path) -> ModelConfig:
             dtype=str(dtype).replace("torch.", ""),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=_eos_ids(raw, generation),
-            quantization=_mlx_quantization(raw, path),
+            quantization=_mlx_quantization(raw, where),
             extra=raw,
         )
     except KeyError as e:
-        raise CorruptModelError(f"{path} lacks {e.args[0]!r}; re-download the model or fix its config.json") from None
+        raise CorruptModelError(f"{where} lacks {e.args[0]!r}; re-download the model or fix its config.json") from None

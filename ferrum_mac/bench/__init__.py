@@ -1,0 +1,95 @@
+"""`ferrum bench`: ferrum_mac beside mlx-lm on the same weights, device and run."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+from ferrum_mac.errors import FerrumError
+
+
+def _ferrum_from_random(shape: str, quant: str):
+    from ferrum_mac.backends.mlx.runtime import MlxLLM
+    from ferrum_mac.bench.shapes import build_random
+    from ferrum_mac.weights import Checkpoint, config_from_dict
+    from ferrum_mac.weights.safetensors import canonical_name
+
+    rm = build_random(shape, quant)
+    tensors = {canonical_name(k): v for k, v in rm.weights.items()}
+    fmt = "mlx-quantized" if quant == "4bit" else "safetensors"
+    checkpoint = Checkpoint(config_from_dict(rm.config), tensors, Path(f"random-{shape}-{quant}"), fmt)
+    return MlxLLM(checkpoint), rm.peer, f"{shape} {quant} (random weights)"
+
+
+def _ferrum_from_path(model: str):
+    import ferrum_mac
+
+    llm = ferrum_mac.open_model(model)
+    source = llm.source.path
+    peer = None
+    if source.is_dir():
+        from mlx_lm import load
+
+        peer, _ = load(str(source))
+    return llm, peer, str(model)
+
+
+def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out) -> dict:
+    from ferrum_mac.backends.mlx.memory import device_name
+    from ferrum_mac.bench.measure import best_of, ferrum_stream, mlx_lm_stream, time_stream
+
+    if (model is None) == (shape is None):
+        raise FerrumError("give either a MODEL or --shape (for example: ferrum bench --shape qwen3-0.6b)")
+    log = (lambda msg: print(msg, file=sys.stderr)) if json_out else print
+    log("ferrum bench: preparing weights ...")
+    llm, peer_model, label = _ferrum_from_random(shape, quant) if shape else _ferrum_from_path(model)
+    if prompt_tokens + new_tokens > llm.kv_capacity():
+        raise FerrumError(f"prompt + new tokens ({prompt_tokens + new_tokens}) exceed the KV capacity {llm.kv_capacity()}")
+    rng = random.Random(0)
+    prompt = [rng.randrange(llm.config.vocab_size) for _ in range(prompt_tokens)]
+    llm.prepare("bench", prompt_tokens + new_tokens)
+    llm.release("bench")
+
+    log(f"ferrum bench: timing ferrum ({runs} runs after a warm-up) ...")
+    ours = best_of(runs, lambda: time_stream(ferrum_stream(llm, prompt, new_tokens), prompt_tokens, new_tokens))
+    theirs = None
+    if peer and peer_model is not None:
+        log("ferrum bench: timing mlx-lm ...")
+        theirs = best_of(runs, lambda: time_stream(mlx_lm_stream(peer_model, prompt, new_tokens), prompt_tokens, new_tokens))
+    result = {
+        "model": label,
+        "device": device_name(),
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "ferrum": ours.as_dict(),
+        "mlx_lm": theirs.as_dict() if theirs else None,
+        "prefill_ratio": round(ours.prefill_tps / theirs.prefill_tps, 3) if theirs else None,
+        "decode_ratio": round(ours.decode_tps / theirs.decode_tps, 3) if theirs else None,
+    }
+    if json_out:
+        print(json.dumps(result))
+    else:
+        print(format_table(result, runs))
+    return result
+
+
+def format_table(r: dict, runs: int) -> str:
+    ours, theirs = r["ferrum"], r["mlx_lm"]
+    rows = [
+        ("prefill tok/s", "prefill_tps", "{:.1f}", r["prefill_ratio"]),
+        ("decode tok/s", "decode_tps", "{:.1f}", r["decode_ratio"]),
+        ("time to first token ms", "ttft_s", "{:.1f}", None),
+        ("peak memory GB", "peak_memory_gb", "{:.2f}", None),
+    ]
+    lines = [
+        f"{r['model']} on {r['device']}: {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, best of {runs}",
+        f"{'':24}{'ferrum':>10}{'mlx-lm':>10}{'ratio':>8}",
+    ]
+    for title, key, fmt, ratio in rows:
+        scale = 1000 if key == "ttft_s" else 1
+        mine = fmt.format(ours[key] * scale)
+        peer = fmt.format(theirs[key] * scale) if theirs else "-"
+        lines.append(f"{title:24}{mine:>10}{peer:>10}{(f'{ratio:.2f}x' if ratio else ''):>8}")
+    return "\n".join(lines)

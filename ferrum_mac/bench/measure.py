@@ -1,0 +1,84 @@
+"""Timed generation on each side, measured the same way.
+
+Time to first token covers the whole prompt (prefill) and the first sampled token;
+prefill tok/s is prompt tokens over that time. Decode tok/s counts the tokens after the
+first over the time after the first, as mlx-lm reports it. Both sides decode greedily
+with the next step queued before the previous token is read.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+
+@dataclass
+class Timing:
+    ttft_s: float
+    prefill_tps: float
+    decode_tps: float
+    peak_memory_gb: float
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 4) for k, v in asdict(self).items()}
+
+
+def time_stream(tokens: Iterator[int], prompt_len: int, new_tokens: int) -> Timing:
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    first = None
+    count = 0
+    for _ in tokens:
+        count += 1
+        if first is None:
+            first = time.perf_counter()
+        if count == new_tokens:
+            break
+    end = time.perf_counter()
+    if hasattr(tokens, "close"):
+        tokens.close()  # lets the generator release its cache now
+    ttft = first - start
+    return Timing(
+        ttft_s=ttft,
+        prefill_tps=prompt_len / ttft,
+        decode_tps=(count - 1) / (end - first) if count > 1 else 0.0,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+    )
+
+
+def ferrum_stream(model, prompt: list[int], new_tokens: int, cache_id: str = "bench") -> Iterator[int]:
+    """Greedy tokens through the DecoderOnlyLLM contract, one step queued ahead."""
+    try:
+        y = mx.argmax(model.prefill(cache_id, prompt))
+        mx.async_eval(y)
+        pos = len(prompt)
+        for _ in range(new_tokens):
+            nxt = mx.argmax(model.decode(cache_id, y, pos))
+            mx.async_eval(nxt)
+            yield y.item()
+            y, pos = nxt, pos + 1
+    finally:
+        model.release(cache_id)
+
+
+def mlx_lm_stream(model, prompt: list[int], new_tokens: int) -> Iterator[int]:
+    from mlx_lm.generate import generate_step
+
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=new_tokens):
+        yield token if isinstance(token, int) else token.item()
+
+
+def best_of(runs: int, once: Callable[[], Timing]) -> Timing:
+    """One untimed warm-up, then the fastest of `runs` by decode rate (prefill rate taken alongside)."""
+    once()
+    results = [once() for _ in range(runs)]
+    return Timing(
+        ttft_s=min(r.ttft_s for r in results),
+        prefill_tps=max(r.prefill_tps for r in results),
+        decode_tps=max(r.decode_tps for r in results),
+        peak_memory_gb=max(r.peak_memory_gb for r in results),
+    )

@@ -1,0 +1,133 @@
+"""Chat templates: a model's Jinja template rendered exactly as transformers renders it.
+
+Same environment (sandboxed, trim_blocks, lstrip_blocks, loop controls), same helpers
+(`raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII and HTML characters),
+same inputs (messages without None-valued keys, reasoning under every name templates
+read, the tokenizer's special-token strings, then the caller's keyword arguments).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Mapping, Sequence
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ferrum_mac.errors import FerrumError
+
+# Used when a model ships no template; ChatML is what most small chat models speak.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+# For a model without ChatML tokens (a base model): plain "Role: text" turns.
+PLAIN = (
+    "{{ bos_token if bos_token is defined else '' }}"
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+# The names a message's reasoning comes under; templates read `reasoning_content`
+# (Qwen3, DeepSeek) or `thinking` (gpt-oss).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class ChatTemplateError(FerrumError):
+    """A chat template that does not compile or refuses the conversation."""
+
+
+class ChatTemplate:
+    """One model's chat template, compiled once."""
+
+    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None, name: str = "default"):
+        self.source = source
+        self.name = name
+        self.special_tokens = dict(special_tokens or {})
+        try:
+            self._template = _compile(source)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template does not compile ({e}); fix or replace it") from None
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text for `messages`; keyword arguments (e.g. `enable_thinking=False`)
+        reach the template as variables."""
+        variables = {**self.special_tokens, **kwargs}
+        try:
+            return self._template.render(
+                messages=[_template_message(m) for m in messages],
+                tools=None if tools is None else [dict(t) for t in tools],
+                documents=None if documents is None else [dict(d) for d in documents],
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the chat template refused this conversation: {e}") from None
+
+
+def _template_message(message: Mapping[str, Any]) -> dict:
+    """A copy without None values, with reasoning under each name templates look for."""
+    plain = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((plain[k] for k in _REASONING_FIELDS if k in plain), None)
+    if reasoning is not None:
+        plain = {"thinking": reasoning, **plain, "reasoning_content": reasoning}
+    return plain
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes HTML characters; transformers' (and so the templates') does not.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+    transformers; for rendering it is just its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def fallback_template(has_chatml_tokens: bool) -> str:
+    """The template to use when a model has none."""
+    return CHATML if has_chatml_tokens else PLAIN

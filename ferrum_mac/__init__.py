@@ -31,11 +31,20 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def open_model(name_or_path: str | Path, backend: str = "auto", dtype: str | None = None) -> DecoderOnlyLLM:
+def open_model(
+    name_or_path: str | Path, backend: str = "auto", dtype: str | None = None, pull: bool = True
+) -> DecoderOnlyLLM:
     """Open a model folder (config.json + safetensors) or a .gguf file with a backend.
 
+    Any other name (an alias such as "qwen3:0.6b", a Hugging Face repo id) goes through the
+    model store: a cached copy is used, a missing one is downloaded unless `pull` is false.
     `dtype` ("float32", "float16", "bfloat16") overrides the compute dtype.
     """
-    from ferrum_mac.backends import open_path
+    from ferrum_mac.backends import choose, open_path
 
-    return open_path(Path(name_or_path), backend=backend, dtype=dtype)
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        from ferrum_mac.store import resolve_model
+
+        path = resolve_model(str(name_or_path), backend=choose(backend), pull=pull)
+    return open_path(path, backend=backend, dtype=dtype)

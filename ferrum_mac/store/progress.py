@@ -1,0 +1,96 @@
+"""How a pull reports itself. `PullProgress` is silent; `TerminalProgress` draws a bar per file
+and one for the total (bytes, rate, ETA) on a terminal, and prints one line per finished file
+when the output is a log or a pipe."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ferrum_mac.store.units import human_bytes
+
+
+class PullProgress:
+    """Receives a pull's events; subclass it to show them (a TUI, a server log)."""
+
+    def start(self, title: str, files: list[tuple[str, int, int]]) -> None:
+        """`files`: (path, size, bytes already on disk) of every file still to fetch."""
+
+    def file_started(self, path: str, size: int, resume_from: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+    def file_done(self, path: str) -> None: ...
+
+    def note(self, line: str) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class TerminalProgress(PullProgress):
+    def __init__(self, file=None):
+        from rich.console import Console
+
+        self.console = Console(file=file or sys.stderr, highlight=False)
+        self.live = self.console.is_terminal
+        self.live_view = self.files = self.total = None
+        self.total_task = self.file_task = None
+        self.current: tuple[str, int, int, float] | None = None  # path, size, resumed bytes, start time
+
+    def start(self, title: str, files: list[tuple[str, int, int]]) -> None:
+        total = sum(size for _, size, _ in files)
+        have = sum(done for _, _, done in files)
+        resumed = f", {human_bytes(have)} already here" if have else ""
+        self.note(f"{title}: {len(files)} file{'s' if len(files) != 1 else ''}, {human_bytes(total)}{resumed}")
+        if self.live:
+            from rich.console import Group
+            from rich.live import Live
+
+            # two bar sets in one live view, so the total stays below the growing list of files
+            self.files, self.total = _rich_bars(self.console), _rich_bars(self.console)
+            self.total_task = self.total.add_task("total", total=total, completed=have)
+            self.live_view = Live(Group(self.files, self.total), console=self.console, refresh_per_second=8)
+            self.live_view.start()
+
+    def file_started(self, path: str, size: int, resume_from: int) -> None:
+        self.current = (path, size, resume_from, time.monotonic())
+        if self.files is not None:
+            self.file_task = self.files.add_task(_short(path), total=size, completed=resume_from)
+
+    def advance(self, n: int) -> None:
+        if self.files is not None:
+            self.files.advance(self.file_task, n)
+            self.total.advance(self.total_task, n)
+
+    def file_done(self, path: str) -> None:
+        if self.files is None and self.current is not None:
+            _, size, resumed, began = self.current
+            rate = (size - resumed) / max(time.monotonic() - began, 1e-6)
+            note = f" (resumed at {human_bytes(resumed)})" if resumed else ""
+            self.note(f"  {path:<40} {human_bytes(size):>10}  {human_bytes(rate)}/s{note}")
+        self.current = None
+
+    def note(self, line: str) -> None:
+        self.console.print(line, markup=False)
+
+    def stop(self) -> None:
+        if self.live_view is not None:
+            self.live_view.stop()
+            self.live_view = self.files = self.total = None
+
+
+def _rich_bars(console):
+    from rich.progress import (
+        BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    return Progress(
+        TextColumn("  {task.description:<32}"), BarColumn(bar_width=28), TaskProgressColumn(),
+        DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+        console=console, transient=False,
+    )
+
+
+def _short(path: str, width: int = 32) -> str:
+    return path if len(path) <= width else "…" + path[-(width - 1):]

@@ -1,0 +1,78 @@
+"""`ferrum rm`: delete a downloaded model. Planned first, so the caller can ask before acting."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ferrum_mac.errors import FerrumError, ModelNotFoundError
+from ferrum_mac.store import bundled, hub_cache
+from ferrum_mac.store.aliases import BundledRef, RepoRef, parse_name
+
+
+@dataclass(frozen=True)
+class Removal:
+    name: str
+    what: str  # for the question: "mlx-community/Qwen3-0.6B-4bit (all cached files)"
+    size: int
+    folder: Path
+    commit: str | None = None  # remove only this snapshot, not the whole repository
+
+    def execute(self) -> None:
+        if self.commit is not None:
+            _delete_revisions(self.folder, [self.commit])
+            return
+        _delete_revisions(self.folder, None)
+        shutil.rmtree(self.folder, ignore_errors=True)  # partial downloads, refs, what hf left
+
+
+def plan_removal(name: str, backend: str = "mlx") -> Removal:
+    if Path(name).expanduser().exists():
+        raise FerrumError(f"{name} is a path of yours, not a downloaded model; ferrum rm leaves it alone")
+    ref = parse_name(name, backend)
+    if isinstance(ref, BundledRef):
+        return _plan_bundled(name)
+    return _plan_repo(name, ref)
+
+
+def _plan_bundled(name: str) -> Removal:
+    folder = bundled.models_dir() / bundled.SMOLLM2.name
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"{name} is not downloaded")
+    return Removal(name, f"{name} ({folder})", _size(folder), folder)
+
+
+def _plan_repo(name: str, ref: RepoRef) -> Removal:
+    folder = hub_cache.repo_dir(ref.repo_id)
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"{name} is not downloaded (`ferrum list` shows what is)")
+    if ref.revision != "main":
+        commit = hub_cache.commit_for(ref.repo_id, ref.revision)
+        snapshot = hub_cache.snapshot_dir(ref.repo_id, commit) if commit else None
+        if snapshot is None or not snapshot.is_dir():
+            raise ModelNotFoundError(f"{name} is not downloaded (`ferrum list` shows what is)")
+        size = sum(p.stat().st_size for p in snapshot.rglob("*") if p.is_file())  # through the links
+        return Removal(name, f"{ref.repo_id} at {ref.revision}", size, folder, commit)
+    return Removal(name, f"{ref.repo_id} (all its cached files)", _size(folder), folder)
+
+
+def _size(folder: Path) -> int:
+    """Bytes of real files under `folder` (symlinks not followed, so blobs count once)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _delete_revisions(folder: Path, commits: list[str] | None) -> None:
+    """Let huggingface_hub delete what it tracks (it also sweeps blobs shared between repositories)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir(hub_cache.cache_dir())
+    except CacheNotFound:
+        return
+    for repo in cache.repos:
+        if repo.repo_path.resolve() == folder.resolve():
+            chosen = [r.commit_hash for r in repo.revisions if commits is None or r.commit_hash in commits]
+            if chosen:
+                cache.delete_revisions(*chosen).execute()

@@ -1,0 +1,3 @@
+"""Names shared by the store tests and their fixtures."""
+
+REPO_ID = "tiny-org/tiny-llama"

@@ -42,7 +42,7 @@ SPLIT_REGEX = {
 # GPT-2's regex after splitting every digit apart (SmolLM's and StarCoder's tokenizer.json).
 SINGLE_DIGIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
 
-_KEYS = ("general.architecture",)
+_SPECIAL_KEYS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 
 
 def read_gguf_metadata(path: str | Path) -> dict:
@@ -53,7 +53,7 @@ def read_gguf_metadata(path: str | Path) -> dict:
         _, meta = mx.load(str(path), return_metadata=True)
     except Exception as e:
         raise CorruptModelError(f"cannot read GGUF metadata from {path} ({e}); download the model again") from None
-    return {k: _plain(v) for k, v in meta.items() if k.startswith("tokenizer.") or k in _KEYS}
+    return {k: _plain(v) for k, v in meta.items() if k.startswith("tokenizer.")}
 
 
 def _plain(value):
@@ -88,9 +88,6 @@ def tokenizer_from_gguf(meta: dict, source: str = "the GGUF file") -> HfTokenize
     # llama.cpp also stops on an end-of-turn token when the vocabulary names one.
     extra_eos = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
     return HfTokenizer(backend, **special, extra_eos_ids=extra_eos)
-
-
-_SPECIAL_KEYS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
 
 
 def _token(meta: dict, tokens: list[str], key: str) -> str | None:

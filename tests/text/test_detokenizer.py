@@ -123,3 +123,18 @@ def test_reset_starts_a_new_text(tokenizers_by_name):
     detok.add(first[0])
     detok.reset()
     assert "".join(detok.add(i) for i in tokenizer.encode("Hi", add_special_tokens=False)) + detok.finish() == "Hi"
+
+
+@pytest.mark.parametrize("scheme", ["always", "first", "never"])
+def test_metaspace_decoder(stories_dir, scheme):
+    """A `Metaspace` decoder drops the '▁' of the first token only (when it prepends one)."""
+    import tokenizers
+    from tokenizers import decoders
+
+    backend = tokenizers.Tokenizer.from_file(str(stories_dir / "tokenizer.json"))
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=scheme)
+    tokenizer = HfTokenizer(backend, bos_token="<s>", eos_token="</s>")
+    rng = random.Random(f"metaspace-{scheme}")
+    for _ in range(300):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 8))]
+        assert "".join(stream(tokenizer, ids)) == tokenizer.decode(ids), [tokenizer.id_to_piece(i) for i in ids]

@@ -9,6 +9,8 @@ import time
 
 from ferrum_mac.store.units import human_bytes
 
+SMALL_FILE = 1_000_000  # finished files below this leave the live display
+
 
 class PullProgress:
     """Receives a pull's events; subclass it to show them (a TUI, a server log)."""
@@ -63,6 +65,8 @@ class TerminalProgress(PullProgress):
             self.total.advance(self.total_task, n)
 
     def file_done(self, path: str) -> None:
+        if self.files is not None and self.current is not None and self.current[1] < SMALL_FILE:
+            self.files.update(self.file_task, visible=False)  # a dozen finished config files is clutter
         if self.files is None and self.current is not None:
             _, size, resumed, began = self.current
             rate = (size - resumed) / max(time.monotonic() - began, 1e-6)
@@ -71,7 +75,7 @@ class TerminalProgress(PullProgress):
         self.current = None
 
     def note(self, line: str) -> None:
-        self.console.print(line, markup=False)
+        self.console.print(line, markup=False, soft_wrap=True)
 
     def stop(self) -> None:
         if self.live_view is not None:
@@ -86,11 +90,11 @@ def _rich_bars(console):
     )
 
     return Progress(
-        TextColumn("  {task.description:<32}"), BarColumn(bar_width=28), TaskProgressColumn(),
+        TextColumn("  {task.description:<24}"), BarColumn(bar_width=None), TaskProgressColumn(),
         DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-        console=console, transient=False,
+        console=console, transient=False, expand=True,
     )
 
 
-def _short(path: str, width: int = 32) -> str:
+def _short(path: str, width: int = 24) -> str:
     return path if len(path) <= width else "…" + path[-(width - 1):]

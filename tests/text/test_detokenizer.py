@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from gguf_files import sentencepiece_gguf
+from vocab_gguf_files import sentencepiece_gguf
 from text_samples import TRICKY_TEXTS
 from ferrum_mac.text import HfTokenizer, SentencePieceTokenizer, StreamingDetokenizer, load_tokenizer
 

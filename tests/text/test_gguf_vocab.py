@@ -7,7 +7,7 @@ import unicodedata
 
 import pytest
 
-from gguf_files import byte_level_gguf, sentencepiece_gguf, write_gguf
+from vocab_gguf_files import byte_level_gguf, sentencepiece_gguf, write_gguf
 from text_samples import TRICKY_TEXTS
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
 from ferrum_mac.text import chat_templates, load_chat_template, load_tokenizer

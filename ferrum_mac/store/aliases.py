@@ -80,6 +80,7 @@ def is_alias_like(name: str) -> bool:
 def parse_name(name: str, backend: str = "mlx") -> RepoRef | BundledRef:
     """An alias or a repository id -> what to fetch for `backend` ("mlx" or "torch")."""
     name = name.strip()
+    backend = "mlx" if backend == "auto" else backend  # MLX first; open_model passes the backend it chose
     if backend not in BACKENDS:
         raise UnsupportedModelError(f"unknown backend {backend!r} for a model name; choose one of: {', '.join(BACKENDS)}")
     if is_alias_like(name):

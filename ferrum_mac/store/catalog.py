@@ -94,7 +94,7 @@ def _relative(file, folder: Path) -> str:
 def _unfinished_pulls(cache, complete_names: set[str]) -> list[LocalModel]:
     """Repositories holding `.incomplete` downloads and no complete model: a pull to resume."""
     sizes: dict[str, list] = {}
-    for partial in getattr(cache, "incomplete_files", ()):
+    for partial in cache.incomplete_files:
         repo_folder = partial.file_path.parent.parent.name  # models--org--name
         if repo_folder.startswith("models--"):
             entry = sizes.setdefault(repo_folder, [0, 0.0])

@@ -8,6 +8,7 @@ leaves blobs and partial files, never a snapshot that looks like a whole model.
 
 from __future__ import annotations
 
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from ferrum_mac.store.select import needed_files
 from ferrum_mac.store.units import human_bytes
 
 DISK_RESERVE = 100 * 1000 * 1000  # leave the system some room after the download
+_HASH = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # git sha1 or sha256
 
 
 def pull(name: str, backend: str = "mlx", progress: PullProgress | None = None) -> Path:
@@ -61,6 +63,9 @@ def remote_files(info, ref: RepoRef) -> list[RemoteFile]:
 
 def _remote_file(sibling) -> RemoteFile:
     lfs = sibling.lfs
+    if not _HASH.match(sibling.blob_id or "") or (lfs and not _HASH.match(lfs.sha256 or "")):
+        # the ids become file names in the cache: never let a server choose a path
+        raise FerrumError(f"the Hub sent no valid hash for {sibling.rfilename}; is HF_ENDPOINT a Hugging Face Hub?")
     return RemoteFile(
         path=sibling.rfilename,
         size=lfs.size if lfs else (sibling.size or 0),
@@ -80,7 +85,7 @@ def free_bytes(path: Path) -> int:
 def check_disk_space(repo_id: str, todo: list[RemoteFile], name: str) -> None:
     need = sum(f.size - download.partial_size(repo_id, f) for f in todo)
     free = free_bytes(hub_cache.repo_dir(repo_id))
-    if need + DISK_RESERVE > free:
+    if need and need + DISK_RESERVE > free:
         raise FerrumError(
             f"not enough disk space to pull {name}: it needs {human_bytes(need)}, {human_bytes(free)} is free "
             f"in {hub_cache.cache_dir()}; free some space or set HF_HOME to a folder on a larger disk"
@@ -154,11 +159,9 @@ def _status(error) -> int | None:
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:
-    try:
-        import httpx2 as httpx  # huggingface_hub 2.x
-    except ImportError:  # huggingface_hub 1.x
-        import httpx
-    return (httpx.TransportError,)
+    import httpx2  # huggingface_hub's HTTP client; its exceptions reach us unwrapped
+
+    return (httpx2.TransportError,)
 
 
 def _model_info(ref: RepoRef, endpoint: str):

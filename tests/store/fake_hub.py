@@ -86,7 +86,7 @@ class FakeHub:
         self.sent: dict[tuple[str, str], int] = {}  # body bytes sent per file
         self._lock = threading.Lock()
         self._servers = [ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self)) for _ in ("hub", "cdn")]
-        self._threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in self._servers]
+        self._threads = [threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True) for s in self._servers]
         for server in self._servers:
             server.daemon_threads = True
 

@@ -163,3 +163,13 @@ def test_gguf_repository_takes_one_quantization(hub):
     assert downloaded(hub) == {"README.md", "m-Q4_0.gguf", "m-Q8_0.gguf"}
     with pytest.raises(ModelNotFoundError, match="has no Q6_K GGUF; it has: Q4_0, Q4_K_M, Q8_0"):
         pull("tiny-org/gguf:Q6_K")
+
+
+def test_pull_at_a_revision(hub):
+    sha = hub.repos[REPO_ID].sha
+    path = pull(f"{REPO_ID}@{sha}")
+    assert path.name == sha
+    assert [m.name for m in list_models()] == [f"{REPO_ID}@{sha}"]
+    assert resolve_model(f"{REPO_ID}@{sha}", pull=False) == path
+    with pytest.raises(ModelNotFoundError, match=r"tiny-org/tiny-llama has no revision 'v9'"):
+        pull(f"{REPO_ID}@v9")

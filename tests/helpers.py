@@ -131,7 +131,9 @@ def random_tokens(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
 
 
 def to_np(x) -> np.ndarray:
-    """A device array (mx or torch) as fp32 numpy."""
+    """A device array (mx or torch) or numpy array as fp32 numpy."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float32)
     if hasattr(x, "detach"):
         return x.detach().float().cpu().numpy()
     import mlx.core as mx

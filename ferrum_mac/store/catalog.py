@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ferrum_mac.errors import ModelFileError
 from ferrum_mac.store import hub_cache
 from ferrum_mac.store.completeness import missing_parts
 from ferrum_mac.store.describe import format_and_quant, is_language_model, read_config
@@ -55,9 +56,7 @@ def _bundled() -> list[LocalModel]:
     path = bundled_model()
     if path is None:
         return []
-    stat = path.stat()
-    fmt, quant = format_and_quant(path)
-    return [LocalModel("smollm2:135m", path, stat.st_size, quant, fmt, stat.st_mtime)]
+    return [_gguf_model("smollm2:135m", path, path.stat().st_size, path.stat().st_mtime)]
 
 
 def _snapshot_models(repo_id: str, revision) -> list[LocalModel]:
@@ -67,8 +66,8 @@ def _snapshot_models(repo_id: str, revision) -> list[LocalModel]:
                    key=lambda f: f.file_name)
     config = read_config(folder)
     if ggufs and not config:
-        return [_gguf_model(name if len(ggufs) == 1 else f"{name}:{gguf_quant_of(f.file_name) or f.file_name}", f)
-                for f in ggufs]
+        return [_gguf_model(name if len(ggufs) == 1 else f"{name}:{gguf_quant_of(f.file_name) or f.file_name}",
+                            f.file_path, f.size_on_disk, f.blob_last_modified) for f in ggufs]
     if not is_language_model(config):
         return []
     fmt, quant = format_and_quant(folder)
@@ -76,9 +75,12 @@ def _snapshot_models(repo_id: str, revision) -> list[LocalModel]:
                        complete=not missing_parts(folder))]
 
 
-def _gguf_model(name: str, file) -> LocalModel:
-    fmt, quant = format_and_quant(file.file_path)
-    return LocalModel(name, file.file_path, file.size_on_disk, quant, fmt, file.blob_last_modified)
+def _gguf_model(name: str, path: Path, size: int, modified: float) -> LocalModel:
+    try:
+        _, quant = format_and_quant(path)
+    except ModelFileError:  # a damaged header: not a model to offer
+        return LocalModel(name, path, size, "?", "gguf", modified, complete=False)
+    return LocalModel(name, path, size, quant, "gguf", modified)
 
 
 def _snapshot_name(repo_id: str, revision) -> str:

@@ -32,8 +32,8 @@ def format_and_quant(path: Path) -> tuple[str, str]:
     if path.suffix == ".gguf":
         from ferrum_mac.store.select import gguf_quant_of
 
-        tag = gguf_quant_of(path.name)
-        return "gguf", tag or read_gguf_info(path).quantization
+        info = read_gguf_info(path)  # also proves the header whole
+        return "gguf", gguf_quant_of(path.name) or info.quantization  # the name says Q4_K_M, the tensors Q4_K
     config = read_config(path)
     return _format(config), _quantization(config)
 

@@ -25,6 +25,7 @@ class Removal:
             return
         _delete_revisions(self.folder, None)
         shutil.rmtree(self.folder, ignore_errors=True)  # partial downloads, refs, what hf left
+        shutil.rmtree(self.folder.parent / ".locks" / self.folder.name, ignore_errors=True)
 
 
 def plan_removal(name: str, backend: str = "mlx") -> Removal:

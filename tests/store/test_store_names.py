@@ -138,3 +138,13 @@ def test_gguf_facts(tmp_path):
 def test_units():
     assert [human_bytes(n) for n in (12, 1234, 5_600_000, 7.25e9)] == ["12 B", "1.2 kB", "5.6 MB", "7.2 GB"]
     assert human_age(0, now=3 * 86400 + 5) == "3 days ago" and human_age(100, now=110) == "just now"
+
+
+def test_a_damaged_gguf_is_listed_as_unfinished_not_as_a_model(hf_home):
+    from ferrum_mac.store import bundled, list_models
+
+    gguf = bundled.models_dir() / bundled.SMOLLM2.name / bundled.SMOLLM2.filename
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"GGUF\x03\x00")  # cut inside the header
+    [model] = list_models()
+    assert model.name == "smollm2:135m" and not model.complete

@@ -30,12 +30,15 @@ class Plan:
     def __init__(self, segments: list[Segment]):
         self.segments = segments
         self.total = sum(s.length for s in segments)
-        self.positions = None
-        if len(segments) > 1:
+        if len(segments) == 1:
+            self.positions = mx.arange(segments[0].offset, segments[0].offset + segments[0].length)
+        else:
             self.positions = mx.concatenate([mx.arange(s.offset, s.offset + s.length) for s in segments])
 
 
 class Attention:
+    """`project` (norms, q/k/v, RoPE) is pure and may be compiled; `attend` touches the caches."""
+
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int):
         p = f"layers.{layer}.self_attn"
         c = config
@@ -56,7 +59,8 @@ class Attention:
         self.eps = c.rms_norm_eps
         self.rope = Rope(config)
 
-    def __call__(self, x: mx.array, plan: Plan) -> mx.array:
+    def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """x `(1, T, hidden)` -> q `(T, heads, dim)`, k and v `(T, kv_heads, dim)`, roped."""
         T = x.shape[1]
         q, k, v = self.qkv(x)
         q = q.reshape(T, self.heads, self.head_dim)
@@ -65,34 +69,26 @@ class Attention:
         if self.q_norm is not None:
             q = mx.fast.rms_norm(q, self.q_norm, self.eps)
             k = mx.fast.rms_norm(k, self.k_norm, self.eps)
-        if plan.positions is None:
-            out = self._attend_one(q, k, v, plan.segments[0])
-        else:
-            out = self._attend_many(q, k, v, plan)
-        return self.o_proj(out.reshape(1, T, self.heads * self.head_dim))
+        # One position per token: each token is its own rope "batch" row.
+        q = self.rope(q[:, :, None, :], positions)[:, :, 0, :]
+        k = self.rope(k[:, :, None, :], positions)[:, :, 0, :]
+        return q, k, v
 
-    def _attend_one(self, q, k, v, seg: Segment) -> mx.array:
-        q = self.rope(q.transpose(1, 0, 2)[None], seg.offset)
-        k = self.rope(k.transpose(1, 0, 2)[None], seg.offset)
-        return self._attend(q, k, v.transpose(1, 0, 2)[None], seg)
-
-    def _attend_many(self, q, k, v, plan: Plan) -> mx.array:
-        # RoPE with one position per token: each token is its own rope "batch" row.
-        q = self.rope(q[:, :, None, :], plan.positions)[:, :, 0, :]
-        k = self.rope(k[:, :, None, :], plan.positions)[:, :, 0, :]
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, plan: Plan) -> mx.array:
+        """Write each segment's k/v to its cache and attend; returns `(T, heads, dim)`."""
+        if len(plan.segments) == 1:
+            return self._attend_segment(q, k, v, plan.segments[0])
         outs = []
         for seg in plan.segments:
             rows = slice(seg.start, seg.start + seg.length)
-            outs.append(
-                self._attend(
-                    q[rows].transpose(1, 0, 2)[None], k[rows].transpose(1, 0, 2)[None], v[rows].transpose(1, 0, 2)[None], seg
-                )
-            )
+            outs.append(self._attend_segment(q[rows], k[rows], v[rows], seg))
         return mx.concatenate(outs, axis=0)
 
-    def _attend(self, q, k, v, seg: Segment) -> mx.array:
-        """q/k/v `(1, heads, n, head_dim)` -> `(n, heads, head_dim)`."""
-        keys, values = seg.cache.write(self.layer, k, v, seg.offset)
+    def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:
+        def heads_first(a):
+            return a.transpose(1, 0, 2)[None]
+
+        keys, values = seg.cache.write(self.layer, heads_first(k), heads_first(v), seg.offset)
         mask = "causal" if seg.length > 1 else None
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(heads_first(q), keys, values, scale=self.scale, mask=mask)
         return out[0].transpose(1, 0, 2)

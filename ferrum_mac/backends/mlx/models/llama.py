@@ -9,6 +9,10 @@ from ferrum_mac.backends.mlx.attention import Attention, Plan
 from ferrum_mac.backends.mlx.layers import Linear, Projections, TensorSource, swiglu
 from ferrum_mac.weights import ModelConfig
 
+# Steps of at most this many tokens (decode, small decode batches) run compiled; each
+# distinct count is traced once. Longer prefills run eagerly (their kernels dominate).
+COMPILE_MAX_TOKENS = 16
+
 
 class Mlp:
     def __init__(self, src: TensorSource, config: ModelConfig, prefix: str, hidden: int):
@@ -27,6 +31,13 @@ class Mlp:
 
 
 class Block:
+    """Pre-norm attention and MLP with residuals.
+
+    Everything but the cache write and attention is pure, so for the few-token steps of
+    decoding it runs as two compiled graphs: Python then builds ~3 calls per layer instead
+    of ~25 ops, which is most of a small model's decode time on a GPU.
+    """
+
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int, mlp):
         p = f"layers.{layer}"
         self.attn = Attention(src, config, layer)
@@ -34,10 +45,21 @@ class Block:
         self.attn_norm = src.norm(f"{p}.input_layernorm", config.hidden_size)
         self.mlp_norm = src.norm(f"{p}.post_attention_layernorm", config.hidden_size)
         self.eps = config.rms_norm_eps
+        self.compiled_pre = mx.compile(self.pre)
+        self.compiled_post = mx.compile(self.post)
+
+    def pre(self, x: mx.array, positions: mx.array):
+        return self.attn.project(mx.fast.rms_norm(x, self.attn_norm, self.eps), positions)
+
+    def post(self, x: mx.array, attn_out: mx.array) -> mx.array:
+        h = x + self.attn.o_proj(attn_out.reshape(1, x.shape[1], -1))
+        return h + self.mlp(mx.fast.rms_norm(h, self.mlp_norm, self.eps))
 
     def __call__(self, x: mx.array, plan: Plan) -> mx.array:
-        h = x + self.attn(mx.fast.rms_norm(x, self.attn_norm, self.eps), plan)
-        return h + self.mlp(mx.fast.rms_norm(h, self.mlp_norm, self.eps))
+        small = plan.total <= COMPILE_MAX_TOKENS
+        q, k, v = (self.compiled_pre if small else self.pre)(x, plan.positions)
+        out = self.attn.attend(q, k, v, plan)
+        return (self.compiled_post if small else self.post)(x, out)
 
 
 class Model:

@@ -8,12 +8,9 @@ from ferrum_mac.store.units import human_age, human_bytes
 
 
 def pull_command(name: str, backend: str) -> None:
-    from huggingface_hub.utils import logging as hf_logging
-
     from ferrum_mac.store.progress import TerminalProgress
     from ferrum_mac.store.pull import pull
 
-    hf_logging.set_verbosity_error()  # its "trying to resume" warnings would tear the progress display
     path = pull(name, backend, TerminalProgress())
     print(f"{name} is ready: {path}")
 

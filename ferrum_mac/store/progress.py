@@ -34,17 +34,18 @@ class TerminalProgress(PullProgress):
         from rich.console import Console
 
         self.console = Console(file=file or sys.stderr, highlight=False)
-        self.live = self.console.is_terminal
         self.live_view = self.files = self.total = None
         self.total_task = self.file_task = None
         self.current: tuple[str, int, int, float] | None = None  # path, size, resumed bytes, start time
+        self.hf_verbosity: int | None = None
 
     def start(self, title: str, files: list[tuple[str, int, int]]) -> None:
         total = sum(size for _, size, _ in files)
         have = sum(done for _, _, done in files)
         resumed = f", {human_bytes(have)} already here" if have else ""
         self.note(f"{title}: {len(files)} file{'s' if len(files) != 1 else ''}, {human_bytes(total)}{resumed}")
-        if self.live:
+        self._quiet_hf_warnings()
+        if self.console.is_terminal:
             from rich.console import Group
             from rich.live import Live
 
@@ -65,14 +66,15 @@ class TerminalProgress(PullProgress):
             self.total.advance(self.total_task, n)
 
     def file_done(self, path: str) -> None:
-        if self.files is not None and self.current is not None and self.current[1] < SMALL_FILE:
-            self.files.update(self.file_task, visible=False)  # a dozen finished config files is clutter
-        if self.files is None and self.current is not None:
-            _, size, resumed, began = self.current
-            rate = (size - resumed) / max(time.monotonic() - began, 1e-6)
-            note = f" (resumed at {human_bytes(resumed)})" if resumed else ""
-            self.note(f"  {path:<40} {human_bytes(size):>10}  {human_bytes(rate)}/s{note}")
+        _, size, resumed, began = self.current
         self.current = None
+        if self.files is not None:
+            if size < SMALL_FILE:
+                self.files.update(self.file_task, visible=False)  # a dozen finished config files is clutter
+            return
+        rate = (size - resumed) / max(time.monotonic() - began, 1e-6)
+        note = f" (resumed at {human_bytes(resumed)})" if resumed else ""
+        self.note(f"  {path:<40} {human_bytes(size):>10}  {human_bytes(rate)}/s{note}")
 
     def note(self, line: str) -> None:
         self.console.print(line, markup=False, soft_wrap=True)
@@ -81,6 +83,18 @@ class TerminalProgress(PullProgress):
         if self.live_view is not None:
             self.live_view.stop()
             self.live_view = self.files = self.total = None
+        if self.hf_verbosity is not None:
+            from huggingface_hub.utils import logging as hf_logging
+
+            hf_logging.set_verbosity(self.hf_verbosity)
+            self.hf_verbosity = None
+
+    def _quiet_hf_warnings(self) -> None:
+        """huggingface_hub logs "trying to resume" on a dropped connection; it would tear the bars."""
+        from huggingface_hub.utils import logging as hf_logging
+
+        self.hf_verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
 
 
 def _rich_bars(console):

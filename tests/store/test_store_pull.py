@@ -145,6 +145,7 @@ def test_models_fetched_by_the_hub_library_are_listed(hub):
     from huggingface_hub import snapshot_download
 
     snapshot_download(REPO_ID, allow_patterns=["*.json", "*.safetensors", "tokenizer.model"], endpoint=hub.url)
+    assert not [r for r in hub.requests if "xet" in r["path"].lower()]  # plain HTTP, as the fake Hub intends
     [model] = listed(REPO_ID)
     assert model.complete
     hub.add(FakeRepo("tiny-org/half", {k: v for k, v in hub.repos[REPO_ID].files.items() if k.endswith(".json")}))

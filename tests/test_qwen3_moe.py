@@ -98,6 +98,20 @@ def test_greedy_matches_transformers(moe, name):
     assert_same_tokens(helpers.ferrum_greedy(open_fp32(paths["per_expert"]), "g", prompt, 32), helpers.hf_greedy(hf, prompt, 32))
 
 
+def test_half_precision_experts(moe):
+    """fp16 compute (MLX's CPU gather_mm takes float32 only; dense experts fall back to it there).
+    fp16 rounds at 2^-11 per op; over 3 layers that is ~3e-3 of the logit range, as in
+    transformers' own fp16 run, so 1e-2 leaves room without hiding a wrong expert."""
+    import ferrum_mac
+
+    hf, paths = moe["mlp_only"]
+    model = ferrum_mac.open_model(paths["per_expert"], dtype="float16")
+    tokens = random_tokens(LONG, seed=LONG)
+    logits = model.forward_verify("h", tokens)
+    assert logits.dtype == mx.float16
+    assert_close(logits, helpers.hf_logits(hf, tokens), 1e-2)
+
+
 def test_sorted_and_unsorted_routes_agree(moe, monkeypatch):
     from ferrum_mac.backends.mlx.models import qwen3_moe
 

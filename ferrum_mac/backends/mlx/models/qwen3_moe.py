@@ -106,7 +106,9 @@ class ExpertLinear:
                 x, self.weight, self.scales, self.biases, rhs_indices=experts, transpose=True,
                 group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices,
             )  # fmt: skip
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=sorted_indices)
+        w = self.weight.swapaxes(-1, -2)
+        y = mx.gather_mm(x.astype(w.dtype), w, rhs_indices=experts, sorted_indices=sorted_indices)
+        return y.astype(x.dtype)
 
     def format(self) -> tuple:
         return (self.scales is None, self.group_size, self.bits)
@@ -115,7 +117,10 @@ class ExpertLinear:
 def expert_linear(src: TensorSource, module: str, experts: int, out_dim: int, in_dim: int) -> ExpertLinear:
     quant = src.config.quant_for(module)
     if quant is None:
-        return ExpertLinear(src.take(f"{module}.weight", (experts, out_dim, in_dim)))
+        weight = src.take(f"{module}.weight", (experts, out_dim, in_dim))
+        if mx.default_device() == mx.cpu:  # MLX's CPU gather_mm runs in float32 only
+            weight = weight.astype(mx.float32)
+        return ExpertLinear(weight)
     group, bits = quant["group_size"], quant["bits"]
     grouped = (experts, out_dim, in_dim // group)
     return ExpertLinear(
@@ -154,12 +159,13 @@ class Router:
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x `(T, hidden)` -> expert ids `(T, k)` and their weights `(T, k)`."""
-        probs = mx.softmax(self.gate(x), axis=-1, precise=True)
+        # float32 as in the reference: bf16 probabilities tie often and flip the top k
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         experts = mx.argpartition(probs, kth=-self.top_k, axis=-1)[:, -self.top_k :]
         weights = mx.take_along_axis(probs, experts, axis=-1)
         if self.renormalise:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        return experts, weights
+        return experts, weights.astype(x.dtype)
 
 
 class Experts:

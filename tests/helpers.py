@@ -79,6 +79,15 @@ def _qwen3():
     return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False)
 
 
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    # top 4 of 8 experts: prompts from 16 tokens on take the sorted-by-expert route, decodes the unsorted one
+    return Qwen3MoeConfig(
+        **TINY, head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4, norm_topk_prob=True
+    )
+
+
 # name -> () -> transformers config of a tiny model of that family
 FAMILY_FACTORIES: dict[str, Callable[[], object]] = {
     "llama": _llama,
@@ -87,6 +96,7 @@ FAMILY_FACTORIES: dict[str, Callable[[], object]] = {
     "mistral": _mistral,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
 }
 FAMILIES = list(FAMILY_FACTORIES)
 

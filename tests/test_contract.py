@@ -357,6 +357,8 @@ def test_decode_accepts_a_lazy_token(model):
     # lazy tokens in a batch, as 0-d and 1-element arrays
     out = model.decode_batch([DecodeItem(lazy_id, mx.array(3), 10), DecodeItem(int_id, mx.array([3]), 10)])
     assert_close(out[0], out[1])
+    # and host-side ids of numpy's integer types (what np.argmax returns)
+    assert_close(model.decode(lazy_id, np.int64(4), 11), model.decode(int_id, 4, 11))
     model.release(lazy_id)
     model.release(int_id)
 

@@ -7,6 +7,7 @@ prefill and decode are one segment, `decode_batch` many one-token segments,
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import mlx.core as mx
@@ -16,7 +17,7 @@ from ferrum_mac.backends.mlx.kv import KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
-from ferrum_mac.errors import CacheStateError, FerrumError, UnsupportedModelError
+from ferrum_mac.errors import CacheStateError, FerrumError, UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_from_env
 from ferrum_mac.weights import Checkpoint
 
@@ -28,6 +29,8 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 def compute_dtype(checkpoint: Checkpoint, override: str | None) -> mx.Dtype:
     if override:
+        if override not in DTYPES:
+            raise UnsupportedError(f"dtype {override!r} is not supported; choose one of: {', '.join(DTYPES)}")
         return DTYPES[override]
     if checkpoint.config.quantization:
         scales = next((t for n, t in checkpoint.tensors.items() if n.endswith(".scales")), None)
@@ -84,6 +87,7 @@ class MlxLLM(DecoderOnlyLLM):
         tokens = list(tokens)
         offset = self.kv.length(cache_id)
         self._check([(cache_id, len(tokens), offset)])
+        self._check_ids(cache_id, tokens)
         for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
             self._forward([(cache_id, tokens[start : start + PREFILL_CHUNK], offset + start)])
             mx.eval(self.kv.get(cache_id).arrays())
@@ -93,23 +97,29 @@ class MlxLLM(DecoderOnlyLLM):
 
     def decode(self, cache_id: str, token: Token, pos: int) -> mx.array:
         self._check([(cache_id, 1, pos)])
+        self._check_ids(cache_id, token)
         h = self._forward([(cache_id, token, pos)])
         return self.model.logits(h)[0, 0]
 
     def decode_batch(self, items: Sequence[DecodeItem]) -> mx.array:
         segments = [(it.cache_id, it.token, it.pos) for it in items]
         self._check([(cid, 1, pos) for cid, _, pos in segments])
+        for cid, token, _ in segments:
+            self._check_ids(cid, token)
         return self.model.logits(self._forward(segments))[0]
 
     def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
         tokens = list(tokens)
         offset = self.kv.length(cache_id)
         self._check([(cache_id, len(tokens), offset)])
+        self._check_ids(cache_id, tokens)
         return self.model.logits(self._forward([(cache_id, tokens, offset)]))[0]
 
     def unified_forward(self, items: Sequence[ForwardItem]) -> list[mx.array | None]:
         segments = [(it.cache_id, list(it.tokens), it.pos_offset) for it in items]
         self._check([(cid, len(toks), pos) for cid, toks, pos in segments])
+        for cid, toks, _ in segments:
+            self._check_ids(cid, toks)
         h = self._forward(segments)
         ends, row = [], 0
         for it in items:
@@ -161,6 +171,20 @@ class MlxLLM(DecoderOnlyLLM):
                 )
             self.check_capacity(cache_id, offset + n)
 
+    def _check_ids(self, cache_id: str, tokens) -> None:
+        """Refuse ids outside the vocabulary: MLX would read past the embedding and may crash.
+        A device array (a sampled token) is trusted: checking it would wait for it."""
+        if isinstance(tokens, mx.array):
+            return
+        ids = [tokens] if isinstance(tokens, numbers.Integral) else tokens
+        vocab = self._config.vocab_size
+        if ids and not (0 <= min(ids) and max(ids) < vocab):
+            bad = next(int(t) for t in ids if not 0 <= t < vocab)
+            raise FerrumError(
+                f"token id {bad} of sequence {cache_id!r} is outside the vocabulary (0 to {vocab - 1}); "
+                "encode the text with this model's tokenizer"
+            )
+
     def _forward(self, segments: list[tuple[str, object, int]]) -> mx.array:
         plan_segments, token_parts, start = [], [], 0
         for cache_id, tokens, offset in segments:
@@ -180,8 +204,8 @@ class MlxLLM(DecoderOnlyLLM):
 def as_token_array(tokens) -> mx.array:
     if isinstance(tokens, mx.array):
         return tokens.reshape(-1).astype(mx.uint32)
-    if isinstance(tokens, int):
-        return mx.array([tokens], dtype=mx.uint32)
+    if isinstance(tokens, numbers.Integral):  # int or a numpy integer
+        return mx.array([int(tokens)], dtype=mx.uint32)
     return mx.array(list(tokens), dtype=mx.uint32)
 
 

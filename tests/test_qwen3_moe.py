@@ -123,6 +123,18 @@ def test_sorted_and_unsorted_routes_agree(moe, monkeypatch):
     assert_close(model.forward_verify("s", tokens), unsorted, 1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, LONG], ids=["decode", "prefill"])
+def test_routing_needs_no_host_sync(moe, tokens):
+    """mx.compile traces without evaluating: any .item()/tolist() in the MoE block would raise."""
+    from ferrum_mac.backends.mlx.models.qwen3_moe import SparseMoe
+
+    model = open_fp32(moe["mlp_only"][1]["per_expert"])
+    block = model.model.layers[0].mlp
+    assert isinstance(block, SparseMoe)
+    x = mx.random.normal((1, tokens, 64), key=mx.random.key(0))
+    assert_close(mx.compile(block.__call__)(x), block(x), 1e-5, "compiled MoE block")
+
+
 @pytest.mark.parametrize("sort_from", [1, 10**9], ids=["sorted", "unsorted"])
 def test_decode_batch_equals_sequential_decodes(moe, monkeypatch, sort_from):
     from ferrum_mac import DecodeItem

@@ -158,14 +158,18 @@ class Router:
         self.gate, self.top_k, self.renormalise = gate, top_k, renormalise
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """x `(T, hidden)` -> expert ids `(T, k)` and their weights `(T, k)`."""
-        # float32 as in the reference: bf16 probabilities tie often and flip the top k
-        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
-        experts = mx.argpartition(probs, kth=-self.top_k, axis=-1)[:, -self.top_k :]
-        weights = mx.take_along_axis(probs, experts, axis=-1)
+        """x `(T, hidden)` -> expert ids `(T, k)` and their weights `(T, k)`.
+
+        Softmax is monotonic, so the top k of the logits are the top k of the probabilities,
+        and renormalised top-k probabilities are the softmax of the top-k logits: four
+        kernels, and no ties from rounding probabilities to bf16."""
+        logits = self.gate(x)
+        experts = mx.argpartition(logits, kth=-self.top_k, axis=-1)[:, -self.top_k :]
+        top = mx.take_along_axis(logits, experts, axis=-1)
         if self.renormalise:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-        return experts, weights.astype(x.dtype)
+            return experts, mx.softmax(top, axis=-1, precise=True)
+        log_z = mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        return experts, mx.exp(top.astype(mx.float32) - log_z).astype(x.dtype)
 
 
 class Experts:

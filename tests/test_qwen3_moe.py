@@ -257,3 +257,89 @@ def test_quantized_bf16_error_no_worse_than_mlx_lm(quantized):
         ours = helpers.rel_err(model.forward_verify(f"q{n}", tokens), want)
         theirs = helpers.rel_err(peer(mx.array([tokens]))[0], want)
         assert ours <= 1.5 * theirs + 1e-3, f"bf16 error vs fp32: ferrum {ours:.3g}, mlx-lm {theirs:.3g}"
+
+
+# -- GGUF: llama.cpp's qwen3moe names and metadata ------------------------------------------
+
+
+def gguf_tensors(hf) -> dict:
+    """hf's weights under llama.cpp names (`blk.N.ffn_gate_exps.weight`, ...), as numpy."""
+    from ferrum_mac.weights.gguf import _BLOCK_NAMES, _TOP_NAMES
+
+    to_gguf = {canonical: name for name, canonical in {**_BLOCK_NAMES, **_TOP_NAMES}.items()}
+    out = {}
+    for name, tensor in hf.state_dict().items():
+        a, module = tensor.numpy(), name.removeprefix("model.").removesuffix(".weight")
+        layer, _, rest = module.removeprefix("layers.").partition(".")
+        if rest == "mlp.experts.gate_up_proj":
+            half = a.shape[1] // 2
+            parts = {"mlp.switch_mlp.gate_proj": a[:, :half], "mlp.switch_mlp.up_proj": a[:, half:]}
+        else:
+            parts = {rest.replace("experts.", "switch_mlp.") if rest else module: a}
+        for canonical, array in parts.items():
+            prefix = f"blk.{layer}." if rest else ""
+            out[f"{prefix}{to_gguf[canonical]}.weight"] = array.copy()
+    return out
+
+
+def write_qwen3moe_gguf(hf, path: Path, q8: bool) -> Path:
+    import gguf
+
+    c, q8_0 = hf.config, gguf.GGMLQuantizationType.Q8_0
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    for name, a in gguf_tensors(hf).items():
+        if q8 and a.ndim > 1 and name != "token_embd.weight":
+            w.add_tensor(name, gguf.quants.quantize(a, q8_0), raw_dtype=q8_0)
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def q8_rounded(hf):
+    """hf with every matrix but the embedding rounded through Q8_0, kept in fp32."""
+    import copy
+
+    import gguf
+    import torch
+
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in rounded.named_parameters():
+            if p.ndim > 1 and "embed_tokens" not in name:
+                q = gguf.quants.quantize(p.numpy(), gguf.GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)).reshape(p.shape))
+    return rounded
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["f32", "q8_0"])
+def test_gguf_matches_transformers(zoo, tmp_path, q8):
+    """GGUF has no mlp_only_layers/decoder_sparse_step (llama.cpp makes every layer sparse): the
+    zoo's all-sparse model. Q8_0 experts arrive as MLX 8-bit (E, out, in) and run on gather_qmm;
+    the reference holds the same Q8_0-rounded weights, so fp32 parity still holds."""
+    pytest.importorskip("gguf")
+    import ferrum_mac
+
+    hf = zoo.hf("qwen3_moe")
+    model = ferrum_mac.open_model(write_qwen3moe_gguf(hf, tmp_path / "m.gguf", q8), dtype="float32")
+    assert model.config.model_type == "qwen3_moe"
+    experts = model.model.layers[0].mlp.experts.gate_up
+    assert (experts.bits, experts.weight.shape[:2]) == ((8, (8, 64)) if q8 else (0, (8, 64)))
+    tokens = random_tokens(LONG, seed=LONG)
+    assert_close(model.forward_verify("g", tokens), helpers.hf_logits(q8_rounded(hf) if q8 else hf, tokens), 1e-4)

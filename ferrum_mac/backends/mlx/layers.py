@@ -37,7 +37,9 @@ class TensorSource:
     def linear(self, module: str, out_dim: int, in_dim: int, bias: bool = False) -> "Linear":
         quant = self.config.quant_for(module)
         b = self.take(f"{module}.bias", (out_dim,)) if bias else None
-        if quant is None:
+        # mlx-lm records only per-layer dicts in config.json: a module its predicate kept dense
+        # (or whose width the group size does not divide) is known by its missing `.scales`.
+        if quant is None or not self.has(f"{module}.scales"):
             return Linear(self.take(f"{module}.weight", (out_dim, in_dim)), b)
         group, bits = quant["group_size"], quant["bits"]
         weight = self.take(f"{module}.weight", (out_dim, in_dim * bits // 32), cast=False)

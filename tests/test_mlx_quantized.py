@@ -1,0 +1,167 @@
+"""MLX affine-quantized checkpoints made by mlx-lm's own converter: ferrum against mlx-lm on
+the very same packed weights.
+
+Both sides run MLX's `quantized_matmul` over identical uint32 words, scales and biases, with
+activations in the checkpoint's dtype; what may differ is only how ops are grouped (ferrum
+fuses q/k/v and gate/up into one matmul, mlx-lm does not). In fp32 that is summation order,
+~1e-6 of the logits' range: we allow 1e-5. In bf16/fp16 one regrouped op can round an
+activation differently by a unit roundoff (bf16: 2^-9 = 2e-3) and two layers can compound it
+a few times, so we allow 2e-2; a wrong group size, bit width, bias or kept-dense layer moves
+the logits by tens of percent (4-bit weights at this scale are ~50% off the fp32 model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import ferrum_mac
+import helpers
+from helpers import assert_close, assert_same_tokens, ferrum_greedy, random_tokens, rel_err, to_np
+
+REL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 2e-2}
+PROMPT = random_tokens(24, seed=31)
+
+
+def mixed_predicate(path: str, module) -> bool | dict:
+    """Per-layer choices like mlx-lm's mixed recipes: some layers 8-bit, one kept dense."""
+    if path.endswith("layers.0.self_attn.q_proj") or path.endswith("lm_head"):
+        return {"group_size": 32, "bits": 8}
+    if path.endswith("layers.1.self_attn.v_proj"):
+        return False
+    return True
+
+
+@dataclass
+class Variant:
+    family: str
+    dtype: str  # the converted checkpoint's dtype (and so the compute dtype)
+    group_size: int
+    bits: int
+    predicate: object = None
+    overrides: dict = field(default_factory=dict)  # changes to the tiny config
+
+
+VARIANTS = {
+    # mlx-community's usual layout: bf16 scales, 4-bit, group 64
+    "llama3_rope-q4g64-bf16": Variant("llama3_rope", "bfloat16", 64, 4),
+    "qwen2-q4g32-fp32": Variant("qwen2", "float32", 32, 4),  # qkv bias stays dense beside packed weights
+    "llama_tied-q8g64-fp32": Variant("llama_tied", "float32", 64, 8),  # quantized embedding is also the head
+    # 8-bit overrides, a layer kept dense by the predicate, and an MLP width (96) the group
+    # size does not divide, which mlx-lm leaves unquantized without saying so in config.json
+    "qwen3-mixed-fp16": Variant("qwen3", "float16", 64, 4, mixed_predicate, {"intermediate_size": 96}),
+}
+
+
+def build_hf_folder(variant: Variant, folder: Path) -> None:
+    """A tiny random transformers checkpoint in the layout mlx-lm reads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = helpers.FAMILY_FACTORIES[variant.family]()
+    for key, value in variant.overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
+    helpers.write_tiny_tokenizer(folder)
+    # mlx-lm 0.32's qwen2 and llama read `rope_theta`/`rope_scaling` only at the top level,
+    # as transformers 4 wrote them (and as real checkpoints on the Hub still have them).
+    raw = helpers.read_config(folder)
+    rope = raw.pop("rope_parameters", {}) or {}
+    raw["rope_theta"] = rope.get("rope_theta", 10000.0)
+    if rope.get("rope_type", "default") != "default":
+        raw["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    helpers.write_config(folder, raw)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict:
+    """name -> folder converted by `mlx_lm.convert`, built on first use."""
+    from mlx_lm import convert
+
+    root = tmp_path_factory.mktemp("mlx-quantized")
+    built: dict = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            v = VARIANTS[name]
+            hf_folder = root / f"{name}-hf"
+            build_hf_folder(v, hf_folder)
+            out = root / name
+            convert(
+                str(hf_folder), str(out), quantize=True, q_group_size=v.group_size, q_bits=v.bits,
+                dtype=v.dtype, quant_predicate=v.predicate,
+            )
+            built[name] = out
+        return built[name]
+
+    return get
+
+
+def mlx_lm_logits(model, tokens) -> mx.array:
+    return model(mx.array([list(tokens)]))[0]
+
+
+def mlx_lm_greedy(model, prompt, n: int) -> list[int]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([list(prompt)]), cache=cache)[0, -1]
+    out = []
+    for step in range(n):
+        out.append(int(mx.argmax(logits)))
+        if step + 1 < n:
+            logits = model(mx.array([[out[-1]]]), cache=cache)[0, -1]
+    return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_quantized_checkpoint_matches_mlx_lm(converted, name):
+    from mlx_lm import load
+
+    v = VARIANTS[name]
+    folder = converted(name)
+    peer, _ = load(str(folder))
+    model = ferrum_mac.open_model(folder)
+    assert model.config.dtype == v.dtype  # the compute dtype follows the scales
+    want = mlx_lm_logits(peer, PROMPT)
+    got = model.forward_verify("v", PROMPT)
+    assert got.dtype == want.dtype
+    assert_close(got, want, REL[v.dtype])
+    prompt = PROMPT[:6]
+    assert_same_tokens(ferrum_greedy(model, "g", prompt, 16), mlx_lm_greedy(peer, prompt, 16))
+
+
+def test_quantization_is_read_per_layer(converted):
+    """The mixed checkpoint's layers really differ, and ferrum reads each as mlx-lm wrote it."""
+    from ferrum_mac.weights import load_checkpoint
+
+    ckpt = load_checkpoint(converted("qwen3-mixed-fp16"))
+    c, t = ckpt.config, ckpt.tensors
+    assert ckpt.format == "mlx-quantized"
+    assert c.quant_for("layers.0.self_attn.q_proj") == {"group_size": 32, "bits": 8}
+    assert c.quant_for("layers.0.self_attn.k_proj") == {"group_size": 64, "bits": 4}
+    assert t["layers.0.self_attn.q_proj.weight"].shape == (128, 64 * 8 // 32)
+    assert t["layers.0.self_attn.k_proj.weight"].shape == (64, 64 * 4 // 32)  # 2 kv heads of 32
+    # kept dense without a config entry: by the predicate, and for a width of 96 vs group 64
+    assert "layers.1.self_attn.v_proj.scales" not in t and t["layers.1.self_attn.v_proj.weight"].dtype == mx.float16
+    assert "layers.0.mlp.down_proj.scales" not in t and t["layers.0.mlp.down_proj.weight"].shape == (64, 96)
+
+
+def test_quantized_is_close_to_the_dense_model_only_loosely(converted, zoo):
+    """4-bit weights change the function a lot at this init scale; 8-bit much less. This is what
+    makes the tolerances above meaningful: quantization errors are far above them."""
+    from mlx_lm import load
+
+    q4 = load(str(converted("qwen2-q4g32-fp32")))[0]
+    q8 = load(str(converted("llama_tied-q8g64-fp32")))[0]
+    dense_qwen2 = helpers.hf_logits(zoo.hf("qwen2"), PROMPT)
+    dense_tied = helpers.hf_logits(zoo.hf("llama_tied"), PROMPT)
+    assert rel_err(mlx_lm_logits(q4, PROMPT), dense_qwen2) > 0.05
+    assert rel_err(mlx_lm_logits(q8, PROMPT), dense_tied) < 0.1
+    assert np.argmax(to_np(mlx_lm_logits(q8, PROMPT))[-1]) == np.argmax(to_np(dense_tied)[-1])

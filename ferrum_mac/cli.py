@@ -31,7 +31,7 @@ def bench(
     quant: str = typer.Option("bf16", help="With --shape: bf16 or 4bit."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length for prefill."),
     new_tokens: int = typer.Option(128, "--new-tokens", help="Tokens to decode."),
-    runs: int = typer.Option(3, help="Timed runs per side; the best is reported."),
+    runs: int = typer.Option(5, help="Timed runs per side, alternating; the best is reported."),
     peer: bool = typer.Option(True, help="Also run mlx-lm on the same weights."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:

@@ -38,7 +38,7 @@ def _ferrum_from_path(model: str):
 
 def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out) -> dict:
     from ferrum_mac.backends.mlx.memory import device_name
-    from ferrum_mac.bench.measure import best_of, ferrum_stream, mlx_lm_stream, time_stream
+    from ferrum_mac.bench.measure import ferrum_stream, interleaved, mlx_lm_stream, time_stream
 
     if (model is None) == (shape is None):
         raise FerrumError("give either a MODEL or --shape (for example: ferrum bench --shape qwen3-0.6b)")
@@ -52,12 +52,12 @@ def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, jso
     llm.prepare("bench", prompt_tokens + new_tokens)
     llm.release("bench")
 
-    log(f"ferrum bench: timing ferrum ({runs} runs after a warm-up) ...")
-    ours = best_of(runs, lambda: time_stream(ferrum_stream(llm, prompt, new_tokens), prompt_tokens, new_tokens))
-    theirs = None
+    sides = {"ferrum": lambda: time_stream(ferrum_stream(llm, prompt, new_tokens), prompt_tokens, new_tokens)}
     if peer and peer_model is not None:
-        log("ferrum bench: timing mlx-lm ...")
-        theirs = best_of(runs, lambda: time_stream(mlx_lm_stream(peer_model, prompt, new_tokens), prompt_tokens, new_tokens))
+        sides["mlx_lm"] = lambda: time_stream(mlx_lm_stream(peer_model, prompt, new_tokens), prompt_tokens, new_tokens)
+    log(f"ferrum bench: timing {' and '.join(sides)} ({runs} alternating runs after a warm-up) ...")
+    timings = interleaved(runs, sides)
+    ours, theirs = timings["ferrum"], timings.get("mlx_lm")
     result = {
         "model": label,
         "device": device_name(),

@@ -72,10 +72,19 @@ def mlx_lm_stream(model, prompt: list[int], new_tokens: int) -> Iterator[int]:
         yield token if isinstance(token, int) else token.item()
 
 
-def best_of(runs: int, once: Callable[[], Timing]) -> Timing:
-    """One untimed warm-up, then the fastest of `runs` by decode rate (prefill rate taken alongside)."""
-    once()
-    results = [once() for _ in range(runs)]
+def interleaved(runs: int, sides: dict[str, Callable[[], Timing]]) -> dict[str, Timing]:
+    """Warm every side up, then alternate their timed runs so drift (clocks, other load)
+    falls on all of them alike; each side reports its best rates."""
+    for once in sides.values():
+        once()
+    results: dict[str, list[Timing]] = {name: [] for name in sides}
+    for _ in range(runs):
+        for name, once in sides.items():
+            results[name].append(once())
+    return {name: best(timings) for name, timings in results.items()}
+
+
+def best(results: list[Timing]) -> Timing:
     return Timing(
         ttft_s=min(r.ttft_s for r in results),
         prefill_tps=max(r.prefill_tps for r in results),

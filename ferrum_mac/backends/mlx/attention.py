@@ -27,11 +27,13 @@ class Segment:
 
 
 class Plan:
+    """`positions` is a scalar offset for one segment, else one position per token."""
+
     def __init__(self, segments: list[Segment]):
         self.segments = segments
         self.total = sum(s.length for s in segments)
         if len(segments) == 1:
-            self.positions = mx.arange(segments[0].offset, segments[0].offset + segments[0].length)
+            self.positions = mx.array(segments[0].offset)
         else:
             self.positions = mx.concatenate([mx.arange(s.offset, s.offset + s.length) for s in segments])
 
@@ -60,7 +62,8 @@ class Attention:
         self.rope = Rope(config)
 
     def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """x `(1, T, hidden)` -> q `(T, heads, dim)`, k and v `(T, kv_heads, dim)`, roped."""
+        """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment
+        (a scalar offset), else `(T, heads, dim)` (one position per token)."""
         T = x.shape[1]
         q, k, v = self.qkv(x)
         q = q.reshape(T, self.heads, self.head_dim)
@@ -69,7 +72,9 @@ class Attention:
         if self.q_norm is not None:
             q = mx.fast.rms_norm(q, self.q_norm, self.eps)
             k = mx.fast.rms_norm(k, self.k_norm, self.eps)
-        # One position per token: each token is its own rope "batch" row.
+        if positions.ndim == 0:
+            return self.rope(heads_first(q), positions), self.rope(heads_first(k), positions), heads_first(v)
+        # Each token is its own rope "batch" row, at its own position.
         q = self.rope(q[:, :, None, :], positions)[:, :, 0, :]
         k = self.rope(k[:, :, None, :], positions)[:, :, 0, :]
         return q, k, v
@@ -81,14 +86,17 @@ class Attention:
         outs = []
         for seg in plan.segments:
             rows = slice(seg.start, seg.start + seg.length)
-            outs.append(self._attend_segment(q[rows], k[rows], v[rows], seg))
+            outs.append(self._attend_segment(heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg))
         return mx.concatenate(outs, axis=0)
 
     def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:
-        def heads_first(a):
-            return a.transpose(1, 0, 2)[None]
-
-        keys, values = seg.cache.write(self.layer, heads_first(k), heads_first(v), seg.offset)
+        """q/k/v `(1, heads, n, dim)` -> `(n, heads, dim)`."""
+        keys, values = seg.cache.write(self.layer, k, v, seg.offset)
         mask = "causal" if seg.length > 1 else None
-        out = mx.fast.scaled_dot_product_attention(heads_first(q), keys, values, scale=self.scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return out[0].transpose(1, 0, 2)
+
+
+def heads_first(a: mx.array) -> mx.array:
+    """`(T, heads, dim)` -> `(1, heads, T, dim)`."""
+    return a.transpose(1, 0, 2)[None]

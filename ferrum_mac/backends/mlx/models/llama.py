@@ -3,6 +3,8 @@ Qwen3 (q/k RMSNorm). Embedding, blocks of attention + SwiGLU MLP, final norm, he
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from ferrum_mac.backends.mlx.attention import Attention, Plan
@@ -11,7 +13,8 @@ from ferrum_mac.weights import ModelConfig
 
 # Steps of at most this many tokens (decode, small decode batches) run compiled; each
 # distinct count is traced once. Longer prefills run eagerly (their kernels dominate).
-COMPILE_MAX_TOKENS = 16
+# FERRUM_COMPILE_MAX_TOKENS=0 turns compiled steps off (for debugging and A/B timing).
+COMPILE_MAX_TOKENS = int(os.environ.get("FERRUM_COMPILE_MAX_TOKENS", "16"))
 
 
 class Mlp:

@@ -95,7 +95,8 @@ def test_prompt_logits_match_transformers(moe, name, layout):
 def test_greedy_matches_transformers(moe, name):
     hf, paths = moe[name]
     prompt = random_tokens(12, seed=3)
-    assert_same_tokens(helpers.ferrum_greedy(open_fp32(paths["per_expert"]), "g", prompt, 32), helpers.hf_greedy(hf, prompt, 32))
+    got = helpers.ferrum_greedy(open_fp32(paths["per_expert"]), "g", prompt, 32)
+    assert_same_tokens(got, helpers.hf_greedy(hf, prompt, 32))
 
 
 def test_half_precision_experts(moe):
@@ -174,7 +175,8 @@ def test_moe_keys_from_every_config_style():
 
     hf4 = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     assert moe_config(config(**hf4)) == MoeConfig(8, 2, 32, True)
-    hf5 = dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[0])
+    hf5 = dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2)
+    hf5["mlp_only_layers"] = [0]
     assert moe_config(config(**hf5)) == MoeConfig(8, 2, 32, False, 2, frozenset({0}))
     gguf = dict(expert_count=8, expert_used_count=2, expert_feed_forward_length=32)
     assert moe_config(config(**gguf)) == MoeConfig(8, 2, 32, True)

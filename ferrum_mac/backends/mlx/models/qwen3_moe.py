@@ -107,7 +107,9 @@ class ExpertLinear:
                 group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices,
             )  # fmt: skip
         w = self.weight.swapaxes(-1, -2)
-        y = mx.gather_mm(x.astype(w.dtype), w, rhs_indices=experts, sorted_indices=sorted_indices)
+        if w.dtype == x.dtype:
+            return mx.gather_mm(x, w, rhs_indices=experts, sorted_indices=sorted_indices)
+        y = mx.gather_mm(x.astype(w.dtype), w, rhs_indices=experts, sorted_indices=sorted_indices)  # CPU: float32
         return y.astype(x.dtype)
 
     def format(self) -> tuple:
@@ -190,15 +192,16 @@ class Experts:
         T, k = experts.shape
         if experts.size < SORT_MIN_PAIRS:
             # Every token row meets each of its k experts: (T, 1, 1, H) x (T, k) -> (T, k, 1, H)
-            y = self.mlp(x[:, None, None, :], experts, weights[..., None, None], sorted_indices=False)
+            y = self.gathered_mlp(x[:, None, None, :], experts, weights[..., None, None], sorted_indices=False)
             return y.sum(axis=1)[:, 0, :]
         flat = experts.reshape(-1)
-        order = mx.argsort(flat)
-        y = self.mlp(x[order // k][:, None, :], flat[order], weights.reshape(-1)[order][:, None, None], sorted_indices=True)
-        unsorted = y[mx.argsort(order)]
-        return unsorted.reshape(T, k, -1).sum(axis=1)
+        order = mx.argsort(flat)  # token-expert pairs grouped by expert
+        rows, pair_weights = x[order // k][:, None, :], weights.reshape(-1)[order][:, None, None]
+        y = self.gathered_mlp(rows, flat[order], pair_weights, sorted_indices=True)
+        y = y[mx.argsort(order)]  # back to (token, slot) order
+        return y.reshape(T, k, -1).sum(axis=1)
 
-    def mlp(self, x: mx.array, experts: mx.array, weights: mx.array, sorted_indices: bool) -> mx.array:
+    def gathered_mlp(self, x: mx.array, experts: mx.array, weights: mx.array, sorted_indices: bool) -> mx.array:
         if self.gate_up is not None:
             gate_up = self.gate_up(x, experts, sorted_indices)
             gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]

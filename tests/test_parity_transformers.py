@@ -126,3 +126,53 @@ def test_half_precision_checkpoint(zoo, family, dtype):
     got = native.forward_verify("x", PROMPT)
     assert str(got.dtype).endswith(dtype)
     assert_close(got, hf_logits(zoo.hf(family), PROMPT), HALF_REL[dtype], f"{dtype} compute against the fp32 model")
+
+
+def test_legacy_config_layout(zoo, tmp_path):
+    """Most Hub checkpoints carry transformers-4 keys: `rope_theta`/`rope_scaling` at the top
+    level and `torch_dtype`. Same weights, same numbers."""
+    import shutil
+
+    from helpers import write_config
+
+    folder = tmp_path / "legacy"
+    shutil.copytree(zoo.path("llama3_rope"), folder)
+    raw = read_config(folder)
+    rope = raw.pop("rope_parameters")
+    raw["rope_theta"] = rope.pop("rope_theta")
+    raw["rope_scaling"] = rope  # {"rope_type": "llama3", "factor": ...}
+    raw["torch_dtype"] = raw.pop("dtype")
+    write_config(folder, raw)
+    model = ferrum_mac.open_model(folder)
+    assert model.config.dtype == "float32"
+    assert_close(model.forward_verify("x", PROMPT), hf_logits(zoo.hf("llama3_rope"), PROMPT), FP32_REL)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_models_are_capped_at_the_window(zoo, tmp_path, family):
+    """ferrum has no sliding-window attention: inside the window it must agree with
+    transformers, and past it refuse (KvCapacityError) rather than compute something else."""
+    from transformers import AutoModelForCausalLM
+
+    from ferrum_mac.errors import KvCapacityError
+    from helpers import FAMILY_FACTORIES
+
+    config = FAMILY_FACTORIES[family]()
+    config.sliding_window = 16
+    if family == "qwen2":
+        config.use_sliding_window, config.max_window_layers = True, 1  # layer 1 slides
+        config.layer_types = ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reference.save_pretrained(tmp_path)
+    model = ferrum_mac.open_model(tmp_path, dtype="float32")
+    assert model.kv_capacity() == 16
+    assert_close(model.forward_verify("x", PROMPT[:16]), hf_logits(reference, PROMPT[:16]), FP32_REL)
+    with pytest.raises(KvCapacityError):
+        model.decode("x", 5, 16)
+    # the family's zoo model has the same weights (same seed) and no window: the window
+    # leaves the first 16 positions alone and really changes transformers' answer past them
+    full = hf_logits(zoo.hf(family), PROMPT)
+    windowed = hf_logits(reference, PROMPT)
+    assert rel_err(windowed[:16], full[:16]) < FP32_REL
+    assert rel_err(windowed[16:], full[16:]) > 0.05

@@ -104,6 +104,20 @@ def check_model_type(model_type: str, where: str) -> None:
         )
 
 
+def _exact_context(raw: dict) -> int:
+    """The longest sequence ferrum computes exactly. Sliding-window attention is not implemented,
+    so a model that uses it is capped at its window: past it, KvCapacityError, not wrong logits."""
+    limit = raw.get("max_position_embeddings", 4096)
+    window = raw.get("sliding_window")
+    if raw.get("layer_types"):  # transformers 5
+        slides = "sliding_attention" in raw["layer_types"]
+    elif raw.get("use_sliding_window") is not None:  # Qwen2/3: layers from max_window_layers on
+        slides = bool(raw["use_sliding_window"]) and raw.get("max_window_layers", 0) < raw.get("num_hidden_layers", 1)
+    else:  # Mistral: a set window applies to every layer
+        slides = raw.get("model_type") == "mistral"
+    return min(limit, window) if window and slides else limit
+
+
 def config_from_hf(folder: Path) -> ModelConfig:
     """Read config.json (and generation_config.json when present) from a model folder."""
     path = folder / "config.json"
@@ -135,7 +149,7 @@ def config_from_dict(raw: dict, generation: dict | None = None, where: str = "co
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            max_position_embeddings=_exact_context(raw),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or raw.get("attention_bias", False),
             o_bias=model_type != "qwen2" and raw.get("attention_bias", False),

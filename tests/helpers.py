@@ -217,3 +217,86 @@ def read_config(folder: Path) -> dict:
 
 def write_config(folder: Path, config: dict) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+# -- GGUF files written from tiny transformers models ----------------------------------------
+
+GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_BLOCK = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert script reorders llama q/k rows for its interleaved (GPT-J) rope."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) -> Path:
+    """Write `model` as llama.cpp would: GGUF names, permuted llama q/k, and each 2-D weight
+    stored as `types[gguf short name]` (Q4_0, Q4_1, Q8_0, F16; default F32) via `gguf.quants`."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    arch, c = GGUF_ARCH[family], model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_vocab_size(c.vocab_size)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_token_scores([0.0] * c.vocab_size)
+    w.add_token_types([1] * c.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def add(name: str, array: np.ndarray) -> None:
+        short = name.split(".")[-2]
+        kind = types.get(short, "F32") if array.ndim == 2 else "F32"
+        if kind == "F32":
+            w.add_tensor(name, array.astype(np.float32))
+        elif kind == "F16":
+            w.add_tensor(name, array.astype(np.float16))
+        else:
+            qt = getattr(Q, kind)
+            w.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), qt), raw_dtype=qt)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    if "lm_head.weight" in sd and not c.tie_word_embeddings:
+        add("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        for hf_name, short in _GGUF_BLOCK.items():
+            for suffix in ("weight", "bias"):
+                key = f"model.layers.{i}.{hf_name}.{suffix}"
+                if key not in sd:
+                    continue
+                array = sd[key]
+                if arch == "llama" and short in ("attn_q", "attn_k"):
+                    array = llama_cpp_permute(array, c.num_attention_heads if short == "attn_q" else c.num_key_value_heads)
+                add(f"blk.{i}.{short}.{suffix}", array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

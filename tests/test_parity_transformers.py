@@ -176,3 +176,32 @@ def test_sliding_window_models_are_capped_at_the_window(zoo, tmp_path, family):
     windowed = hf_logits(reference, PROMPT)
     assert rel_err(windowed[:16], full[:16]) < FP32_REL
     assert rel_err(windowed[16:], full[16:]) > 0.05
+
+
+# GGUF files written from the tiny models the way llama.cpp writes them (llama q/k rows
+# permuted for its interleaved rope), each weight in a different ggml type, read back by
+# transformers' own GGUF loader (which dequantizes to fp32 and un-permutes) as the reference.
+# ferrum runs fp32 activations over the very same dequantized values: fp32 tolerance.
+GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "F16",
+              "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q8_0"}
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "qwen3"])
+def test_gguf_matches_transformers_gguf_loader(zoo, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    from helpers import write_gguf_from_hf
+
+    source = zoo.hf(family)
+    path = write_gguf_from_hf(source, family, tmp_path / f"{family}.gguf", GGUF_TYPES)
+    # transformers' GGUF loader leaves head_dim at its config default (128 for Qwen3) instead
+    # of reading qwen3.attention.key_length; tell it. ferrum reads the key.
+    extra = {"head_dim": source.config.head_dim} if family == "qwen3" else {}
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32, **extra).eval()
+    model = ferrum_mac.open_model(path, dtype="float32")
+    assert model.config.head_dim == getattr(source.config, "head_dim", 16)
+    assert model.model_config.rope_traditional == family.startswith("llama")
+    assert_close(model.forward_verify("x", PROMPT), hf_logits(reference, PROMPT), FP32_REL)
+    assert_same_tokens(ferrum_greedy(model, "g", PROMPT[:5], 16), hf_greedy(reference, PROMPT[:5], 16))
+    # the quantization is real: the file's model is not the fp32 one
+    assert rel_err(hf_logits(reference, PROMPT), hf_logits(source, PROMPT)) > 0.05

@@ -242,6 +242,27 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama_cpp_rope_factors(dim: int, rope: dict) -> np.ndarray:
+    """`rope_freqs.weight` as llama.cpp's convert script computes it for Llama-3 rope scaling:
+    at inference each rotation frequency is divided by its factor."""
+    import math
+
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) -> Path:
     """Write `model` as llama.cpp would: GGUF names, permuted llama q/k, and each 2-D weight
     stored as `types[gguf short name]` (Q4_0, Q4_1, Q8_0, F16; default F32) via `gguf.quants`."""
@@ -283,6 +304,9 @@ def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) ->
 
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "llama3":  # Llama 3.1+: llama.cpp stores per-frequency divisors
+        w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(head_dim, rope))
     if "lm_head.weight" in sd and not c.tie_word_embeddings:
         add("output.weight", sd["lm_head.weight"])
     for i in range(c.num_hidden_layers):

@@ -205,3 +205,14 @@ def test_gguf_matches_transformers_gguf_loader(zoo, tmp_path, family):
     assert_same_tokens(ferrum_greedy(model, "g", PROMPT[:5], 16), hf_greedy(reference, PROMPT[:5], 16))
     # the quantization is real: the file's model is not the fp32 one
     assert rel_err(hf_logits(reference, PROMPT), hf_logits(source, PROMPT)) > 0.05
+
+
+def test_llama3_rope_gguf_uses_its_rope_freqs(zoo, tmp_path):
+    """Llama 3.1/3.2 GGUF files carry the Llama-3 rope schedule only as a `rope_freqs.weight`
+    tensor of per-frequency divisors. Written in F32 beside the llama3_rope model's weights,
+    the file must compute what transformers computes from the safetensors checkpoint."""
+    from helpers import write_gguf_from_hf
+
+    path = write_gguf_from_hf(zoo.hf("llama3_rope"), "llama", tmp_path / "llama3.gguf", {})
+    model = ferrum_mac.open_model(path, dtype="float32")
+    assert_close(model.forward_verify("x", PROMPT), hf_logits(zoo.hf("llama3_rope"), PROMPT), FP32_REL)

@@ -121,6 +121,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict]:
         if canonical is not None:
             tensors[f"{canonical}.{suffix}"] = array
     config = config_from_gguf(path, meta, quantization, has_output="lm_head.weight" in tensors)
+    if "rope_freqs.weight" in raw:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
+        config.rope_scaling = {"rope_type": "freq_factors", "factors": raw["rope_freqs.weight"]}
     # Only modules GGUF stored quantized are quantized; mark the rest dense.
     if config.quantization:
         for name in tensors:

@@ -128,6 +128,10 @@ class Rope:
         elif kind == "llama3":
             self.freqs = llama3_frequencies(self.dims, config.rope_theta, scaling)
             self.base = None
+        elif kind == "freq_factors":  # GGUF's rope_freqs: each rotation frequency divided by its factor
+            periods = config.rope_theta ** (mx.arange(0, self.dims, 2) / self.dims)
+            self.freqs = periods * scaling["factors"].astype(mx.float32)
+            self.base = None
 
     def __call__(self, x: mx.array, offset) -> mx.array:
         return mx.fast.rope(

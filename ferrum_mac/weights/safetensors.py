@@ -24,7 +24,9 @@ def shard_files(folder: Path) -> list[Path]:
         if missing:
             raise ModelNotFoundError(f"{folder} lacks shard(s) {', '.join(missing)} named in its index; finish the download")
         return files
-    files = sorted(folder.glob("*.safetensors"))
+    # `model*.safetensors` first, as mlx-lm does: Mistral repos add a `consolidated.safetensors`
+    # (the same weights under other names) and LoRA folders an `adapter_model.safetensors`.
+    files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"{folder} has no .safetensors weights; ferrum reads safetensors and GGUF, not .bin")
     return files

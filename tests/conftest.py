@@ -9,8 +9,7 @@ import pytest
 
 import helpers
 
-# Both MLX (CPU build) and torch share two cores with other test runs; keep torch from
-# oversubscribing them.
+# The tokenizers library forks worker threads and warns when the process forks later on.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -203,7 +203,8 @@ class MlxLLM(DecoderOnlyLLM):
 
 def as_token_array(tokens) -> mx.array:
     if isinstance(tokens, mx.array):
-        return tokens.reshape(-1).astype(mx.uint32)
+        tokens = tokens if tokens.ndim == 1 else tokens.reshape(-1)
+        return tokens if tokens.dtype == mx.uint32 else tokens.astype(mx.uint32)
     if isinstance(tokens, numbers.Integral):  # int or a numpy integer
         return mx.array([int(tokens)], dtype=mx.uint32)
     return mx.array(list(tokens), dtype=mx.uint32)

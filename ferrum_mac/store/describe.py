@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ferrum_mac.store.gguf_meta import read_gguf_info
+from ferrum_mac.weights.gguf_header import read_gguf_info
 
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _LICENSE_LINE = re.compile(r"^license:\s*['\"]?([^'\"\n]+?)['\"]?\s*$", re.MULTILINE)

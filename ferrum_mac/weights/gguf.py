@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
 from ferrum_mac.weights.config import ModelConfig, check_model_type
-from ferrum_mac.weights.gguf_header import read_tensor_table
+from ferrum_mac.weights.gguf_header import read_gguf_info
 
 # ggml type -> MLX quantization (None: dense)
 SUPPORTED_GGML = {"F32": None, "F16": None, "Q4_0": (32, 4), "Q4_1": (32, 4), "Q8_0": (32, 8)}
@@ -90,14 +90,14 @@ def config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: boo
 def _quantization_by_module(path: Path) -> dict:
     """Per-module quantization from the tensor table; refuses ggml types MLX cannot keep."""
     per_module: dict = {}
-    for info in read_tensor_table(path):
-        if info.type_name not in SUPPORTED_GGML:
+    for name, _, type_name in read_gguf_info(path).tensors:
+        if type_name not in SUPPORTED_GGML:
             raise UnsupportedModelError(
-                f"{path}: tensor {info.name} is {info.type_name}, which ferrum cannot load "
+                f"{path}: tensor {name} is {type_name}, which ferrum cannot load "
                 f"(supported GGUF types: {', '.join(SUPPORTED_GGML)}); use a Q4_0, Q4_1, Q8_0 or F16 file"
             )
-        quant = SUPPORTED_GGML[info.type_name]
-        module = canonical_module(info.name.rsplit(".", 1)[0])
+        quant = SUPPORTED_GGML[type_name]
+        module = canonical_module(name.rsplit(".", 1)[0])
         if quant and module:
             per_module[module] = {"group_size": quant[0], "bits": quant[1]}
     if not per_module:

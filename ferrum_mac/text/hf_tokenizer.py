@@ -104,7 +104,6 @@ class HfTokenizer(Tokenizer):
         decoder_spec = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else None
         self._pieces = PieceDecoder(decoder_spec)
         self.utf8_errors = "replace" if self._pieces.byte_level else REPLACE_EACH_BYTE
-        self._bytes: dict[int, bytes] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -117,12 +116,6 @@ class HfTokenizer(Tokenizer):
 
     def piece_to_id(self, piece: str) -> int | None:
         return self.backend.token_to_id(piece)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        data = self._bytes.get(token_id)
-        if data is None:
-            data = self._bytes[token_id] = self._token_bytes(token_id)
-        return data
 
     def _token_bytes(self, token_id: int) -> bytes:
         piece = self.backend.id_to_token(token_id)

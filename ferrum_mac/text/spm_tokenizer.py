@@ -77,7 +77,6 @@ class SentencePieceTokenizer(Tokenizer):
         self.special_ids = frozenset(i for i in range(self.vocab_size) if sp.is_control(i))
         self.utf8_errors = REPLACE_EACH_BYTE
         self._specials = _special_pieces_pattern(proto)
-        self._bytes: dict[int, bytes] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.bos_id] if add_special_tokens and self.add_bos and self.bos_id is not None else []
@@ -119,12 +118,6 @@ class SentencePieceTokenizer(Tokenizer):
     def piece_to_id(self, piece: str) -> int | None:
         token_id = self.processor.piece_to_id(piece)
         return None if token_id == self.processor.unk_id() and piece != self.unk_token else token_id
-
-    def token_bytes(self, token_id: int) -> bytes:
-        data = self._bytes.get(token_id)
-        if data is None:
-            data = self._bytes[token_id] = self._token_bytes(token_id)
-        return data
 
     def _token_bytes(self, token_id: int) -> bytes:
         sp = self.processor

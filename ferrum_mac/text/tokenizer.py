@@ -90,9 +90,17 @@ class Tokenizer(ABC):
     def piece_to_id(self, piece: str) -> int | None:
         """The id of a vocabulary entry, or None."""
 
-    @abstractmethod
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes a token adds in the middle of a text; b'' for special tokens."""
+        """The bytes a token adds in the middle of a text; b'' for special tokens (memoised)."""
+        cache = self.__dict__.setdefault("_token_bytes_cache", {})
+        data = cache.get(token_id)
+        if data is None:
+            data = cache[token_id] = self._token_bytes(token_id)
+        return data
+
+    @abstractmethod
+    def _token_bytes(self, token_id: int) -> bytes:
+        """`token_bytes` before memoisation."""
 
     @abstractmethod
     def text_start(self) -> TextStart:

@@ -34,13 +34,14 @@ def bench(
     runs: int = typer.Option(5, help="Timed runs per side, alternating; the best is reported."),
     peer: bool = typer.Option(True, help="Also run mlx-lm on the same weights."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    batch: int = typer.Option(0, help="Also time decode_batch over this many sequences (aggregate tok/s)."),
 ) -> None:
     """Prefill and decode speed, time to first token and peak memory, beside mlx-lm."""
     from ferrum_mac.bench import run_bench
 
     run_bench(
         model=model, shape=shape, quant=quant, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-        runs=runs, peer=peer, json_out=json_out,
+        runs=runs, peer=peer, json_out=json_out, batch=batch,
     )
 
 

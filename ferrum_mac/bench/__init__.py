@@ -36,9 +36,9 @@ def _ferrum_from_path(model: str):
     return llm, peer, str(model)
 
 
-def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out) -> dict:
+def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0) -> dict:
     from ferrum_mac.backends.mlx.memory import device_name
-    from ferrum_mac.bench.measure import ferrum_stream, interleaved, mlx_lm_stream, time_stream
+    from ferrum_mac.bench.measure import batched_decode_tps, ferrum_stream, interleaved, mlx_lm_stream, time_stream
 
     if (model is None) == (shape is None):
         raise FerrumError("give either a MODEL or --shape (for example: ferrum bench --shape qwen3-0.6b)")
@@ -68,6 +68,13 @@ def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, jso
         "prefill_ratio": round(ours.prefill_tps / theirs.prefill_tps, 3) if theirs else None,
         "decode_ratio": round(ours.decode_tps / theirs.decode_tps, 3) if theirs else None,
     }
+    if batch > 1:
+        log(f"ferrum bench: batched decode of {batch} sequences ...")
+        batched_decode_tps(llm, prompt, batch, 8)  # warm-up (traces the batch shape)
+        aggregate = max(batched_decode_tps(llm, prompt, batch, new_tokens) for _ in range(runs))
+        result["batch"] = batch
+        result["batched_decode_tps"] = round(aggregate, 2)
+        result["batched_over_single"] = round(aggregate / ours.decode_tps, 3)
     if json_out:
         print(json.dumps(result))
     else:
@@ -92,4 +99,9 @@ def format_table(r: dict, runs: int) -> str:
         mine = fmt.format(ours[key] * scale)
         peer = fmt.format(theirs[key] * scale) if theirs else "-"
         lines.append(f"{title:24}{mine:>10}{peer:>10}{(f'{ratio:.2f}x' if ratio else ''):>8}")
+    if r.get("batch"):
+        lines.append(
+            f"decode, {r['batch']} sequences: {r['batched_decode_tps']:.1f} tok/s in all, "
+            f"{r['batched_over_single']:.2f}x the single-stream rate"
+        )
     return "\n".join(lines)

@@ -65,6 +65,29 @@ def ferrum_stream(model, prompt: list[int], new_tokens: int, cache_id: str = "be
         model.release(cache_id)
 
 
+def batched_decode_tps(model, prompt: list[int], batch: int, new_tokens: int) -> float:
+    """Aggregate greedy decode tok/s of `batch` sequences stepped together with `decode_batch`
+    (each sequence's prompt is `prompt` shifted by its index, so their lengths differ)."""
+    from ferrum_mac.llm import DecodeItem
+
+    ids = [f"batch-{i}" for i in range(batch)]
+    try:
+        firsts = [mx.argmax(model.prefill(cid, prompt[i:])) for i, cid in enumerate(ids)]
+        tokens = mx.stack(firsts)
+        positions = [len(prompt) - i for i in range(batch)]
+        mx.eval(tokens)
+        start = time.perf_counter()
+        for step in range(new_tokens):
+            items = [DecodeItem(cid, tokens[i], positions[i] + step) for i, cid in enumerate(ids)]
+            tokens = mx.argmax(model.decode_batch(items), axis=-1)
+            mx.async_eval(tokens)
+        mx.eval(tokens)
+        return batch * new_tokens / (time.perf_counter() - start)
+    finally:
+        for cid in ids:
+            model.release(cid)
+
+
 def mlx_lm_stream(model, prompt: list[int], new_tokens: int) -> Iterator[int]:
     from mlx_lm.generate import generate_step
 

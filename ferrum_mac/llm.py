@@ -150,6 +150,13 @@ class DecoderOnlyLLM(abc.ABC):
     def reset(self) -> None:
         """Drop all cached state."""
 
+    def sampler(self, params: Any, context: Sequence[int] = ()) -> Any:
+        """A sampler for one answer (see `ferrum_mac.engine.sampling.Sampler`): `sample(logits)`
+        picks a token on the device without waiting, `read(token)` brings its id to the host.
+        `params` is the engine's SamplingParams, read by field name; `context` holds the ids
+        already in the sequence, which the penalties look back over."""
+        raise UnsupportedError(f"{type(self).__name__} has no sampler; use a backend that provides one (mlx)")
+
     # -- helpers for implementations --------------------------------------------------
 
     def check_capacity(self, cache_id: str, new_len: int) -> None:

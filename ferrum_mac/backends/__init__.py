@@ -32,6 +32,17 @@ def choose(backend: str) -> str:
     return backend
 
 
+def recommended_dtype(backend: str = "auto") -> str | None:
+    """The compute dtype to ask for when the user names none: float32 where the device has no
+    fast half-precision kernels (MLX's CPU build runs float16 many times slower), else None
+    (the checkpoint's own)."""
+    if choose(backend) == "mlx":
+        from ferrum_mac.backends.mlx.memory import device_name
+
+        return "float32" if device_name() == "cpu" else None
+    return None
+
+
 def open_path(path: Path, backend: str = "auto", dtype: str | None = None) -> DecoderOnlyLLM:
     from ferrum_mac.weights import load_checkpoint
 

@@ -152,6 +152,11 @@ class MlxLLM(DecoderOnlyLLM):
         self.kv.reset()
         mx.clear_cache()
 
+    def sampler(self, params, context: Sequence[int] = ()):
+        from ferrum_mac.backends.mlx.sampling import MlxSampler
+
+        return MlxSampler(params, context, self._config.vocab_size)
+
     # -- one forward over segments ----------------------------------------------------
 
     def _check(self, segments: list[tuple[str, int, int]]) -> None:

@@ -1,0 +1,54 @@
+"""What the engine uses when nobody says otherwise: the model, and sampling settings from
+the model's generation_config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ferrum_mac.engine.sampling import SamplingError, SamplingParams
+
+DEFAULT_MODEL = "smollm2:135m"  # the bundled SmolLM2-135M-Instruct, fetched on first use
+MODEL_ENV = "FERRUM_MODEL"
+FALLBACK_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40)
+
+# generation_config.json key -> SamplingParams field
+_GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def default_model_name() -> str:
+    """$FERRUM_MODEL, else the bundled model."""
+    return os.environ.get(MODEL_ENV, "").strip() or DEFAULT_MODEL
+
+
+def sampling_defaults(model_path: str | Path) -> SamplingParams:
+    """FALLBACK_SAMPLING with what the model's generation_config.json sets; greedy when it
+    says `do_sample: false` (as transformers' generate would be). A .gguf carries none."""
+    config = _read_generation_config(Path(model_path))
+    if config.get("do_sample") is False:
+        return FALLBACK_SAMPLING.replace(temperature=0.0)
+    found = {field: config[key] for key, field in _GENERATION_KEYS.items() if isinstance(config.get(key), (int, float))}
+    if found.get("top_k") is not None:
+        found["top_k"] = int(found["top_k"])
+    try:
+        return FALLBACK_SAMPLING.replace(**found)
+    except SamplingError:  # out-of-range values in the file: ignore them all
+        return FALLBACK_SAMPLING
+
+
+def _read_generation_config(path: Path) -> dict:
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # a broken generation config is not worth refusing the model over
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,129 @@
+"""`Engine`: one model with its tokenizer and chat template, and the conversations on it.
+
+Usable from a worker thread: one turn runs at a time per engine (a lock), and `cancel()`
+may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from ferrum_mac.engine.conversation import ChatSettings, Conversation
+from ferrum_mac.engine.defaults import default_model_name, sampling_defaults
+from ferrum_mac.engine.events import Event
+from ferrum_mac.engine.sampling import SamplingParams
+from ferrum_mac.engine.turn import run_turn
+from ferrum_mac.errors import FerrumError
+from ferrum_mac.llm import DecoderOnlyLLM
+from ferrum_mac.text import ChatTemplate, Tokenizer
+
+PREPARE_TOKENS = 2048  # cache reserved when a conversation opens; it grows past this as needed
+
+
+class Engine:
+    def __init__(
+        self,
+        model: DecoderOnlyLLM,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        *,
+        name: str = "",
+        path: Path | None = None,
+        sampling: SamplingParams | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template
+        self.name = name
+        self.path = path
+        self.default_sampling = sampling or SamplingParams()
+        self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.config.eos_token_ids)
+        self._lock = threading.Lock()
+        self._cancel: threading.Event | None = None
+        self._ids = itertools.count(1)
+        self._open: dict[str, Conversation] = {}
+
+    @classmethod
+    def open(
+        cls,
+        name: str | Path | None = None,
+        *,
+        backend: str = "auto",
+        dtype: str | None = None,
+        pull: bool = True,
+        template: str | None = None,
+    ) -> "Engine":
+        """The model called `name` (a path, alias or repo id; default: $FERRUM_MODEL, else the
+        bundled smollm2:135m), downloaded first if needed and `pull` allows."""
+        from ferrum_mac import open_model
+        from ferrum_mac.backends import choose, recommended_dtype
+        from ferrum_mac.store import resolve_model
+        from ferrum_mac.text import load_chat_template, load_tokenizer
+
+        name = str(name or default_model_name())
+        path = resolve_model(name, backend=choose(backend), pull=pull)
+        model = open_model(path, backend=backend, dtype=dtype or recommended_dtype(backend))
+        tokenizer = load_tokenizer(path)
+        return cls(
+            model, tokenizer, load_chat_template(path, tokenizer, template),
+            name=name, path=path, sampling=sampling_defaults(path),
+        )
+
+    # -- conversations ------------------------------------------------------------------
+
+    def settings(self, **changes) -> ChatSettings:
+        """Chat settings with this model's sampling defaults, changed as given."""
+        return ChatSettings(sampling=self.default_sampling).replace(**changes)
+
+    def conversation(self, settings: ChatSettings | None = None, *, prepare: bool = True, **changes) -> Conversation:
+        """A new conversation (its cache allocated and the kernels warmed up when `prepare`)."""
+        settings = (settings or self.settings()).replace(**changes)
+        conv = Conversation(self, f"conversation-{next(self._ids)}", settings)
+        if prepare:
+            with self._lock:
+                self.model.prepare(conv.cache_id, min(PREPARE_TOKENS, self.model.kv_capacity()))
+        self._open[conv.cache_id] = conv
+        return conv
+
+    def close_conversation(self, conv: Conversation) -> None:
+        """Free the conversation's cache. Idempotent."""
+        with self._lock:
+            self.model.release(conv.cache_id)
+            conv.ledger = []
+            conv.closed = True
+            self._open.pop(conv.cache_id, None)
+
+    def close(self) -> None:
+        for conv in list(self._open.values()):
+            conv.close()
+
+    # -- turns ----------------------------------------------------------------------------
+
+    def send(self, conv: Conversation, text: str, cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Add the user message `text` to `conv` and stream the answer: TextDelta,
+        ReasoningDelta and Notice events, then one Done. Setting `cancel` (or `Engine.cancel()`)
+        ends the answer after the current token; the answer so far is kept."""
+        if conv.closed:
+            raise FerrumError(f"conversation {conv.cache_id} is closed; open a new one")
+        cancel = cancel or threading.Event()
+        with self._lock:
+            self._cancel = cancel
+            try:
+                yield from run_turn(self, conv, text, cancel)
+            finally:
+                self._cancel = None
+
+    def cancel(self) -> None:
+        """End the answer being generated (from any thread)."""
+        if self._cancel is not None:
+            self._cancel.set()
+
+    def render(self, settings: ChatSettings, messages: list[dict]) -> tuple[str, list[int]]:
+        """The prompt text for `messages` under `settings` (system prompt, thinking) and its ids."""
+        system = [{"role": "system", "content": settings.system}] if settings.system is not None else []
+        thinking = {} if settings.think is None else {"enable_thinking": settings.think}
+        text = self.template.render(system + messages, add_generation_prompt=True, **thinking)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,54 @@
+"""What a turn yields while it runs: text as it comes, notices, and one `Done` at the end."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Union
+
+# Why an answer ended.
+EOS = "eos"  # the model's end-of-sequence token
+STOP_STRING = "stop"  # one of the stop strings
+MAX_TOKENS = "max_tokens"  # the answer reached max_tokens
+CANCELLED = "cancelled"  # the cancel event or Ctrl-C
+CONTEXT = "context"  # the KV cache is full
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """More of the answer."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """More of the model's reasoning (the `<think>` section)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should know that is not the answer (e.g. old turns were dropped)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The last event of a turn, with its figures."""
+
+    stop_reason: str
+    prompt_tokens: int  # prefilled for this turn
+    cached_tokens: int  # reused from the KV cache instead of prefilled
+    generated_tokens: int
+    ttft_s: float  # turn start to the first answer token
+    prefill_tps: float  # prompt_tokens / ttft_s
+    decode_tps: float  # tokens after the first / time after the first
+    stop_string: str | None = None
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+Event = Union[TextDelta, ReasoningDelta, Notice, Done]

@@ -1,0 +1,88 @@
+"""Sampling settings and the sampler contract each backend provides.
+
+The engine never touches logits. For each answer it asks the model for a sampler,
+`model.sampler(params, context)`, and drives it with two calls:
+
+    token = sampler.sample(logits)   # picks the next token on the device; does not wait for it
+    token_id = sampler.read(token)   # waits for it and brings its id to the host
+
+Only token ids cross to the host. Because `sample` does not wait, the engine can queue the
+next decode step with the lazy token before it reads the current one.
+
+Order of work in a sampler (as transformers applies its processors and warpers): logit bias,
+repetition/presence/frequency penalties over the last `penalty_window` tokens of the
+sequence (prompt included), then greedy argmax when temperature is 0, else temperature,
+top-k, top-p, min-p and a draw from a generator seeded with `seed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+from ferrum_mac.errors import FerrumError
+
+Token = Any  # a device scalar holding a token id
+
+
+class SamplingError(FerrumError):
+    """A sampling setting out of its range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8  # 0: greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens; 0: off
+    top_p: float = 1.0  # keep the smallest set whose probability reaches p; 1: off
+    min_p: float = 0.0  # drop tokens less likely than min_p x the top token's probability; 0: off
+    repetition_penalty: float = 1.0  # >1 discourages tokens in the window (divides positive logits); 1: off
+    presence_penalty: float = 0.0  # subtracted once from each token in the window
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the window
+    penalty_window: int = 64  # recent tokens the penalties look at
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    seed: int | None = None  # same seed, same prompt, same settings: same answer
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        ) and self.penalty_window > 0
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        """A copy with the given fields changed; None values are left out (unset options)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None}).checked()
+
+    def checked(self) -> "SamplingParams":
+        """Self, or a SamplingError naming the first setting out of range."""
+        problems = [
+            (self.temperature < 0, f"temperature {self.temperature} must be 0 (greedy) or more"),
+            (self.top_k < 0, f"top_k {self.top_k} must be 0 (off) or more"),
+            (not 0 < self.top_p <= 1, f"top_p {self.top_p} must be above 0 and at most 1"),
+            (not 0 <= self.min_p < 1, f"min_p {self.min_p} must be at least 0 and below 1"),
+            (self.repetition_penalty <= 0, f"repetition_penalty {self.repetition_penalty} must be above 0 (1 is off)"),
+            (self.penalty_window < 0, f"penalty_window {self.penalty_window} must be 0 or more"),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise SamplingError(message)
+        return self
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "logit_bias": {str(k): v for k, v in self.logit_bias.items()}}
+
+
+class Sampler(Protocol):
+    """One answer's sampler, made by the backend (`DecoderOnlyLLM.sampler`)."""
+
+    def sample(self, logits: Any) -> Token:
+        """The next token as a device scalar, computing in the background (not waited for)."""
+        ...
+
+    def read(self, token: Token) -> int:
+        """Wait for `token` and return its id."""
+        ...

@@ -1,0 +1,130 @@
+"""One turn of a conversation: fit the prompt, reuse the cache, prefill the rest, stream the answer.
+
+Whatever ends the turn (the answer's end, cancel, Ctrl-C, an error, the caller dropping
+the stream), the conversation is left consistent: the answer so far is its last assistant
+message and its ledger equals what the cache holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from ferrum_mac.engine.answer_text import AnswerText
+from ferrum_mac.engine.context import common_prefix, fit
+from ferrum_mac.engine.conversation import Conversation
+from ferrum_mac.engine.decode_loop import sampled_tokens
+from ferrum_mac.engine.events import CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, Event, Notice
+from ferrum_mac.text import prompt_opens_reasoning
+
+if TYPE_CHECKING:
+    from ferrum_mac.engine.engine import Engine
+
+
+@dataclass
+class Timing:
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    last: float | None = None
+
+    def token(self) -> None:
+        self.last = time.perf_counter()
+        if self.first is None:
+            self.first = self.last
+
+
+def run_turn(engine: "Engine", conv: Conversation, text: str, cancel: threading.Event) -> Iterator[Event]:
+    timing = Timing()
+    ids, prompt_text, dropped = _fit_new_message(engine, conv, text)
+    if dropped:
+        yield Notice(
+            f"dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} to fit the "
+            f"{engine.model.kv_capacity()}-token context"
+        )
+    model, settings = engine.model, conv.settings
+    reused = _trim_cache(engine, conv, ids)
+    known = list(ids)  # every token the cache may hold, in order; the ledger is a prefix of it
+    answer = AnswerText(engine.tokenizer, settings.stop, prompt_opens_reasoning(prompt_text))
+    generated = 0
+    reason = CANCELLED  # unless the loop says otherwise
+    try:
+        sampler = model.sampler(settings.sampling, ids)
+        logits = model.prefill(conv.cache_id, ids[reused:])
+        tokens = sampled_tokens(model, sampler, conv.cache_id, logits, settings.max_tokens)
+        for token in tokens:
+            timing.token()
+            known.append(token)
+            generated += 1
+            if token in engine.eos_ids:
+                reason = EOS
+                break
+            yield from answer.add(token)
+            if answer.stopped:
+                reason = STOP_STRING
+                break
+            if cancel.is_set():
+                break
+        else:
+            reason = MAX_TOKENS if generated == settings.max_tokens else CONTEXT
+        tokens.close()
+        yield from answer.finish()
+    finally:
+        _commit(engine, conv, known, answer)
+    yield _done(reason, len(ids) - reused, reused, generated, timing, answer.stop_string)
+
+
+def _fit_new_message(engine: "Engine", conv: Conversation, text: str) -> tuple[list[int], str, int]:
+    """Prompt ids with the new user message; changes `conv` only once they fit."""
+    rendered = {}
+
+    def prompt_ids(messages: list[dict]) -> list[int]:
+        rendered["text"], token_ids = engine.render(conv.settings, messages)
+        return token_ids
+
+    wanted = conv.messages + [{"role": "user", "content": text}]
+    ids, kept = fit(
+        wanted, prompt_ids, conv.settings.context_policy, engine.model.kv_capacity(), conv.settings.max_tokens
+    )
+    conv.messages = kept
+    return ids, rendered["text"], len(wanted) - len(kept)
+
+
+def _trim_cache(engine: "Engine", conv: Conversation, ids: list[int]) -> int:
+    """Cut the cache back to its longest prefix shared with `ids`; at least one id is left to prefill."""
+    held = engine.model.kv_len(conv.cache_id)
+    reused = min(common_prefix(conv.ledger[:held], ids), len(ids) - 1)
+    if held > reused:
+        engine.model.truncate_kv(conv.cache_id, reused)
+    conv.ledger = ids[:reused]
+    return reused
+
+
+def _commit(engine: "Engine", conv: Conversation, known: list[int], answer: AnswerText) -> None:
+    answer.finish()
+    message = {"role": "assistant", "content": answer.answer}
+    if answer.reasoning:
+        message["reasoning_content"] = answer.reasoning
+    conv.messages.append(message)
+    held = engine.model.kv_len(conv.cache_id)
+    if held > len(known):  # a step queued ahead and never read
+        engine.model.truncate_kv(conv.cache_id, len(known))
+        held = len(known)
+    conv.ledger = known[:held]
+
+
+def _done(reason: str, prompt: int, cached: int, generated: int, timing: Timing, stop: str | None) -> Done:
+    first = timing.first if timing.first is not None else time.perf_counter()
+    ttft = first - timing.start
+    decode_time = (timing.last or first) - first
+    return Done(
+        stop_reason=reason,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        generated_tokens=generated,
+        ttft_s=ttft,
+        prefill_tps=prompt / ttft if ttft > 0 else 0.0,
+        decode_tps=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0,
+        stop_string=stop,
+    )

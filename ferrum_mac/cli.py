@@ -94,15 +94,63 @@ def show(
     show_command(name, backend)
 
 
+@app.command(context_settings={"allow_interspersed_args": True})
+def run(
+    words: Optional[list[str]] = typer.Argument(
+        None, metavar="[MODEL] [PROMPT]...",
+        help="Model (alias, repo id, folder or .gguf; default $FERRUM_MODEL or smollm2:135m) and prompt. "
+        "No prompt: stdin when piped, else the REPL.",
+    ),
+    system: Optional[str] = typer.Option(None, help="System prompt."),
+    temperature: Optional[float] = typer.Option(None, help="0 is greedy; default from the model's generation config."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling: keep tokens up to this probability."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0: off)."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p x the top probability."),
+    repeat_penalty: Optional[float] = typer.Option(None, "--repeat-penalty", help="Above 1 discourages repeats."),
+    seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Most tokens in the answer."),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop at this text (repeatable)."),
+    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The model's thinking mode, where it has one."),
+    hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not print the reasoning (stderr, dimmed)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats line (tok/s) after each answer."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, reasoning, stats."),
+    backend: str = typer.Option("auto", help="auto, mlx or torch."),
+    kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", help="Most tokens in the context."),
+    context: str = typer.Option("error", help="When the context is full: error or truncate-oldest."),
+    pull: bool = typer.Option(True, "--pull/--no-pull", help="Download the model when it is not on disk."),
+    interactive: bool = typer.Option(False, "--interactive", "-i", help="The REPL, even with stdin piped."),
+) -> None:
+    """Chat with a model: one answer to a prompt, or a REPL (/? for its commands)."""
+    from ferrum_mac.run_command import RunOptions
+    from ferrum_mac.run_command import run as run_chat
+
+    run_chat(words or [], RunOptions(
+        system=system, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop or [], think=think,
+        hide_thinking=hide_thinking, verbose=verbose, json=json_out, backend=backend, kv_capacity=kv_capacity,
+        context=context, pull=pull, interactive=interactive,
+    ))
+
+
 def main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)
     except FerrumError as e:
         print(f"ferrum: {e}", file=sys.stderr)
         sys.exit(1)
+    except typer.Abort:
+        print("\nferrum: aborted", file=sys.stderr)
+        sys.exit(1)
+    except typer.TyperException as e:  # a bad flag or value: one line instead of click's box
+        message = e.format_message().rstrip(".") if hasattr(e, "format_message") else str(e)
+        if message:  # (no arguments at all: the help was printed already)
+            command = getattr(getattr(e, "ctx", None), "command_path", None) or "ferrum"
+            print(f"ferrum: {message}; see `{command} --help`", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
     except KeyboardInterrupt:
         print("\nferrum: interrupted", file=sys.stderr)
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def chat_main() -> None:

@@ -1,0 +1,113 @@
+"""`ferrum run [MODEL] [PROMPT...]`: one answer streamed to stdout, or a REPL.
+
+The first word is the model when it looks like one (an existing path, or a name with ':' or
+'/', no spaces); otherwise every word is the prompt and the default model answers
+($FERRUM_MODEL, else the bundled smollm2:135m). With no prompt, piped stdin is the prompt;
+on a terminal (or with --interactive) the REPL starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ferrum_mac.engine import ChatSettings, Conversation, Engine, Notice, SamplingParams
+from ferrum_mac.errors import FerrumError
+from ferrum_mac.llm import KV_CAPACITY_ENV
+from ferrum_mac.printer import EventPrinter
+
+
+@dataclass
+class RunOptions:
+    system: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    think: bool | None = None
+    hide_thinking: bool = False
+    verbose: bool = False
+    json: bool = False
+    backend: str = "auto"
+    kv_capacity: int | None = None
+    context: str = "error"
+    pull: bool = True
+    interactive: bool = False
+
+    def sampling_changes(self) -> dict:
+        return dict(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repeat_penalty, seed=self.seed,
+        )
+
+
+def run(words: list[str], options: RunOptions) -> None:
+    model, prompt = split_model_and_prompt(words)
+    check_options(options)
+    if prompt is None and not options.interactive and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise FerrumError("the prompt on stdin is empty; pipe some text in or give the prompt as an argument")
+    engine = Engine.open(model, backend=options.backend, pull=options.pull)
+    settings = engine.settings(
+        system=options.system,
+        sampling=engine.default_sampling.replace(**options.sampling_changes()),
+        max_tokens=options.max_tokens,
+        think=options.think,
+        context_policy=options.context,
+        stop=tuple(options.stop),
+    )
+    printer = EventPrinter(show_reasoning=not options.hide_thinking, verbose=options.verbose)
+    if prompt is None:
+        from ferrum_mac.repl import Repl
+
+        Repl(engine, engine.conversation(settings), printer).run()
+    elif options.json:
+        print(json.dumps(answer_as_json(engine, engine.conversation(settings, prepare=False), prompt), ensure_ascii=False))
+    else:
+        # One answer: no warm-up, which would only move the kernels' first-use cost earlier.
+        for event in engine.conversation(settings, prepare=False).send(prompt):
+            printer.print(event)
+
+
+def split_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:
+    if not words:
+        return None, None
+    if looks_like_model(words[0]):
+        return words[0], " ".join(words[1:]) or None
+    return None, " ".join(words)
+
+
+def looks_like_model(word: str) -> bool:
+    if not word or any(c.isspace() for c in word):
+        return False
+    return ":" in word or "/" in word or word.endswith(".gguf") or Path(word).expanduser().exists()
+
+
+def check_options(options: RunOptions) -> None:
+    """Refuse bad values before the model loads; set the KV capacity the model will read."""
+    SamplingParams().replace(**options.sampling_changes())
+    ChatSettings(max_tokens=options.max_tokens, context_policy=options.context).checked()
+    if options.kv_capacity is not None:
+        if options.kv_capacity < 2:
+            raise FerrumError(f"--kv-capacity {options.kv_capacity} is too small; give at least 2 tokens")
+        os.environ[KV_CAPACITY_ENV] = str(options.kv_capacity)
+
+
+def answer_as_json(engine: Engine, conv: Conversation, prompt: str) -> dict:
+    events = list(conv.send(prompt))
+    answer = conv.messages[-1]
+    return {
+        "model": engine.name,
+        "text": answer["content"],
+        "reasoning": answer.get("reasoning_content", ""),
+        "notices": [e.text for e in events if isinstance(e, Notice)],
+        "stats": events[-1].as_dict(),
+    }

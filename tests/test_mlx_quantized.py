@@ -121,20 +121,37 @@ def mlx_lm_greedy(model, prompt, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_quantized_checkpoint_matches_mlx_lm(converted, name):
+def test_quantized_checkpoint_matches_mlx_lm(converted, name, monkeypatch):
     from mlx_lm import load
 
+    monkeypatch.setenv("FERRUM_DEQUANTIZE_ON_CPU", "0")  # run the quantized kernels, as on a GPU
     v = VARIANTS[name]
     folder = converted(name)
     peer, _ = load(str(folder))
-    model = ferrum_mac.open_model(folder)
-    assert model.config.dtype == v.dtype  # the compute dtype follows the scales
+    model = ferrum_mac.open_model(folder, dtype=None if mx.default_device() != mx.cpu else v.dtype)
+    assert model.config.dtype == v.dtype  # the compute dtype follows the scales (CPU: asked for)
     want = mlx_lm_logits(peer, PROMPT)
     got = model.forward_verify("v", PROMPT)
     assert got.dtype == want.dtype
     assert_close(got, want, REL[v.dtype])
     prompt = PROMPT[:6]
     assert_same_tokens(ferrum_greedy(model, "g", prompt, 16), mlx_lm_greedy(peer, prompt, 16))
+
+
+def test_cpu_loads_quantized_weights_dense_in_float32(converted):
+    """MLX's CPU build runs quantized and half-precision matmuls slowly, so there ferrum
+    dequantizes at load and computes in float32: same logits as mlx-lm's fp32 reading."""
+    from mlx_lm import load
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the dense-on-CPU policy applies to MLX's CPU device only")
+    name = next(n for n, v in VARIANTS.items() if v.dtype == "float32")
+    folder = converted(name)
+    model = ferrum_mac.open_model(folder)
+    assert model.config.dtype == "float32"
+    assert not any(block.mlp.down.quantized for block in model.model.layers)
+    peer, _ = load(str(folder))
+    assert_close(model.forward_verify("d", PROMPT), mlx_lm_logits(peer, PROMPT), REL["float32"])
 
 
 def test_quantization_is_read_per_layer(converted):

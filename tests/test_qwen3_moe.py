@@ -225,11 +225,14 @@ def test_quantized_checkpoint_is_what_mlx_community_ships(quantized):
     assert tensors["model.layers.0.mlp.switch_mlp.gate_proj.weight"].shape == (8, 32, 64 * 4 // 32)
 
 
-def test_quantized_fp32_matches_mlx_lm(quantized):
-    """fp32 arithmetic on identical 4-bit weights: only the order of float sums differs."""
+@pytest.mark.parametrize("dequantize", ["0", "1"])
+def test_quantized_fp32_matches_mlx_lm(quantized, monkeypatch, dequantize):
+    """fp32 arithmetic on identical 4-bit weights: only the order of float sums differs
+    (quantized kernels as on a GPU, or weights dequantized at load as on MLX's CPU build)."""
     import ferrum_mac
     from mlx_lm import load
 
+    monkeypatch.setenv("FERRUM_DEQUANTIZE_ON_CPU", dequantize)
     peer, _ = load(str(quantized["float32"]))
     model = ferrum_mac.open_model(quantized["float32"])
     assert model.config.dtype == "float32"
@@ -240,7 +243,7 @@ def test_quantized_fp32_matches_mlx_lm(quantized):
     assert_same_tokens(helpers.ferrum_greedy(model, "g", prompt, 16), mlx_lm_greedy(peer, prompt, 16))
 
 
-def test_quantized_bf16_error_no_worse_than_mlx_lm(quantized):
+def test_quantized_bf16_error_no_worse_than_mlx_lm(quantized, monkeypatch):
     """bf16 (what mlx-community ships) rounds differently on each side, and this random
     init-0.2 model amplifies rounding (~7-10% of the logit range on both sides), so the two
     are not compared to each other: each is compared to an fp32 evaluation of the same
@@ -248,8 +251,9 @@ def test_quantized_bf16_error_no_worse_than_mlx_lm(quantized):
     import ferrum_mac
     from mlx_lm import load
 
+    monkeypatch.setenv("FERRUM_DEQUANTIZE_ON_CPU", "0")  # the quantized kernels, as on a GPU
     peer, _ = load(str(quantized["bfloat16"]))
-    model = ferrum_mac.open_model(quantized["bfloat16"])
+    model = ferrum_mac.open_model(quantized["bfloat16"], dtype="bfloat16")
     truth = ferrum_mac.open_model(quantized["bfloat16"], dtype="float32")
     assert model.config.dtype == "bfloat16"
     for n in (LONG, SHORT):

@@ -165,8 +165,10 @@ def test_smollm2_default_dtype_is_close(smollm2_gguf, smollm2_reference):
     assert int(np.argmax(to_np(got))) == int(np.argmax(want))
 
 
-def test_smollm2_default_dtype_is_float16(smollm2_gguf):
+def test_smollm2_default_dtype(smollm2_gguf):
+    """float16 (its scales' dtype) on a GPU; float32 on MLX's CPU build, where half precision is slow."""
     from ferrum_mac.backends.mlx.runtime import compute_dtype
     from ferrum_mac.weights import load_checkpoint
 
-    assert compute_dtype(load_checkpoint(smollm2_gguf), None) == mx.float16
+    want = mx.float32 if mx.default_device() == mx.cpu else mx.float16
+    assert compute_dtype(load_checkpoint(smollm2_gguf), None) == want

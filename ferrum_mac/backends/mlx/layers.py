@@ -16,8 +16,9 @@ from ferrum_mac.weights import ModelConfig
 class TensorSource:
     """Hands out a checkpoint's tensors by canonical name, checking presence and shape."""
 
-    def __init__(self, tensors: dict, config: ModelConfig, dtype: mx.Dtype, where: str):
+    def __init__(self, tensors: dict, config: ModelConfig, dtype: mx.Dtype, where: str, dequantize: bool = False):
         self.tensors, self.config, self.dtype, self.where = tensors, config, dtype, where
+        self.dequantize = dequantize  # load quantized linears as dense weights
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -45,6 +46,8 @@ class TensorSource:
         weight = self.take(f"{module}.weight", (out_dim, in_dim * bits // 32), cast=False)
         scales = self.take(f"{module}.scales", (out_dim, in_dim // group))
         biases = self.take(f"{module}.biases", (out_dim, in_dim // group))
+        if self.dequantize:
+            return Linear(mx.dequantize(weight, scales, biases, group_size=group, bits=bits).astype(self.dtype), b)
         return Linear(weight, b, scales, biases, group, bits)
 
     def norm(self, module: str, dim: int) -> mx.array:

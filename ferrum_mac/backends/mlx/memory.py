@@ -15,6 +15,10 @@ def _cuda() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
+def on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
 def device_name() -> str:
     if _metal():
         return f"metal ({mx.device_info().get('device_name', 'Apple GPU')})"

@@ -20,50 +20,12 @@ from ferrum_mac.backends.mlx.layers import Linear, TensorSource
 from ferrum_mac.backends.mlx.models import llama
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.weights import ModelConfig
+from ferrum_mac.weights.moe import MoeConfig, moe_config  # noqa: F401  (the MoE keys of any checkpoint)
 
 # From this many token-expert pairs on (prefill, large batches), sort the pairs by expert
 # so each expert's weights are read once for all of its tokens.
 SORT_MIN_PAIRS = 64
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    norm_topk_prob: bool
-    decoder_sparse_step: int = 1
-    mlp_only_layers: frozenset[int] = frozenset()
-
-    def is_sparse(self, layer: int) -> bool:
-        return (
-            self.num_experts > 0
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
-
-
-def moe_config(config: ModelConfig) -> MoeConfig:
-    """MoE keys from config.json (transformers 5 writes `num_local_experts`) or GGUF metadata."""
-    raw = config.extra
-
-    def first(*keys):
-        for key in keys:
-            if raw.get(key) is not None:
-                return raw[key]
-        raise CorruptModelError(f"the qwen3_moe config lacks {keys[0]!r}; re-download the model or fix its config.json")
-
-    is_gguf = "expert_count" in raw
-    return MoeConfig(
-        num_experts=int(first("num_experts", "num_local_experts", "expert_count")),
-        top_k=int(first("num_experts_per_tok", "expert_used_count")),
-        intermediate_size=int(first("moe_intermediate_size", "expert_feed_forward_length")),
-        # GGUF has no such key: llama.cpp's qwen3moe always renormalises.
-        norm_topk_prob=bool(raw.get("norm_topk_prob", is_gguf)),
-        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-        mlp_only_layers=frozenset(raw.get("mlp_only_layers") or ()),
-    )
 
 
 # -- loading: every checkpoint layout -> mlp.switch_mlp.{gate,up,down}_proj (E, out, in) ----

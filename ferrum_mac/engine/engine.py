@@ -121,6 +121,10 @@ class Engine:
         if self._cancel is not None:
             self._cancel.set()
 
+    def kv_capacity(self) -> int:
+        """The most tokens one conversation's context holds (prompt and answer)."""
+        return self.model.kv_capacity()
+
     def render(self, settings: ChatSettings, messages: list[dict]) -> tuple[str, list[int]]:
         """The prompt text for `messages` under `settings` (system prompt, thinking) and its ids."""
         system = [{"role": "system", "content": settings.system}] if settings.system is not None else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,16 +74,20 @@ _SKIPPED = object()
 class _Reader:
     def __init__(self, f, path: Path):
         self.f, self.path = f, path
+        self.size = os.fstat(f.fileno()).st_size
 
     def take(self, fmt: str):
-        size = struct.calcsize(fmt)
-        data = self.f.read(size)
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    def read(self, size: int) -> bytes:
+        # A damaged length field can claim more bytes than the file has: do not try to read them.
+        data = self.f.read(size) if size <= self.size else b""
         if len(data) != size:
             raise CorruptModelError(f"{self.path} ends inside its GGUF header; the file is truncated, download it again")
-        return struct.unpack(fmt, data)[0]
+        return data
 
     def string(self) -> str:
-        return self.f.read(self.take("<Q")).decode("utf-8", errors="replace")
+        return self.read(self.take("<Q")).decode("utf-8", errors="replace")
 
     def value(self, kind: int):
         if kind == _STRING:

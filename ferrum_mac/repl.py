@@ -73,7 +73,7 @@ def read_message(reader: LineReader) -> str:
         lines.append(body)
         body = reader.read(MORE)
     lines.append(body.rstrip()[: -len(FENCE)])
-    return "\n".join(lines)
+    return "\n".join(lines).strip("\n")  # the fences' own lines are not part of the message
 
 
 class Repl:

@@ -1,0 +1,222 @@
+"""`ferrum run` as a user runs it: the console script in a subprocess, through pipes and a terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ferrum_mac.store.bundled import SMOLLM2
+
+FERRUM = Path(sys.executable).with_name("ferrum")
+STORY = "Tell me a story."
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch) -> dict:
+    """A private data folder (saved chats, history, the bundled model) and no model preference."""
+    data = tmp_path / "data"
+    data.mkdir()
+    variables = {**os.environ, "XDG_DATA_HOME": str(data), "TERM": "dumb", "NO_COLOR": "1"}
+    variables.pop("FERRUM_MODEL", None)
+    variables.pop("FERRUM_KV_CAPACITY", None)
+    return variables
+
+
+@pytest.fixture
+def bundled_env(env, smollm2_gguf) -> dict:
+    """`env` with the bundled SmolLM2 already 'downloaded' (a link to the test copy)."""
+    folder = Path(env["XDG_DATA_HOME"]) / "ferrum_mac" / "models" / SMOLLM2.name
+    folder.mkdir(parents=True)
+    (folder / SMOLLM2.filename).symlink_to(smollm2_gguf)
+    return env
+
+
+def ferrum(*args: str, env: dict, stdin: str | None = "", timeout: float = 120) -> subprocess.CompletedProcess:
+    command = [str(FERRUM)] if FERRUM.exists() else [sys.executable, "-m", "ferrum_mac.cli"]
+    return subprocess.run(
+        command + list(args), input=stdin, capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+# -- one answer ---------------------------------------------------------------------------
+
+
+def test_one_shot_with_the_bundled_default_model_names_paris(bundled_env):
+    run = ferrum("run", "What is the capital of France?", "--temperature", "0", "--max-tokens", "12", env=bundled_env)
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout
+    assert run.stderr == ""
+
+
+def test_one_shot_verbose_prints_a_stats_line(stories_path, env):
+    run = ferrum("run", str(stories_path), STORY, "--max-tokens", "8", "--verbose", env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Anna")
+    assert "tok/s" in run.stderr and "stop: max_tokens" in run.stderr
+
+
+def test_piped_stdin_is_the_prompt(stories_path, env):
+    by_argument = ferrum("run", str(stories_path), STORY, "--max-tokens", "12", env=env)
+    by_pipe = ferrum("run", str(stories_path), "--max-tokens", "12", env=env, stdin=STORY + "\n")
+    assert by_pipe.returncode == 0, by_pipe.stderr
+    assert by_pipe.stdout == by_argument.stdout and by_pipe.stdout.strip()
+
+
+def test_json_output(stories_path, env):
+    run = ferrum("run", str(stories_path), STORY, "--max-tokens", "20", "--stop", "scared", "--json", env=env)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert set(result) == {"model", "text", "reasoning", "notices", "stats"}
+    assert result["text"] == "Anna, I'm" and result["reasoning"] == ""
+    stats = result["stats"]
+    assert stats["stop_reason"] == "stop" and stats["stop_string"] == "scared"
+    assert stats["prompt_tokens"] > 0 and stats["cached_tokens"] == 0 and stats["generated_tokens"] > 0
+    assert {"ttft_s", "prefill_tps", "decode_tps"} <= set(stats)
+
+
+# -- bad input: one line on stderr, non-zero exit, no traceback -------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["nosuch:model", "hi"], "unknown model"),
+        (["./no/such/folder", "hi"], "does not exist"),
+        (["{bad}", "hi"], "broken.gguf"),
+        (["{stories}", "--kv-capacity", "16", "The dog ran to the big park to play."], "context holds 16"),
+        (["{stories}", "hi", "--temperature", "-1"], "temperature"),
+        (["{stories}", "hi", "--top-p", "2"], "top_p"),
+        (["{stories}", "hi", "--temperature", "warm"], "--temperature"),
+        (["{stories}", "hi", "--context", "sideways"], "context policy"),
+        (["{stories}", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["{stories}", "hi", "--no-such-flag"], "no-such-flag"),
+    ],
+)
+def test_bad_input_exits_with_one_clear_line(args, says, stories_path, tmp_path, env):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(64))
+    args = [a.format(stories=stories_path, bad=bad) for a in args]
+    run = ferrum("run", *args, env=env)
+    assert run.returncode != 0
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ferrum: "), run.stderr
+    assert says.lower() in lines[0].lower() and "Traceback" not in run.stderr
+
+
+# -- the REPL -------------------------------------------------------------------------------
+
+
+def test_repl_through_a_pipe(stories_path, env):
+    script = "\n".join([
+        "/set temperature 0",
+        "/set parameter num_predict 8",
+        "/set system You tell stories.",
+        "/show system",
+        STORY,
+        '"""',
+        "Once upon",
+        'a time"""',
+        "/show parameters",
+        "/save chat1",
+        "/clear",
+        "/load chat1",
+        "/unknown",
+        "/bye",
+        "this line is never read",
+    ]) + "\n"
+    run = ferrum("run", str(stories_path), "--interactive", env=env, stdin=script)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "Set parameter 'temperature' to '0'." in out and "You tell stories." in out
+    assert "num_predict       8" in out and "temperature       0.0" in out
+    assert "Cleared session context." in out and "Loaded 'chat1' (4 messages)." in out
+    assert "Unknown command '/unknown'" in out
+    saved = json.loads((Path(env["XDG_DATA_HOME"]) / "ferrum_mac" / "conversations" / "chat1.json").read_text())
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert saved["messages"][2]["content"] == "Once upon\na time"
+    assert saved["settings"]["system"] == "You tell stories." and saved["settings"]["max_tokens"] == 8
+
+
+def test_repl_ends_at_end_of_input(stories_path, env):
+    run = ferrum("run", str(stories_path), "-i", "--max-tokens", "4", env=env, stdin=STORY + "\n")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip()
+
+
+class Terminal:
+    """A child process on a pseudo-terminal that is its controlling terminal (so ^C is SIGINT)."""
+
+    def __init__(self, command: list[str], env: dict):
+        import fcntl
+        import termios
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            command, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        )
+        os.close(slave)
+        self.seen = ""
+
+    def expect(self, text: str, timeout: float = 60) -> str:
+        """Read until `text` appears after what earlier calls consumed; return what came before it."""
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"waited {timeout}s for {text!r}; got {self.seen[-500:]!r}"
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:  # the child closed the terminal
+                    chunk = b""
+                assert chunk, f"the process ended while waiting for {text!r}; got {self.seen[-500:]!r}"
+                self.seen += chunk.decode("utf-8", "replace")
+        before, _, self.seen = self.seen.partition(text)
+        return before
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def close(self) -> int:
+        try:
+            return self.proc.wait(30)
+        finally:
+            os.close(self.master)
+
+
+def test_repl_on_a_terminal_ctrl_c_stops_the_answer_not_the_program(bundled_env):
+    command = [str(FERRUM), "run"] if FERRUM.exists() else [sys.executable, "-m", "ferrum_mac.cli", "run"]
+    term = Terminal(command + ["--temperature", "0"], bundled_env)
+    try:
+        term.expect(">>> ", timeout=90)
+        term.send("/set num_predict 400\n")
+        term.expect("Set parameter")
+        term.expect(">>> ")
+        term.send("Write a long story about a dragon.\n")
+        term.expect("dragon.")  # the terminal's echo of the line
+        answer_start = term.expect(" ", timeout=90)  # some of the answer streamed
+        assert answer_start.strip() or True
+        pressed = time.monotonic()
+        term.send("\x03")
+        term.expect(">>> ", timeout=20)
+        assert time.monotonic() - pressed < 15  # 400 tokens would take far longer
+        term.send('"""\nWhat is the capital\nof France?\n"""\n')
+        term.expect("France?")
+        term.expect(">>> ", timeout=120)  # answered after the interrupted turn
+        term.send("\x03")
+        term.expect("Ctrl-D or /bye")
+        term.send("\x03")
+        assert term.close() == 0
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+            term.proc.wait()

@@ -64,37 +64,56 @@ class Attention:
     def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment
         (a scalar offset), else `(T, heads, dim)` (one position per token)."""
-        T = x.shape[1]
+        one = positions.ndim == 0
         q, k, v = self.qkv(x)
-        q = q.reshape(T, self.heads, self.head_dim)
-        k = k.reshape(T, self.kv_heads, self.head_dim)
-        v = v.reshape(T, self.kv_heads, self.head_dim)
+        q, k, v = (split_heads(a, n, self.head_dim, one) for a, n in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads)))
         if self.q_norm is not None:
             q = mx.fast.rms_norm(q, self.q_norm, self.eps)
             k = mx.fast.rms_norm(k, self.k_norm, self.eps)
-        if positions.ndim == 0:
-            return self.rope(heads_first(q), positions), self.rope(heads_first(k), positions), heads_first(v)
+        if one:
+            return self.rope(q, positions), self.rope(k, positions), v
         # Each token is its own rope "batch" row, at its own position.
         q = self.rope(q[:, :, None, :], positions)[:, :, 0, :]
         k = self.rope(k[:, :, None, :], positions)[:, :, 0, :]
         return q, k, v
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, plan: Plan) -> mx.array:
-        """Write each segment's k/v to its cache and attend; returns `(T, heads, dim)`."""
+        """Write each segment's k/v to its cache and attend; returns `(1, T, heads * dim)`."""
         if len(plan.segments) == 1:
-            return self._attend_segment(q, k, v, plan.segments[0])
+            return merge_heads(self._attend_segment(q, k, v, plan.segments[0]))
         outs = []
         for seg in plan.segments:
             rows = slice(seg.start, seg.start + seg.length)
-            outs.append(self._attend_segment(heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg))
-        return mx.concatenate(outs, axis=0)
+            outs.append(merge_heads(self._attend_segment(heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg)))
+        return mx.concatenate(outs, axis=1)
 
     def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:
-        """q/k/v `(1, heads, n, dim)` -> `(n, heads, dim)`."""
+        """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`."""
         keys, values = seg.cache.write(self.layer, k, v, seg.offset)
         mask = "causal" if seg.length > 1 else None
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return out[0].transpose(1, 0, 2)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+
+
+# Layout changes are graph nodes too, and a decode step's cost is mostly per node: a single
+# token takes the direct reshapes (its heads-first and token-first layouts are the same bytes).
+
+
+def split_heads(a: mx.array, heads: int, dim: int, heads_first_layout: bool) -> mx.array:
+    """`(1, T, heads * dim)` -> `(1, heads, T, dim)` (heads first) or `(T, heads, dim)`."""
+    T = a.shape[1]
+    if not heads_first_layout:
+        return a.reshape(T, heads, dim)
+    if T == 1:
+        return a.reshape(1, heads, 1, dim)
+    return a.reshape(1, T, heads, dim).transpose(0, 2, 1, 3)
+
+
+def merge_heads(a: mx.array) -> mx.array:
+    """`(1, heads, T, dim)` -> `(1, T, heads * dim)`."""
+    _, heads, T, dim = a.shape
+    if T == 1:
+        return a.reshape(1, 1, heads * dim)
+    return a.transpose(0, 2, 1, 3).reshape(1, T, heads * dim)
 
 
 def heads_first(a: mx.array) -> mx.array:

@@ -55,7 +55,7 @@ class Block:
         return self.attn.project(mx.fast.rms_norm(x, self.attn_norm, self.eps), positions)
 
     def post(self, x: mx.array, attn_out: mx.array) -> mx.array:
-        h = x + self.attn.o_proj(attn_out.reshape(1, x.shape[1], -1))
+        h = x + self.attn.o_proj(attn_out)
         return h + self.mlp(mx.fast.rms_norm(h, self.mlp_norm, self.eps))
 
     def __call__(self, x: mx.array, plan: Plan) -> mx.array:

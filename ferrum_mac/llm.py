@@ -18,6 +18,7 @@ cached). To rewrite history, `truncate_kv` first.
 from __future__ import annotations
 
 import abc
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -158,6 +159,38 @@ class DecoderOnlyLLM(abc.ABC):
         raise UnsupportedError(f"{type(self).__name__} has no sampler; use a backend that provides one (mlx)")
 
     # -- helpers for implementations --------------------------------------------------
+
+    def check_segments(self, segments: Sequence[tuple[str, int, int]]) -> None:
+        """Validate the (cache_id, n_tokens, offset) parts of one call before any state changes:
+        tokens given, each sequence once, positions that continue its cache, room in it."""
+        seen = set()
+        for cache_id, n, offset in segments:
+            if n < 1:
+                raise FerrumError(f"no tokens given for sequence {cache_id!r}; pass at least one token")
+            if cache_id in seen:
+                raise CacheStateError(f"sequence {cache_id!r} appears twice in one batch; give each sequence one item")
+            seen.add(cache_id)
+            held = self.kv_len(cache_id)
+            if offset != held:
+                raise CacheStateError(
+                    f"sequence {cache_id!r} holds {held} tokens but the call places its token(s) at position {offset}; "
+                    "positions must continue the cache (truncate_kv first to rewrite it)"
+                )
+            self.check_capacity(cache_id, offset + n)
+
+    def check_token_ids(self, cache_id: str, tokens) -> None:
+        """Refuse host ids outside the vocabulary (an embedding lookup past its end may crash).
+        A device array (a sampled token) is trusted: checking it would wait for it."""
+        if not isinstance(tokens, (numbers.Integral, Sequence)):
+            return
+        ids = [tokens] if isinstance(tokens, numbers.Integral) else tokens
+        vocab = self.config.vocab_size
+        if ids and not (0 <= min(ids) and max(ids) < vocab):
+            bad = next(int(t) for t in ids if not 0 <= t < vocab)
+            raise FerrumError(
+                f"token id {bad} of sequence {cache_id!r} is outside the vocabulary (0 to {vocab - 1}); "
+                "encode the text with this model's tokenizer"
+            )
 
     def check_capacity(self, cache_id: str, new_len: int) -> None:
         """Raise `KvCapacityError` if `cache_id` would hold more than `kv_capacity()` tokens."""

@@ -18,7 +18,7 @@ from ferrum_mac.backends.mlx.kv import KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
-from ferrum_mac.errors import CacheStateError, FerrumError, UnsupportedError, UnsupportedModelError
+from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_from_env
 from ferrum_mac.weights import Checkpoint
 
@@ -101,8 +101,8 @@ class MlxLLM(DecoderOnlyLLM):
     def prefill(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
         tokens = list(tokens)
         offset = self.kv.length(cache_id)
-        self._check([(cache_id, len(tokens), offset)])
-        self._check_ids(cache_id, tokens)
+        self.check_segments([(cache_id, len(tokens), offset)])
+        self.check_token_ids(cache_id, tokens)
         for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
             self._forward([(cache_id, tokens[start : start + PREFILL_CHUNK], offset + start)])
             mx.eval(self.kv.get(cache_id).arrays())
@@ -111,30 +111,30 @@ class MlxLLM(DecoderOnlyLLM):
         return self.model.logits(h[:, -1:, :])[0, 0]
 
     def decode(self, cache_id: str, token: Token, pos: int) -> mx.array:
-        self._check([(cache_id, 1, pos)])
-        self._check_ids(cache_id, token)
+        self.check_segments([(cache_id, 1, pos)])
+        self.check_token_ids(cache_id, token)
         h = self._forward([(cache_id, token, pos)])
         return self.model.logits(h)[0, 0]
 
     def decode_batch(self, items: Sequence[DecodeItem]) -> mx.array:
         segments = [(it.cache_id, it.token, it.pos) for it in items]
-        self._check([(cid, 1, pos) for cid, _, pos in segments])
+        self.check_segments([(cid, 1, pos) for cid, _, pos in segments])
         for cid, token, _ in segments:
-            self._check_ids(cid, token)
+            self.check_token_ids(cid, token)
         return self.model.logits(self._forward(segments))[0]
 
     def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
         tokens = list(tokens)
         offset = self.kv.length(cache_id)
-        self._check([(cache_id, len(tokens), offset)])
-        self._check_ids(cache_id, tokens)
+        self.check_segments([(cache_id, len(tokens), offset)])
+        self.check_token_ids(cache_id, tokens)
         return self.model.logits(self._forward([(cache_id, tokens, offset)]))[0]
 
     def unified_forward(self, items: Sequence[ForwardItem]) -> list[mx.array | None]:
         segments = [(it.cache_id, list(it.tokens), it.pos_offset) for it in items]
-        self._check([(cid, len(toks), pos) for cid, toks, pos in segments])
+        self.check_segments([(cid, len(toks), pos) for cid, toks, pos in segments])
         for cid, toks, _ in segments:
-            self._check_ids(cid, toks)
+            self.check_token_ids(cid, toks)
         h = self._forward(segments)
         ends, row = [], 0
         for it in items:
@@ -173,37 +173,6 @@ class MlxLLM(DecoderOnlyLLM):
         return MlxSampler(params, context, self._config.vocab_size)
 
     # -- one forward over segments ----------------------------------------------------
-
-    def _check(self, segments: list[tuple[str, int, int]]) -> None:
-        """Validate (cache_id, n_tokens, offset) for each segment before touching any state."""
-        seen = set()
-        for cache_id, n, offset in segments:
-            if n < 1:
-                raise FerrumError(f"no tokens given for sequence {cache_id!r}; pass at least one token")
-            if cache_id in seen:
-                raise CacheStateError(f"sequence {cache_id!r} appears twice in one batch; give each sequence one item")
-            seen.add(cache_id)
-            held = self.kv.length(cache_id)
-            if offset != held:
-                raise CacheStateError(
-                    f"sequence {cache_id!r} holds {held} tokens but the call places its token(s) at position {offset}; "
-                    "positions must continue the cache (truncate_kv first to rewrite it)"
-                )
-            self.check_capacity(cache_id, offset + n)
-
-    def _check_ids(self, cache_id: str, tokens) -> None:
-        """Refuse ids outside the vocabulary: MLX would read past the embedding and may crash.
-        A device array (a sampled token) is trusted: checking it would wait for it."""
-        if isinstance(tokens, mx.array):
-            return
-        ids = [tokens] if isinstance(tokens, numbers.Integral) else tokens
-        vocab = self._config.vocab_size
-        if ids and not (0 <= min(ids) and max(ids) < vocab):
-            bad = next(int(t) for t in ids if not 0 <= t < vocab)
-            raise FerrumError(
-                f"token id {bad} of sequence {cache_id!r} is outside the vocabulary (0 to {vocab - 1}); "
-                "encode the text with this model's tokenizer"
-            )
 
     def _forward(self, segments: list[tuple[str, object, int]]) -> mx.array:
         plan_segments, token_parts, start = [], [], 0

@@ -40,7 +40,9 @@ def recommended_dtype(backend: str = "auto") -> str | None:
         from ferrum_mac.backends.mlx.memory import device_name
 
         return "float32" if device_name() == "cpu" else None
-    return None
+    from ferrum_mac.backends.torch.memory import default_device
+
+    return "float32" if default_device().type == "cpu" else None  # torch's CPU half-precision matmuls are slow
 
 
 def open_path(path: Path, backend: str = "auto", dtype: str | None = None) -> DecoderOnlyLLM:
@@ -51,4 +53,6 @@ def open_path(path: Path, backend: str = "auto", dtype: str | None = None) -> De
         from ferrum_mac.backends.mlx.runtime import MlxLLM
 
         return MlxLLM(load_checkpoint(path), dtype=dtype)
-    raise UnsupportedError("the torch backend is not built yet; use backend='mlx'")
+    from ferrum_mac.backends.torch.runtime import TorchLLM
+
+    return TorchLLM(load_checkpoint(path), dtype=dtype)

@@ -1,0 +1,115 @@
+"""Building blocks shared by the torch model families: linear layers (fused when they read
+the same input), RMSNorm, RoPE tables and SwiGLU."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ferrum_mac.backends.torch.weights import TensorSource, to_torch
+from ferrum_mac.weights import ModelConfig
+
+
+class Linear:
+    """y = x W^T (+ b), W `(out, in)`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T (+ b) as one GEMM (the residual is its accumulator)."""
+        if self.bias is not None or x.dim() != 2:
+            return residual + self(x)
+        return torch.addmm(residual, x, self.weight.t())
+
+
+def linear(src: TensorSource, module: str, out_dim: int, in_dim: int, bias: bool = False) -> Linear:
+    b = src.take(f"{module}.bias", (out_dim,)) if bias else None
+    return Linear(src.take(f"{module}.weight", (out_dim, in_dim)), b)
+
+
+class Projections:
+    """Several linears over one input as one matmul; returns the parts as views."""
+
+    def __init__(self, linears: list[Linear]):
+        self.sizes = [l.weight.shape[0] for l in linears]
+        weight = torch.cat([l.weight for l in linears])
+        bias = None
+        if any(l.bias is not None for l in linears):  # a part without bias adds zeros
+            bias = torch.cat([l.weight.new_zeros(n) if l.bias is None else l.bias for l, n in zip(linears, self.sizes)])
+        self.fused = Linear(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.fused(x).split(self.sizes, dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalises in float32 and rounds before the weight, as transformers' RMSNorm does.
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class Rope:
+    """Rotary position embedding: cos/sin tables by position (default, linear, Llama-3 or
+    GGUF per-frequency schedules), applied in the layout the checkpoint's q/k rows use."""
+
+    def __init__(self, config: ModelConfig, device: torch.device):
+        self.dims = config.head_dim
+        self.traditional = config.rope_traditional  # GGUF llama: rotate interleaved pairs
+        self.inv_freq = inverse_frequencies(config).to(device)
+        self.cos = self.sin = None
+
+    def build(self, positions: int) -> None:
+        """Tables for positions 0 .. positions-1 (the KV capacity), float32."""
+        t = torch.arange(positions, device=self.inv_freq.device, dtype=torch.float32)
+        angles = torch.outer(t, self.inv_freq)
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `(T, 1, dims/2)` for positions `(T,)`, in the activations' dtype."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x `(T, heads, dims)` rotated by its rows' angles."""
+        if self.traditional:
+            pairs = x.unflatten(-1, (-1, 2))
+            x1, x2 = pairs[..., 0], pairs[..., 1]
+            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Rotation frequencies `(dims/2,)`, float32 and in transformers' order of operations."""
+    dims, base = config.head_dim, config.rope_theta
+    inv_freq = 1.0 / base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return llama3_inverse_frequencies(inv_freq, scaling)
+    if kind == "freq_factors":  # GGUF's rope_freqs: each frequency divided by its factor
+        return inv_freq / to_torch(scaling["factors"]).to(torch.float32)
+    return inv_freq
+
+
+def llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    wavelens = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelens > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelens - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelens >= old_len / high) & (wavelens <= old_len / low)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,26 @@
+"""Device facts for torch on CUDA or the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory a KV cache may still take: what the device has free, plus what torch's
+    allocator holds in reserve but no tensor uses."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

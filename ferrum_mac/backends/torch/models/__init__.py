@@ -1,0 +1,8 @@
+"""Model families, by `model_type`."""
+
+from __future__ import annotations
+
+from ferrum_mac.backends.torch.models import llama, qwen3_moe
+
+FAMILIES = {"llama": llama.Model, "mistral": llama.Model, "qwen2": llama.Model, "qwen3": llama.Model,
+            "qwen3_moe": qwen3_moe.Model}

@@ -1,0 +1,72 @@
+"""The Llama family: Llama 1-3.x, Mistral, SmolLM2, TinyLlama, Qwen2/2.5 (qkv bias) and
+Qwen3 (q/k RMSNorm). Embedding, blocks of attention + SwiGLU MLP, final norm, head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ferrum_mac.backends.torch.attention import Attention
+from ferrum_mac.backends.torch.layers import Linear, Projections, Rope, linear, rms_norm, swiglu
+from ferrum_mac.backends.torch.weights import TensorSource
+from ferrum_mac.weights import ModelConfig
+
+
+class Mlp:
+    def __init__(self, src: TensorSource, config: ModelConfig, prefix: str, hidden: int):
+        c, bias = config, config.mlp_bias
+        self.gate_up = Projections(
+            [
+                linear(src, f"{prefix}.gate_proj", hidden, c.hidden_size, bias),
+                linear(src, f"{prefix}.up_proj", hidden, c.hidden_size, bias),
+            ]
+        )
+        self.down = linear(src, f"{prefix}.down_proj", c.hidden_size, hidden, bias)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + mlp(x)."""
+        gate, up = self.gate_up(x)
+        return self.down.plus(swiglu(gate, up), residual)
+
+
+class Block:
+    """Pre-norm attention and MLP with residuals."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int, rope: Rope, mlp):
+        p = f"layers.{layer}"
+        self.attn = Attention(src, config, layer, rope)
+        self.mlp = mlp
+        self.attn_norm = src.norm(f"{p}.input_layernorm", config.hidden_size)
+        self.mlp_norm = src.norm(f"{p}.post_attention_layernorm", config.hidden_size)
+        self.eps = config.rms_norm_eps
+
+    def __call__(self, h: torch.Tensor, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = self.attn(rms_norm(h, self.attn_norm, self.eps), h, plan, cos, sin)
+        return self.mlp(rms_norm(h, self.mlp_norm, self.eps), h)
+
+
+class Model:
+    """A decoder: `hidden(tokens, plan)` runs the blocks, `logits(h)` the norm and head."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig):
+        c = self.config = config
+        self.rope = Rope(c, src.device)
+        self.embed = src.take("embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.layers = [Block(src, c, i, self.rope, self.make_mlp(src, i)) for i in range(c.num_layers)]
+        self.norm = src.norm("norm", c.hidden_size)
+        tied = c.tie_word_embeddings or not src.has("lm_head.weight")
+        self.head = Linear(self.embed) if tied else linear(src, "lm_head", c.vocab_size, c.hidden_size)
+
+    def make_mlp(self, src: TensorSource, layer: int):
+        return Mlp(src, self.config, f"layers.{layer}.mlp", self.config.intermediate_size)
+
+    def hidden(self, tokens: torch.Tensor, plan) -> torch.Tensor:
+        """tokens `(T,)` -> final hidden states `(T, hidden)` before the norm."""
+        h = F.embedding(tokens, self.embed)
+        cos, sin = self.rope.tables(plan.positions, h.dtype)
+        for block in self.layers:
+            h = block(h, plan, cos, sin)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(rms_norm(h, self.norm, self.config.rms_norm_eps))

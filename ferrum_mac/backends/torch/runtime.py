@@ -1,0 +1,189 @@
+"""`TorchLLM`: the `DecoderOnlyLLM` contract on PyTorch (CUDA or the CPU).
+
+Prefill, verify and mixed batches are one eager forward over a `Plan` of segments. Decode
+steps (`decode`, `decode_batch`) run as a `DecodeStep` of fixed shapes, captured as a CUDA
+graph on a GPU. All checks run before any cache changes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ferrum_mac.backends.torch.attention import Plan, Segment
+from ferrum_mac.backends.torch.kv import KvManager
+from ferrum_mac.backends.torch.memory import default_device, free_memory_bytes
+from ferrum_mac.backends.torch.models import FAMILIES
+from ferrum_mac.backends.torch.steps import DecodeSteps
+from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
+from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
+from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_from_env
+from ferrum_mac.weights import Checkpoint
+
+PREFILL_CHUNK = 2048  # longer prompts run in chunks so activations stay bounded
+KV_MEMORY_SHARE = 0.8  # of free memory one sequence's cache may plan on
+WARMUP_TOKENS = 8
+
+
+def compute_dtype(checkpoint: Checkpoint, override: str | None) -> torch.dtype:
+    if override:
+        if override not in DTYPES:
+            raise UnsupportedError(f"dtype {override!r} is not supported; choose one of: {', '.join(DTYPES)}")
+        return DTYPES[override]
+    if checkpoint.config.quantization:  # dequantized at load, to the dtype of its scales
+        scales = next((t for n, t in checkpoint.tensors.items() if n.endswith(".scales")), None)
+        return DTYPES.get(dtype_name(scales), torch.float16) if scales is not None else torch.float16
+    return DTYPES.get(checkpoint.config.dtype, torch.float16)
+
+
+class TorchLLM(DecoderOnlyLLM):
+    def __init__(self, checkpoint: Checkpoint, dtype: str | None = None, device: str | torch.device | None = None):
+        c = checkpoint.config
+        family = FAMILIES.get(c.model_type)
+        if family is None:
+            raise UnsupportedModelError(
+                f"the torch backend has no {c.model_type!r} model (supported: {', '.join(sorted(FAMILIES))})"
+            )
+        self.device = torch.device(device) if device is not None else default_device()
+        self.dtype = compute_dtype(checkpoint, dtype)
+        with torch.inference_mode():
+            source = TensorSource(checkpoint.tensors, c, self.dtype, self.device, str(checkpoint.path))
+            self.model = family(source, c)
+        checkpoint.tensors.clear()  # the model holds what it needs (fused copies included)
+        self.model_config = c
+        self.source = checkpoint
+        self._config = LlmRuntimeConfig(
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            vocab_size=c.vocab_size,
+            max_seq_len=c.max_position_embeddings,
+            model_type=c.model_type,
+            dtype=str(self.dtype).removeprefix("torch."),
+            bos_token_id=c.bos_token_id,
+            eos_token_ids=tuple(c.eos_token_ids),
+        )
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        by_memory = int(free_memory_bytes(self.device) * KV_MEMORY_SHARE) // self._config.kv_bytes_per_token(element)
+        self._capacity = max(1, min(kv_capacity_from_env(c.max_position_embeddings), by_memory))
+        with torch.inference_mode():
+            self.model.rope.build(self._capacity)
+        self.kv = KvManager(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity)
+        self.steps = DecodeSteps(self.model, self.dtype, self.device)
+
+    # -- contract -------------------------------------------------------------------
+
+    @property
+    def config(self) -> LlmRuntimeConfig:
+        return self._config
+
+    def kv_capacity(self) -> int:
+        return self._capacity
+
+    def kv_len(self, cache_id: str) -> int:
+        return self.kv.length(cache_id)
+
+    @torch.inference_mode()
+    def prefill(self, cache_id: str, tokens: Sequence[int]) -> torch.Tensor:
+        tokens = list(tokens)
+        offset = self.kv.length(cache_id)
+        self.check_segments([(cache_id, len(tokens), offset)])
+        self.check_token_ids(cache_id, tokens)
+        for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
+            self._forward([(cache_id, tokens[start : start + PREFILL_CHUNK], offset + start)])
+        last = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
+        h = self._forward([(cache_id, tokens[last:], offset + last)])
+        return self.model.logits(h[-1])
+
+    def decode(self, cache_id: str, token: Token, pos: int) -> torch.Tensor:
+        return self.decode_batch([DecodeItem(cache_id, token, pos)])[0]
+
+    @torch.inference_mode()
+    def decode_batch(self, items: Sequence[DecodeItem]) -> torch.Tensor:
+        self.check_segments([(it.cache_id, 1, it.pos) for it in items])
+        for it in items:
+            self.check_token_ids(it.cache_id, it.token)
+        caches = [self.kv.acquire(it.cache_id) for it in items]
+        for cache, it in zip(caches, items):
+            self.kv.reserve(cache, it.pos + 1)
+        step = self.steps.get(caches)
+        step.load([it.token for it in items], [it.pos for it in items])
+        logits = step.run()
+        for cache, it in zip(caches, items):
+            cache.length = it.pos + 1
+        return logits
+
+    @torch.inference_mode()
+    def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> torch.Tensor:
+        tokens = list(tokens)
+        offset = self.kv.length(cache_id)
+        self.check_segments([(cache_id, len(tokens), offset)])
+        self.check_token_ids(cache_id, tokens)
+        return self.model.logits(self._forward([(cache_id, tokens, offset)]))
+
+    @torch.inference_mode()
+    def unified_forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor | None]:
+        segments = [(it.cache_id, list(it.tokens), it.pos_offset) for it in items]
+        self.check_segments([(cid, len(toks), pos) for cid, toks, pos in segments])
+        for cid, toks, _ in segments:
+            self.check_token_ids(cid, toks)
+        h = self._forward(segments)
+        ends, row = [], 0
+        for it in items:
+            row += len(it.tokens)
+            ends.append(row - 1)
+        final_rows = [end for end, it in zip(ends, items) if it.is_final]
+        if not final_rows:
+            return [None] * len(items)
+        logits = iter(self.model.logits(h[final_rows]))
+        return [next(logits) if it.is_final else None for it in items]
+
+    @torch.inference_mode()
+    def prepare(self, cache_id: str, max_tokens: int) -> None:
+        """Size `cache_id`'s buffer, then warm up on it: a short prefill and one decode step past
+        what it holds (captured as its CUDA graph), cut off again. Graphs belong to a cache's
+        buffer, so a throw-away cache would warm up nothing the sequence uses."""
+        cache = self.kv.acquire(cache_id)
+        self.kv.reserve(cache, min(max(1, max_tokens), self._capacity))
+        held = cache.length
+        warm = min(WARMUP_TOKENS, cache.allocated - held - 1)
+        if warm >= 1:
+            self._forward([(cache_id, [0] * warm, held)])
+            self.decode(cache_id, 0, held + warm)
+        self.kv.truncate(cache_id, held)
+
+    def truncate_kv(self, cache_id: str, new_len: int) -> None:
+        if new_len < 0:
+            raise CacheStateError(f"cannot truncate {cache_id!r} to a negative length ({new_len})")
+        self.kv.truncate(cache_id, new_len)
+
+    def release(self, cache_id: str) -> None:
+        self.kv.release(cache_id)
+
+    def reset(self) -> None:
+        self.kv.reset()
+        self.steps.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def sampler(self, params, context: Sequence[int] = ()):
+        from ferrum_mac.backends.torch.sampling import TorchSampler
+
+        return TorchSampler(params, context, self._config.vocab_size, self.device)
+
+    # -- one forward over segments ----------------------------------------------------
+
+    def _forward(self, segments: list[tuple[str, list[int], int]]) -> torch.Tensor:
+        plan_segments, ids, start = [], [], 0
+        for cache_id, tokens, offset in segments:
+            cache = self.kv.acquire(cache_id)
+            self.kv.reserve(cache, offset + len(tokens))
+            plan_segments.append(Segment(cache, start, len(tokens), offset))
+            ids.extend(tokens)
+            start += len(tokens)
+        h = self.model.hidden(torch.tensor(ids, device=self.device), Plan(plan_segments, self.device))
+        for seg in plan_segments:
+            seg.cache.length = seg.offset + seg.length
+        return h

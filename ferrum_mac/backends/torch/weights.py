@@ -1,0 +1,81 @@
+"""A checkpoint's tensors as torch tensors on the model's device, in its compute dtype.
+
+`ferrum_mac.weights` hands out `mx.array`s (it reads files with MLX); random-weight
+benchmarks hand out `torch.Tensor`s directly, so this path needs no MLX. MLX
+affine-quantized and GGUF weights are dequantized at load with `mx.dequantize`: the torch
+backend runs them as dense matmuls, in the memory of a 16-bit model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
+from ferrum_mac.weights import ModelConfig
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def to_torch(array) -> torch.Tensor:
+    """An `mx.array` (or a torch tensor, returned as is) as a CPU torch tensor of the same dtype."""
+    if isinstance(array, torch.Tensor):
+        return array
+    import mlx.core as mx
+
+    if array.dtype == mx.bfloat16:  # numpy has no bfloat16: move the bits as uint16
+        return torch.from_numpy(np.array(array.view(mx.uint16))).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array))
+
+
+def dtype_name(array) -> str:
+    """"bfloat16", "float16", ... of an mx.array or torch tensor."""
+    return str(array.dtype).rsplit(".", 1)[-1]
+
+
+class TensorSource:
+    """Hands out a checkpoint's tensors by canonical name, checking presence and shape."""
+
+    def __init__(self, tensors: dict, config: ModelConfig, dtype: torch.dtype, device: torch.device, where: str):
+        self.tensors, self.config, self.dtype, self.device, self.where = tensors, config, dtype, device, where
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The dense tensor `name` (dequantized if the checkpoint quantized its module)."""
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and self.config.quant_for(module) and self.has(f"{module}.scales"):
+            tensor = self._dequantized(module)
+        else:
+            tensor = to_torch(self._raw(name))
+        if tuple(tensor.shape) != tuple(shape):
+            raise CorruptModelError(
+                f"{self.where}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(shape)} from the model's config"
+            )
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+    def norm(self, module: str, dim: int) -> torch.Tensor:
+        return self.take(f"{module}.weight", (dim,))
+
+    def _raw(self, name: str):
+        if name not in self.tensors:
+            raise CorruptModelError(
+                f"{self.where} lacks tensor {name!r}; the checkpoint is incomplete or not a {self.config.model_type} model"
+            )
+        return self.tensors[name]
+
+    def _dequantized(self, module: str) -> torch.Tensor:
+        weight = self._raw(f"{module}.weight")
+        if isinstance(weight, torch.Tensor):
+            raise UnsupportedModelError(
+                f"{self.where}: quantized tensors must come from ferrum_mac.weights (MLX reads them); load the checkpoint by path"
+            )
+        import mlx.core as mx
+
+        quant = self.config.quant_for(module)
+        dense = mx.dequantize(
+            weight, self._raw(f"{module}.scales"), self._raw(f"{module}.biases"),
+            group_size=quant["group_size"], bits=quant["bits"],
+        )  # fmt: skip
+        return to_torch(dense)

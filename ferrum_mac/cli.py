@@ -132,6 +132,19 @@ def run(
     ))
 
 
+@app.command()
+def chat(
+    model: Optional[str] = typer.Argument(None, help="Model to open (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
+    backend: str = typer.Option("auto", help="auto, mlx or torch."),
+    db: Optional[str] = typer.Option(None, "--db", help="Chat history file (default: in the platform's data folder)."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Most tokens per answer in new conversations."),
+) -> None:
+    """The chat application: conversations kept as they happen, streaming Markdown, a model picker."""
+    from ferrum_mac.tui.app import main as chat_app
+
+    chat_app(model, backend, db, max_tokens)
+
+
 def main() -> None:
     try:
         code = app(standalone_mode=False)
@@ -154,9 +167,9 @@ def main() -> None:
 
 
 def chat_main() -> None:
-    """`ferrum-chat`: the Textual chat application."""
-    print("ferrum-chat: the chat application is not built yet; use `ferrum bench` for now", file=sys.stderr)
-    sys.exit(2)
+    """`ferrum-chat [MODEL] [--backend ...] [--db PATH]`: the same as `ferrum chat`."""
+    sys.argv = [sys.argv[0], "chat", *sys.argv[1:]]
+    main()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""ChatApp: the engine (opened in a worker thread), the history, and the conversations resident on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.screen import Screen
+
+from ferrum_mac.tui.resident import ResidentConversations
+from ferrum_mac.tui.screens.chat_screen import ChatScreen
+
+MEMORY_REFRESH_SECONDS = 2.0
+
+
+class ChatApp(App):
+    TITLE = "ferrum-chat"
+    ENABLE_COMMAND_PALETTE = True
+
+    def __init__(self, services, history, model: str | None = None, default_settings: dict | None = None,
+                 export_dir: Path | None = None):
+        super().__init__()
+        self.services = services
+        self.history = history
+        self.model_name = model or default_model_name()
+        self.default_settings = default_settings or {}
+        self.export_dir = export_dir or Path.cwd()
+        self.engine = None
+        self.resident: ResidentConversations | None = None
+        self.device_text = "loading…"
+
+    def on_mount(self) -> None:
+        self.push_screen(ChatScreen())
+        self.open_engine(self.model_name)
+        self.set_interval(MEMORY_REFRESH_SECONDS, self.refresh_status)
+
+    @property
+    def chat(self) -> ChatScreen:
+        return next(s for s in self.screen_stack if isinstance(s, ChatScreen))
+
+    def refresh_status(self) -> None:
+        self.chat.refresh_status()
+
+    def memory_text(self) -> str:
+        from ferrum_mac.store.units import human_bytes
+
+        return human_bytes(self.services.memory_bytes())
+
+    # -- the engine -------------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="engine")
+    def open_engine(self, name: str) -> None:
+        try:
+            engine = self.services.open_engine(name)
+            device = self.services.backend_and_device()
+        except Exception as e:
+            self.call_from_thread(self.engine_failed, name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return
+        self.call_from_thread(self.engine_ready, engine, device)
+
+    def engine_ready(self, engine, device: str) -> None:
+        self.engine = engine
+        self.resident = ResidentConversations(engine)
+        self.model_name = engine.name or self.model_name
+        self.device_text = device
+        self.refresh_status()
+
+    def engine_failed(self, name: str, error: str) -> None:
+        self.device_text = "not loaded"
+        self.refresh_status()
+        self.notify(f"cannot open {name}: {error}", severity="error", timeout=15)
+
+    def switch_model(self, name: str) -> None:
+        self.close_engine()
+        self.model_name = name
+        self.device_text = "loading…"
+        self.refresh_status()
+        self.open_engine(name)
+
+    def close_engine(self) -> None:
+        if self.resident is not None:
+            self.resident.release_all()
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = self.resident = None
+
+    def on_unmount(self) -> None:
+        if self.engine is not None:
+            self.engine.cancel()  # a turn still running ends at its next token
+
+    # -- the command palette ------------------------------------------------------------------
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        chat = self.chat
+        yield SystemCommand("New conversation", "Start a new conversation (Ctrl+N)", chat.action_new_chat)
+        yield SystemCommand("Rename conversation", "Give this conversation a title (F2)", chat.action_rename)
+        yield SystemCommand("Delete conversation", "Delete this conversation", chat.action_delete_chat)
+        yield SystemCommand("Conversation settings", "System prompt, sampling, thinking (Ctrl+S)", chat.action_settings)
+        yield SystemCommand("Choose model", "Switch to a local model or pull one (F4)", chat.action_pick_model)
+        yield SystemCommand("Export to Markdown", "Write this conversation to a .md file (F3)", chat.action_export)
+        yield SystemCommand("Regenerate answer", "Answer the last message again (Ctrl+R)", chat.action_regenerate)
+        yield SystemCommand("Stop answer", "Stop generating, keep the partial answer (Esc)", chat.action_stop)
+        yield SystemCommand("Toggle reasoning", "Show or hide the reasoning sections (Ctrl+T)", chat.action_toggle_reasoning)
+        yield SystemCommand("Copy last answer", "Copy the last answer to the clipboard", chat.action_copy_last_answer)
+        yield SystemCommand("Key bindings", "Show the help screen (F1)", chat.action_help)
+
+
+def default_model_name() -> str:
+    from ferrum_mac.engine import default_model_name as engine_default
+
+    return engine_default()
+
+
+def main(model: str | None, backend: str, db: str | None, max_tokens: int | None = None) -> None:
+    from ferrum_mac.store.history import History
+    from ferrum_mac.tui.chat_settings import stored_settings
+    from ferrum_mac.tui.services import Services
+
+    history = History.open(db)
+    try:
+        app = ChatApp(Services(backend), history, model, stored_settings(max_tokens=max_tokens))
+        app.run()
+        app.close_engine()
+    finally:
+        history.close()

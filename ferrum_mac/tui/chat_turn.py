@@ -1,0 +1,81 @@
+"""One answer, run in a worker thread: engine events become batched UI messages.
+
+Text is posted at most every `BATCH_SECONDS` (never one message per token), so the Markdown
+widget re-renders ~20 times a second however fast the model decodes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ferrum_mac.engine import Done, Notice, ReasoningDelta, TextDelta
+from ferrum_mac.tui.messages import AnswerChunk, AnswerDone, AnswerFailed, AnswerNotice
+
+BATCH_SECONDS = 0.05
+
+
+class Batcher:
+    """Collects deltas and posts them at most every BATCH_SECONDS; a timer posts what is left
+    when the model pauses, so no text waits for the next token."""
+
+    def __init__(self, post):
+        self.post = post
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.last = 0.0
+        self.lock = threading.Lock()
+        self.timer: threading.Timer | None = None
+
+    def add(self, text: str = "", reasoning: str = "") -> None:
+        with self.lock:
+            self.text.append(text)
+            self.reasoning.append(reasoning)
+            wait = self.last + BATCH_SECONDS - time.monotonic()
+            if wait > 0:
+                if self.timer is None:
+                    self.timer = threading.Timer(wait, self.flush)
+                    self.timer.daemon = True
+                    self.timer.start()
+                return
+        self.flush()
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            text, reasoning = "".join(self.text), "".join(self.reasoning)
+            self.text, self.reasoning = [], []
+            self.last = time.monotonic()
+            if text or reasoning:
+                self.post(AnswerChunk(text, reasoning))
+
+
+def run_turn(conv, history: list[dict], text: str, cancel: threading.Event, post) -> None:
+    """Answer `text` after `history` (the chat's earlier messages, as the engine takes them).
+
+    The conversation's messages are set to `history` first: the engine keeps the cache's
+    common prefix with the new prompt and prefills the rest (an edited or regenerated turn
+    truncates the cache to where it changed).
+    """
+    batch = Batcher(post)
+    try:
+        conv.messages = list(history)
+        for event in conv.send(text, cancel):
+            if isinstance(event, TextDelta):
+                batch.add(text=event.text)
+            elif isinstance(event, ReasoningDelta):
+                batch.add(reasoning=event.text)
+            elif isinstance(event, Notice):
+                batch.flush()
+                post(AnswerNotice(event.text))
+            elif isinstance(event, Done):
+                batch.flush()
+                answer = conv.messages[-1]
+                post(AnswerDone(
+                    answer["content"], answer.get("reasoning_content", ""), event.as_dict(), len(conv.ledger)
+                ))
+    except Exception as e:  # the UI shows it in the conversation; the app keeps running
+        batch.flush()
+        post(AnswerFailed(str(e).splitlines()[0] if str(e) else type(e).__name__))

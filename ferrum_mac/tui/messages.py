@@ -1,0 +1,92 @@
+"""The app's own messages: what a turn reports from its worker thread, and what widgets ask for."""
+
+from __future__ import annotations
+
+from textual.message import Message
+
+
+class PromptSubmitted(Message):
+    """The person pressed Enter in the prompt."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+
+class AnswerChunk(Message):
+    """A batch of answer and reasoning text (at most ~20 a second)."""
+
+    def __init__(self, text: str, reasoning: str):
+        super().__init__()
+        self.text = text
+        self.reasoning = reasoning
+
+
+class AnswerNotice(Message):
+    """Something the engine said about the turn (e.g. old turns were dropped to fit the context)."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+
+class AnswerDone(Message):
+    """The answer ended (finished, stopped or cut off); `stats` are the engine's figures."""
+
+    def __init__(self, content: str, reasoning: str, stats: dict, context_used: int):
+        super().__init__()
+        self.content = content
+        self.reasoning = reasoning
+        self.stats = stats
+        self.context_used = context_used
+
+
+class AnswerFailed(Message):
+    """The turn raised; `error` is a one-line message."""
+
+    def __init__(self, error: str):
+        super().__init__()
+        self.error = error
+
+
+class ConversationChosen(Message):
+    def __init__(self, conversation_id: int):
+        super().__init__()
+        self.conversation_id = conversation_id
+
+
+class SearchChanged(Message):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+
+class CopyRequested(Message):
+    def __init__(self, text: str, what: str):
+        super().__init__()
+        self.text = text
+        self.what = what
+
+
+class EditRequested(Message):
+    """Edit and resend the user message `message_id`."""
+
+    def __init__(self, message_id: int, text: str):
+        super().__init__()
+        self.message_id = message_id
+        self.text = text
+
+
+class PullProgressed(Message):
+    def __init__(self, done: int, total: int, note: str = ""):
+        super().__init__()
+        self.done = done
+        self.total = total
+        self.note = note
+
+
+class PullFinished(Message):
+    def __init__(self, name: str, error: str = ""):
+        super().__init__()
+        self.name = name
+        self.error = error

@@ -1,0 +1,404 @@
+"""The main screen: the sidebar of conversations, the messages, the prompt and the status bar.
+
+The history (sqlite) is the record: each message is written as it completes, and before
+each turn the engine conversation's messages are set from it. The engine conversation keeps
+its KV cache while it stays resident, so a turn prefills only what changed.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Label, Static
+
+from ferrum_mac.errors import FerrumError
+from ferrum_mac.tui.chat_settings import engine_settings, stored_settings
+from ferrum_mac.tui.chat_turn import run_turn
+from ferrum_mac.tui.messages import (
+    AnswerChunk, AnswerDone, AnswerFailed, AnswerNotice, ConversationChosen, CopyRequested, EditRequested,
+    PromptSubmitted, SearchChanged,
+)
+from ferrum_mac.tui.widgets.conversation_list import ConversationList
+from ferrum_mac.tui.widgets.message_list import MessageList
+from ferrum_mac.tui.widgets.message_view import MessageView
+from ferrum_mac.tui.widgets.notice_line import NoticeLine
+from ferrum_mac.tui.widgets.prompt_input import PromptInput
+from ferrum_mac.tui.widgets.status_bar import StatusBar
+
+NEW_TITLE = "New chat"
+TITLE_CHARS = 40
+WELCOME = "Ask anything.  Enter sends · Shift+Enter or Ctrl+J for a new line · F1 for help"
+SHOWN_ROLES = ("user", "assistant")
+NOTICE_ROLES = ("notice", "error")
+
+
+class ChatScreen(Screen):
+    CSS_PATH = "chat_screen.tcss"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+n", "new_chat", "New"),
+        Binding("ctrl+r", "regenerate", "Regenerate", priority=True),
+        Binding("ctrl+t", "toggle_reasoning", "Reasoning", priority=True),
+        Binding("ctrl+s", "settings", "Settings", priority=True),
+        Binding("ctrl+f", "search", "Search", show=False, priority=True),
+        Binding("f2", "rename", "Rename", show=False),
+        Binding("f3", "export", "Export", show=False),
+        Binding("f4", "pick_model", "Model"),
+        Binding("f1", "help", "Help"),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self.current_id: int | None = None
+        self.search_text = ""
+        self.answer: MessageView | None = None  # the answer being streamed
+        self.cancel_event: threading.Event | None = None
+        self.editing_id: int | None = None  # the user message being edited, if any
+        self.show_reasoning = False
+
+    @property
+    def history(self):
+        return self.app.history
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            yield ConversationList(id="sidebar")
+            with Vertical(id="chat"):
+                yield MessageList(id="messages")
+                yield Label("", id="editing", markup=False)
+                yield PromptInput(id="prompt")
+        yield StatusBar(id="status")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self.query_one("#editing").display = False
+        conversations = self.history.conversations()
+        await self.open_conversation(conversations[0].id if conversations else None)
+        self.query_one(PromptInput).focus()
+
+    # -- what is shown ------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self.answer is not None
+
+    async def open_conversation(self, conversation_id: int | None) -> None:
+        self.current_id = conversation_id
+        self.end_editing()
+        messages = self.history.messages(conversation_id) if conversation_id else []
+        widgets = [self.message_widget(m) for m in messages] or [Static(WELCOME, id="welcome")]
+        await self.query_one(MessageList).show_messages(widgets)
+        await self.refresh_sidebar()
+        self.refresh_status()
+
+    def message_widget(self, m):
+        if m.role in NOTICE_ROLES:
+            return NoticeLine(m.content, error=m.role == "error")
+        return MessageView(
+            m.role, m.content, m.reasoning, message_id=m.id, show_reasoning=self.show_reasoning,
+            footer=answer_footer(m.stats) if m.role == "assistant" else "",
+        )
+
+    async def refresh_sidebar(self) -> None:
+        await self.query_one(ConversationList).show(self.history.conversations(self.search_text), self.current_id)
+
+    def refresh_status(self) -> None:
+        status = self.query_one(StatusBar)
+        app = self.app
+        status.show_model(app.model_name, app.device_text)
+        stats = self.last_answer_stats()
+        status.show_speed(stats.get("decode_tps"))
+        capacity = app.engine.kv_capacity() if app.engine is not None else 0
+        status.show_context(stats.get("context_used", 0), capacity)
+        status.show_memory(app.memory_text())
+
+    def last_answer_stats(self) -> dict:
+        if self.current_id is None:
+            return {}
+        answers = [m for m in self.history.messages(self.current_id) if m.role == "assistant"]
+        return answers[-1].stats if answers else {}
+
+    # -- sending ------------------------------------------------------------------------------
+
+    @on(PromptSubmitted)
+    async def _submitted(self, event: PromptSubmitted) -> None:
+        if self.busy:
+            self.notify("Still answering; Esc stops the answer.", severity="warning")
+            return
+        if self.app.engine is None:
+            self.notify("The model is still loading.", severity="warning")
+            return
+        if self.editing_id is not None:
+            self.history.delete_from(self.current_id, self.editing_id)
+            self.end_editing()
+            await self.open_conversation(self.current_id)
+        self.query_one(PromptInput).clear()
+        await self.send(event.text)
+
+    async def send(self, text: str) -> None:
+        """Save `text` as the next user message and start the answer in a worker thread."""
+        if self.current_id is None:
+            chat = self.history.new_conversation(title_from(text), stored_settings(self.app.default_settings))
+            self.current_id = chat.id
+        try:
+            settings = engine_settings(self.app.engine, self.history.conversation(self.current_id).settings)
+        except FerrumError as e:
+            self.notify(str(e), severity="error")
+            return
+        earlier = engine_messages(self.history.messages(self.current_id))
+        user = self.history.add_message(self.current_id, "user", text)
+        messages = self.query_one(MessageList)
+        for welcome in self.query("#welcome"):
+            await welcome.remove()
+        await messages.add(MessageView("user", text, message_id=user.id))
+        self.answer = MessageView("assistant", show_reasoning=self.show_reasoning)
+        await messages.add(self.answer)
+        messages.anchor()
+        await self.refresh_sidebar()
+        conv = self.app.resident.get(self.current_id, settings)
+        self.cancel_event = threading.Event()
+        self.app.run_worker(
+            partial(run_turn, conv, earlier, text, self.cancel_event, self.post_message),
+            thread=True, group="turn", name="answer",
+        )
+
+    async def on_answer_chunk(self, event: AnswerChunk) -> None:
+        if self.answer is not None:
+            await self.answer.append(event.text, event.reasoning)
+
+    async def on_answer_notice(self, event: AnswerNotice) -> None:
+        if self.current_id is not None:
+            self.history.add_message(self.current_id, "notice", event.text)
+        await self.insert_before_answer(NoticeLine(event.text))
+
+    async def on_answer_done(self, event: AnswerDone) -> None:
+        if self.answer is None:
+            return
+        stats = {**event.stats, "context_used": event.context_used}
+        saved = self.history.add_message(self.current_id, "assistant", event.content, event.reasoning, stats)
+        await self.answer.finish(event.content, event.reasoning, answer_footer(stats), saved.id)
+        self.turn_ended()
+
+    async def on_answer_failed(self, event: AnswerFailed) -> None:
+        if self.answer is None:
+            return
+        answer = self.answer
+        if answer.content or answer.reasoning:  # keep what was shown
+            saved = self.history.add_message(
+                self.current_id, "assistant", answer.content, answer.reasoning, {"stop_reason": "error"}
+            )
+            await answer.finish(answer.content, answer.reasoning, "stopped by an error", saved.id)
+        else:
+            await answer.remove()
+        self.history.add_message(self.current_id, "error", f"error: {event.error}")
+        await self.query_one(MessageList).add(NoticeLine(f"error: {event.error}", error=True))
+        self.turn_ended()
+
+    async def insert_before_answer(self, widget) -> None:
+        messages = self.query_one(MessageList)
+        if self.answer is not None and self.answer.parent is messages:
+            await messages.mount(widget, before=self.answer)
+        else:
+            await messages.add(widget)
+
+    def turn_ended(self) -> None:
+        self.answer = None
+        self.cancel_event = None
+        self.refresh_status()
+
+    # -- actions ------------------------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        if self.busy:
+            self.cancel_event.set()
+            self.app.engine.cancel()
+        elif self.editing_id is not None:
+            self.end_editing()
+            self.query_one(PromptInput).clear()
+
+    async def action_new_chat(self) -> None:
+        if self.refuse_while_busy():
+            return
+        await self.open_conversation(None)
+        self.query_one(PromptInput).focus()
+
+    async def action_regenerate(self) -> None:
+        if self.refuse_while_busy() or self.current_id is None:
+            return
+        users = [m for m in self.history.messages(self.current_id) if m.role == "user"]
+        if not users:
+            return
+        self.history.delete_from(self.current_id, users[-1].id)
+        await self.open_conversation(self.current_id)
+        await self.send(users[-1].content)
+
+    def action_toggle_reasoning(self) -> None:
+        self.show_reasoning = not self.show_reasoning
+        for view in self.query(MessageView):
+            view.set_reasoning_shown(self.show_reasoning)
+
+    def action_settings(self) -> None:
+        from ferrum_mac.tui.screens.settings_screen import SettingsScreen
+
+        if self.current_id is None:
+            title, settings = NEW_TITLE, stored_settings(self.app.default_settings)
+        else:
+            chat = self.history.conversation(self.current_id)
+            title, settings = chat.title, stored_settings(chat.settings)
+        self.app.push_screen(SettingsScreen(title, settings), self.settings_saved)
+
+    async def settings_saved(self, settings: dict | None) -> None:
+        if settings is None:
+            return
+        if self.current_id is None:
+            self.app.default_settings = settings
+        else:
+            self.history.save_settings(self.current_id, settings)
+        self.notify("Settings saved.")
+
+    def action_search(self) -> None:
+        self.query_one("#search").focus()
+
+    def action_rename(self) -> None:
+        from ferrum_mac.tui.screens.text_prompt_screen import TextPromptScreen
+
+        chat_id = self.current_id
+        if chat_id is None:
+            return
+        title = self.history.conversation(chat_id).title
+        self.app.push_screen(TextPromptScreen("Rename the conversation", title), partial(self.renamed, chat_id))
+
+    async def renamed(self, chat_id: int, title: str | None) -> None:
+        if title:
+            self.history.rename(chat_id, title)
+            await self.refresh_sidebar()
+
+    def action_delete_chat(self) -> None:
+        from ferrum_mac.tui.screens.confirm_screen import ConfirmScreen
+
+        chat_id = self.query_one(ConversationList).highlighted_id() or self.current_id
+        if chat_id is None or self.refuse_while_busy():
+            return
+        title = self.history.conversation(chat_id).title
+        self.app.push_screen(ConfirmScreen(f"Delete “{title}” and its messages?"), partial(self.deleted, chat_id))
+
+    async def deleted(self, chat_id: int, yes: bool | None) -> None:
+        if not yes:
+            return
+        self.app.resident.release(chat_id)
+        self.history.delete(chat_id)
+        if chat_id == self.current_id:
+            remaining = self.history.conversations()
+            await self.open_conversation(remaining[0].id if remaining else None)
+        else:
+            await self.refresh_sidebar()
+
+    def action_export(self) -> None:
+        from ferrum_mac.tui.export import conversation_markdown, export_path
+
+        if self.current_id is None:
+            self.notify("Nothing to export yet.")
+            return
+        chat = self.history.conversation(self.current_id)
+        path = export_path(self.app.export_dir, chat.title)
+        path.write_text(conversation_markdown(chat.title, self.history.messages(self.current_id)), encoding="utf-8")
+        self.notify(f"Exported to {path}")
+
+    def action_pick_model(self) -> None:
+        from ferrum_mac.tui.screens.model_picker import ModelPicker
+
+        if self.refuse_while_busy():
+            return
+        self.app.push_screen(ModelPicker(self.app.services, self.app.model_name), self.model_picked)
+
+    def model_picked(self, name: str | None) -> None:
+        if name and name != self.app.model_name:
+            self.app.switch_model(name)
+
+    def action_help(self) -> None:
+        from ferrum_mac.tui.screens.help_screen import HelpScreen
+
+        self.app.push_screen(HelpScreen())
+
+    def action_copy_last_answer(self) -> None:
+        answers = [v for v in self.query(MessageView) if v.role == "assistant"]
+        if answers:
+            self.copy(answers[-1].content, "answer")
+
+    def refuse_while_busy(self) -> bool:
+        if self.busy:
+            self.notify("Still answering; Esc stops the answer first.", severity="warning")
+        return self.busy
+
+    # -- requests from widgets ----------------------------------------------------------------
+
+    @on(ConversationChosen)
+    async def _chosen(self, event: ConversationChosen) -> None:
+        if event.conversation_id != self.current_id and not self.refuse_while_busy():
+            await self.open_conversation(event.conversation_id)
+
+    @on(SearchChanged)
+    async def _search_changed(self, event: SearchChanged) -> None:
+        self.search_text = event.text
+        await self.refresh_sidebar()
+
+    @on(CopyRequested)
+    def _copy(self, event: CopyRequested) -> None:
+        self.copy(event.text, event.what)
+
+    @on(EditRequested)
+    def _edit(self, event: EditRequested) -> None:
+        if self.refuse_while_busy():
+            return
+        self.editing_id = event.message_id
+        prompt = self.query_one(PromptInput)
+        prompt.text = event.text
+        prompt.focus()
+        hint = self.query_one("#editing", Label)
+        hint.update("Editing an earlier message: Enter resends from there (later messages are replaced), Esc cancels")
+        hint.display = True
+
+    def end_editing(self) -> None:
+        self.editing_id = None
+        self.query_one("#editing").display = False
+
+    def copy(self, text: str, what: str) -> None:
+        self.app.copy_to_clipboard(text)
+        self.notify(f"Copied the {what}.")
+
+
+def title_from(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
+
+
+def engine_messages(stored) -> list[dict]:
+    """The chat's messages as the engine takes them (notices and errors are not sent)."""
+    messages = []
+    for m in stored:
+        if m.role in SHOWN_ROLES:
+            message = {"role": m.role, "content": m.content}
+            if m.reasoning:
+                message["reasoning_content"] = m.reasoning
+            messages.append(message)
+    return messages
+
+
+def answer_footer(stats: dict) -> str:
+    if not stats:
+        return ""
+    parts = []
+    if stats.get("decode_tps"):
+        parts.append(f"{stats['decode_tps']:.1f} tok/s")
+    if stats.get("generated_tokens"):
+        parts.append(f"{stats['generated_tokens']} tokens")
+    reason = stats.get("stop_reason")
+    if reason and reason != "eos":
+        parts.append({"cancelled": "stopped", "max_tokens": "max tokens reached", "context": "context full"}.get(reason, reason))
+    return " · ".join(parts)

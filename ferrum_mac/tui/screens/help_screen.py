@@ -1,0 +1,45 @@
+"""The key bindings, as a modal."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Markdown
+
+HELP = """\
+# ferrum-chat
+
+| Key | Does |
+|---|---|
+| Enter | send the message |
+| Shift+Enter, Ctrl+J | new line in the message |
+| Esc | stop the answer (the partial answer is kept) |
+| Ctrl+R | regenerate the last answer |
+| Ctrl+T | show or hide the reasoning |
+| Ctrl+N | new conversation |
+| Ctrl+F | search the conversations |
+| F2 | rename the conversation |
+| Delete (in the sidebar) | delete the conversation |
+| F3 | export the conversation to Markdown |
+| F4 | choose or pull a model |
+| Ctrl+S | this conversation's settings |
+| Tab | move between the sidebar, the messages and the prompt |
+| c (on a message) | copy it; the *copy* label on a code block copies the code |
+| e (on your message) | edit it and resend from there |
+| Ctrl+P | command palette (themes too) |
+| F1 | this help |
+| Ctrl+Q | quit |
+
+Conversations are saved as they happen; reopen `ferrum-chat` to find them again.
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    CSS_PATH = "help_screen.tcss"
+    BINDINGS = [Binding("escape,q,f1", "dismiss(None)", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help"):
+            yield Markdown(HELP)

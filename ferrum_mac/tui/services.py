@@ -1,0 +1,62 @@
+"""What the UI asks of the world outside it: open an engine, list and pull models, machine facts.
+
+Tests hand the app a `Services` of their own (a scripted engine, a fixed model list, fixed facts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    detail: str  # size, format and quantization, for the picker
+
+
+class Services:
+    def __init__(self, backend: str = "auto"):
+        self.backend = backend
+
+    def open_engine(self, name: str | None):
+        from ferrum_mac.engine import Engine
+
+        return Engine.open(name, backend=self.backend)
+
+    def local_models(self) -> list[ModelEntry]:
+        from ferrum_mac.store import list_models
+        from ferrum_mac.store.units import human_bytes
+
+        return [
+            ModelEntry(m.name, f"{human_bytes(m.size)}  {m.format} {m.quant}")
+            for m in list_models() if m.complete
+        ]
+
+    def pull(self, name: str, progress) -> None:
+        from ferrum_mac.backends import choose
+        from ferrum_mac.store import pull_model
+
+        pull_model(name, backend=choose(self.backend), progress=progress)
+
+    def backend_and_device(self) -> str:
+        from ferrum_mac.backends import choose
+
+        backend = choose(self.backend)
+        if backend == "mlx":
+            from ferrum_mac.backends.mlx.memory import device_name
+
+            return f"mlx · {device_name()}"
+        return backend
+
+    def memory_bytes(self) -> int:
+        """This process's resident memory (on Apple Silicon it includes the GPU's share)."""
+        try:
+            import psutil
+
+            return psutil.Process().memory_info().rss
+        except ImportError:
+            import resource
+            import sys
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return peak if sys.platform == "darwin" else peak * 1024

@@ -1,0 +1,93 @@
+"""One message: who said it, the reasoning (collapsible) and the text as Markdown.
+
+An assistant message being answered streams through `MarkdownStream`; `finish` settles it.
+Focused (click or Tab), `c` copies it and, on a user message, `e` edits and resends it.
+"""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.widgets import Collapsible, Label, Static
+
+from ferrum_mac.tui.messages import CopyRequested, EditRequested
+from ferrum_mac.tui.widgets.chat_markdown import ChatMarkdown
+
+ROLE_LABELS = {"user": "You", "assistant": "Assistant"}
+
+
+class MessageView(Vertical, can_focus=True):
+    BINDINGS = [
+        Binding("c", "copy", "Copy"),
+        Binding("e", "edit", "Edit & resend"),
+    ]
+
+    def __init__(
+        self, role: str, content: str = "", reasoning: str = "", *, message_id: int | None = None,
+        show_reasoning: bool = False, footer: str = "",
+    ):
+        super().__init__(classes=role)
+        self.role = role
+        self.content = content
+        self.reasoning = reasoning
+        self.message_id = message_id
+        self.show_reasoning = show_reasoning
+        self.footer = footer
+        self._stream = None
+
+    def compose(self) -> ComposeResult:
+        yield Label(ROLE_LABELS.get(self.role, self.role), classes="role")
+        with Collapsible(title="Reasoning", collapsed=not self.show_reasoning, classes="reasoning") as box:
+            box.display = bool(self.reasoning)
+            yield Static(self.reasoning, markup=False, classes="reasoning-text")
+        yield ChatMarkdown(self.content)
+        yield Label(self.footer, classes="footer", markup=False)
+
+    def on_mount(self) -> None:
+        self.query_one(".footer").display = bool(self.footer)
+
+    # -- streaming --------------------------------------------------------------------------
+
+    async def append(self, text: str, reasoning: str) -> None:
+        if reasoning:
+            self.reasoning += reasoning
+            box = self.query_one(Collapsible)
+            box.display = True
+            box.query_one(".reasoning-text", Static).update(self.reasoning)
+        if text:
+            self.content += text
+            if self._stream is None:
+                self._stream = ChatMarkdown.get_stream(self.query_one(ChatMarkdown))
+            await self._stream.write(text)
+
+    async def finish(self, content: str, reasoning: str, footer: str, message_id: int | None) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.message_id = message_id
+        if content != self.content:
+            self.content = content
+            await self.query_one(ChatMarkdown).update(content)
+        if reasoning != self.reasoning:
+            await self.append("", reasoning[len(self.reasoning):] if reasoning.startswith(self.reasoning) else "")
+        self.set_footer(footer)
+
+    def set_footer(self, footer: str) -> None:
+        self.footer = footer
+        label = self.query_one(".footer", Label)
+        label.update(footer)
+        label.display = bool(footer)
+
+    def set_reasoning_shown(self, shown: bool) -> None:
+        self.show_reasoning = shown
+        self.query_one(Collapsible).collapsed = not shown
+
+    # -- actions ------------------------------------------------------------------------------
+
+    def action_copy(self) -> None:
+        self.post_message(CopyRequested(self.content, "message"))
+
+    def action_edit(self) -> None:
+        if self.role == "user" and self.message_id is not None:
+            self.post_message(EditRequested(self.message_id, self.content))

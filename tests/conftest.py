@@ -40,13 +40,13 @@ class TinyZoo:
             self._paths[key] = folder
         return self._paths[key]
 
-    def ferrum(self, family: str):
-        """One fp32 ferrum model per family, shared by tests that use distinct cache ids."""
-        if family not in self._ferrum:
+    def ferrum(self, family: str, backend: str = "mlx"):
+        """One fp32 ferrum model per family and backend, shared by tests that use distinct cache ids."""
+        if (family, backend) not in self._ferrum:
             import ferrum_mac
 
-            self._ferrum[family] = ferrum_mac.open_model(self.path(family), dtype="float32")
-        return self._ferrum[family]
+            self._ferrum[family, backend] = ferrum_mac.open_model(self.path(family), backend=backend, dtype="float32")
+        return self._ferrum[family, backend]
 
 
 @pytest.fixture(scope="session")

@@ -170,17 +170,69 @@ def assert_same_tokens(got: Sequence[int], want: Sequence[int]) -> None:
         raise AssertionError(f"greedy tokens differ from step {i}:\n got  {got}\n want {want}")
 
 
+# -- backends ---------------------------------------------------------------------------
+
+
+def installed_backends() -> list[str]:
+    from ferrum_mac.backends import BACKENDS, available
+
+    return [b for b in BACKENDS if available(b)]
+
+
+BACKENDS = installed_backends()  # the contract tests run on each
+
+
+def is_torch(x) -> bool:
+    return hasattr(x, "detach")
+
+
+def argmax(logits):
+    """Index of the largest logit (over the last axis) as a device array, not read yet."""
+    if is_torch(logits):
+        return logits.argmax(dim=-1)
+    import mlx.core as mx
+
+    return mx.argmax(logits, axis=-1)
+
+
+def device_array(like, value):
+    """`value` (an int or list of ints) as a device array of `like`'s backend and device."""
+    if is_torch(like):
+        import torch
+
+        return torch.tensor(value, device=like.device)
+    import mlx.core as mx
+
+    return mx.array(value)
+
+
+def evaluate(x) -> None:
+    """Wait for a device array (MLX computes lazily; torch has computed already)."""
+    if not is_torch(x):
+        import mlx.core as mx
+
+        mx.eval(x)
+
+
+def is_backend_array(x, backend: str) -> bool:
+    if backend == "torch":
+        import torch
+
+        return isinstance(x, torch.Tensor)
+    import mlx.core as mx
+
+    return isinstance(x, mx.array)
+
+
 # -- greedy loops -----------------------------------------------------------------------
 
 
 def ferrum_greedy(model, cache_id: str, prompt: Sequence[int], n: int) -> list[int]:
     """Prefill `prompt`, then decode greedily for `n` tokens with the contract's calls."""
-    import mlx.core as mx
-
     logits = model.prefill(cache_id, list(prompt))
     out, pos = [], len(prompt)
     for step in range(n):
-        token = int(mx.argmax(logits))
+        token = int(argmax(logits))
         out.append(token)
         if step + 1 < n:
             logits = model.decode(cache_id, token, pos)

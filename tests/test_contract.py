@@ -1,4 +1,5 @@
-"""`DecoderOnlyLLM` invariants on the MLX backend, for every family in `FAMILY_FACTORIES`.
+"""`DecoderOnlyLLM` invariants on every installed backend (MLX, torch), for every family in
+`FAMILY_FACTORIES`.
 
 Each test compares two routes to the same numbers (fp32 both ways), so the only slack
 is summation order: results agree to ~1e-6 of the logits' range; we allow 1e-5.
@@ -6,9 +7,9 @@ is summation order: results agree to ~1e-6 of the logits' range; we allow 1e-5.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ import ferrum_mac
 from ferrum_mac.errors import CacheStateError, FerrumError, KvCapacityError
 from ferrum_mac.llm import KV_CAPACITY_ENV, DecodeItem, ForwardItem
 import helpers
-from helpers import FAMILIES, random_tokens, to_np
+from helpers import BACKENDS, FAMILIES, argmax, device_array, random_tokens, to_np
 
 REL = 1e-5
 _ids = itertools.count()
@@ -35,9 +36,20 @@ def family(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def model(zoo, family):
-    return zoo.ferrum(family)
+def model(zoo, family, backend):
+    return zoo.ferrum(family, backend)
+
+
+def backend_module(model, name: str):
+    """The module `name` (runtime, kv, ...) of the backend `model` runs on."""
+    package = type(model).__module__.rsplit(".", 1)[0]
+    return importlib.import_module(f"{package}.{name}")
 
 
 def reference(model, tokens) -> np.ndarray:
@@ -70,8 +82,7 @@ def test_prefill_whole_equals_prefix_then_decodes(model):
 
 
 def test_long_prefill_in_chunks_equals_one_forward(model, monkeypatch):
-    import ferrum_mac.backends.mlx.runtime as runtime
-
+    runtime = backend_module(model, "runtime")
     tokens = random_tokens(23, seed=2)
     ref = reference(model, tokens)
     for chunk in (4, 11, 22, 23):
@@ -85,8 +96,7 @@ def test_long_prefill_in_chunks_equals_one_forward(model, monkeypatch):
 
 def test_cache_growth_keeps_history(model):
     """Decoding across the KV buffers' grow step (256) and preparing a larger cache keep every key."""
-    from ferrum_mac.backends.mlx.kv import GROW_STEP
-
+    GROW_STEP = backend_module(model, "kv").GROW_STEP
     tokens = random_tokens(GROW_STEP + 6, seed=3)
     ref = reference(model, tokens)
     cid = fresh_id()
@@ -180,12 +190,12 @@ def test_truncate_then_redecode_reproduces_logits(model):
     model.release(cid)
 
 
-def test_kv_capacity_overflow_changes_nothing(zoo, family, monkeypatch):
+def test_kv_capacity_overflow_changes_nothing(zoo, family, backend, monkeypatch):
     monkeypatch.setenv(KV_CAPACITY_ENV, "16")
-    model = ferrum_mac.open_model(zoo.path(family), dtype="float32")
+    model = ferrum_mac.open_model(zoo.path(family), backend=backend, dtype="float32")
     assert model.kv_capacity() == 16
     prompt = random_tokens(17, seed=8)
-    ref = reference(zoo.ferrum(family), prompt)  # an uncapped model's logits
+    ref = reference(zoo.ferrum(family, backend), prompt)  # an uncapped model's logits
 
     with pytest.raises(KvCapacityError) as err:
         model.prefill("a", prompt)  # 17 > 16
@@ -215,13 +225,13 @@ def test_kv_capacity_overflow_changes_nothing(zoo, family, monkeypatch):
     assert_close(model.decode("a", prompt[15], 15), ref[15])
 
 
-def test_kv_capacity_env_is_validated(zoo, monkeypatch):
+def test_kv_capacity_env_is_validated(zoo, backend, monkeypatch):
     monkeypatch.setenv(KV_CAPACITY_ENV, "lots")
     with pytest.raises(FerrumError) as err:
-        ferrum_mac.open_model(zoo.path("llama"), dtype="float32")
+        ferrum_mac.open_model(zoo.path("llama"), backend=backend, dtype="float32")
     assert KV_CAPACITY_ENV in str(err.value) and "\n" not in str(err.value)
     monkeypatch.setenv(KV_CAPACITY_ENV, "100000000")  # clamped to the model's maximum
-    assert ferrum_mac.open_model(zoo.path("llama"), dtype="float32").kv_capacity() == 1024
+    assert ferrum_mac.open_model(zoo.path("llama"), backend=backend, dtype="float32").kv_capacity() == 1024
 
 
 def test_release_then_reuse_starts_clean(model):
@@ -242,8 +252,8 @@ def test_release_then_reuse_starts_clean(model):
     model.release(other)
 
 
-def test_reset_drops_every_cache(zoo, family):
-    model = ferrum_mac.open_model(zoo.path(family), dtype="float32")
+def test_reset_drops_every_cache(zoo, family, backend):
+    model = ferrum_mac.open_model(zoo.path(family), backend=backend, dtype="float32")
     model.prefill("a", [5, 6, 7])
     model.prefill("b", [8])
     model.reset()
@@ -338,24 +348,24 @@ def test_decode_accepts_a_lazy_token(model):
     prompt = random_tokens(6, seed=17)
     lazy_id, int_id = fresh_id(), fresh_id()
     logits = model.prefill(lazy_id, prompt)
-    token = mx.argmax(logits)  # not evaluated: decode must queue behind it
+    token = argmax(logits)  # not evaluated: decode must queue behind it
     nxt = model.decode(lazy_id, token, 6)
     model.prefill(int_id, prompt)
-    want = model.decode(int_id, int(mx.argmax(logits)), 6)
+    want = model.decode(int_id, int(argmax(logits)), 6)
     assert_close(nxt, want)
     # a chain of lazy steps, read only at the end (the overlapped generation loop)
     tokens = []
     for pos in range(7, 10):
-        token = mx.argmax(nxt)
+        token = argmax(nxt)
         tokens.append(token)
         nxt = model.decode(lazy_id, token, pos)
-    mx.eval(nxt)
+    helpers.evaluate(nxt)
     ids = [int(t) for t in tokens]
     for pos, tok in zip(range(7, 10), ids):
         want = model.decode(int_id, tok, pos)
     assert_close(nxt, want)
     # lazy tokens in a batch, as 0-d and 1-element arrays
-    out = model.decode_batch([DecodeItem(lazy_id, mx.array(3), 10), DecodeItem(int_id, mx.array([3]), 10)])
+    out = model.decode_batch([DecodeItem(lazy_id, device_array(nxt, 3), 10), DecodeItem(int_id, device_array(nxt, [3]), 10)])
     assert_close(out[0], out[1])
     # and host-side ids of numpy's integer types (what np.argmax returns)
     assert_close(model.decode(lazy_id, np.int64(4), 11), model.decode(int_id, 4, 11))
@@ -363,8 +373,8 @@ def test_decode_accepts_a_lazy_token(model):
     model.release(int_id)
 
 
-def test_logits_stay_on_device(model):
+def test_logits_stay_on_device(model, backend):
     cid = fresh_id()
-    assert isinstance(model.prefill(cid, [4, 5]), mx.array)
-    assert isinstance(model.decode(cid, 6, 2), mx.array)
+    assert helpers.is_backend_array(model.prefill(cid, [4, 5]), backend)
+    assert helpers.is_backend_array(model.decode(cid, 6, 2), backend)
     model.release(cid)

@@ -74,8 +74,7 @@ class TensorSource:
         import mlx.core as mx
 
         quant = self.config.quant_for(module)
-        dense = mx.dequantize(
-            weight, self._raw(f"{module}.scales"), self._raw(f"{module}.biases"),
-            group_size=quant["group_size"], bits=quant["bits"],
-        )  # fmt: skip
+        # in float32, where scale * q + bias is exact; rounded once, to the compute dtype
+        scales, biases = (self._raw(f"{module}.{part}").astype(mx.float32) for part in ("scales", "biases"))
+        dense = mx.dequantize(weight, scales, biases, group_size=quant["group_size"], bits=quant["bits"])
         return to_torch(dense)

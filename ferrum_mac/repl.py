@@ -85,30 +85,35 @@ class Repl:
         self.commands = Commands(self)
 
     def run(self) -> None:
-        interrupted = False
         try:
-            while True:
-                try:
-                    text = read_message(self.reader)
-                except KeyboardInterrupt:
-                    if interrupted:
-                        break
-                    interrupted = True
-                    print(f"\n{HINT}", file=sys.stderr)
-                    continue
-                except EOFError:
-                    break
-                interrupted = False
-                if text.startswith("/") and not text.startswith("//"):
-                    if not self.commands.run(text):
-                        break
-                elif text.strip():
-                    self.ask(text)
+            self._loop()
+        except KeyboardInterrupt:  # a Ctrl-C that landed between two reads: leave, as asked
+            pass
         finally:
             self.reader.close()
             if self.reader.tty:
                 print()
             self.conv.close()
+
+    def _loop(self) -> None:
+        interrupted = False  # the last line ended in Ctrl-C
+        while True:
+            try:
+                text = read_message(self.reader)
+            except KeyboardInterrupt:
+                if interrupted:
+                    return
+                interrupted = True
+                print(f"\n{HINT}", file=sys.stderr)
+                continue
+            except EOFError:
+                return
+            interrupted = False
+            if text.startswith("/") and not text.startswith("//"):
+                if not self.commands.run(text):
+                    return
+            elif text.strip():
+                self.ask(text)
 
     def ask(self, text: str) -> None:
         try:

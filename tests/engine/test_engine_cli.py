@@ -203,15 +203,16 @@ def test_repl_on_a_terminal_ctrl_c_stops_the_answer_not_the_program(bundled_env)
         term.expect(">>> ")
         term.send("Write a long story about a dragon.\n")
         term.expect("dragon.")  # the terminal's echo of the line
-        answer_start = term.expect(" ", timeout=90)  # some of the answer streamed
-        assert answer_start.strip() or True
+        term.expect(" ", timeout=90)  # the answer has begun to stream
         pressed = time.monotonic()
         term.send("\x03")
         term.expect(">>> ", timeout=20)
         assert time.monotonic() - pressed < 15  # 400 tokens would take far longer
+        term.send("/set num_predict 8\n")
+        term.expect(">>> ")
         term.send('"""\nWhat is the capital\nof France?\n"""\n')
         term.expect("France?")
-        term.expect(">>> ", timeout=120)  # answered after the interrupted turn
+        term.expect(">>> ", timeout=60)  # answered after the interrupted turn
         term.send("\x03")
         term.expect("Ctrl-D or /bye")
         term.send("\x03")

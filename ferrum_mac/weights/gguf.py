@@ -107,7 +107,10 @@ def _quantization_by_module(path: Path) -> dict:
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict]:
-    import mlx.core as mx
+    try:
+        import mlx.core as mx
+    except ImportError:
+        raise UnsupportedModelError(f"{path}: reading GGUF files needs MLX (pip install mlx); use a safetensors checkpoint") from None
 
     quantization = _quantization_by_module(path)
     try:

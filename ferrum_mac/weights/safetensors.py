@@ -1,5 +1,6 @@
 """Hugging Face safetensors checkpoints (single file or sharded with an index), dense or
-MLX-quantized (packed uint32 weights with `.scales` and `.biases`)."""
+MLX-quantized (packed uint32 weights with `.scales` and `.biases`). Tensors come back as
+`mx.array`s, or as `torch.Tensor`s where MLX is not installed."""
 
 from __future__ import annotations
 
@@ -59,14 +60,25 @@ def canonical_name(name: str) -> str | None:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def load_safetensors(folder: Path) -> dict:
-    import mlx.core as mx
+def _reader():
+    """`mx.load`, or without MLX (the torch backend on a CUDA machine) safetensors' torch reader."""
+    try:
+        import mlx.core as mx
 
+        return mx.load
+    except ImportError:
+        from safetensors.torch import load_file
+
+        return load_file
+
+
+def load_safetensors(folder: Path) -> dict:
+    read = _reader()
     tensors = {}
     for path in shard_files(folder):
         check_complete(path)
         try:
-            loaded = mx.load(str(path))
+            loaded = read(str(path))
         except (RuntimeError, ValueError) as e:
             raise CorruptModelError(f"{path} cannot be read ({str(e).splitlines()[0]}); download it again") from None
         for name, array in loaded.items():

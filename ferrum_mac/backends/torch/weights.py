@@ -66,14 +66,13 @@ class TensorSource:
         return self.tensors[name]
 
     def _dequantized(self, module: str) -> torch.Tensor:
-        weight = self._raw(f"{module}.weight")
-        if isinstance(weight, torch.Tensor):
+        try:
+            import mlx.core as mx
+        except ImportError:
             raise UnsupportedModelError(
-                f"{self.where}: quantized tensors must come from ferrum_mac.weights (MLX reads them); load the checkpoint by path"
-            )
-        import mlx.core as mx
-
-        quant = self.config.quant_for(module)
+                f"{self.where}: MLX-quantized weights need MLX to dequantize (pip install mlx); use a bf16 or fp16 checkpoint"
+            ) from None
+        weight, quant = self._raw(f"{module}.weight"), self.config.quant_for(module)
         # in float32, where scale * q + bias is exact; rounded once, to the compute dtype
         scales, biases = (self._raw(f"{module}.{part}").astype(mx.float32) for part in ("scales", "biases"))
         dense = mx.dequantize(weight, scales, biases, group_size=quant["group_size"], bits=quant["bits"])

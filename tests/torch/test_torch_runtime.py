@@ -1,0 +1,188 @@
+"""The torch backend's machinery: decode steps that never read the device from the host (so
+CUDA can capture them as graphs), steps kept per cache buffer, loading without MLX, and the
+device sampler."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import ferrum_mac
+import helpers
+from ferrum_mac.llm import DecodeItem
+from helpers import assert_close, hf_logits, random_tokens
+
+PROMPT = random_tokens(12, seed=21)
+
+
+def torch_model(zoo, family: str):
+    return zoo.ferrum(family, "torch")
+
+
+# -- decode steps -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["grouped", "gathered", "dense"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_decode_step_never_reads_the_device(zoo, monkeypatch, family, route):
+    """On the meta device tensors have shapes but no values, so `.item()`, `.tolist()` or an op
+    whose output shape depends on values fails: a step that runs there can be a CUDA graph."""
+    from ferrum_mac.backends.torch.models import qwen3_moe
+    from ferrum_mac.backends.torch.runtime import TorchLLM
+    from ferrum_mac.weights import load_checkpoint
+
+    if family != "qwen3_moe" and route != "grouped":
+        pytest.skip("routes are a MoE matter")
+    monkeypatch.setattr(qwen3_moe, "ROUTE", route)
+    model = TorchLLM(load_checkpoint(zoo.path(family)), dtype="bfloat16", device="meta")  # grouped_mm: bf16 as on CUDA
+    model.prefill("a", PROMPT)
+    out = model.decode_batch([DecodeItem("a", 5, len(PROMPT)), DecodeItem("b", torch.tensor(7, device="meta"), 0)])
+    assert out.shape == (2, model.config.vocab_size) and out.device.type == "meta"
+
+
+def test_steps_belong_to_cache_buffers(zoo):
+    """A released cache returns to the pool with its step; growing a cache makes a new one."""
+    from ferrum_mac.backends.torch.kv import GROW_STEP
+
+    model = torch_model(zoo, "llama")
+    model.steps.clear()
+    model.prepare("first", 40)  # warms up (captures, on CUDA) the step of its buffer
+    assert len(model.steps.steps) == 1
+    step = next(iter(model.steps.steps.values()))
+    model.release("first")
+    model.prefill("second", PROMPT)  # takes the pooled cache
+    model.decode("second", 3, len(PROMPT))
+    assert list(model.steps.steps.values()) == [step]
+    model.prefill("second", random_tokens(GROW_STEP - len(PROMPT) - 1, seed=3))
+    model.decode("second", 3, GROW_STEP)  # past its allocation: a new buffer, a new step
+    assert len(model.steps.steps) == 2 and model.kv.get("second").allocated == 2 * GROW_STEP
+    model.release("second")
+
+
+def test_model_tensors_are_shared_not_copied(zoo):
+    """Built from a transformers model's own tensors (as `ferrum bench` does), the backend keeps
+    them: only fused projections are new, so both sides fit in memory at once."""
+    from ferrum_mac.backends.torch.runtime import TorchLLM
+    from ferrum_mac.weights import Checkpoint, config_from_dict
+    from ferrum_mac.weights.safetensors import canonical_name
+
+    reference = zoo.hf("qwen3_moe")
+    state = reference.state_dict()
+    tensors = {canonical_name(k): v for k, v in state.items()}
+    config = config_from_dict({**reference.config.to_dict(), "dtype": "float32"})
+    model = TorchLLM(Checkpoint(config, tensors, zoo.path("qwen3_moe"), "safetensors"))
+    assert model.model.embed.data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up.data_ptr() == state["model.layers.0.mlp.experts.gate_up_proj"].data_ptr()
+    assert_close(model.forward_verify("x", PROMPT), hf_logits(reference, PROMPT), 1e-4)
+
+
+# -- without MLX ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_mlx(monkeypatch):
+    """Imports of MLX fail, as on a CUDA machine without it."""
+    for name in [m for m in sys.modules if m == "mlx" or m.startswith("mlx.")] + ["mlx", "mlx.core"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_without_mlx_auto_opens_safetensors_with_torch(zoo, no_mlx, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from ferrum_mac import backends
+    from ferrum_mac.backends.torch.runtime import TorchLLM
+
+    monkeypatch.setattr(backends, "available", lambda b: b == "torch")
+    folder = zoo.path("qwen3", dtype="bfloat16")
+    model = ferrum_mac.open_model(folder, dtype="float32")
+    assert isinstance(model, TorchLLM)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()  # bf16 weights, upcast
+    assert_close(model.forward_verify("x", PROMPT), hf_logits(reference, PROMPT), 1e-4)
+
+
+def test_without_mlx_gguf_says_what_it_needs(no_mlx, tmp_path):
+    from ferrum_mac.errors import UnsupportedModelError
+    from ferrum_mac.weights.gguf import load_gguf
+
+    with pytest.raises(UnsupportedModelError, match="needs MLX") as err:
+        load_gguf(tmp_path / "x.gguf")
+    assert "\n" not in str(err.value)
+
+
+def test_without_torch_asking_for_it_says_how_to_install(monkeypatch):
+    from ferrum_mac import backends
+    from ferrum_mac.errors import UnsupportedError
+
+    monkeypatch.setattr(backends, "available", lambda b: b == "mlx")
+    with pytest.raises(UnsupportedError, match="pip install"):
+        backends.choose("torch")
+
+
+# -- the sampler --------------------------------------------------------------------------
+
+TOP, SECOND, VOCAB = 5, 9, 320
+
+
+def made_up(top: float = 4.0, second: float = 3.0) -> torch.Tensor:
+    values = torch.full((VOCAB,), -10.0)
+    values[TOP], values[SECOND] = top, second
+    return values
+
+
+def pick(model, logits=None, context=(), **params) -> int:
+    from ferrum_mac.engine.sampling import SamplingParams
+
+    sampler = model.sampler(SamplingParams(temperature=0.0).replace(**params), list(context))
+    token = sampler.sample(made_up() if logits is None else logits)
+    assert isinstance(token, torch.Tensor)  # on the device, not read yet
+    return sampler.read(token)
+
+
+def test_sampler_bias_and_penalties(zoo):
+    model = torch_model(zoo, "llama")
+    assert pick(model) == TOP
+    assert pick(model, logit_bias={7: 100.0}) == 7
+    assert pick(model, logit_bias={TOP: -float("inf")}) == SECOND
+    assert pick(model, context=[TOP], repetition_penalty=2.0) == SECOND  # 4 / 2 < 3
+    assert pick(model, context=[TOP], repetition_penalty=1.2) == TOP
+    assert pick(model, made_up(-1.0, -1.5), context=[TOP], repetition_penalty=2.0) == SECOND  # -1 * 2 < -1.5
+    assert pick(model, context=[TOP], presence_penalty=2.0) == SECOND
+    assert pick(model, context=[TOP, TOP], frequency_penalty=0.6) == SECOND
+    assert pick(model, context=[TOP] + [100] * 70, presence_penalty=2.0, penalty_window=64) == TOP
+
+
+def test_sampler_draws(zoo):
+    model = torch_model(zoo, "llama")
+    tied = made_up(3.0, 3.0)
+    assert {pick(model, tied, temperature=1.0, seed=s) for s in range(12)} == {TOP, SECOND}
+    assert len({pick(model, tied, temperature=1.0, top_k=1, seed=s) for s in range(6)}) == 1
+    assert {pick(model, made_up(3.0, 2.5), temperature=1.0, min_p=0.5, seed=s) for s in range(12)} == {TOP, SECOND}
+    assert {pick(model, made_up(3.0, 2.9), temperature=1.0, top_p=1e-6, seed=s) for s in range(6)} == {TOP}
+    assert pick(model, tied, temperature=1.0, seed=4) == pick(model, tied, temperature=1.0, seed=4)
+
+
+def test_sampler_penalises_what_it_picked_before_reading_it(zoo):
+    from ferrum_mac.engine.sampling import SamplingParams
+
+    sampler = torch_model(zoo, "llama").sampler(SamplingParams(temperature=0.0, presence_penalty=2.0), [])
+    first, second = sampler.sample(made_up()), sampler.sample(made_up())
+    assert (sampler.read(first), sampler.read(second)) == (TOP, SECOND)
+
+
+def test_sampled_tokens_drive_decode(zoo):
+    """The engine's loop: sample on the device, decode with the unread token."""
+    from ferrum_mac.engine.sampling import SamplingParams
+
+    model = torch_model(zoo, "qwen3")
+    sampler = model.sampler(SamplingParams(temperature=0.0), PROMPT)
+    token, pos, got = sampler.sample(model.prefill("s", PROMPT)), len(PROMPT), []
+    for _ in range(6):
+        following = sampler.sample(model.decode("s", token, pos))
+        got.append(sampler.read(token))
+        token, pos = following, pos + 1
+    model.release("s")
+    assert got == helpers.ferrum_greedy(model, "g", PROMPT, 6)
+    model.release("g")

@@ -37,20 +37,22 @@ class Timing:
 
 def run_turn(engine: "Engine", conv: Conversation, text: str, cancel: threading.Event) -> Iterator[Event]:
     timing = Timing()
-    ids, prompt_text, dropped = _fit_new_message(engine, conv, text)
-    if dropped:
-        yield Notice(
-            f"dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} to fit the "
-            f"{engine.model.kv_capacity()}-token context"
-        )
     model, settings = engine.model, conv.settings
+    ids, prompt_text, messages = _fit_new_message(engine, conv, text)
+    sampler = model.sampler(settings.sampling, ids)
+    dropped = _user_turns(conv.messages) + 1 - _user_turns(messages)
+    conv.messages = messages  # nothing changed before this line: errors above leave the conversation as it was
     reused = _trim_cache(engine, conv, ids)
     known = list(ids)  # every token the cache may hold, in order; the ledger is a prefix of it
     answer = AnswerText(engine.tokenizer, settings.stop, prompt_opens_reasoning(prompt_text))
     generated = 0
     reason = CANCELLED  # unless the loop says otherwise
     try:
-        sampler = model.sampler(settings.sampling, ids)
+        if dropped:
+            yield Notice(
+                f"dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} to fit the "
+                f"{model.kv_capacity()}-token context"
+            )
         logits = model.prefill(conv.cache_id, ids[reused:])
         tokens = sampled_tokens(model, sampler, conv.cache_id, logits, settings.max_tokens)
         for token in tokens:
@@ -75,8 +77,9 @@ def run_turn(engine: "Engine", conv: Conversation, text: str, cancel: threading.
     yield _done(reason, len(ids) - reused, reused, generated, timing, answer.stop_string)
 
 
-def _fit_new_message(engine: "Engine", conv: Conversation, text: str) -> tuple[list[int], str, int]:
-    """Prompt ids with the new user message; changes `conv` only once they fit."""
+def _fit_new_message(engine: "Engine", conv: Conversation, text: str) -> tuple[list[int], str, list[dict]]:
+    """Prompt ids and text with the new user message, and the messages they render (the
+    oldest turns dropped when the policy says so); `conv` is left as it is."""
     rendered = {}
 
     def prompt_ids(messages: list[dict]) -> list[int]:
@@ -87,8 +90,11 @@ def _fit_new_message(engine: "Engine", conv: Conversation, text: str) -> tuple[l
     ids, kept = fit(
         wanted, prompt_ids, conv.settings.context_policy, engine.model.kv_capacity(), conv.settings.max_tokens
     )
-    conv.messages = kept
-    return ids, rendered["text"], len(wanted) - len(kept)
+    return ids, rendered["text"], kept
+
+
+def _user_turns(messages: list[dict]) -> int:
+    return sum(m.get("role") == "user" for m in messages)
 
 
 def _trim_cache(engine: "Engine", conv: Conversation, ids: list[int]) -> int:

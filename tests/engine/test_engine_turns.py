@@ -107,9 +107,20 @@ def test_truncate_oldest_drops_old_turns_and_reports_it(small_context):
         assert done(events).stop_reason in (MAX_TOKENS, EOS)
         assert_consistent(engine, conv)
         assert len(conv.ledger) <= 96
-    assert said and all("oldest turn" in n for n in said)
+    assert said and all(n.startswith("dropped the 1 oldest turn to fit the 96-token context") for n in said)
     assert conv.messages[0]["role"] == "user" and conv.messages[0]["content"] != "Turn 0: the cat sat on the mat."
     assert conv.messages[-2]["content"] == "Turn 7: the cat sat on the mat."
+
+
+def test_a_turn_refused_before_it_starts_leaves_the_conversation_as_it_was(stories):
+    conv = greedy(stories, max_tokens=4)
+    list(conv.send(STORY))
+    messages, ledger = [dict(m) for m in conv.messages], list(conv.ledger)
+    conv.settings = conv.settings.replace(sampling=conv.settings.sampling.replace(logit_bias={10**6: 1.0}))
+    with pytest.raises(FerrumError, match="outside the vocabulary"):
+        list(conv.send("More."))
+    assert conv.messages == messages and conv.ledger == ledger
+    assert_consistent(stories, conv)
 
 
 def test_truncate_oldest_still_refuses_a_message_that_cannot_fit(small_context):

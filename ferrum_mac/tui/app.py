@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from textual import work
 from textual.app import App, SystemCommand
 from textual.screen import Screen
 
+from ferrum_mac.tui.engine_thread import EngineThread
+from ferrum_mac.tui.messages import EngineFailed, EngineOpened
 from ferrum_mac.tui.resident import ResidentConversations
 from ferrum_mac.tui.screens.chat_screen import ChatScreen
 
@@ -30,6 +31,7 @@ class ChatApp(App):
         self.engine = None
         self.resident: ResidentConversations | None = None
         self.device_text = "loading…"
+        self.engine_thread = EngineThread()
 
     def on_mount(self) -> None:
         self.push_screen(ChatScreen())
@@ -50,27 +52,29 @@ class ChatApp(App):
 
     # -- the engine -------------------------------------------------------------------------
 
-    @work(thread=True, exclusive=True, group="engine")
     def open_engine(self, name: str) -> None:
+        self.engine_thread.run(self._open_engine, name)
+
+    def _open_engine(self, name: str) -> None:
         try:
             engine = self.services.open_engine(name)
             device = self.services.backend_and_device()
         except Exception as e:
-            self.call_from_thread(self.engine_failed, name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            self.post_message(EngineFailed(name, str(e).splitlines()[0] if str(e) else type(e).__name__))
             return
-        self.call_from_thread(self.engine_ready, engine, device)
+        self.post_message(EngineOpened(engine, device))
 
-    def engine_ready(self, engine, device: str) -> None:
-        self.engine = engine
-        self.resident = ResidentConversations(engine)
-        self.model_name = engine.name or self.model_name
-        self.device_text = device
+    def on_engine_opened(self, event: EngineOpened) -> None:
+        self.engine = event.engine
+        self.resident = ResidentConversations(event.engine)
+        self.model_name = event.engine.name or self.model_name
+        self.device_text = event.device
         self.refresh_status()
 
-    def engine_failed(self, name: str, error: str) -> None:
+    def on_engine_failed(self, event: EngineFailed) -> None:
         self.device_text = "not loaded"
         self.refresh_status()
-        self.notify(f"cannot open {name}: {error}", severity="error", timeout=15)
+        self.notify(f"cannot open {event.name}: {event.error}", severity="error", timeout=15)
 
     def switch_model(self, name: str) -> None:
         self.close_engine()
@@ -80,15 +84,14 @@ class ChatApp(App):
         self.open_engine(name)
 
     def close_engine(self) -> None:
-        if self.resident is not None:
-            self.resident.release_all()
         if self.engine is not None:
-            self.engine.close()
+            self.engine.cancel()  # a turn still running ends at its next token
+            self.engine_thread.run(self.engine.close)
         self.engine = self.resident = None
 
     def on_unmount(self) -> None:
-        if self.engine is not None:
-            self.engine.cancel()  # a turn still running ends at its next token
+        self.close_engine()
+        self.engine_thread.shutdown()
 
     # -- the command palette ------------------------------------------------------------------
 
@@ -123,6 +126,5 @@ def main(model: str | None, backend: str, db: str | None, max_tokens: int | None
     try:
         app = ChatApp(Services(backend), history, model, stored_settings(max_tokens=max_tokens))
         app.run()
-        app.close_engine()
     finally:
         history.close()

@@ -90,3 +90,17 @@ class PullFinished(Message):
         super().__init__()
         self.name = name
         self.error = error
+
+
+class EngineOpened(Message):
+    def __init__(self, engine, device: str):
+        super().__init__()
+        self.engine = engine
+        self.device = device
+
+
+class EngineFailed(Message):
+    def __init__(self, name: str, error: str):
+        super().__init__()
+        self.name = name
+        self.error = error

@@ -44,13 +44,13 @@ async def ready(pilot) -> None:
     await pilot.pause()
 
 
-async def send(pilot, text: str) -> None:
+async def send(pilot, text: str, timeout: float = 10.0) -> None:
     """Type `text` into the prompt and press Enter; return once the answer ended."""
     screen = pilot.app.chat
     screen.query_one("#prompt").focus()
     screen.query_one("#prompt").text = text
     await pilot.press("enter")
-    await wait_for(pilot, lambda: not screen.busy, what="the answer")
+    await wait_for(pilot, lambda: not screen.busy, timeout, what="the answer")
     await pilot.pause()
 
 

@@ -163,10 +163,7 @@ class ChatScreen(Screen):
         await self.refresh_sidebar()
         conv = self.app.resident.get(self.current_id, settings)
         self.cancel_event = threading.Event()
-        self.app.run_worker(
-            partial(run_turn, conv, earlier, text, self.cancel_event, self.post_message),
-            thread=True, group="turn", name="answer",
-        )
+        self.app.engine_thread.run(run_turn, conv, earlier, text, self.cancel_event, self.post_message)
 
     async def on_answer_chunk(self, event: AnswerChunk) -> None:
         if self.answer is not None:

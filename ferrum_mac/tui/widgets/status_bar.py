@@ -26,7 +26,7 @@ class StatusBar(Horizontal):
         yield Static(id="memory")
 
     def show_model(self, model: str, device: str) -> None:
-        self.query_one("#model", Static).update(model)
+        self.query_one("#model", Static).update(short_name(model))
         self.query_one("#device", Static).update(device)
 
     def show_speed(self, tokens_per_second: float | None) -> None:
@@ -38,3 +38,8 @@ class StatusBar(Horizontal):
 
     def show_memory(self, text: str) -> None:
         self.query_one("#memory", Static).update(f"mem {text}")
+
+
+def short_name(model: str) -> str:
+    """A model named by its path shows as the file or folder name."""
+    return model.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1] if model.startswith(("/", "~", ".")) else model

@@ -80,6 +80,16 @@ class ForwardItem:
     is_final: bool = True
 
 
+def token_count(tokens) -> int:
+    """How many tokens a call passes: one id, a sequence of ids, or a device array of them."""
+    if isinstance(tokens, numbers.Integral):
+        return 1
+    size = getattr(tokens, "size", None)  # mx.array / torch.Tensor (a method on torch)
+    if size is not None and not isinstance(tokens, Sequence):
+        return int(tokens.numel()) if callable(size) else int(size)
+    return len(tokens)
+
+
 KV_CAPACITY_ENV = "FERRUM_KV_CAPACITY"
 
 
@@ -159,6 +169,13 @@ class DecoderOnlyLLM(abc.ABC):
         raise UnsupportedError(f"{type(self).__name__} has no sampler; use a backend that provides one (mlx)")
 
     # -- helpers for implementations --------------------------------------------------
+
+    def check_call(self, segments: Sequence[tuple[str, Any, int]]) -> None:
+        """Validate the (cache_id, tokens, offset) parts of one call before any state changes:
+        the segments themselves (`check_segments`) and each one's host token ids."""
+        self.check_segments([(cache_id, token_count(tokens), offset) for cache_id, tokens, offset in segments])
+        for cache_id, tokens, _ in segments:
+            self.check_token_ids(cache_id, tokens)
 
     def check_segments(self, segments: Sequence[tuple[str, int, int]]) -> None:
         """Validate the (cache_id, n_tokens, offset) parts of one call before any state changes:

@@ -101,8 +101,7 @@ class MlxLLM(DecoderOnlyLLM):
     def prefill(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
         tokens = list(tokens)
         offset = self.kv.length(cache_id)
-        self.check_segments([(cache_id, len(tokens), offset)])
-        self.check_token_ids(cache_id, tokens)
+        self.check_call([(cache_id, tokens, offset)])
         for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
             self._forward([(cache_id, tokens[start : start + PREFILL_CHUNK], offset + start)])
             mx.eval(self.kv.get(cache_id).arrays())
@@ -111,30 +110,24 @@ class MlxLLM(DecoderOnlyLLM):
         return self.model.logits(h[:, -1:, :])[0, 0]
 
     def decode(self, cache_id: str, token: Token, pos: int) -> mx.array:
-        self.check_segments([(cache_id, 1, pos)])
-        self.check_token_ids(cache_id, token)
+        self.check_call([(cache_id, token, pos)])
         h = self._forward([(cache_id, token, pos)])
         return self.model.logits(h)[0, 0]
 
     def decode_batch(self, items: Sequence[DecodeItem]) -> mx.array:
         segments = [(it.cache_id, it.token, it.pos) for it in items]
-        self.check_segments([(cid, 1, pos) for cid, _, pos in segments])
-        for cid, token, _ in segments:
-            self.check_token_ids(cid, token)
+        self.check_call(segments)
         return self.model.logits(self._forward(segments))[0]
 
     def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
         tokens = list(tokens)
         offset = self.kv.length(cache_id)
-        self.check_segments([(cache_id, len(tokens), offset)])
-        self.check_token_ids(cache_id, tokens)
+        self.check_call([(cache_id, tokens, offset)])
         return self.model.logits(self._forward([(cache_id, tokens, offset)]))[0]
 
     def unified_forward(self, items: Sequence[ForwardItem]) -> list[mx.array | None]:
         segments = [(it.cache_id, list(it.tokens), it.pos_offset) for it in items]
-        self.check_segments([(cid, len(toks), pos) for cid, toks, pos in segments])
-        for cid, toks, _ in segments:
-            self.check_token_ids(cid, toks)
+        self.check_call(segments)
         h = self._forward(segments)
         ends, row = [], 0
         for it in items:

@@ -142,6 +142,10 @@ class DecoderOnlyLLM(abc.ABC):
         """Most tokens any one cache may hold; callers check it before they extend a sequence."""
         return kv_capacity_from_env(self.config.max_seq_len)
 
+    def kv_free_tokens(self) -> int | None:
+        """How many more KV tokens, over all sequences together, free memory holds; None when unknown."""
+        return None
+
     def decode_batch(self, items: Sequence[DecodeItem]) -> Logits:
         """One decode step for each item; returns `[len(items), vocab]` logits in item order."""
         raise UnsupportedError(f"{type(self).__name__} has no batched decode; call decode() per sequence")

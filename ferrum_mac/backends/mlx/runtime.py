@@ -95,6 +95,9 @@ class MlxLLM(DecoderOnlyLLM):
     def kv_capacity(self) -> int:
         return self._capacity
 
+    def kv_free_tokens(self) -> int:
+        return int(free_memory_bytes() * KV_MEMORY_SHARE) // self._config.kv_bytes_per_token(self.dtype.size)
+
     def kv_len(self, cache_id: str) -> int:
         return self.kv.length(cache_id)
 

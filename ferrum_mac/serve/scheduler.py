@@ -1,0 +1,333 @@
+"""Continuous batching: many requests on one model, one forward per step, on one thread.
+
+Each step runs every decoding sequence's next token plus prefill chunks of newly admitted
+ones under a token budget, as one `unified_forward` where the backend has it (else whole
+prefills, then one `decode_batch`, else one `decode` per sequence). Requests are admitted
+first come, first served, while the batch has room and their KV (prompt plus max_tokens)
+fits what free memory held at start; a decoding sequence gets a token every step, so a
+long prompt never stalls the others for more than one chunk.
+
+The thread owns the model. Clients talk to it only through `submit` (a queue) and
+`RequestHandle.cancel`; events go back through each request's `emit`. The scheduler never
+imports MLX or torch: it asks the model for a sampler per request, as the engine does.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from ferrum_mac.engine import CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING
+from ferrum_mac.engine.answer_text import AnswerText
+from ferrum_mac.engine.turn import Timing
+from ferrum_mac.engine.turn import _done as done_event
+from ferrum_mac.errors import FerrumError, UnsupportedError
+from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, KV_CAPACITY_ENV, KvCapacityError
+from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
+
+if TYPE_CHECKING:
+    from ferrum_mac.engine import Engine
+
+MAX_BATCH = 32  # sequences decoding together
+STEP_TOKENS = 512  # tokens one forward may carry (decode tokens plus prefill chunks)
+UNIFIED, SPLIT, SINGLE = "unified_forward", "decode_batch", "decode"
+
+
+@dataclass
+class SchedulerStats:
+    """Counters and gauges for /metrics; written by the scheduler thread only."""
+
+    requests: dict = field(default_factory=dict)  # finish reason -> count
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    active: int = 0
+    waiting: int = 0
+    kv_tokens: int = 0  # held by active sequences
+    steps: int = 0
+
+
+class Sequence:
+    """One admitted request's state; touched only on the scheduler thread."""
+
+    def __init__(self, handle: RequestHandle, sampler, text: AnswerText, need: int, timing: Timing):
+        self.handle = handle
+        self.request = handle.request
+        self.cache_id = handle.cache_id
+        self.sampler = sampler
+        self.text = text
+        self.need = need  # KV tokens reserved for it at admission
+        self.timing = timing
+        self.unprefilled = list(self.request.prompt_ids)
+        self.pos = 0  # tokens in its cache
+        self.next_token: int | None = None  # sampled, to go into the cache next step
+        self.generated = 0
+
+    def emit(self, event) -> None:
+        if self.request.emit is None:
+            return
+        try:
+            self.request.emit(event)
+        except Exception:  # a client that went away must not stop the others
+            pass
+
+
+class Scheduler:
+    def __init__(
+        self, open_engine: Callable[[], "Engine"], *, max_batch: int = MAX_BATCH, step_tokens: int = STEP_TOKENS,
+        kv_budget: int | None = None,
+    ):
+        """`open_engine` runs on the scheduler's thread: MLX arrays belong to the thread that
+        made them (another thread's lazy arrays fail to evaluate), so the model is opened there."""
+        self._open_engine = open_engine
+        self.engine: "Engine | None" = None
+        self.max_batch = max_batch
+        self.step_tokens = step_tokens
+        self.kv_budget = kv_budget
+        self.mode = UNIFIED
+        self.stats = SchedulerStats()
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: list[tuple[RequestHandle, Timing]] = []
+        self._running: list[Sequence] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stopped = threading.Event()
+
+    # -- the client side ------------------------------------------------------------------
+
+    def start(self) -> "Scheduler":
+        """Open the engine on a new thread and start scheduling there; errors opening it raise here."""
+        opened: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(opened,), name="ferrum-scheduler", daemon=True)
+        self._thread.start()
+        opened.result()
+        return self
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._stopped.wait(timeout=30)
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue `request`; its events arrive through `request.emit`. A prompt that cannot fit
+        raises here, before anything is queued."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise FerrumError("the prompt is empty; send some text")
+        if n + 1 > self.capacity:
+            raise KvCapacityError(
+                f"the prompt has {n} tokens but the context holds {self.capacity} (prompt and answer); "
+                f"shorten it or raise {KV_CAPACITY_ENV}",
+                needed=n + 1, capacity=self.capacity,
+            )
+        if self._stopping:
+            raise FerrumError("the scheduler is stopping; send the request again after a restart")
+        handle = RequestHandle(request)
+        self._inbox.put((handle, Timing()))
+        return handle
+
+    # -- the scheduler thread -------------------------------------------------------------
+
+    def _run(self, opened: Future) -> None:
+        try:
+            self._load()
+        except BaseException as e:
+            self._stopping = True
+            opened.set_exception(e)
+        else:
+            opened.set_result(None)
+            self._loop()
+        self._stopped.set()
+        threading.Event().wait()  # park: MLX aborts the process at exit when a thread that used it has ended
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._take_new(block=not self._running and not self._waiting)
+            self._drop_cancelled()
+            self._admit()
+            if self._running:
+                self._step_or_fail()
+            self._update_gauges()
+        for seq in list(self._running):
+            self._finish(seq, CANCELLED)
+
+    def _load(self) -> None:
+        self.engine = self._open_engine()
+        self.model: DecoderOnlyLLM = self.engine.model
+        self.tokenizer = self.engine.tokenizer
+        self.eos_ids = frozenset(self.engine.eos_ids)
+        self.capacity = self.model.kv_capacity()
+        if self.kv_budget is None:
+            self.kv_budget = self.model.kv_free_tokens()  # None: only the batch size limits admission
+
+    def _take_new(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self._waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _drop_cancelled(self) -> None:
+        for handle, timing in [w for w in self._waiting if w[0].cancelled]:
+            self._waiting.remove((handle, timing))
+            self._count(CANCELLED)
+        for seq in [s for s in self._running if s.handle.cancelled]:
+            self._finish(seq, CANCELLED)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_batch:
+            handle, timing = self._waiting[0]
+            need = self._kv_need(handle.request)
+            if self._running and self.kv_budget is not None and self._reserved() + need > self.kv_budget:
+                return  # first come, first served: later requests wait behind this one
+            self._waiting.pop(0)
+            request = handle.request
+            try:
+                sampler = self.model.sampler(request.sampling, request.prompt_ids)
+            except FerrumError as e:
+                self._fail_one(handle, str(e))
+                continue
+            text = AnswerText(self.tokenizer, request.stop, request.opens_reasoning)
+            self._running.append(Sequence(handle, sampler, text, need, timing))
+            self.stats.prompt_tokens += len(request.prompt_ids)
+
+    def _kv_need(self, request: GenerationRequest) -> int:
+        answer = request.max_tokens or self.capacity
+        return min(len(request.prompt_ids) + answer, self.capacity)
+
+    def _reserved(self) -> int:
+        return sum(seq.need for seq in self._running)
+
+    def _step_or_fail(self) -> None:
+        try:
+            self._step()
+        except Exception as e:  # one bad step fails the sequences in it, not the server
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            for seq in list(self._running):
+                seq.emit(Failed(message))
+                self._release(seq, "error")
+
+    def _step(self) -> None:
+        self.stats.steps += 1
+        if self.mode == UNIFIED:
+            try:
+                finals = self._unified_step()
+            except UnsupportedError:
+                self.mode = SPLIT
+                finals = self._split_step()
+        else:
+            finals = self._split_step()
+        self._accept_all(finals)
+
+    def _unified_step(self) -> list[tuple[Sequence, object]]:
+        """One unified_forward: every decoding sequence's token, then prefill chunks in
+        admission order while the step's token budget lasts."""
+        parts: list[tuple[Sequence, list[int], bool]] = []
+        budget = self.step_tokens
+        for seq in self._decoding():
+            parts.append((seq, [seq.next_token], True))
+            budget -= 1
+        for seq in self._prefilling():
+            if budget <= 0 and parts:
+                break
+            chunk = seq.unprefilled[: max(1, budget)]
+            parts.append((seq, chunk, len(chunk) == len(seq.unprefilled)))
+            budget -= len(chunk)
+        items = [ForwardItem(seq.cache_id, tokens, seq.pos, final) for seq, tokens, final in parts]
+        logits = self.model.unified_forward(items)
+        for seq, tokens, _ in parts:
+            self._advance(seq, len(tokens))
+        return [(seq, row) for (seq, _, final), row in zip(parts, logits) if final]
+
+    def _split_step(self) -> list[tuple[Sequence, object]]:
+        """Whole prefills of new sequences, then one batched decode of the others."""
+        decoding = self._decoding()
+        finals = []
+        for seq in self._prefilling():
+            logits = self.model.prefill(seq.cache_id, seq.unprefilled)
+            self._advance(seq, len(seq.unprefilled))
+            finals.append((seq, logits))
+        if not decoding:
+            return finals
+        if self.mode == SPLIT:
+            try:
+                block = self.model.decode_batch([DecodeItem(s.cache_id, s.next_token, s.pos) for s in decoding])
+                rows = [block[i] for i in range(len(decoding))]
+            except UnsupportedError:
+                self.mode = SINGLE
+        if self.mode == SINGLE:
+            rows = [self.model.decode(s.cache_id, s.next_token, s.pos) for s in decoding]
+        for seq in decoding:
+            self._advance(seq, 1)
+        return finals + list(zip(decoding, rows))
+
+    def _decoding(self) -> list[Sequence]:
+        return [s for s in self._running if s.next_token is not None]
+
+    def _prefilling(self) -> list[Sequence]:
+        return [s for s in self._running if s.unprefilled]
+
+    @staticmethod
+    def _advance(seq: Sequence, n: int) -> None:
+        seq.pos += n
+        if seq.unprefilled:
+            seq.unprefilled = seq.unprefilled[n:]
+        else:
+            seq.next_token = None
+
+    def _accept_all(self, finals: list[tuple[Sequence, object]]) -> None:
+        # Sample every row before reading any, so the device works on them together.
+        lazy = [seq.sampler.sample(logits) for seq, logits in finals]
+        for (seq, _), token in zip(finals, lazy):
+            self._accept(seq, seq.sampler.read(token))
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        seq.timing.token()
+        seq.generated += 1
+        self.stats.generated_tokens += 1
+        if token in self.eos_ids:
+            return self._finish(seq, EOS)
+        for event in seq.text.add(token):
+            seq.emit(event)
+        if seq.text.stopped:
+            self._finish(seq, STOP_STRING)
+        elif seq.generated == seq.request.max_tokens:
+            self._finish(seq, MAX_TOKENS)
+        elif seq.pos + 1 > self.capacity:
+            self._finish(seq, CONTEXT)
+        else:
+            seq.next_token = token
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        for event in seq.text.finish():
+            seq.emit(event)
+        prompt = len(seq.request.prompt_ids)
+        seq.emit(done_event(reason, prompt, 0, seq.generated, seq.timing, seq.text.stop_string))
+        self._release(seq, reason)
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        self.model.release(seq.cache_id)
+        self._running.remove(seq)
+        self._count(reason)
+
+    def _fail_one(self, handle: RequestHandle, message: str) -> None:
+        if handle.request.emit is not None:
+            try:
+                handle.request.emit(Failed(message))
+            except Exception:
+                pass
+        self._count("error")
+
+    def _count(self, reason: str) -> None:
+        self.stats.requests[reason] = self.stats.requests.get(reason, 0) + 1
+
+    def _update_gauges(self) -> None:
+        self.stats.active = len(self._running)
+        self.stats.waiting = len(self._waiting) + self._inbox.qsize()
+        self.stats.kv_tokens = sum(self.model.kv_len(s.cache_id) for s in self._running)

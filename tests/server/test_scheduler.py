@@ -1,0 +1,88 @@
+"""The scheduler on its own: batched answers equal one-at-a-time answers; cancel, stops,
+limits and capacity; every finished request's KV released."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ferrum_mac.engine import CANCELLED, EOS, MAX_TOKENS, STOP_STRING, Done, SamplingParams, TextDelta
+from ferrum_mac.errors import KvCapacityError
+from ferrum_mac.serve import EventQueue, Failed, GenerationRequest
+
+PROMPTS = ["Once upon a time Lily", "Once upon a time there was a big red ball that", "Tom and Sam", "The dog"]
+TIMEOUT = 60
+
+
+def submit(scheduler, prompt: str, **options):
+    queue = EventQueue()
+    ids = scheduler.engine.tokenizer.encode(prompt)
+    handle = scheduler.submit(GenerationRequest(ids, emit=queue.put, **options))
+    return handle, queue
+
+
+def answer(queue) -> tuple[str, Done]:
+    events = list(queue.events(timeout=TIMEOUT))
+    assert isinstance(events[-1], Done), events[-1]
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1]
+
+
+def wait_idle(scheduler) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while (scheduler.stats.active or scheduler.stats.waiting) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.stats.active == 0 and scheduler.stats.kv_tokens == 0
+
+
+def test_batched_answers_equal_one_at_a_time(scheduler):
+    prompts = PROMPTS * 3
+    alone = [answer(submit(scheduler, p, max_tokens=24)[1]) for p in prompts]
+    queues = [submit(scheduler, p, max_tokens=24)[1] for p in prompts]
+    together = [answer(q) for q in queues]
+    assert [text for text, _ in together] == [text for text, _ in alone]
+    assert all(done.generated_tokens == 24 and done.stop_reason == MAX_TOKENS for _, done in together)
+    wait_idle(scheduler)
+
+
+def test_split_mode_gives_the_same_answers(scheduler):
+    queues = [submit(scheduler, p, max_tokens=16)[1] for p in PROMPTS]
+    unified = [answer(q)[0] for q in queues]
+    scheduler.mode = "decode_batch"  # the path for backends without unified_forward
+    try:
+        queues = [submit(scheduler, p, max_tokens=16)[1] for p in PROMPTS]
+        assert [answer(q)[0] for q in queues] == unified
+    finally:
+        scheduler.mode = "unified_forward"
+
+
+def test_cancel_ends_the_answer_and_frees_its_cache(scheduler):
+    handle, queue = submit(scheduler, "Once upon a time", max_tokens=10_000)
+    events = queue.events(timeout=TIMEOUT)
+    next(e for e in events if isinstance(e, TextDelta))
+    handle.cancel()
+    done = [e for e in events][-1]
+    assert done.stop_reason in (CANCELLED, EOS)
+    wait_idle(scheduler)
+
+
+def test_stop_string_and_seeded_sampling(scheduler):
+    text, done = answer(submit(scheduler, PROMPTS[0], max_tokens=40)[1])
+    word = text.split()[3]
+    stopped, done = answer(submit(scheduler, PROMPTS[0], max_tokens=40, stop=(word,))[1])
+    assert done.stop_reason == STOP_STRING and stopped == text[: text.index(word)].rstrip()  # sections end trimmed
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    first = answer(submit(scheduler, PROMPTS[1], max_tokens=20, sampling=sampling)[1])[0]
+    assert answer(submit(scheduler, PROMPTS[1], max_tokens=20, sampling=sampling)[1])[0] == first
+
+
+def test_prompt_past_capacity_is_refused_before_queueing(scheduler):
+    with pytest.raises(KvCapacityError):
+        scheduler.submit(GenerationRequest([1] * (scheduler.capacity + 1)))
+
+
+def test_bad_sampling_fails_only_that_request(scheduler):
+    bad = SamplingParams(temperature=0.0, logit_bias={10**9: 1.0})
+    _, queue = submit(scheduler, "Tom", max_tokens=4, sampling=bad)
+    assert isinstance(list(queue.events(timeout=TIMEOUT))[-1], Failed)
+    assert answer(submit(scheduler, "Tom", max_tokens=4)[1])[1].generated_tokens == 4

@@ -1,0 +1,92 @@
+"""SVG snapshots of the main states, on the scripted engine at a fixed size (no clock, fixed figures).
+
+Update them after an intended change of the look: pytest tests/tui/test_snapshots.py --snapshot-update
+"""
+
+from __future__ import annotations
+
+from conftest import SIZE, ready, send, wait_for
+
+ANSWER = """Here is a tiny **Python** function:
+
+```python
+def greet(name: str) -> str:
+    return f"Hello, {name}!"
+```
+
+Call it with `greet("Ada")`."""
+
+
+def still(pilot) -> None:
+    """No blinking cursor in a snapshot: nothing has the focus."""
+    for area in pilot.app.screen.query("TextArea, Input"):
+        area.cursor_blink = False
+    pilot.app.screen.set_focus(None)
+
+
+async def settle(pilot) -> None:
+    still(pilot)
+    await pilot.pause(0.3)
+    await pilot.wait_for_scheduled_animations()
+
+
+def test_empty(snap_compare, make_app):
+    async def before(pilot):
+        await ready(pilot)
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)
+
+
+def test_streaming(snap_compare, make_app):
+    app = make_app([[("text", ANSWER), ("hang",)]])
+
+    async def before(pilot):
+        await ready(pilot)
+        pilot.app.chat.query_one("#prompt").text = "Write a greeting function"
+        await pilot.press("enter")
+        await wait_for(pilot, app.engine.hanging.is_set)
+        await wait_for(pilot, lambda: "Ada" in app.chat.answer.content)
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=before)
+
+
+def test_reasoning_expanded(snap_compare, make_app):
+    reply = [("reasoning", "The user says hello, so I greet them back briefly."), ("text", "Hello! How can I help?")]
+
+    async def before(pilot):
+        await ready(pilot)
+        await send(pilot, "hello")
+        await pilot.press("ctrl+t")
+        await settle(pilot)
+
+    assert snap_compare(make_app([reply]), terminal_size=SIZE, run_before=before)
+
+
+def test_settings_modal(snap_compare, make_app):
+    async def before(pilot):
+        await ready(pilot)
+        await send(pilot, "hello")
+        await pilot.press("ctrl+s")
+        await settle(pilot)
+
+    assert snap_compare(make_app(settings={"max_tokens": 256}), terminal_size=SIZE, run_before=before)
+
+
+def test_context_warning(snap_compare, make_app):
+    async def before(pilot):
+        await ready(pilot)
+        await send(pilot, "fill the context")
+        await settle(pilot)
+
+    assert snap_compare(make_app(capacity=30), terminal_size=SIZE, run_before=before)
+
+
+def test_model_picker(snap_compare, make_app):
+    async def before(pilot):
+        await ready(pilot)
+        await pilot.press("f4")
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)

@@ -27,15 +27,23 @@ class Segment:
 
 
 class Plan:
-    """`positions` is a scalar offset for one segment, else one position per token."""
+    """`positions` is a scalar offset for one segment, else one position per token. A batch of
+    one-token segments (a batched decode) also gets what attending them together needs."""
 
     def __init__(self, segments: list[Segment]):
         self.segments = segments
         self.total = sum(s.length for s in segments)
+        self.batched_decode = len(segments) > 1 and self.total == len(segments)
         if len(segments) == 1:
             self.positions = mx.array(segments[0].offset)
         else:
             self.positions = mx.concatenate([mx.arange(s.offset, s.offset + s.length) for s in segments])
+        if self.batched_decode:
+            self.pool = segments[0].cache.pool
+            self.slots = mx.array([s.cache.slot for s in segments])
+            self.width = max(s.offset for s in segments) + 1
+            # Each sequence sees its own keys only: positions up to its offset.
+            self.mask = (mx.arange(self.width)[None, :] <= self.positions[:, None])[:, None, None, :]
 
 
 class Attention:
@@ -79,6 +87,8 @@ class Attention:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, plan: Plan) -> mx.array:
         """Write each segment's k/v to its cache and attend; returns `(1, T, heads * dim)`."""
+        if plan.batched_decode:
+            return self._attend_batch(q, k, v, plan)
         if len(plan.segments) == 1:
             return merge_heads(self._attend_segment(q, k, v, plan.segments[0]))
         outs = []
@@ -86,6 +96,13 @@ class Attention:
             rows = slice(seg.start, seg.start + seg.length)
             outs.append(merge_heads(self._attend_segment(heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg)))
         return mx.concatenate(outs, axis=1)
+
+    def _attend_batch(self, q, k, v, plan: Plan) -> mx.array:
+        """B one-token sequences `(B, heads, dim)`: one write and one masked attention for all."""
+        B = q.shape[0]
+        keys, values = plan.pool.write_batch(self.layer, plan.slots, plan.positions, k[:, :, None, :], v[:, :, None, :], plan.width)
+        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=self.scale, mask=plan.mask)
+        return out.reshape(1, B, self.heads * self.head_dim)
 
     def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:
         """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`."""

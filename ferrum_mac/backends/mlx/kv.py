@@ -1,8 +1,11 @@
-"""The KV manager: one preallocated key/value buffer pair per layer for each `cache_id`.
+"""The KV manager: a pool of cache slots, one `(slots, kv_heads, tokens, head_dim)` key
+buffer and one value buffer per layer, with a slot for each `cache_id`.
 
-Buffers are `(1, kv_heads, allocated, head_dim)`; writes are in-place slice updates.
-A cache grows in steps of `GROW_STEP` tokens unless `prepare` sized it up front, and
-released caches go to a free pool that new sequences take from before allocating.
+Writes are in-place slice updates. The pool grows in steps of `GROW_STEP` tokens (unless
+`prepare` sized it up front) and doubles its slots when every one is taken; a released
+sequence's slot goes back to a free list that new sequences take first. Keeping every
+sequence in one buffer lets a batched decode write and attend all of them with one
+operation each, instead of one per sequence.
 """
 
 from __future__ import annotations
@@ -13,29 +16,31 @@ GROW_STEP = 256
 
 
 class SequenceCache:
-    def __init__(self, num_layers: int):
-        self.keys: list[mx.array | None] = [None] * num_layers
-        self.values: list[mx.array | None] = [None] * num_layers
-        self.length = 0  # tokens held
-        self.allocated = 0  # tokens the buffers can hold
+    """One sequence's slot in the pool and how many tokens it holds."""
+
+    def __init__(self, pool: "KvManager", slot: int):
+        self.pool, self.slot, self.length = pool, slot, 0
 
     def write(self, layer: int, k: mx.array, v: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """Store k/v `(1, kv_heads, n, head_dim)` at `offset`; return every cached key/value up to them."""
-        end = offset + k.shape[2]
-        self.keys[layer][..., offset:end, :] = k
-        self.values[layer][..., offset:end, :] = v
-        return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
-
-    def arrays(self) -> list[mx.array]:
-        return [a for a in self.keys + self.values if a is not None]
+        end, s = offset + k.shape[2], self.slot
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        keys[s : s + 1, :, offset:end, :] = k
+        values[s : s + 1, :, offset:end, :] = v
+        return keys[s : s + 1, :, :end, :], values[s : s + 1, :, :end, :]
 
 
 class KvManager:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, capacity: int):
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
         self.capacity = capacity
+        self.heads = mx.arange(kv_heads)
+        self.keys: list[mx.array | None] = [None] * num_layers
+        self.values: list[mx.array | None] = [None] * num_layers
+        self.slots = 0  # slots the buffers hold
+        self.tokens = 0  # tokens each slot can hold
         self.caches: dict[str, SequenceCache] = {}
-        self.free: list[SequenceCache] = []
+        self.free: list[int] = []
 
     def get(self, cache_id: str) -> SequenceCache | None:
         return self.caches.get(cache_id)
@@ -47,26 +52,40 @@ class KvManager:
     def acquire(self, cache_id: str) -> SequenceCache:
         cache = self.caches.get(cache_id)
         if cache is None:
-            cache = self.free.pop() if self.free else SequenceCache(self.num_layers)
-            cache.length = 0
-            self.caches[cache_id] = cache
+            if not self.free:
+                self._grow(max(1, 2 * self.slots), self.tokens)
+            cache = self.caches[cache_id] = SequenceCache(self, self.free.pop())
         return cache
 
     def reserve(self, cache: SequenceCache, tokens: int) -> None:
-        """Make the buffers hold at least `tokens` (rounded up to the grow step, at most capacity)."""
-        if tokens <= cache.allocated:
-            return
-        size = min(self.capacity, -(-tokens // GROW_STEP) * GROW_STEP)
-        shape = (1, self.kv_heads, size, self.head_dim)
-        for layer in range(self.num_layers):
-            for buffers in (cache.keys, cache.values):
+        """Make every slot hold at least `tokens` (rounded up to the grow step, at most capacity)."""
+        if tokens > self.tokens:
+            self._grow(self.slots, min(self.capacity, -(-tokens // GROW_STEP) * GROW_STEP))
+
+    def _grow(self, slots: int, tokens: int) -> None:
+        shape = (slots, self.kv_heads, tokens, self.head_dim)
+        for buffers in (self.keys, self.values):
+            for layer, old in enumerate(buffers):
                 fresh = mx.zeros(shape, dtype=self.dtype)
-                old = buffers[layer]
-                if old is not None and cache.length:
-                    fresh[..., : cache.length, :] = old[..., : cache.length, :]
+                if old is not None and self.slots and self.tokens:
+                    fresh[: self.slots, :, : self.tokens, :] = old
                 buffers[layer] = fresh
-        cache.allocated = size
-        mx.eval(cache.arrays())
+        # New slots are handed out lowest first, so a batch tends to sit in neighbouring slots.
+        self.free = sorted(set(self.free) | set(range(self.slots, slots)), reverse=True)
+        self.slots, self.tokens = slots, tokens
+        mx.eval(self.arrays())
+
+    def write_batch(self, layer: int, slots: mx.array, offsets: mx.array, k: mx.array, v: mx.array, width: int):
+        """One new key/value `(B, kv_heads, 1, head_dim)` per sequence at its own offset; returns the
+        batch's keys and values `(B, kv_heads, width, head_dim)` (attend under a length mask)."""
+        keys, values = self.keys[layer], self.values[layer]
+        rows, heads, columns = slots[:, None], self.heads[None, :], offsets[:, None]  # broadcast to (B, kv_heads)
+        keys[rows, heads, columns] = k[:, :, 0, :]
+        values[rows, heads, columns] = v[:, :, 0, :]
+        return keys[slots, :, :width, :], values[slots, :, :width, :]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in self.keys + self.values if a is not None]
 
     def truncate(self, cache_id: str, new_len: int) -> None:
         cache = self.caches.get(cache_id)
@@ -76,13 +95,15 @@ class KvManager:
     def release(self, cache_id: str) -> None:
         cache = self.caches.pop(cache_id, None)
         if cache is not None:
-            cache.length = 0
-            self.free.append(cache)
+            self.free.append(cache.slot)
 
     def reset(self) -> None:
         self.caches.clear()
-        self.free.clear()
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        self.slots = self.tokens = 0
+        self.free = []
 
     def bytes_in_use(self) -> int:
         per_token = 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size
-        return sum(c.allocated for c in self.caches.values()) * per_token
+        return self.slots * self.tokens * per_token

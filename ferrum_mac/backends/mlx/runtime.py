@@ -107,7 +107,7 @@ class MlxLLM(DecoderOnlyLLM):
         self.check_call([(cache_id, tokens, offset)])
         for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
             self._forward([(cache_id, tokens[start : start + PREFILL_CHUNK], offset + start)])
-            mx.eval(self.kv.get(cache_id).arrays())
+            mx.eval(self.kv.arrays())
         last = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
         h = self._forward([(cache_id, tokens[last:], offset + last)])
         return self.model.logits(h[:, -1:, :])[0, 0]

@@ -133,6 +133,20 @@ def run(
 
 
 @app.command()
+def serve(
+    model: Optional[str] = typer.Argument(None, help="Model to serve (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
+    backend: str = typer.Option("auto", help="auto, mlx or torch."),
+) -> None:
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
+    from ferrum_mac.serve.command import serve_command
+
+    serve_command(model, host, port, api_key, backend)
+
+
+@app.command()
 def chat(
     model: Optional[str] = typer.Argument(None, help="Model to open (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
     backend: str = typer.Option("auto", help="auto, mlx or torch."),

@@ -43,3 +43,72 @@ def scheduler(stories_path):
     s = Scheduler(open_stories(stories_path)).start()
     yield s
     s.stop()
+
+
+class LiveServer:
+    """`build_app` under uvicorn on a thread, on 127.0.0.1 and a free port."""
+
+    def __init__(self, app):
+        import socket
+        import threading
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        import time
+
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.server.started, "the server did not start"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def server(scheduler):
+    from ferrum_mac.serve.app import build_app
+
+    live = LiveServer(build_app(scheduler, "stories260K"))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(scheduler):
+    from ferrum_mac.serve.app import build_app
+
+    live = LiveServer(build_app(scheduler, "stories260K", api_key=API_KEY))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="session")
+def small_server(stories_path):
+    """A server whose model holds 48 tokens per sequence."""
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    scheduler = Scheduler(open_stories(stories_path, kv_capacity=48)).start()
+    live = LiveServer(build_app(scheduler, "stories260K-small"))
+    yield live
+    live.stop()
+    scheduler.stop()
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

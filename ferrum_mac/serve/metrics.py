@@ -1,0 +1,26 @@
+"""The scheduler's counters in the Prometheus text format."""
+
+from __future__ import annotations
+
+from ferrum_mac.serve.scheduler import SchedulerStats
+
+
+def prometheus_text(stats: SchedulerStats) -> str:
+    lines = [
+        "# HELP ferrum_requests_total Requests finished, by how they ended.",
+        "# TYPE ferrum_requests_total counter",
+    ]
+    lines += [f'ferrum_requests_total{{reason="{reason}"}} {n}' for reason, n in sorted(stats.requests.items())]
+    lines += [
+        *metric("ferrum_prompt_tokens_total", "counter", "Prompt tokens admitted.", stats.prompt_tokens),
+        *metric("ferrum_generation_tokens_total", "counter", "Tokens generated.", stats.generated_tokens),
+        *metric("ferrum_active_sequences", "gauge", "Sequences being prefilled or decoded.", stats.active),
+        *metric("ferrum_waiting_requests", "gauge", "Requests queued for admission.", stats.waiting),
+        *metric("ferrum_kv_tokens_in_use", "gauge", "Tokens held in the KV caches of active sequences.", stats.kv_tokens),
+        *metric("ferrum_scheduler_steps_total", "counter", "Forward steps run.", stats.steps),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def metric(name: str, kind: str, help_text: str, value) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]

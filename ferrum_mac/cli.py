@@ -119,6 +119,8 @@ def run(
     context: str = typer.Option("error", help="When the context is full: error or truncate-oldest."),
     pull: bool = typer.Option(True, "--pull/--no-pull", help="Download the model when it is not on disk."),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="The REPL, even with stdin piped."),
+    remote: Optional[str] = typer.Option(None, "--remote", help="Chat with an OpenAI-compatible server at this URL instead."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="With --remote: the server's API key."),
 ) -> None:
     """Chat with a model: one answer to a prompt, or a REPL (/? for its commands)."""
     from ferrum_mac.run_command import RunOptions
@@ -128,7 +130,7 @@ def run(
         system=system, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop or [], think=think,
         hide_thinking=hide_thinking, verbose=verbose, json=json_out, backend=backend, kv_capacity=kv_capacity,
-        context=context, pull=pull, interactive=interactive,
+        context=context, pull=pull, interactive=interactive, remote=remote, api_key=api_key,
     ))
 
 

@@ -119,7 +119,10 @@ class Commands:
     def _cmd_show(self, rest: str) -> None:
         what = rest.strip().lower()
         engine, settings = self.repl.engine, self.conv.settings
-        if what == "info":
+        if what == "info" and not hasattr(engine, "model"):  # a RemoteEngine: only what the server says
+            say(f"  model        {engine.name}\n  server       {engine.path}\n"
+                f"  context      {engine.kv_capacity() or 'unknown'} tokens")
+        elif what == "info":
             c = engine.model.config
             say(f"  model        {engine.name}\n  path         {engine.path}\n  architecture {c.model_type}\n"
                 f"  dtype        {c.dtype}\n  context      {engine.model.kv_capacity()} tokens\n"

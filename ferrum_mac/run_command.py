@@ -40,6 +40,8 @@ class RunOptions:
     context: str = "error"
     pull: bool = True
     interactive: bool = False
+    remote: str | None = None  # an OpenAI-compatible server's URL instead of a local model
+    api_key: str | None = None
 
     def sampling_changes(self) -> dict:
         return dict(
@@ -55,7 +57,7 @@ def run(words: list[str], options: RunOptions) -> None:
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise FerrumError("the prompt on stdin is empty; pipe some text in or give the prompt as an argument")
-    engine = Engine.open(model, backend=options.backend, pull=options.pull)
+    engine = open_engine(model, options)
     settings = engine.settings(
         system=options.system,
         sampling=engine.default_sampling.replace(**options.sampling_changes()),
@@ -75,6 +77,15 @@ def run(words: list[str], options: RunOptions) -> None:
         # One answer: no warm-up, which would only move the kernels' first-use cost earlier.
         for event in engine.conversation(settings, prepare=False).send(prompt):
             printer.print(event)
+
+
+def open_engine(model: str | None, options: RunOptions):
+    """A local Engine, or with --remote a RemoteEngine (the same API for everything below)."""
+    if options.remote:
+        from ferrum_mac.remote import RemoteEngine
+
+        return RemoteEngine(options.remote, api_key=options.api_key, model=model)
+    return Engine.open(model, backend=options.backend, pull=options.pull)
 
 
 def split_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:

@@ -1,0 +1,232 @@
+"""`RemoteEngine`: any OpenAI-compatible server (ferrum serve, vLLM, Ollama, LM Studio) in the
+engine's place, streaming the same events (TextDelta, ReasoningDelta, one Done).
+
+It has the part of `Engine`'s API that the REPL, `ferrum run` and the chat app use:
+`name`, `default_sampling`, `settings()`, `conversation()` (an ordinary `Conversation`, so
+`conv.send(text, cancel)` works as with a local model), `cancel()`, `kv_capacity()`, `close()`.
+
+    engine = RemoteEngine("http://127.0.0.1:8000", api_key=None)
+    conv = engine.conversation(max_tokens=64)
+    for event in conv.send("Hi"): ...
+
+Reasoning arrives as `reasoning_content` (vLLM, ferrum) or `reasoning` (Ollama); stats come
+from ferrum's `stats` field where the server sends it, else from `usage` and local timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from typing import Iterator
+
+from ferrum_mac.engine import (
+    CANCELLED, EOS, MAX_TOKENS, ChatSettings, Conversation, Done, Event, ReasoningDelta, TextDelta,
+)
+from ferrum_mac.engine.defaults import FALLBACK_SAMPLING
+from ferrum_mac.engine.turn import Timing
+from ferrum_mac.errors import FerrumError
+
+TIMEOUT_S = 600.0  # a long answer from a slow server is still an answer
+FINISH_REASONS = {"length": MAX_TOKENS, "stop": EOS}
+# SamplingParams field -> the request field servers beyond OpenAI's (vLLM, ferrum) read
+EXTRA_SAMPLING = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+
+
+class RemoteEngine:
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None, timeout: float = TIMEOUT_S):
+        import httpx
+
+        self.base = base_url(url)
+        self.path = self.base
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
+        self.default_sampling = FALLBACK_SAMPLING
+        self._model = model
+        self._capacity: int | None = None
+        self._cancel: threading.Event | None = None
+        self._ids = itertools.count(1)
+
+    @property
+    def name(self) -> str:
+        """The model asked for, else the first one the server lists."""
+        if self._model is None:
+            models = self._get("/models").get("data") or []
+            if not models:
+                raise FerrumError(f"{self.base} lists no models; name one with the model argument")
+            self._model = str(models[0].get("id"))
+            self._capacity = models[0].get("max_model_len")
+        return self._model
+
+    def kv_capacity(self) -> int | None:
+        """The server's context length where it says (ferrum and vLLM do), else None."""
+        self.name
+        return self._capacity
+
+    # -- what Engine offers -----------------------------------------------------------------
+
+    def settings(self, **changes) -> ChatSettings:
+        return ChatSettings(sampling=self.default_sampling).replace(**changes)
+
+    def conversation(self, settings: ChatSettings | None = None, *, prepare: bool = True, **changes) -> Conversation:
+        return Conversation(self, f"remote-{next(self._ids)}", (settings or self.settings()).replace(**changes))
+
+    def close_conversation(self, conv: Conversation) -> None:
+        conv.closed = True
+
+    def cancel(self) -> None:
+        if self._cancel is not None:
+            self._cancel.set()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def send(self, conv: Conversation, text: str, cancel: threading.Event | None = None) -> Iterator[Event]:
+        """Stream the answer to `text`; the user message and the answer so far join
+        `conv.messages` whatever ends the turn."""
+        if conv.closed:
+            raise FerrumError(f"conversation {conv.cache_id} is closed; open a new one")
+        body = self._request_body(conv, text)
+        conv.messages.append({"role": "user", "content": text})
+        self._cancel = cancel = cancel or threading.Event()
+        turn = RemoteTurn()
+        try:
+            yield from turn.read(self._stream(body), cancel)
+        finally:
+            self._cancel = None
+            conv.messages.append(turn.message())
+        yield turn.done()
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    def _request_body(self, conv: Conversation, text: str) -> dict:
+        s, sampling = conv.settings, conv.settings.sampling
+        history = [{"role": m["role"], "content": m.get("content") or ""} for m in conv.chat_messages()]
+        body = {
+            "model": self.name, "messages": history + [{"role": "user", "content": text}], "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": sampling.temperature, "top_p": sampling.top_p,
+        }
+        body.update({k: v for k, v in (("max_tokens", s.max_tokens), ("seed", sampling.seed)) if v is not None})
+        if s.stop:
+            body["stop"] = list(s.stop)
+        if s.think is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": s.think}
+        body.update({name: getattr(sampling, f) for f, name in EXTRA_SAMPLING.items()
+                     if getattr(sampling, f) != getattr(self.default_sampling, f)})
+        return body
+
+    def _stream(self, body: dict) -> Iterator[dict]:
+        """The JSON chunks of a streamed answer."""
+        import httpx
+
+        try:
+            with self.http.stream("POST", self.base + "/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    response.read()
+                    raise FerrumError(f"{self.base} answered {response.status_code}: {error_message(response)}")
+                for line in response.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise FerrumError(f"{self.base}: {chunk['error'].get('message', chunk['error'])}")
+                    yield chunk
+        except httpx.HTTPError as e:
+            raise FerrumError(f"cannot reach {self.base} ({e or type(e).__name__}); is the server running?") from None
+
+    def _get(self, path: str) -> dict:
+        import httpx
+
+        try:
+            response = self.http.get(self.base + path)
+        except httpx.HTTPError as e:
+            raise FerrumError(f"cannot reach {self.base} ({e or type(e).__name__}); is the server running?") from None
+        if response.status_code != 200:
+            raise FerrumError(f"{self.base} answered {response.status_code}: {error_message(response)}")
+        return response.json()
+
+
+class RemoteTurn:
+    """One streamed answer: its text, reasoning and the figures for its Done."""
+
+    def __init__(self):
+        self.timing = Timing()
+        self.answer: list[str] = []
+        self.reasoning: list[str] = []
+        self.chunks = 0
+        self.finish: str | None = None
+        self.usage: dict = {}
+        self.stats: dict = {}
+        self.cancelled = False
+
+    def read(self, chunks: Iterator[dict], cancel: threading.Event) -> Iterator[Event]:
+        for chunk in chunks:
+            self.usage = chunk.get("usage") or self.usage
+            self.stats = chunk.get("stats") or self.stats
+            for choice in chunk.get("choices") or []:
+                yield from self._deltas(choice.get("delta") or {"content": choice.get("text")})
+                self.finish = choice.get("finish_reason") or self.finish
+            if cancel.is_set():
+                self.cancelled = True
+                chunks.close()  # closing the stream tells the server to stop
+                return
+
+    def _deltas(self, delta: dict) -> Iterator[Event]:
+        thought = delta.get("reasoning_content") or delta.get("reasoning")
+        if thought:
+            self._token()
+            self.reasoning.append(thought)
+            yield ReasoningDelta(thought)
+        if delta.get("content"):
+            self._token()
+            self.answer.append(delta["content"])
+            yield TextDelta(delta["content"])
+
+    def _token(self) -> None:
+        self.chunks += 1
+        self.timing.token()
+
+    def message(self) -> dict:
+        message = {"role": "assistant", "content": "".join(self.answer)}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        return message
+
+    def done(self) -> Done:
+        if self.stats and not self.cancelled:
+            fields = {k: self.stats[k] for k in Done.__dataclass_fields__ if k in self.stats}
+            try:
+                return Done(**fields)
+            except TypeError:
+                pass  # not ferrum's stats after all
+        generated = self.usage.get("completion_tokens") or self.chunks
+        prompt = self.usage.get("prompt_tokens") or 0
+        first = self.timing.first or time.perf_counter()
+        ttft, decode_time = first - self.timing.start, (self.timing.last or first) - first
+        reason = CANCELLED if self.cancelled else FINISH_REASONS.get(self.finish or "", EOS)
+        return Done(
+            stop_reason=reason, prompt_tokens=prompt, cached_tokens=0, generated_tokens=generated, ttft_s=ttft,
+            prefill_tps=prompt / ttft if ttft > 0 else 0.0,
+            decode_tps=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0,
+        )
+
+
+def base_url(url: str) -> str:
+    """`http://host:port` or `.../v1` -> the API root ending in /v1."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def error_message(response) -> str:
+    try:
+        error = response.json().get("error")
+        return str(error.get("message") if isinstance(error, dict) else error)
+    except (ValueError, AttributeError):
+        return response.text.strip()[:200] or response.reason_phrase

@@ -35,13 +35,15 @@ def bench(
     peer: bool = typer.Option(True, help="Also run mlx-lm on the same weights."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     batch: int = typer.Option(0, help="Also time decode_batch over this many sequences (aggregate tok/s)."),
+    backend: str = typer.Option("auto", help="mlx (beside mlx-lm) or torch (beside transformers, with the roofline)."),
+    device: Optional[str] = typer.Option(None, help="With --backend torch: cuda or cpu (default: cuda when present)."),
 ) -> None:
-    """Prefill and decode speed, time to first token and peak memory, beside mlx-lm."""
+    """Prefill and decode speed, time to first token and peak memory, beside mlx-lm (or transformers)."""
     from ferrum_mac.bench import run_bench
 
     run_bench(
         model=model, shape=shape, quant=quant, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-        runs=runs, peer=peer, json_out=json_out, batch=batch,
+        runs=runs, peer=peer, json_out=json_out, batch=batch, backend=backend, device=device,
     )
 
 

@@ -36,7 +36,16 @@ def _ferrum_from_path(model: str):
     return llm, peer, str(model)
 
 
-def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0) -> dict:
+def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, backend="mlx", device=None) -> dict:
+    from ferrum_mac.backends import choose
+
+    if choose(backend) == "torch":  # beside transformers, with no MLX import on the way
+        from ferrum_mac.bench.torch_side import run_torch_bench
+
+        return run_torch_bench(
+            model=model, shape=shape, quant=quant, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+            runs=runs, peer=peer, json_out=json_out, batch=batch, device=device,
+        )
     from ferrum_mac.backends.mlx.memory import device_name
     from ferrum_mac.bench.measure import batched_decode_tps, ferrum_stream, interleaved, mlx_lm_stream, time_stream
 

@@ -23,13 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.kv import SequenceCache
-from ferrum_mac.backends.torch.layers import Projections, Rope, linear, rms_norm
+from ferrum_mac.backends.torch.layers import Rope, fuse, linear, rms_norm
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
 
 class Attention:
-    """q/k/v as one fused projection, optional q/k RMSNorm (Qwen3), RoPE, then the plan's attention."""
+    """q/k/v as one fused projection, optional q/k RMSNorm (Qwen3), RoPE, then the plan's attention.
+
+    q and k sit side by side in the projection's output, so their norm and rotation run
+    once over all `heads + kv_heads` heads (each head normed with its own side's weight)."""
 
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int, rope: Rope):
         p, c = f"layers.{layer}.self_attn", config
@@ -37,7 +40,7 @@ class Attention:
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv = Projections(
+        self.qkv = fuse(
             [
                 linear(src, f"{p}.q_proj", q_out, c.hidden_size, c.qkv_bias),
                 linear(src, f"{p}.k_proj", kv_out, c.hidden_size, c.qkv_bias),
@@ -45,8 +48,10 @@ class Attention:
             ]
         )
         self.o_proj = linear(src, f"{p}.o_proj", c.hidden_size, q_out, c.o_bias)
-        self.q_norm = src.norm(f"{p}.q_norm", c.head_dim) if c.qk_norm else None
-        self.k_norm = src.norm(f"{p}.k_norm", c.head_dim) if c.qk_norm else None
+        self.qk_norm = None
+        if c.qk_norm:  # (heads + kv_heads, dim): q_norm's weight for query heads, k_norm's for key heads
+            q_norm, k_norm = src.norm(f"{p}.q_norm", c.head_dim), src.norm(f"{p}.k_norm", c.head_dim)
+            self.qk_norm = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
         self.eps = c.rms_norm_eps
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -56,13 +61,14 @@ class Attention:
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> roped q `(T, heads, dim)`, roped k and v `(T, kv_heads, dim)`."""
-        q, k, v = self.qkv(x)
-        q = q.unflatten(-1, (self.heads, self.head_dim))
-        k = k.unflatten(-1, (self.kv_heads, self.head_dim))
-        v = v.unflatten(-1, (self.kv_heads, self.head_dim))
-        if self.q_norm is not None:
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
-        return self.rope(q, cos, sin), self.rope(k, cos, sin), v
+        qkv = self.qkv(x)
+        qk_width = (self.heads + self.kv_heads) * self.head_dim
+        qk = qkv[:, :qk_width].unflatten(-1, (self.heads + self.kv_heads, self.head_dim))
+        v = qkv[:, qk_width:].unflatten(-1, (self.kv_heads, self.head_dim))
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, None, self.eps) * self.qk_norm
+        qk = self.rope(qk, cos, sin)
+        return qk[:, : self.heads], qk[:, self.heads :], v
 
 
 @dataclass
@@ -130,7 +136,7 @@ class DecodePlan:
             outs.append(
                 F.scaled_dot_product_attention(grouped_q, keys[None], values[None], attn_mask=self.biases[i], scale=scale)
             )
-        return torch.stack(outs).reshape(self.total, -1)
+        return (outs[0] if len(outs) == 1 else torch.stack(outs)).reshape(self.total, -1)
 
 
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

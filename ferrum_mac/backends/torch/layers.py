@@ -33,24 +33,18 @@ def linear(src: TensorSource, module: str, out_dim: int, in_dim: int, bias: bool
     return Linear(src.take(f"{module}.weight", (out_dim, in_dim)), b)
 
 
-class Projections:
-    """Several linears over one input as one matmul; returns the parts as views."""
-
-    def __init__(self, linears: list[Linear]):
-        self.sizes = [l.weight.shape[0] for l in linears]
-        weight = torch.cat([l.weight for l in linears])
-        bias = None
-        if any(l.bias is not None for l in linears):  # a part without bias adds zeros
-            bias = torch.cat([l.weight.new_zeros(n) if l.bias is None else l.bias for l, n in zip(linears, self.sizes)])
-        self.fused = Linear(weight, bias)
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.fused(x).split(self.sizes, dim=-1)
+def fuse(linears: list[Linear]) -> Linear:
+    """Linears that read the same input, stacked into one (their outputs side by side)."""
+    weight = torch.cat([l.weight for l in linears])
+    if all(l.bias is None for l in linears):
+        return Linear(weight)
+    biases = [l.weight.new_zeros(l.weight.shape[0]) if l.bias is None else l.bias for l in linears]  # none: zeros
+    return Linear(weight, torch.cat(biases))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # Normalises in float32 and rounds before the weight, as transformers' RMSNorm does.
-    return F.rms_norm(x, weight.shape, weight, eps)
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -58,33 +52,43 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 class Rope:
-    """Rotary position embedding: cos/sin tables by position (default, linear, Llama-3 or
-    GGUF per-frequency schedules), applied in the layout the checkpoint's q/k rows use."""
+    """Rotary position embedding: each pair of dims (i, partner(i)) turns by its position's
+    angle. Written as x * cos + partner(x) * signed sin: four kernels for all heads at once.
+
+    Pairs are (i, i + dims/2) in the Hugging Face layout and (2i, 2i+1) where the q/k rows
+    were permuted for an interleaved rope (GGUF llama). Tables hold the default, linear,
+    Llama-3 or GGUF per-frequency schedule, indexed by position.
+    """
 
     def __init__(self, config: ModelConfig, device: torch.device):
         self.dims = config.head_dim
-        self.traditional = config.rope_traditional  # GGUF llama: rotate interleaved pairs
+        self.interleaved = config.rope_traditional
         self.inv_freq = inverse_frequencies(config).to(device)
         self.cos = self.sin = None
 
     def build(self, positions: int) -> None:
-        """Tables for positions 0 .. positions-1 (the KV capacity), float32."""
+        """Tables `(positions, dims)` for positions 0 .. positions-1 (the KV capacity), float32."""
         t = torch.arange(positions, device=self.inv_freq.device, dtype=torch.float32)
         angles = torch.outer(t, self.inv_freq)
-        self.cos, self.sin = angles.cos(), angles.sin()
+        cos, sin = angles.cos(), angles.sin()
+        if self.interleaved:
+            self.cos = torch.stack((cos, cos), dim=-1).flatten(-2)
+            self.sin = torch.stack((-sin, sin), dim=-1).flatten(-2)
+        else:
+            self.cos, self.sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `(T, 1, dims/2)` for positions `(T,)`, in the activations' dtype."""
+        """cos and signed sin `(T, 1, dims)` for positions `(T,)`, in the activations' dtype."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x `(T, heads, dims)` rotated by its rows' angles."""
-        if self.traditional:
-            pairs = x.unflatten(-1, (-1, 2))
-            x1, x2 = pairs[..., 0], pairs[..., 1]
-            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return x * cos + self.partner(x) * sin  # rounded as transformers rounds it
+
+    def partner(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interleaved:
+            return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return x.roll(self.dims // 2, dims=-1)
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -108,12 +108,17 @@ class TorchLLM(DecoderOnlyLLM):
         caches = [self.kv.acquire(it.cache_id) for it in items]
         for cache, it in zip(caches, items):
             self.kv.reserve(cache, it.pos + 1)
-        step = self.steps.get(caches)
-        step.load([it.token for it in items], [it.pos for it in items])
+        # Rows in cache order, so the same caches in any order share one step (one graph).
+        order = sorted(range(len(items)), key=lambda i: caches[i].uid)
+        step = self.steps.get([caches[i] for i in order])
+        step.load([items[i].token for i in order], [items[i].pos for i in order])
         logits = step.run()
         for cache, it in zip(caches, items):
             cache.length = it.pos + 1
-        return logits
+        if order == sorted(order):
+            return logits
+        row = {item: j for j, item in enumerate(order)}
+        return torch.stack([logits[row[i]] for i in range(len(items))])
 
     @torch.inference_mode()
     def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.attention import Attention
-from ferrum_mac.backends.torch.layers import Linear, Projections, Rope, linear, rms_norm, swiglu
+from ferrum_mac.backends.torch.layers import Linear, Rope, fuse, linear, rms_norm, swiglu
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
@@ -15,7 +15,7 @@ from ferrum_mac.weights import ModelConfig
 class Mlp:
     def __init__(self, src: TensorSource, config: ModelConfig, prefix: str, hidden: int):
         c, bias = config, config.mlp_bias
-        self.gate_up = Projections(
+        self.gate_up = fuse(
             [
                 linear(src, f"{prefix}.gate_proj", hidden, c.hidden_size, bias),
                 linear(src, f"{prefix}.up_proj", hidden, c.hidden_size, bias),
@@ -25,7 +25,7 @@ class Mlp:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + mlp(x)."""
-        gate, up = self.gate_up(x)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down.plus(swiglu(gate, up), residual)
 
 

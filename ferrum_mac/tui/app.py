@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -128,3 +130,9 @@ def main(model: str | None, backend: str, db: str | None, max_tokens: int | None
         app.run()
     finally:
         history.close()
+    # Everything is saved and closed. Skip the interpreter's teardown: MLX's C++ destructors
+    # at exit can abort ("terminate called without an active exception") after the engine
+    # ran on a worker thread, turning a clean quit into exit status 134.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(app.return_code or 0)

@@ -2,8 +2,8 @@
 
 Checks follow the OpenAI API: a wrong field answers 400 with `{"error": {message, type,
 param, code}}`. Fields ferrum cannot honour (n > 1, tools, logprobs, ...) are refused rather
-than ignored; vLLM's extras `top_k`, `min_p`, `repetition_penalty` and
-`chat_template_kwargs` are accepted.
+than ignored; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos` and `chat_template_kwargs` are accepted.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Options:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False
     template_kwargs: dict = field(default_factory=dict)
 
 
@@ -78,6 +79,7 @@ def options(body: dict, defaults: SamplingParams) -> Options:
     return Options(
         sampling=sampling, max_tokens=max_tokens, stop=_stops(body), stream=bool(_typed(body, "stream", bool)),
         include_usage=bool(stream_options.get("include_usage")), template_kwargs=kwargs,
+        ignore_eos=bool(_typed(body, "ignore_eos", bool)),
     )
 
 

@@ -123,6 +123,9 @@ class Scheduler:
                 f"shorten it or raise {KV_CAPACITY_ENV}",
                 needed=n + 1, capacity=self.capacity,
             )
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in request.prompt_ids):
+            raise FerrumError(f"the prompt holds token ids outside the vocabulary (0 to {vocab - 1})")
         if self._stopping:
             raise FerrumError("the scheduler is stopping; send the request again after a restart")
         handle = RequestHandle(request)
@@ -291,7 +294,7 @@ class Scheduler:
         seq.timing.token()
         seq.generated += 1
         self.stats.generated_tokens += 1
-        if token in self.eos_ids:
+        if token in self.eos_ids and not seq.request.ignore_eos:
             return self._finish(seq, EOS)
         for event in seq.text.add(token):
             seq.emit(event)

@@ -119,6 +119,7 @@ def test_malformed_json_unknown_route_and_the_server_keeps_serving(server, clien
     assert error["code"] == "invalid_json"
     error_of(httpx.post(server.url + "/v1/completions", json=[1, 2]), 400)
     error_of(httpx.get(server.url + "/v1/nothing"), 404)
+    assert "vocabulary" in error_of(httpx.post(server.url + "/v1/completions", json={"prompt": [1, 10**6]}), 400)["message"]
     assert client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4).usage.completion_tokens == 4
 
 

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Aggregate decode tok/s of a running `ferrum serve` (or any OpenAI-compatible server) at
+several concurrencies: each round starts N streaming /v1/completions requests at once
+(greedy, `ignore_eos`, the same max_tokens each) and times them.
+
+    scripts/load-serve.py http://127.0.0.1:8000 --concurrency 1,4,16 --max-tokens 128
+
+decode tok/s = sum over streams of (tokens - 1) / (last stream's end - first stream's first token);
+that is the rate the server sustains with N sequences decoding together.
+
+For the GPU run, a model folder with random weights of a real shape and the Qwen3 tokenizer:
+
+    scripts/load-serve.py --make-model /tmp/qwen3-8b --shape qwen3-8b   # needs MLX (any build)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+WORDS = ["Once upon a time", "The old lighthouse keeper", "In a city of glass", "A robot named Pim",
+         "The river remembered", "On the last day of summer", "Under the mountain", "The baker's daughter"]
+
+
+def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict) -> None:
+    body = {"model": "any", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    result["start"] = time.perf_counter()
+    with http.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise SystemExit(f"load-serve: {url} answered {response.status_code}: {response.text[:200]}")
+        for line in response.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                result["error"] = chunk["error"].get("message")
+            if chunk.get("choices") and "first" not in result:
+                result["first"] = time.perf_counter()
+            if chunk.get("usage"):
+                result["tokens"] = chunk["usage"]["completion_tokens"]
+    result["end"] = time.perf_counter()
+
+
+def wait_for_server(url: str, seconds: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code in (200, 401):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"load-serve: no server answered at {url}/health within {seconds:.0f} s")
+
+
+def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    results = [{} for _ in range(concurrency)]
+    with httpx.Client(headers=headers, timeout=600, limits=limits) as http:
+        threads = [threading.Thread(target=one_stream, args=(http, url, f"{WORDS[i % len(WORDS)]} ({i})",
+                                                                 max_tokens, results[i])) for i in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    failed = [r.get("error", "see above") for r in results if "end" not in r or "first" not in r or "error" in r]
+    if failed:
+        raise SystemExit(f"load-serve: {len(failed)} stream(s) failed: {failed[0]}")
+    first = min(r["first"] for r in results)
+    end = max(r["end"] for r in results)
+    decoded = sum(r["tokens"] - 1 for r in results)
+    return {
+        "concurrency": concurrency,
+        "tokens": sum(r["tokens"] for r in results),
+        "decode_tps": round(decoded / (end - first), 1),
+        "per_stream_tps": round(decoded / (end - first) / concurrency, 1),
+        "mean_ttft_s": round(sum(r["first"] - r["start"] for r in results) / concurrency, 3),
+        "wall_s": round(end - min(r["start"] for r in results), 2),
+    }
+
+
+def make_model(folder: Path, shape: str) -> None:
+    """config.json and model.safetensors of random bf16 weights of `shape`, with the Qwen3 tokenizer."""
+    import mlx.core as mx
+
+    from ferrum_mac.bench.shapes import build_random
+
+    tokenizer = Path(__file__).resolve().parents[1].parent / "shared" / "assets" / "tokenizers" / "qwen3"
+    folder.mkdir(parents=True, exist_ok=True)
+    random = build_random(shape, "bf16")
+    mx.save_safetensors(str(folder / "model.safetensors"), random.weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps({**random.config, "torch_dtype": "bfloat16"}, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    print(f"load-serve: wrote {folder} ({shape}, random bf16 weights)", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("url", nargs="?", default="http://127.0.0.1:8000")
+    parser.add_argument("--concurrency", default="1,4,16", help="Comma-separated stream counts, one round each.")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--api-key")
+    parser.add_argument("--make-model", type=Path, help="Write a random-weight model folder and exit.")
+    parser.add_argument("--shape", default="qwen3-8b")
+    args = parser.parse_args()
+    if args.make_model:
+        return make_model(args.make_model, args.shape)
+    url = args.url.rstrip("/").removesuffix("/v1")
+    wait_for_server(url)
+    one_round(url, args.api_key, 1, 8)  # warm-up: kernels and caches
+    rows = [one_round(url, args.api_key, int(c), args.max_tokens) for c in args.concurrency.split(",")]
+    for row in rows:
+        print(json.dumps(row))
+    base = rows[0]["decode_tps"]
+    print(" ".join(f"c{r['concurrency']}={r['decode_tps']} tok/s ({r['decode_tps'] / base:.1f}x)" for r in rows),
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Chat turns: time to first token at turn N with the conversation's KV cache reused, against a
+fresh conversation that re-prefills the same history.
+
+    python -m ferrum_mac.bench.turns [MODEL] [--turns 20] [--answer-tokens 24] [--runs 3] [--json]
+
+Turns 1..N-1 are real greedy answers (at most --answer-tokens each). Each timed run asks
+turn N with a different question, so the reused side prefills just that question; the
+re-prefill side opens a new conversation holding the same history. Best of --runs each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ferrum_mac.engine import Done, Engine
+
+QUESTIONS = [
+    "What is the capital of France?", "Name a primary colour.", "What is two plus two?",
+    "Which planet is closest to the sun?", "What do bees make?", "How many legs does a spider have?",
+    "What is the opposite of hot?", "What colour is the sky on a clear day?", "What is frozen water called?",
+    "Which animal says moo?", "What is the largest ocean?", "How many days are in a week?",
+]
+SYSTEM = "You are a helpful assistant. Answer briefly."
+
+
+def measure(engine: Engine, turns: int, answer_tokens: int, runs: int, say=print) -> dict:
+    sampling = engine.default_sampling.replace(temperature=0.0)
+    conv = engine.conversation(sampling=sampling, max_tokens=answer_tokens, system=SYSTEM)
+    for turn in range(1, turns):
+        list(conv.send(QUESTIONS[(turn - 1) % len(QUESTIONS)]))
+        say(f"turn {turn}: {len(conv.ledger)} tokens in the cache")
+    history = [dict(m) for m in conv.messages]
+    conv.settings = conv.settings.replace(max_tokens=1)  # timed turns stop at their first token
+    reused, fresh = [], []
+    for run in range(runs):
+        # a new question each run (its first token differs), so the reused side prefills all of it
+        question = f"{run + 1}. {QUESTIONS[(turns - 1 + run) % len(QUESTIONS)]}"
+        conv.messages = [dict(m) for m in history]
+        reused.append(_first_token(conv.send(question)))
+        other = engine.conversation(conv.settings, prepare=False)
+        other.messages = [dict(m) for m in history]
+        fresh.append(_first_token(other.send(question)))
+        other.close()
+        say(f"run {run + 1}: reuse {reused[-1].ttft_s:.3f} s, re-prefill {fresh[-1].ttft_s:.3f} s")
+    conv.close()
+    best_reused, best_fresh = min(reused, key=_ttft), min(fresh, key=_ttft)
+    return {
+        "model": engine.name,
+        "turn": turns,
+        "history_tokens": best_fresh.prompt_tokens,
+        "reuse": {"ttft_s": best_reused.ttft_s, "prefilled": best_reused.prompt_tokens, "cached": best_reused.cached_tokens},
+        "re_prefill": {"ttft_s": best_fresh.ttft_s, "prefilled": best_fresh.prompt_tokens, "cached": best_fresh.cached_tokens},
+        "speedup": best_fresh.ttft_s / best_reused.ttft_s,
+    }
+
+
+def _first_token(events) -> Done:
+    """The figures of a one-token turn."""
+    done = list(events)[-1]
+    assert isinstance(done, Done)
+    return done
+
+
+def _ttft(done: Done) -> float:
+    return done.ttft_s
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ferrum_mac.bench.turns", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default=None, help="default: $FERRUM_MODEL or smollm2:135m")
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--answer-tokens", type=int, default=24)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    engine = Engine.open(args.model)
+    result = measure(engine, args.turns, args.answer_tokens, args.runs, say=lambda s: print(s, file=sys.stderr))
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    print(
+        f"{result['model']}, turn {result['turn']} ({result['history_tokens']} prompt tokens): "
+        f"time to first token {result['reuse']['ttft_s']:.3f} s reusing the cache "
+        f"(prefilled {result['reuse']['prefilled']}), {result['re_prefill']['ttft_s']:.3f} s re-prefilling "
+        f"the history ({result['re_prefill']['prefilled']}); {result['speedup']:.1f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -285,10 +285,21 @@ class Scheduler:
             seq.next_token = None
 
     def _accept_all(self, finals: list[tuple[Sequence, object]]) -> None:
-        # Sample every row before reading any, so the device works on them together.
-        lazy = [seq.sampler.sample(logits) for seq, logits in finals]
-        for (seq, _), token in zip(finals, lazy):
-            self._accept(seq, seq.sampler.read(token))
+        for (seq, _), token in zip(finals, self._sample_all(finals)):
+            self._accept(seq, token)
+
+    @staticmethod
+    def _sample_all(finals: list[tuple[Sequence, object]]) -> list[int]:
+        """One token id per row: in one call where the backend's sampler offers `sample_rows`,
+        else every row sampled before any is read, so the device works on them together."""
+        samplers = [seq.sampler for seq, _ in finals]
+        if not samplers:
+            return []
+        batched = getattr(type(samplers[0]), "sample_rows", None)
+        if batched is not None and all(type(s) is type(samplers[0]) for s in samplers):
+            return batched(samplers, [logits for _, logits in finals])
+        lazy = [s.sample(logits) for s, (_, logits) in zip(samplers, finals)]
+        return [s.read(token) for s, token in zip(samplers, lazy)]
 
     def _accept(self, seq: Sequence, token: int) -> None:
         seq.timing.token()

@@ -86,3 +86,11 @@ def test_bad_sampling_fails_only_that_request(scheduler):
     _, queue = submit(scheduler, "Tom", max_tokens=4, sampling=bad)
     assert isinstance(list(queue.events(timeout=TIMEOUT))[-1], Failed)
     assert answer(submit(scheduler, "Tom", max_tokens=4)[1])[1].generated_tokens == 4
+
+
+def test_greedy_and_seeded_rows_in_one_batch_sample_as_alone(scheduler):
+    seeded = SamplingParams(temperature=0.9, top_k=20, seed=3)
+    requests = [dict(max_tokens=16), dict(max_tokens=16, sampling=seeded), dict(max_tokens=16)]
+    alone = [answer(submit(scheduler, p, **r)[1])[0] for p, r in zip(PROMPTS, requests)]
+    queues = [submit(scheduler, p, **r)[1] for p, r in zip(PROMPTS, requests)]
+    assert [answer(q)[0] for q in queues] == alone

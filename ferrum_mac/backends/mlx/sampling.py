@@ -50,6 +50,17 @@ class MlxSampler:
     def read(self, token: mx.array) -> int:
         return int(token.item())
 
+    @staticmethod
+    def sample_rows(samplers: Sequence["MlxSampler"], rows: Sequence[mx.array]) -> list[int]:
+        """Token ids for many sequences at once, row i by samplers[i]: the plain greedy rows
+        (no bias, no penalties) in one argmax over their stacked block, the others one by one."""
+        plain = [i for i, s in enumerate(samplers) if s.params.greedy and not s.params.logit_bias and s.window is None]
+        others = {i: s.sample(r) for i, (s, r) in enumerate(zip(samplers, rows)) if i not in set(plain)}
+        picked = mx.argmax(mx.stack([rows[i].reshape(-1) for i in plain]), axis=-1) if plain else mx.array([])
+        mx.eval(picked, *others.values())
+        ids = dict(zip(plain, picked.tolist()))
+        return [ids[i] if i in ids else int(others[i].item()) for i in range(len(samplers))]
+
     def _penalise(self, x: mx.array) -> mx.array:
         p = self.params
         counts = mx.zeros(x.shape, dtype=mx.float32).at[self.window].add(1.0)

@@ -90,7 +90,7 @@ def run_torch_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, pee
     result["batched_decode_tps"] = {}
     for size in batches:
         log(f"ferrum bench: decode_batch of {size} sequences ...")
-        batched_decode_tps(llm, prompt, size, 4)  # warm-up: captures the batch's graph
+        batched_decode_tps(llm, prompt, size, new_tokens)  # warm-up: grows the caches, captures the batch's graph
         rate = max(batched_decode_tps(llm, prompt, size, new_tokens) for _ in range(runs))
         result["batched_decode_tps"][str(size)] = round(rate, 1)
     print(json.dumps(result) if json_out else format_report(result, runs))
@@ -117,7 +117,7 @@ def random_pair(shape: str, device: torch.device):
     torch.manual_seed(0)
     with torch.device(device):
         reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw["model_type"], **settings), dtype=torch.bfloat16)
-    reference.eval()
+    reference.to(device).eval()
     tensors = {canonical_name(k): v for k, v in reference.state_dict().items()}
     checkpoint = Checkpoint(config_from_dict(raw), tensors, Path(f"random-{shape}-bf16"), "safetensors")
     return TorchLLM(checkpoint, device=device), reference, f"{shape} bf16 (random weights)"

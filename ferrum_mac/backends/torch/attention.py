@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.kv import SequenceCache
-from ferrum_mac.backends.torch.layers import Rope, fuse, linear, rms_norm
+from ferrum_mac.backends.torch.layers import Rope, fuse, linear
+from ferrum_mac.backends.torch.pointwise import norm_and_rope
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
@@ -65,9 +66,7 @@ class Attention:
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = qkv[:, :qk_width].unflatten(-1, (self.heads + self.kv_heads, self.head_dim))
         v = qkv[:, qk_width:].unflatten(-1, (self.kv_heads, self.head_dim))
-        if self.qk_norm is not None:
-            qk = rms_norm(qk, None, self.eps) * self.qk_norm
-        qk = self.rope(qk, cos, sin)
+        qk = norm_and_rope(qk, self.qk_norm, cos, sin, self.eps, self.rope.interleaved)
         return qk[:, : self.heads], qk[:, self.heads :], v
 
 

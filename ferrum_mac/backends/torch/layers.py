@@ -1,5 +1,5 @@
 """Building blocks shared by the torch model families: linear layers (fused when they read
-the same input), RMSNorm, RoPE tables and SwiGLU."""
+the same input), RMSNorm and RoPE tables. (The elementwise work is in pointwise.py.)"""
 
 from __future__ import annotations
 
@@ -47,22 +47,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
 class Rope:
-    """Rotary position embedding: each pair of dims (i, partner(i)) turns by its position's
-    angle. Written as x * cos + partner(x) * signed sin: four kernels for all heads at once.
-
-    Pairs are (i, i + dims/2) in the Hugging Face layout and (2i, 2i+1) where the q/k rows
-    were permuted for an interleaved rope (GGUF llama). Tables hold the default, linear,
-    Llama-3 or GGUF per-frequency schedule, indexed by position.
-    """
+    """RoPE tables by position (default, linear, Llama-3 or GGUF per-frequency schedules), laid
+    out for `pointwise.norm_and_rope`: cos for both dims of a pair, sin signed for the pair's
+    first dim. Pairs are (i, i + dims/2), or (2i, 2i+1) for `interleaved` checkpoints."""
 
     def __init__(self, config: ModelConfig, device: torch.device):
-        self.dims = config.head_dim
-        self.interleaved = config.rope_traditional
+        self.interleaved = config.rope_traditional  # GGUF llama: q/k rows permuted for it
         self.inv_freq = inverse_frequencies(config).to(device)
         self.cos = self.sin = None
 
@@ -80,15 +71,6 @@ class Rope:
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin `(T, 1, dims)` for positions `(T,)`, in the activations' dtype."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x `(T, heads, dims)` rotated by its rows' angles."""
-        return x * cos + self.partner(x) * sin  # rounded as transformers rounds it
-
-    def partner(self, x: torch.Tensor) -> torch.Tensor:
-        if self.interleaved:
-            return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-        return x.roll(self.dims // 2, dims=-1)
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.attention import Attention
-from ferrum_mac.backends.torch.layers import Linear, Rope, fuse, linear, rms_norm, swiglu
+from ferrum_mac.backends.torch.layers import Linear, Rope, fuse, linear, rms_norm
+from ferrum_mac.backends.torch.pointwise import swiglu
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
@@ -25,8 +26,7 @@ class Mlp:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + mlp(x)."""
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down.plus(swiglu(gate, up), residual)
+        return self.down.plus(swiglu(self.gate_up(x)), residual)
 
 
 class Block:

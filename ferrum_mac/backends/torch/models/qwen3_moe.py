@@ -24,8 +24,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ferrum_mac.backends.torch.layers import Linear, linear, swiglu
+from ferrum_mac.backends.torch.layers import Linear, linear
 from ferrum_mac.backends.torch.models import llama
+from ferrum_mac.backends.torch.pointwise import swiglu
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 from ferrum_mac.weights.moe import MoeConfig, moe_config
@@ -78,7 +79,8 @@ class Router:
 
 
 class Experts:
-    """Every expert's SwiGLU MLP over the token-expert pairs the router chose."""
+    """Every expert's SwiGLU MLP over the token-expert pairs the router chose. The router's
+    weight scales each pair before the (linear) down projection, in SwiGLU's kernel."""
 
     def __init__(self, src: TensorSource, prefix: str, moe: MoeConfig, hidden: int):
         self.gate_up, self.down = expert_weights(src, prefix, moe, hidden)
@@ -101,11 +103,6 @@ class Experts:
         T, k = experts.shape
         return pairs(x, experts.reshape(-1), weights.reshape(-1)).view(T, k, -1).sum(dim=1)
 
-    def mix(self, gate_up: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # The router weight goes in before the (linear) down projection.
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return swiglu(gate, up) * weights
-
     def grouped(self, x, experts, weights) -> torch.Tensor:
         """Pairs in (token, slot) order -> `(T*k, hidden)` outputs, through sorted grouped GEMMs."""
         k = experts.numel() // x.shape[0]
@@ -113,21 +110,21 @@ class Experts:
         ids = experts[order]
         ends = torch.searchsorted(ids, torch.arange(self.num_experts, device=ids.device), right=True).int()
         rows = x[order // k]
-        a = self.mix(F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends), weights[order, None])
+        a = swiglu(F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends), weights[order, None])
         y = F.grouped_mm(a, self.down.transpose(1, 2), offs=ends)
         return torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
 
     def gathered(self, x, experts, weights) -> torch.Tensor:
         (T, hidden), k = x.shape, experts.numel() // x.shape[0]
         rows = x[:, None, :].expand(T, k, hidden).reshape(T * k, hidden, 1)
-        a = self.mix(torch.bmm(self.gate_up[experts], rows)[..., 0], weights[:, None])
+        a = swiglu(torch.bmm(self.gate_up[experts], rows)[..., 0], weights[:, None])
         return torch.bmm(self.down[experts], a[:, :, None])[..., 0]
 
     def dense(self, x, experts, weights) -> torch.Tensor:
         T, E = x.shape[0], self.num_experts
         routing = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter_(1, experts, weights)
         gate_up = F.linear(x, self.gate_up.view(E * 2 * self.inter, -1)).view(T, E, -1)
-        a = self.mix(gate_up, routing[:, :, None])  # (T, E, I), zero for experts not chosen
+        a = swiglu(gate_up, routing[:, :, None])  # (T, E, I), zero for experts not chosen
         return torch.bmm(self.down, a.permute(1, 2, 0)).sum(dim=0).t()
 
 

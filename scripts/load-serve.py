@@ -97,7 +97,11 @@ def make_model(folder: Path, shape: str) -> None:
 
     from ferrum_mac.bench.shapes import build_random
 
-    tokenizer = Path(__file__).resolve().parents[1].parent / "shared" / "assets" / "tokenizers" / "qwen3"
+    repo = Path(__file__).resolve().parents[1]
+    places = [repo.parent / "shared", repo / "shared"]  # beside the checkout, or inside it on the GPU machine
+    tokenizer = next((p / "assets/tokenizers/qwen3" for p in places if (p / "assets/tokenizers/qwen3").is_dir()), None)
+    if tokenizer is None:
+        raise SystemExit(f"load-serve: the Qwen3 tokenizer is not under {' or '.join(map(str, places))}")
     folder.mkdir(parents=True, exist_ok=True)
     random = build_random(shape, "bf16")
     mx.save_safetensors(str(folder / "model.safetensors"), random.weights, metadata={"format": "mlx"})

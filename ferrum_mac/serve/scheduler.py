@@ -296,7 +296,7 @@ class Scheduler:
         if not samplers:
             return []
         batched = getattr(type(samplers[0]), "sample_rows", None)
-        if batched is not None and all(type(s) is type(samplers[0]) for s in samplers):
+        if batched is not None and len(samplers) > 1 and all(type(s) is type(samplers[0]) for s in samplers):
             return batched(samplers, [logits for _, logits in finals])
         lazy = [s.sample(logits) for s, (_, logits) in zip(samplers, finals)]
         return [s.read(token) for s, token in zip(samplers, lazy)]

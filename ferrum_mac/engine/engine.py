@@ -1,7 +1,8 @@
 """`Engine`: one model with its tokenizer and chat template, and the conversations on it.
 
-Usable from a worker thread: one turn runs at a time per engine (a lock), and `cancel()`
-may be called from any thread.
+Usable from a worker thread: one turn runs at a time per engine (a lock, held from a turn's
+first event to its last), and `cancel()` may be called from any thread. Within one thread,
+finish or close a turn's stream before starting the next one or closing a conversation.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ def choose(backend: str) -> str:
     if backend not in BACKENDS:
         raise UnsupportedError(f"unknown backend {backend!r}; choose one of: auto, {', '.join(BACKENDS)}")
     if not available(backend):
-        raise UnsupportedError(f"the {backend} backend is not installed; pip install {backend}")
+        install = {"mlx": "pip install mlx", "torch": "pip install 'ferrum-mac[torch]' (or a torch build for your GPU)"}
+        raise UnsupportedError(f"the {backend} backend is not installed; {install[backend]}")
     return backend
 
 

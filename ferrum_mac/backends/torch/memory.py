@@ -8,6 +8,9 @@ import torch
 
 
 def default_device() -> torch.device:
+    """`FERRUM_DEVICE` (cuda, cuda:1, cpu) when set, else CUDA when present, else the CPU."""
+    if os.environ.get("FERRUM_DEVICE"):
+        return torch.device(os.environ["FERRUM_DEVICE"])
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

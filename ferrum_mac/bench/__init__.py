@@ -47,7 +47,8 @@ def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, jso
             runs=runs, peer=peer, json_out=json_out, batch=batch, device=device,
         )
     from ferrum_mac.backends.mlx.memory import device_name
-    from ferrum_mac.bench.measure import batched_decode_tps, ferrum_stream, interleaved, mlx_lm_stream, time_stream
+    from ferrum_mac.bench.measure import batched_decode_tps, ferrum_stream, mlx_lm_stream, time_stream
+    from ferrum_mac.bench.report import interleaved
 
     if (model is None) == (shape is None):
         raise FerrumError("give either a MODEL or --shape (for example: ferrum bench --shape qwen3-0.6b)")
@@ -92,22 +93,9 @@ def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, jso
 
 
 def format_table(r: dict, runs: int) -> str:
-    ours, theirs = r["ferrum"], r["mlx_lm"]
-    rows = [
-        ("prefill tok/s", "prefill_tps", "{:.1f}", r["prefill_ratio"]),
-        ("decode tok/s", "decode_tps", "{:.1f}", r["decode_ratio"]),
-        ("time to first token ms", "ttft_s", "{:.1f}", None),
-        ("peak memory GB", "peak_memory_gb", "{:.2f}", None),
-    ]
-    lines = [
-        f"{r['model']} on {r['device']}: {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, best of {runs}",
-        f"{'':24}{'ferrum':>10}{'mlx-lm':>10}{'ratio':>8}",
-    ]
-    for title, key, fmt, ratio in rows:
-        scale = 1000 if key == "ttft_s" else 1
-        mine = fmt.format(ours[key] * scale)
-        peer = fmt.format(theirs[key] * scale) if theirs else "-"
-        lines.append(f"{title:24}{mine:>10}{peer:>10}{(f'{ratio:.2f}x' if ratio else ''):>8}")
+    from ferrum_mac.bench.report import side_by_side
+
+    lines = side_by_side(r, runs, "mlx_lm", "mlx-lm")
     if r.get("batch"):
         lines.append(
             f"decode, {r['batch']} sequences: {r['batched_decode_tps']:.1f} tok/s in all, "

@@ -9,21 +9,11 @@ with the next step queued before the previous token is read.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import mlx.core as mx
 
-
-@dataclass
-class Timing:
-    ttft_s: float
-    prefill_tps: float
-    decode_tps: float
-    peak_memory_gb: float
-
-    def as_dict(self) -> dict:
-        return {k: round(v, 4) for k, v in asdict(self).items()}
+from ferrum_mac.bench.report import Timing
 
 
 def time_stream(tokens: Iterator[int], prompt_len: int, new_tokens: int) -> Timing:
@@ -93,24 +83,3 @@ def mlx_lm_stream(model, prompt: list[int], new_tokens: int) -> Iterator[int]:
 
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=new_tokens):
         yield token if isinstance(token, int) else token.item()
-
-
-def interleaved(runs: int, sides: dict[str, Callable[[], Timing]]) -> dict[str, Timing]:
-    """Warm every side up, then alternate their timed runs so drift (clocks, other load)
-    falls on all of them alike; each side reports its best rates."""
-    for once in sides.values():
-        once()
-    results: dict[str, list[Timing]] = {name: [] for name in sides}
-    for _ in range(runs):
-        for name, once in sides.items():
-            results[name].append(once())
-    return {name: best(timings) for name, timings in results.items()}
-
-
-def best(results: list[Timing]) -> Timing:
-    return Timing(
-        ttft_s=min(r.ttft_s for r in results),
-        prefill_tps=max(r.prefill_tps for r in results),
-        decode_tps=max(r.decode_tps for r in results),
-        peak_memory_gb=max(r.peak_memory_gb for r in results),
-    )

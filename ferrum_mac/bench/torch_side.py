@@ -19,28 +19,17 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
+from ferrum_mac.bench.report import Timing, interleaved, side_by_side
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import DecodeItem
 
 DEFAULT_BATCHES = (8, 32)
 COPY_MIB = {"cuda": 512, "cpu": 64}  # far past any cache
-
-
-@dataclass
-class Timing:
-    ttft_s: float
-    prefill_tps: float
-    decode_tps: float
-    peak_memory_gb: float
-
-    def as_dict(self) -> dict:
-        return {k: round(v, 4) for k, v in asdict(self).items()}
 
 
 def run_torch_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, device=None) -> dict:
@@ -242,23 +231,6 @@ def time_transformers(reference, prompt: list[int], new_tokens: int, device: tor
     return Timing(first - start, len(prompt) / (first - start), decoded / (last - first), peak_memory_gb(device))
 
 
-def interleaved(runs: int, sides: dict[str, Callable[[], Timing]]) -> dict[str, Timing]:
-    """Warm every side up, then alternate their timed runs; each side reports its best rates."""
-    for once in sides.values():
-        once()
-    results: dict[str, list[Timing]] = {name: [] for name in sides}
-    for _ in range(runs):
-        for name, once in sides.items():
-            results[name].append(once())
-    return {
-        name: Timing(
-            min(t.ttft_s for t in ts), max(t.prefill_tps for t in ts), max(t.decode_tps for t in ts),
-            max(t.peak_memory_gb for t in ts),
-        )  # fmt: skip
-        for name, ts in results.items()
-    }
-
-
 def batched_decode_tps(llm, prompt: list[int], batch: int, new_tokens: int) -> float:
     """Aggregate greedy decode tok/s of `batch` sequences stepped together with `decode_batch`
     (sequence i's prompt is `prompt[i:]`, so their lengths differ)."""
@@ -319,22 +291,7 @@ def decode_bytes_per_token(llm, context: int) -> int:
 
 
 def format_report(r: dict, runs: int) -> str:
-    ours, theirs = r["ferrum"], r["transformers"]
-    rows = [
-        ("prefill tok/s", "prefill_tps", "{:.1f}", r["prefill_ratio"]),
-        ("decode tok/s", "decode_tps", "{:.1f}", r["decode_ratio"]),
-        ("time to first token ms", "ttft_s", "{:.1f}", None),
-        ("peak memory GB", "peak_memory_gb", "{:.2f}", None),
-    ]
-    lines = [
-        f"{r['model']} on {r['device']}: {r['prompt_tokens']}-token prompt, {r['new_tokens']} new tokens, best of {runs}",
-        f"{'':24}{'ferrum':>10}{'transformers':>14}{'ratio':>8}",
-    ]
-    for title, key, fmt, ratio in rows:
-        scale = 1000 if key == "ttft_s" else 1
-        mine = fmt.format(ours[key] * scale)
-        peer = fmt.format(theirs[key] * scale) if theirs else "-"
-        lines.append(f"{title:24}{mine:>10}{peer:>14}{(f'{ratio:.2f}x' if ratio else ''):>8}")
+    lines = side_by_side(r, runs, "transformers", "transformers")
     roof = r["roofline"]
     lines.append(
         f"roofline: {roof['bytes_per_token'] / 1e9:.3g} GB read per token at {roof['copy_bandwidth_gbs']:.0f} GB/s copy rate "

@@ -46,7 +46,7 @@ def test_steps_belong_to_cache_buffers(zoo):
     from ferrum_mac.backends.torch.kv import GROW_STEP
 
     model = torch_model(zoo, "llama")
-    model.steps.clear()
+    model.reset()  # the model is shared: earlier tests left caches of other sizes in its pool
     model.prepare("first", 40)  # warms up (captures, on CUDA) the step of its buffer
     assert len(model.steps.steps) == 1
     step = next(iter(model.steps.steps.values()))

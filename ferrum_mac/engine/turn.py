@@ -74,7 +74,7 @@ def run_turn(engine: "Engine", conv: Conversation, text: str, cancel: threading.
         yield from answer.finish()
     finally:
         _commit(engine, conv, known, answer)
-    yield _done(reason, len(ids) - reused, reused, generated, timing, answer.stop_string)
+    yield done_event(reason, len(ids) - reused, reused, generated, timing, answer.stop_string)
 
 
 def _fit_new_message(engine: "Engine", conv: Conversation, text: str) -> tuple[list[int], str, list[dict]]:
@@ -120,7 +120,7 @@ def _commit(engine: "Engine", conv: Conversation, known: list[int], answer: Answ
     conv.ledger = known[:held]
 
 
-def _done(reason: str, prompt: int, cached: int, generated: int, timing: Timing, stop: str | None) -> Done:
+def done_event(reason: str, prompt: int, cached: int, generated: int, timing: Timing, stop: str | None) -> Done:
     first = timing.first if timing.first is not None else time.perf_counter()
     ttft = first - timing.start
     decode_time = (timing.last or first) - first

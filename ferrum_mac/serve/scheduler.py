@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 from ferrum_mac.engine import CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING
 from ferrum_mac.engine.answer_text import AnswerText
 from ferrum_mac.engine.turn import Timing
-from ferrum_mac.engine.turn import _done as done_event
+from ferrum_mac.engine.turn import done_event
 from ferrum_mac.errors import FerrumError, UnsupportedError
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, KV_CAPACITY_ENV, KvCapacityError
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle

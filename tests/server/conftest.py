@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from serve_support import API_KEY
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 STORIES = SHARED / "assets" / "stories260K"
@@ -73,7 +74,6 @@ class LiveServer:
         self.thread.join(timeout=10)
 
 
-API_KEY = "test-key"
 
 
 @pytest.fixture(scope="session")

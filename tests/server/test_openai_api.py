@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import API_KEY
+from serve_support import API_KEY
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about Lily."}]
 

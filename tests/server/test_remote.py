@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import API_KEY
+from serve_support import API_KEY
 
 from ferrum_mac.engine import CANCELLED, MAX_TOKENS, Done, ReasoningDelta, TextDelta
 from ferrum_mac.errors import FerrumError

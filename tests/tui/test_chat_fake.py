@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import SIZE, ready, send, wait_for
+from tui_pilot import SIZE, ready, send, wait_for
 from ferrum_mac.tui.widgets.message_view import MessageView
 from ferrum_mac.tui.widgets.notice_line import NoticeLine
 

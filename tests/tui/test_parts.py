@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from conftest import SIZE, ready
+from tui_pilot import SIZE, ready
 from ferrum_mac.tui.chat_turn import run_turn
 from ferrum_mac.tui.messages import AnswerChunk, AnswerDone
 from ferrum_mac.tui.resident import ResidentConversations

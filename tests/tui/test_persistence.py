@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SIZE, ready
+from tui_pilot import SIZE, ready
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.store.history import MIGRATIONS, SCHEMA_VERSION, History
 from ferrum_mac.tui.app import ChatApp
@@ -25,7 +25,7 @@ HERE = Path(__file__).parent
 KILLED_APP = textwrap.dedent("""
     import asyncio, sys
     sys.path.insert(0, {here!r})
-    from conftest import ready, send, wait_for
+    from tui_pilot import ready, send, wait_for
     from ferrum_mac.store.history import History
     from ferrum_mac.tui.app import ChatApp
     from tui_fakes import FakeEngine, FakeServices

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SIZE, send, wait_for
+from tui_pilot import SIZE, send, wait_for
 from ferrum_mac.store.history import History
 from ferrum_mac.tui.app import ChatApp
 from ferrum_mac.tui.services import Services

@@ -5,7 +5,7 @@ Update them after an intended change of the look: pytest tests/tui/test_snapshot
 
 from __future__ import annotations
 
-from conftest import SIZE, ready, send, wait_for
+from tui_pilot import SIZE, ready, send, wait_for
 
 ANSWER = """Here is a tiny **Python** function:
 

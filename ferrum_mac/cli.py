@@ -163,9 +163,9 @@ def chat(
     chat_app(model, backend, db, max_tokens)
 
 
-def main() -> None:
+def main(prog_name: str | None = None) -> None:
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False, prog_name=prog_name)
     except FerrumError as e:
         print(f"ferrum: {e}", file=sys.stderr)
         sys.exit(1)
@@ -187,7 +187,7 @@ def main() -> None:
 def chat_main() -> None:
     """`ferrum-chat [MODEL] [--backend ...] [--db PATH]`: the same as `ferrum chat`."""
     sys.argv = [sys.argv[0], "chat", *sys.argv[1:]]
-    main()
+    main(prog_name="ferrum")  # its help then reads "ferrum chat", a command that exists
 
 
 if __name__ == "__main__":

@@ -53,6 +53,22 @@ class LlmRuntimeConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    @classmethod
+    def of_model(cls, c, dtype: str) -> "LlmRuntimeConfig":
+        """From a checkpoint's `ferrum_mac.weights.ModelConfig` and the compute dtype's name."""
+        return cls(
+            hidden_size=c.hidden_size,
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            vocab_size=c.vocab_size,
+            max_seq_len=c.max_position_embeddings,
+            model_type=c.model_type,
+            dtype=dtype,
+            bos_token_id=c.bos_token_id,
+            eos_token_ids=tuple(c.eos_token_ids),
+        )
+
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
@@ -105,6 +121,15 @@ def kv_capacity_from_env(model_max: int) -> int:
     if wanted <= 0:
         raise FerrumError(f"{KV_CAPACITY_ENV}={wanted} must be positive; set it to a token count like 8192")
     return min(wanted, model_max)
+
+
+KV_MEMORY_SHARE = 0.8  # of the memory free after loading that one sequence's cache may plan on
+
+
+def kv_capacity_within(config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int) -> int:
+    """`kv_capacity()`: the environment's cap, the model's maximum and what free memory allows."""
+    by_memory = int(free_bytes * KV_MEMORY_SHARE) // config.kv_bytes_per_token(bytes_per_element)
+    return max(1, min(kv_capacity_from_env(config.max_seq_len), by_memory))
 
 
 class DecoderOnlyLLM(abc.ABC):

@@ -19,11 +19,10 @@ from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
 from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
-from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_from_env
+from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
 PREFILL_CHUNK = 2048  # longer prompts run in chunks so activations stay bounded
-KV_MEMORY_SHARE = 0.8  # of free memory one sequence's cache may plan on
 WARMUP_ID = "__ferrum_warmup__"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -70,20 +69,8 @@ class MlxLLM(DecoderOnlyLLM):
         wire_model_memory(self.weight_bytes)
         self.model_config = c
         self.source = checkpoint
-        self._config = LlmRuntimeConfig(
-            hidden_size=c.hidden_size,
-            num_layers=c.num_layers,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            vocab_size=c.vocab_size,
-            max_seq_len=c.max_position_embeddings,
-            model_type=c.model_type,
-            dtype=str(self.dtype).split(".")[-1],
-            bos_token_id=c.bos_token_id,
-            eos_token_ids=tuple(c.eos_token_ids),
-        )
-        by_memory = int(free_memory_bytes() * KV_MEMORY_SHARE) // self._config.kv_bytes_per_token(self.dtype.size)
-        self._capacity = max(1, min(kv_capacity_from_env(c.max_position_embeddings), by_memory))
+        self._config = LlmRuntimeConfig.of_model(c, str(self.dtype).split(".")[-1])
+        self._capacity = kv_capacity_within(self._config, free_memory_bytes(), self.dtype.size)
         self.kv = KvManager(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity)
 
     # -- contract -------------------------------------------------------------------

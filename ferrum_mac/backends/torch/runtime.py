@@ -18,11 +18,10 @@ from ferrum_mac.backends.torch.models import FAMILIES
 from ferrum_mac.backends.torch.steps import DecodeSteps
 from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
 from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
-from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_from_env
+from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
 PREFILL_CHUNK = 2048  # longer prompts run in chunks so activations stay bounded
-KV_MEMORY_SHARE = 0.8  # of free memory one sequence's cache may plan on
 WARMUP_TOKENS = 8
 
 
@@ -53,21 +52,9 @@ class TorchLLM(DecoderOnlyLLM):
         checkpoint.tensors.clear()  # the model holds what it needs (fused copies included)
         self.model_config = c
         self.source = checkpoint
-        self._config = LlmRuntimeConfig(
-            hidden_size=c.hidden_size,
-            num_layers=c.num_layers,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            vocab_size=c.vocab_size,
-            max_seq_len=c.max_position_embeddings,
-            model_type=c.model_type,
-            dtype=str(self.dtype).removeprefix("torch."),
-            bos_token_id=c.bos_token_id,
-            eos_token_ids=tuple(c.eos_token_ids),
-        )
+        self._config = LlmRuntimeConfig.of_model(c, str(self.dtype).removeprefix("torch."))
         element = torch.tensor([], dtype=self.dtype).element_size()
-        by_memory = int(free_memory_bytes(self.device) * KV_MEMORY_SHARE) // self._config.kv_bytes_per_token(element)
-        self._capacity = max(1, min(kv_capacity_from_env(c.max_position_embeddings), by_memory))
+        self._capacity = kv_capacity_within(self._config, free_memory_bytes(self.device), element)
         with torch.inference_mode():
             self.model.rope.build(self._capacity)
         self.kv = KvManager(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity)

@@ -156,11 +156,13 @@ def chat(
     backend: str = typer.Option("auto", help="auto, mlx or torch."),
     db: Optional[str] = typer.Option(None, "--db", help="Chat history file (default: in the platform's data folder)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Most tokens per answer in new conversations."),
+    remote: Optional[str] = typer.Option(None, "--remote", help="Chat with an OpenAI-compatible server at this URL instead."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="With --remote: the server's API key."),
 ) -> None:
     """The chat application: conversations kept as they happen, streaming Markdown, a model picker."""
     from ferrum_mac.tui.app import main as chat_app
 
-    chat_app(model, backend, db, max_tokens)
+    chat_app(model, backend, db, max_tokens, remote=remote, api_key=api_key)
 
 
 def main(prog_name: str | None = None) -> None:

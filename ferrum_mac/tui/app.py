@@ -119,14 +119,18 @@ def default_model_name() -> str:
     return engine_default()
 
 
-def main(model: str | None, backend: str, db: str | None, max_tokens: int | None = None) -> None:
+def main(
+    model: str | None, backend: str, db: str | None, max_tokens: int | None = None,
+    remote: str | None = None, api_key: str | None = None,
+) -> None:
     from ferrum_mac.store.history import History
     from ferrum_mac.tui.chat_settings import stored_settings
-    from ferrum_mac.tui.services import Services
+    from ferrum_mac.tui.services import RemoteServices, Services
 
+    services = RemoteServices(remote, api_key) if remote else Services(backend)
     history = History.open(db)
     try:
-        app = ChatApp(Services(backend), history, model, stored_settings(max_tokens=max_tokens))
+        app = ChatApp(services, history, model, stored_settings(max_tokens=max_tokens))
         app.run()
     finally:
         history.close()

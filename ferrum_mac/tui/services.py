@@ -60,3 +60,29 @@ class Services:
 
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             return peak if sys.platform == "darwin" else peak * 1024
+
+
+class RemoteServices(Services):
+    """An OpenAI-compatible server (another ferrum, vLLM, Ollama, LM Studio) instead of a local model."""
+
+    def __init__(self, url: str, api_key: str | None = None):
+        super().__init__("remote")
+        self.url, self.api_key = url, api_key
+
+    def open_engine(self, name: str | None):
+        from ferrum_mac.remote import RemoteEngine
+
+        engine = RemoteEngine(self.url, self.api_key, model=name)
+        engine.name  # asks the server now, on the engine's thread: a wrong URL or key fails here
+        return engine
+
+    def local_models(self) -> list[ModelEntry]:
+        return []
+
+    def pull(self, name: str, progress) -> None:
+        from ferrum_mac.errors import FerrumError
+
+        raise FerrumError(f"models are pulled on the server ({self.url}), not here")
+
+    def backend_and_device(self) -> str:
+        return f"remote · {self.url}"

@@ -114,7 +114,7 @@ class ChatScreen(Screen):
         status.show_model(app.model_name, app.device_text)
         stats = self.last_answer_stats()
         status.show_speed(stats.get("decode_tps"))
-        capacity = app.engine.kv_capacity() if app.engine is not None else 0
+        capacity = (app.engine.kv_capacity() or 0) if app.engine is not None else 0  # a remote may not say
         status.show_context(stats.get("context_used", 0), capacity)
         status.show_memory(app.memory_text())
 

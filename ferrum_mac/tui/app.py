@@ -27,7 +27,7 @@ class ChatApp(App):
         super().__init__()
         self.services = services
         self.history = history
-        self.model_name = model or default_model_name()
+        self.model_name = model or services.default_model()
         self.default_settings = default_settings or {}
         self.export_dir = export_dir or Path.cwd()
         self.engine = None
@@ -111,12 +111,6 @@ class ChatApp(App):
         yield SystemCommand("Toggle reasoning", "Show or hide the reasoning sections (Ctrl+T)", chat.action_toggle_reasoning)
         yield SystemCommand("Copy last answer", "Copy the last answer to the clipboard", chat.action_copy_last_answer)
         yield SystemCommand("Key bindings", "Show the help screen (F1)", chat.action_help)
-
-
-def default_model_name() -> str:
-    from ferrum_mac.engine import default_model_name as engine_default
-
-    return engine_default()
 
 
 def main(

@@ -18,6 +18,11 @@ class Services:
     def __init__(self, backend: str = "auto"):
         self.backend = backend
 
+    def default_model(self) -> str:
+        from ferrum_mac.engine import default_model_name
+
+        return default_model_name()
+
     def open_engine(self, name: str | None):
         from ferrum_mac.engine import Engine
 
@@ -72,9 +77,12 @@ class RemoteServices(Services):
     def open_engine(self, name: str | None):
         from ferrum_mac.remote import RemoteEngine
 
-        engine = RemoteEngine(self.url, self.api_key, model=name)
+        engine = RemoteEngine(self.url, self.api_key, model=name or None)
         engine.name  # asks the server now, on the engine's thread: a wrong URL or key fails here
         return engine
+
+    def default_model(self) -> str:
+        return ""  # the server's first model, named once the engine opens
 
     def local_models(self) -> list[ModelEntry]:
         return []

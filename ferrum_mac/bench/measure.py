@@ -1,10 +1,5 @@
-"""Timed generation on each side, measured the same way.
-
-Time to first token covers the whole prompt (prefill) and the first sampled token;
-prefill tok/s is prompt tokens over that time. Decode tok/s counts the tokens after the
-first over the time after the first, as mlx-lm reports it. Both sides decode greedily
-with the next step queued before the previous token is read.
-"""
+"""The MLX side of `ferrum bench`: ferrum's and mlx-lm's greedy token streams (each with
+the next step queued before the previous token is read), timed by `report.timed`."""
 
 from __future__ import annotations
 
@@ -13,31 +8,15 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from ferrum_mac.bench.report import Timing
+from ferrum_mac.bench.report import Timing, timed
 
 
 def time_stream(tokens: Iterator[int], prompt_len: int, new_tokens: int) -> Timing:
-    mx.synchronize()
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    first = None
-    count = 0
-    for _ in tokens:
-        count += 1
-        if first is None:
-            first = time.perf_counter()
-        if count == new_tokens:
-            break
-    end = time.perf_counter()
-    if hasattr(tokens, "close"):
-        tokens.close()  # lets the generator release its cache now
-    ttft = first - start
-    return Timing(
-        ttft_s=ttft,
-        prefill_tps=prompt_len / ttft,
-        decode_tps=(count - 1) / (end - first) if count > 1 else 0.0,
-        peak_memory_gb=mx.get_peak_memory() / 1e9,
-    )
+    def settle() -> None:
+        mx.synchronize()
+        mx.reset_peak_memory()
+
+    return timed(tokens, prompt_len, new_tokens, settle, lambda: mx.get_peak_memory() / 1e9)
 
 
 def ferrum_stream(model, prompt: list[int], new_tokens: int, cache_id: str = "bench") -> Iterator[int]:

@@ -3,8 +3,9 @@ runs, and the side-by-side table."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 
 @dataclass
@@ -16,6 +17,33 @@ class Timing:
 
     def as_dict(self) -> dict:
         return {k: round(v, 4) for k, v in asdict(self).items()}
+
+
+def timed(tokens: Iterator[int], prompt_len: int, new_tokens: int, settle: Callable[[], None],
+          peak_gb: Callable[[], float]) -> Timing:
+    """Time a stream of generated tokens. Time to first token covers the prompt (prefill) and
+    the first sampled token; decode tok/s counts the tokens after the first over the time
+    after the first, as mlx-lm reports it. `settle` waits for queued device work and resets
+    the peak-memory counter that `peak_gb` then reads."""
+    settle()
+    start = time.perf_counter()
+    first, count = None, 0
+    for _ in tokens:
+        count += 1
+        if first is None:
+            first = time.perf_counter()
+        if count == new_tokens:
+            break
+    end = time.perf_counter()
+    if hasattr(tokens, "close"):
+        tokens.close()  # lets the generator release its cache now
+    ttft = first - start
+    return Timing(
+        ttft_s=ttft,
+        prefill_tps=prompt_len / ttft,
+        decode_tps=(count - 1) / (end - first) if count > 1 else 0.0,
+        peak_memory_gb=peak_gb(),
+    )
 
 
 def interleaved(runs: int, sides: dict[str, Callable[[], Timing]]) -> dict[str, Timing]:

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from ferrum_mac.bench.report import Timing, interleaved, side_by_side
+from ferrum_mac.bench.report import Timing, interleaved, side_by_side, timed
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import DecodeItem
 
@@ -169,23 +169,12 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def time_tokens(tokens: Iterator[int], prompt_len: int, new_tokens: int, device: torch.device) -> Timing:
-    """Time to first token covers the prompt and the first sampled token; decode tok/s counts
-    the tokens after the first over the time after the first (as mlx-lm and `ferrum bench` do)."""
-    synchronize(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    first, count = None, 0
-    for _ in tokens:
-        count += 1
-        if first is None:
-            first = time.perf_counter()
-        if count == new_tokens:
-            break
-    end = time.perf_counter()
-    if hasattr(tokens, "close"):
-        tokens.close()  # lets the generator release its cache now
-    return Timing(first - start, prompt_len / (first - start), (count - 1) / (end - first), peak_memory_gb(device))
+    def settle() -> None:
+        synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    return timed(tokens, prompt_len, new_tokens, settle, lambda: peak_memory_gb(device))
 
 
 def ferrum_tokens(llm, prompt: list[int], new_tokens: int, cache_id: str = "bench") -> Iterator[int]:

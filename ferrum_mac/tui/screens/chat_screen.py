@@ -109,7 +109,10 @@ class ChatScreen(Screen):
         await self.query_one(ConversationList).show(self.history.conversations(self.search_text), self.current_id)
 
     def refresh_status(self) -> None:
-        status = self.query_one(StatusBar)
+        bars = self.query(StatusBar)
+        if not bars:  # the screen is being taken down (the app is closing); the timer fired late
+            return
+        status = bars.first()
         app = self.app
         status.show_model(app.model_name, app.device_text)
         stats = self.last_answer_stats()

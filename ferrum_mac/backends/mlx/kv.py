@@ -103,7 +103,3 @@ class KvManager:
         self.values = [None] * self.num_layers
         self.slots = self.tokens = 0
         self.free = []
-
-    def bytes_in_use(self) -> int:
-        per_token = 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype.size
-        return self.slots * self.tokens * per_token

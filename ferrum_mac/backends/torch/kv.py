@@ -87,6 +87,3 @@ class KvManager:
     def reset(self) -> None:
         self.caches.clear()
         self.free.clear()
-
-    def bytes_in_use(self) -> int:
-        return sum(c.kv.nbytes for c in self.caches.values() if c.kv is not None)

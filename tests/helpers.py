@@ -315,6 +315,23 @@ def llama_cpp_rope_factors(dim: int, rope: dict) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def add_gguf_shape(w, c) -> int:
+    """The architecture keys llama.cpp writes for a transformers config `c`; returns the head dim."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_vocab_size(c.vocab_size)
+    return head_dim
+
+
 def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) -> Path:
     """Write `model` as llama.cpp would: GGUF names, permuted llama q/k, and each 2-D weight
     stored as `types[gguf short name]` (Q4_0, Q4_1, Q8_0, F16; default F32) via `gguf.quants`."""
@@ -324,18 +341,7 @@ def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) ->
     arch, c = GGUF_ARCH[family], model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_vocab_size(c.vocab_size)
+    head_dim = add_gguf_shape(w, c)
     w.add_tokenizer_model("llama")
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     w.add_token_scores([0.0] * c.vocab_size)

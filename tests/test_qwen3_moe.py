@@ -293,16 +293,7 @@ def write_qwen3moe_gguf(hf, path: Path, q8: bool) -> Path:
 
     c, q8_0 = hf.config, gguf.GGMLQuantizationType.Q8_0
     w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_vocab_size(c.vocab_size)
+    helpers.add_gguf_shape(w, c)
     w.add_expert_count(c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)

@@ -2,7 +2,8 @@
 
 Each step runs every decoding sequence's next token plus prefill chunks of newly admitted
 ones under a token budget, as one `unified_forward` where the backend has it (else whole
-prefills, then one `decode_batch`, else one `decode` per sequence). Requests are admitted
+prefills, then one `decode_batch`, else one `decode` per sequence). A step with nothing to
+prefill is one `decode_batch`: the backends' fastest path (a replayed CUDA graph on torch). Requests are admitted
 first come, first served, while the batch has room and their KV (prompt plus max_tokens)
 fits what free memory held at start; a decoding sequence gets a token every step, so a
 long prompt never stalls the others for more than one chunk.
@@ -218,7 +219,7 @@ class Scheduler:
 
     def _step(self) -> None:
         self.stats.steps += 1
-        if self.mode == UNIFIED:
+        if self.mode == UNIFIED and self._prefilling():
             try:
                 finals = self._unified_step()
             except UnsupportedError:
@@ -258,7 +259,7 @@ class Scheduler:
             finals.append((seq, logits))
         if not decoding:
             return finals
-        if self.mode == SPLIT:
+        if self.mode != SINGLE:
             try:
                 block = self.model.decode_batch([DecodeItem(s.cache_id, s.next_token, s.pos) for s in decoding])
                 rows = [block[i] for i in range(len(decoding))]

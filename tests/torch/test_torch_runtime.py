@@ -41,23 +41,41 @@ def test_decode_step_never_reads_the_device(zoo, monkeypatch, family, route):
     assert out.shape == (2, model.config.vocab_size) and out.device.type == "meta"
 
 
-def test_steps_belong_to_cache_buffers(zoo):
-    """A released cache returns to the pool with its step; growing a cache makes a new one."""
+def test_steps_belong_to_runs_of_pool_slots(zoo):
+    """A released slot keeps its step for the next sequence that takes it; growing the pool
+    drops every step (their graphs read the old buffer)."""
     from ferrum_mac.backends.torch.kv import GROW_STEP
 
     model = torch_model(zoo, "llama")
-    model.reset()  # the model is shared: earlier tests left caches of other sizes in its pool
-    model.prepare("first", 40)  # warms up (captures, on CUDA) the step of its buffer
+    model.reset()  # the model is shared: earlier tests left caches in its pool
+    model.prepare("first", 40)  # warms up (captures, on CUDA) the step of its slot
     assert len(model.steps.steps) == 1
     step = next(iter(model.steps.steps.values()))
     model.release("first")
-    model.prefill("second", PROMPT)  # takes the pooled cache
+    model.prefill("second", PROMPT)  # takes the released slot
     model.decode("second", 3, len(PROMPT))
     assert list(model.steps.steps.values()) == [step]
     model.prefill("second", random_tokens(GROW_STEP - len(PROMPT) - 1, seed=3))
-    model.decode("second", 3, GROW_STEP)  # past its allocation: a new buffer, a new step
-    assert len(model.steps.steps) == 2 and model.kv.get("second").allocated == 2 * GROW_STEP
+    model.decode("second", 3, GROW_STEP)  # past the pool's tokens: a new pool, a new step
+    assert list(model.steps.steps) == [(0, 1)] and model.steps.steps[(0, 1)] is not step
+    assert model.kv.get("second").allocated == 2 * GROW_STEP
     model.release("second")
+
+
+def test_decode_batch_leaves_slots_outside_the_batch_alone(zoo):
+    """A batch over slots 0 and 2 runs one step over slots 0-2; slot 1's sequence, not in the
+    batch, keeps its cache (its row writes only the scratch column)."""
+    model = torch_model(zoo, "llama")
+    model.reset()
+    for cid in ("a", "b", "c"):
+        model.prefill(cid, PROMPT)
+    model.decode_batch([DecodeItem("a", 5, len(PROMPT)), DecodeItem("c", 6, len(PROMPT))])
+    assert list(model.steps.steps) == [(0, 3)]
+    got = model.decode("b", 7, len(PROMPT))
+    model.prefill("fresh", PROMPT)
+    want = model.decode("fresh", 7, len(PROMPT))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    model.reset()
 
 
 def test_model_tensors_are_shared_not_copied(zoo):

@@ -6,9 +6,10 @@ the plan writes each sequence's keys/values to its cache and attends.
 
 - `Plan`: segments of any length at host-known offsets (prefill, verify, mixed batches).
   Exact-length attention; causal within a segment.
-- `DecodePlan`: one token per sequence with positions in a device tensor, every shape
-  fixed by the caches' allocations. Nothing reads a position on the host, so the step can
-  be captured once as a CUDA graph and replayed at any position.
+- `DecodePlan`: one token per sequence for a run of neighbouring pool slots, positions in
+  a device tensor, every shape fixed by the pool. Nothing reads a position on the host, so
+  the step can be captured once as a CUDA graph and replayed at any position; the batch
+  writes its keys/values with one kernel and attends with one.
 
 Grouped-query attention: a kv head serves `heads / kv_heads` consecutive query heads. A
 decode step folds those into the query length, `(kv_heads, group, dim)`, so it attends as
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ferrum_mac.backends.torch.kv import SequenceCache
+from ferrum_mac.backends.torch.kv import KvManager, SequenceCache
 from ferrum_mac.backends.torch.layers import Rope, fuse, linear
 from ferrum_mac.backends.torch.pointwise import norm_and_rope
 from ferrum_mac.backends.torch.weights import TensorSource
@@ -112,33 +113,35 @@ class Plan:
 
 
 class DecodePlan:
-    """Row `i` is the next token of `caches[i]`, at position `positions[i]` (a device tensor)."""
+    """Row `i` is the next token of the sequence in slot `first + i` of the pool, at position
+    `positions[i]`, its key/value written to token column `columns[i]` (the pool's scratch
+    column for a slot outside the batch). Every shape is fixed by the pool and the run of
+    slots; positions and columns are device tensors the host never reads."""
 
-    def __init__(self, caches: list[SequenceCache], positions: torch.Tensor, dtype: torch.dtype):
-        self.caches = caches
-        self.positions = positions
-        self.total = len(caches)
-        self.rows = [positions[i : i + 1] for i in range(len(caches))]
-        # Which slots each row sees: an additive bias over the whole allocation instead of a
-        # length known on the host. Built once per step, shared by every layer.
-        spans = {c.allocated: torch.arange(c.allocated, device=positions.device) for c in caches}
-        self.biases = [attention_bias(spans[c.allocated] <= positions[i], dtype) for i, c in enumerate(caches)]
+    def __init__(self, pool: KvManager, first: int, positions: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype):
+        self.pool, self.first, self.positions = pool, first, positions
+        self.total = rows = positions.shape[0]
+        tokens, heads, device = pool.tokens, pool.kv_heads, positions.device
+        # Which token columns each row sees: an additive bias instead of lengths known on the
+        # host. Built once per step, shared by every layer.
+        visible = torch.arange(tokens, device=device)[None, :] <= positions[:, None]
+        self.bias = attention_bias(visible, dtype).view(rows, 1, 1, tokens)
+        # Each (row, kv head)'s place among a layer's `slots * kv_heads * (tokens + 1)` key rows.
+        slots = torch.arange(first, first + rows, device=device)
+        slot_heads = slots[:, None] * heads + torch.arange(heads, device=device)[None, :]
+        self.places = (slot_heads * (tokens + 1) + columns[:, None]).reshape(-1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        kv_heads, dim = k.shape[1], k.shape[2]
-        outs = []
-        for i, cache in enumerate(self.caches):
-            keys, values = cache.keys(layer), cache.values(layer)
-            keys.index_copy_(1, self.rows[i], k[i].unsqueeze(1))
-            values.index_copy_(1, self.rows[i], v[i].unsqueeze(1))
-            grouped_q = q[i].reshape(1, kv_heads, -1, dim)  # (1, kv_heads, group, dim)
-            outs.append(
-                F.scaled_dot_product_attention(grouped_q, keys[None], values[None], attn_mask=self.biases[i], scale=scale)
-            )
-        return (outs[0] if len(outs) == 1 else torch.stack(outs)).reshape(self.total, -1)
+        kv_heads, dim, tokens = k.shape[1], k.shape[2], self.pool.tokens
+        kv = self.pool.kv[layer]  # (2, slots, kv_heads, tokens + 1, dim)
+        kv.view(2, -1, dim).index_copy_(1, self.places, torch.stack((k, v)).view(2, -1, dim))
+        rows = slice(self.first, self.first + self.total)
+        keys, values = kv[0, rows, :, :tokens], kv[1, rows, :, :tokens]
+        grouped_q = q.reshape(self.total, kv_heads, -1, dim)  # (rows, kv_heads, group, dim)
+        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.bias, scale=scale)
+        return out.reshape(self.total, -1)
 
 
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`(1, 1, 1, S)`: 0 where `visible`, -inf elsewhere."""
-    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
-    return bias.view(1, 1, 1, -1)
+    """0 where `visible`, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))

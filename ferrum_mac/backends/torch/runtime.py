@@ -58,7 +58,7 @@ class TorchLLM(DecoderOnlyLLM):
         with torch.inference_mode():
             self.model.rope.build(self._capacity)
         self.kv = KvManager(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity)
-        self.steps = DecodeSteps(self.model, self.dtype, self.device)
+        self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
 
     # -- contract -------------------------------------------------------------------
 
@@ -95,17 +95,18 @@ class TorchLLM(DecoderOnlyLLM):
         caches = [self.kv.acquire(it.cache_id) for it in items]
         for cache, it in zip(caches, items):
             self.kv.reserve(cache, it.pos + 1)
-        # Rows in cache order, so the same caches in any order share one step (one graph).
-        order = sorted(range(len(items)), key=lambda i: caches[i].uid)
-        step = self.steps.get([caches[i] for i in order])
-        step.load([items[i].token for i in order], [items[i].pos for i in order])
+        # One step over the run of slots from the lowest to the highest: the same sequences
+        # in any order share it (and its graph).
+        first = min(c.slot for c in caches)
+        rows = [c.slot - first for c in caches]
+        step = self.steps.get(first, max(rows) + 1)
+        step.load({row: (it.token, it.pos) for row, it in zip(rows, items)})
         logits = step.run()
         for cache, it in zip(caches, items):
             cache.length = it.pos + 1
-        if order == sorted(order):
+        if rows == list(range(step.rows)):
             return logits
-        row = {item: j for j, item in enumerate(order)}
-        return torch.stack([logits[row[i]] for i in range(len(items))])
+        return logits[torch.tensor(rows, device=logits.device)]
 
     @torch.inference_mode()
     def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> torch.Tensor:

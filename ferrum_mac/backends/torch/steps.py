@@ -1,14 +1,16 @@
-"""Decode steps: one token for each cache of a fixed list, run from static input buffers.
+"""Decode steps: one token for each slot of a run of neighbouring KV pool slots, run from
+static input buffers.
 
-A step's shapes depend only on its caches (how many, and each one's allocation), never on
+A step's shapes depend only on the pool (its version) and the run of slots, never on
 positions or tokens, which it reads from device buffers. On CUDA each step is therefore
 captured once as a CUDA graph and replayed for every later token: one launch instead of
 hundreds of kernel launches from Python, which is most of a decode step's time otherwise.
 Elsewhere (the CPU) the same step runs eagerly from the same buffers.
 
-Steps are kept per list of caches (a batch-size bucket that also fixes its buffers); a
-cache's key changes when it is reallocated, so a stale graph is never replayed. Released
-caches return to the KV pool with their graphs, so a new sequence that takes one reuses them.
+A run may hold slots whose sequences are not in the batch (finished, or between turns):
+their rows decode token 0 at position 0 into the pool's scratch column and are dropped.
+Steps are kept per run of slots; when the pool is reallocated every step is dropped, so a
+stale graph is never replayed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections import OrderedDict
 import torch
 
 from ferrum_mac.backends.torch.attention import DecodePlan
-from ferrum_mac.backends.torch.kv import SequenceCache
+from ferrum_mac.backends.torch.kv import KvManager
 
 # FERRUM_CUDA_GRAPHS=0 runs CUDA decode steps eagerly (for debugging and A/B timing).
 USE_GRAPHS = os.environ.get("FERRUM_CUDA_GRAPHS", "1") != "0"
@@ -28,32 +30,40 @@ MAX_STEPS = 16  # captured graphs kept (least recently used dropped first)
 
 
 class DecodeStep:
-    def __init__(self, model, caches: list[SequenceCache], dtype: torch.dtype, device: torch.device, pool):
-        self.model, self.caches, self.dtype, self.device, self.pool = model, caches, dtype, device, pool
-        n = len(caches)
-        self.inputs = torch.zeros(2 * n, dtype=torch.int64, device=device)  # tokens, then positions
-        self.tokens, self.positions = self.inputs[:n], self.inputs[n:]
+    def __init__(self, model, pool: KvManager, first: int, rows: int, dtype: torch.dtype, device: torch.device, graphs):
+        self.model, self.pool, self.first, self.rows = model, pool, first, rows
+        self.dtype, self.device, self.graphs = dtype, device, graphs
+        self.inputs = torch.zeros(3 * rows, dtype=torch.int64, device=device)  # tokens, positions, columns
+        self.tokens, self.positions, self.columns = self.inputs[:rows], self.inputs[rows : 2 * rows], self.inputs[2 * rows :]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured = device.type == "cuda" and USE_GRAPHS
         self.out: torch.Tensor | None = None
 
-    def load(self, tokens: list, positions: list[int]) -> None:
-        """Copy this step's inputs to its buffers without waiting on the device: host ids go
-        up in one pinned copy; device tokens (a sampled token not read yet) are copied on the device."""
-        on_device = [isinstance(t, torch.Tensor) for t in tokens]
-        host = torch.tensor([0 if d else int(t) for t, d in zip(tokens, on_device)] + list(positions), dtype=torch.int64)
+    def load(self, batch: dict[int, tuple]) -> None:
+        """Copy this step's inputs to its buffers without waiting on the device. `batch` maps
+        a row to its (token, position); other rows go to the scratch column. Host ids go up
+        in one pinned copy; device tokens (a sampled token not read yet) are copied on the device."""
+        scratch = self.pool.tokens
+        tokens, positions, columns = [0] * self.rows, [0] * self.rows, [scratch] * self.rows
+        on_device = {}
+        for row, (token, pos) in batch.items():
+            if isinstance(token, torch.Tensor):
+                on_device[row] = token
+            else:
+                tokens[row] = int(token)
+            positions[row] = columns[row] = pos
+        host = torch.tensor(tokens + positions + columns, dtype=torch.int64)
         if self.device.type == "cuda":
             host = host.pin_memory()  # a pageable copy would wait for the queued steps
         self.inputs.copy_(host, non_blocking=True)
-        if all(on_device):
-            self.tokens.copy_(torch.stack([t.reshape(()) for t in tokens]))
+        if len(on_device) == self.rows:
+            self.tokens.copy_(torch.stack([on_device[r].reshape(()) for r in range(self.rows)]))
         else:
-            for i, t in enumerate(tokens):
-                if on_device[i]:
-                    self.tokens[i].copy_(t.reshape(()))
+            for row, token in on_device.items():
+                self.tokens[row].copy_(token.reshape(()))
 
     def run(self) -> torch.Tensor:
-        """`(len(caches), vocab)` logits of a new tensor (a graph's output buffer is reused)."""
+        """`(rows, vocab)` logits of a new tensor (a graph's output buffer is reused)."""
         if not self.captured:
             return self.forward()
         if self.graph is None:
@@ -64,7 +74,7 @@ class DecodeStep:
         return self.out.clone()
 
     def forward(self) -> torch.Tensor:
-        plan = DecodePlan(self.caches, self.positions, self.dtype)
+        plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype)
         return self.model.logits(self.model.hidden(self.tokens, plan))
 
     def capture(self) -> None:
@@ -77,7 +87,7 @@ class DecodeStep:
                 self.forward()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.graphs):
                 self.out = self.forward()
             self.graph = graph
         except RuntimeError as e:
@@ -86,18 +96,22 @@ class DecodeStep:
 
 
 class DecodeSteps:
-    """Decode steps by the caches they serve, least recently used dropped first."""
+    """Decode steps by the run of slots they serve, least recently used dropped first."""
 
-    def __init__(self, model, dtype: torch.dtype, device: torch.device):
-        self.model, self.dtype, self.device = model, dtype, device
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # shared by all graphs
+    def __init__(self, model, pool: KvManager, dtype: torch.dtype, device: torch.device):
+        self.model, self.pool, self.dtype, self.device = model, pool, dtype, device
+        self.graphs = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # shared by all graphs
         self.steps: OrderedDict[tuple, DecodeStep] = OrderedDict()
+        self.version = pool.version
 
-    def get(self, caches: list[SequenceCache]) -> DecodeStep:
-        key = tuple(c.key for c in caches)
+    def get(self, first: int, rows: int) -> DecodeStep:
+        if self.pool.version != self.version:  # the pool was reallocated: every graph is stale
+            self.clear()
+            self.version = self.pool.version
+        key = (first, rows)
         step = self.steps.get(key)
         if step is None:
-            step = self.steps[key] = DecodeStep(self.model, caches, self.dtype, self.device, self.pool)
+            step = self.steps[key] = DecodeStep(self.model, self.pool, first, rows, self.dtype, self.device, self.graphs)
             while len(self.steps) > MAX_STEPS:
                 self.steps.popitem(last=False)
         self.steps.move_to_end(key)

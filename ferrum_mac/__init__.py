@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from ferrum_mac.errors import (
@@ -29,6 +30,27 @@ __all__ = [
     "open_model",
 ]
 __version__ = "0.1.0"
+
+
+class _BeforeMlx:
+    """An import hook that finds nothing: just before the process first imports MLX, it routes
+    MLX's CPU matmuls to numpy's OpenBLAS (Linux; see ferrum_mac/backends/mlx/cpu_blas.py),
+    which has to happen before libmlx is loaded. Costs nothing until then."""
+
+    done = False
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if not cls.done and (name == "mlx" or name.startswith("mlx.")):
+            cls.done = True
+            from ferrum_mac.backends.mlx.cpu_blas import activate
+
+            activate()
+        return None
+
+
+if sys.platform.startswith("linux") and "mlx.core" not in sys.modules:
+    sys.meta_path.insert(0, _BeforeMlx)
 
 
 def open_model(

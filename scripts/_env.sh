@@ -1,5 +1,6 @@
 # Sourced by scripts/run and scripts/test: create or reuse .venv and install the
-# project (with the extras named in FERRUM_EXTRAS) when pyproject.toml changed.
+# project (with the extras named in FERRUM_EXTRAS) when pyproject.toml, setup.py or the C
+# extension's source changed (an editable install builds the extension in place).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${FERRUM_VENV:-$root/.venv}"
@@ -9,7 +10,7 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 stamp="$venv/.ferrum-install-${FERRUM_EXTRAS:-base}"
-want="$(cat "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root"/ferrum_mac/backends/mlx/_cpu_blas.c | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "ferrum: installing dependencies (first run takes a few minutes)" >&2
     spec="$root"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import ferrum_mac  # noqa: F401  first: it routes MLX's CPU BLAS before any test module imports MLX
 import helpers
 
 # The tokenizers library forks worker threads and warns when the process forks later on.

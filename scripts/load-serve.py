@@ -10,7 +10,7 @@ that is the rate the server sustains with N sequences decoding together.
 
 For the GPU run, a model folder with random weights of a real shape and the Qwen3 tokenizer:
 
-    scripts/load-serve.py --make-model /tmp/qwen3-8b --shape qwen3-8b   # needs MLX (any build)
+    scripts/load-serve.py --make-model /tmp/qwen3-8b --shape qwen3-8b   # MLX, or transformers
 """
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict) -> No
     result["end"] = time.perf_counter()
 
 
+def guarded_stream(http, url: str, prompt: str, max_tokens: int, result: dict) -> None:
+    """one_stream on a thread: whatever stops it is kept in `result` (a thread's SystemExit vanishes)."""
+    try:
+        one_stream(http, url, prompt, max_tokens, result)
+    except BaseException as e:  # noqa: BLE001 - reported by the caller
+        result["error"] = str(e) or type(e).__name__
+
+
 def wait_for_server(url: str, seconds: float = 300) -> None:
     import httpx
 
@@ -69,13 +77,13 @@ def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int) 
     limits = httpx.Limits(max_connections=concurrency + 4)
     results = [{} for _ in range(concurrency)]
     with httpx.Client(headers=headers, timeout=600, limits=limits) as http:
-        threads = [threading.Thread(target=one_stream, args=(http, url, f"{WORDS[i % len(WORDS)]} ({i})",
-                                                                 max_tokens, results[i])) for i in range(concurrency)]
+        threads = [threading.Thread(target=guarded_stream, args=(http, url, f"{WORDS[i % len(WORDS)]} ({i})",
+                                                                     max_tokens, results[i])) for i in range(concurrency)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    failed = [r.get("error", "see above") for r in results if "end" not in r or "first" not in r or "error" in r]
+    failed = [r.get("error", f"it ended early ({sorted(r)})") for r in results if "end" not in r or "first" not in r or "error" in r]
     if failed:
         raise SystemExit(f"load-serve: {len(failed)} stream(s) failed: {failed[0]}")
     first = min(r["first"] for r in results)
@@ -91,24 +99,47 @@ def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int) 
     }
 
 
-def make_model(folder: Path, shape: str) -> None:
-    """config.json and model.safetensors of random bf16 weights of `shape`, with the Qwen3 tokenizer."""
+def make_model(folder: Path, shape: str, tokenizer: Path | None = None) -> None:
+    """config.json and safetensors of random bf16 weights of `shape`, with the Qwen3 tokenizer:
+    written by MLX where it is installed, else by transformers (on the GPU when there is one)."""
+    repo = Path(__file__).resolve().parents[1]
+    places = [repo.parent / "shared/assets/tokenizers/qwen3", repo / "shared/assets/tokenizers/qwen3"]
+    tokenizer = tokenizer or next((p for p in places if p.is_dir()), None)
+    if tokenizer is None or not (tokenizer / "tokenizer.json").is_file():
+        raise SystemExit(f"load-serve: no Qwen3 tokenizer at {tokenizer or ' or '.join(map(str, places))}; give --tokenizer DIR")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError:
+        write_random_with_transformers(folder, shape)
+    else:
+        write_random_with_mlx(folder, shape)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    print(f"load-serve: wrote {folder} ({shape}, random bf16 weights)", file=sys.stderr)
+
+
+def write_random_with_mlx(folder: Path, shape: str) -> None:
     import mlx.core as mx
 
     from ferrum_mac.bench.shapes import build_random
 
-    repo = Path(__file__).resolve().parents[1]
-    places = [repo.parent / "shared", repo / "shared"]  # beside the checkout, or inside it on the GPU machine
-    tokenizer = next((p / "assets/tokenizers/qwen3" for p in places if (p / "assets/tokenizers/qwen3").is_dir()), None)
-    if tokenizer is None:
-        raise SystemExit(f"load-serve: the Qwen3 tokenizer is not under {' or '.join(map(str, places))}")
-    folder.mkdir(parents=True, exist_ok=True)
     random = build_random(shape, "bf16")
     mx.save_safetensors(str(folder / "model.safetensors"), random.weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps({**random.config, "torch_dtype": "bfloat16"}, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer / name, folder / name)
-    print(f"load-serve: wrote {folder} ({shape}, random bf16 weights)", file=sys.stderr)
+
+
+def write_random_with_transformers(folder: Path, shape: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ferrum_mac.bench.shapes import SHAPES
+
+    raw = dict(SHAPES[shape])
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
 
 
 def main() -> None:
@@ -119,9 +150,10 @@ def main() -> None:
     parser.add_argument("--api-key")
     parser.add_argument("--make-model", type=Path, help="Write a random-weight model folder and exit.")
     parser.add_argument("--shape", default="qwen3-8b")
+    parser.add_argument("--tokenizer", type=Path, help="The Qwen3 tokenizer's folder (default: shared/ beside the checkout).")
     args = parser.parse_args()
     if args.make_model:
-        return make_model(args.make_model, args.shape)
+        return make_model(args.make_model, args.shape, args.tokenizer)
     url = args.url.rstrip("/").removesuffix("/v1")
     wait_for_server(url)
     one_round(url, args.api_key, 1, 8)  # warm-up: kernels and caches

@@ -28,7 +28,7 @@ from ferrum_mac.bench.report import Timing, interleaved, side_by_side, timed
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import DecodeItem
 
-DEFAULT_BATCHES = (8, 32)
+DEFAULT_BATCHES = (8, 16, 32)
 COPY_MIB = {"cuda": 512, "cpu": 64}  # far past any cache
 
 

@@ -134,7 +134,7 @@ class DecodePlan:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         kv_heads, dim, tokens = k.shape[1], k.shape[2], self.pool.tokens
         kv = self.pool.kv[layer]  # (2, slots, kv_heads, tokens + 1, dim)
-        kv.view(2, -1, dim).index_copy_(1, self.places, torch.stack((k, v)).view(2, -1, dim))
+        kv.view(2, -1, dim)[:, self.places] = torch.stack((k, v)).view(2, -1, dim)
         rows = slice(self.first, self.first + self.total)
         keys, values = kv[0, rows, :, :tokens], kv[1, rows, :, :tokens]
         grouped_q = q.reshape(self.total, kv_heads, -1, dim)  # (rows, kv_heads, group, dim)

@@ -144,3 +144,7 @@ class DecodeSteps:
 
     def clear(self) -> None:
         self.steps.clear()
+        # The memory pool dies with its last graph; capturing into its handle again fails an
+        # internal assert in PyTorch's allocator, so later graphs get a new pool.
+        if self.device.type == "cuda":
+            self.graphs = torch.cuda.graph_pool_handle()

@@ -10,7 +10,7 @@
     for token in generated:  # then detok.finish(), thinking.finish(), stops.finish()
         for delta in thinking.feed(detok.add(token)): ...
 
-No engine, backend or transformers import here; MLX is used only to read GGUF metadata.
+No engine, backend, MLX or transformers import here (GGUF metadata comes from `weights.gguf_header`).
 """
 
 from ferrum_mac.text.chat_template import CHATML, ChatTemplate, ChatTemplateError

@@ -47,19 +47,13 @@ _SPECIAL_KEYS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown",
 
 def read_gguf_metadata(path: str | Path) -> dict:
     """The tokenizer part of a GGUF's metadata (`tokenizer.*`), as plain Python values."""
-    import mlx.core as mx
+    from ferrum_mac.weights.gguf_header import cached_gguf_info
 
     try:
-        _, meta = mx.load(str(path), return_metadata=True)
-    except Exception as e:
-        raise CorruptModelError(f"cannot read GGUF metadata from {path} ({e}); download the model again") from None
-    return {k: _plain(v) for k, v in meta.items() if k.startswith("tokenizer.")}
-
-
-def _plain(value):
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return value
+        info = cached_gguf_info(path)  # its errors name the file and what to do
+    except OSError as e:
+        raise CorruptModelError(f"cannot read GGUF metadata from {path} ({e})") from None
+    return {k: v for k, v in info.metadata.items() if k.startswith("tokenizer.")}
 
 
 def tokenizer_from_gguf(meta: dict, source: str = "the GGUF file") -> HfTokenizer:
@@ -163,10 +157,8 @@ def merges_from_scores(tokens: list[str], scores: list[float], types: list[int])
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
-    vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        vocab.setdefault(token, i)
-    return vocab
+    """token -> its first id (a vocabulary may repeat a token)."""
+    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
 
 
 def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:

@@ -10,7 +10,6 @@ all of it in its metadata.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 
 import tokenizers
@@ -140,11 +139,5 @@ def _existing(path: str | Path) -> Path:
 
 
 def _gguf_metadata(path: Path) -> dict:
-    stat = path.stat()
-    return _cached_gguf_metadata(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-
-
-@lru_cache(maxsize=2)
-def _cached_gguf_metadata(path: str, mtime_ns: int, size: int) -> dict:
-    # The tokenizer and the chat template both come from here; read the file once.
+    # The tokenizer and the chat template both come from here; the header is read once (cached_gguf_info).
     return read_gguf_metadata(path)

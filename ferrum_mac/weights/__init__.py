@@ -18,9 +18,10 @@ __all__ = ["Checkpoint", "ModelConfig", "SUPPORTED_TYPES", "config_from_dict", "
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    tensors: dict  # canonical name -> mx.array
+    tensors: dict  # canonical name -> mx.array (GGUF: a mapping that reads the file on first use)
     path: Path
     format: str  # "safetensors", "mlx-quantized" or "gguf"
+    quantized_weights: int | None = None  # weights the file stores quantized, when known without reading them
 
 
 def find_gguf(folder: Path) -> Path | None:
@@ -39,8 +40,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             raise ModelNotFoundError(f"{path} is not a model; give a model folder (with config.json) or a .gguf file")
         from ferrum_mac.weights.gguf import load_gguf
 
-        config, tensors = load_gguf(path)
-        return Checkpoint(config, tensors, path, "gguf")
+        config, tensors, quantized = load_gguf(path)
+        return Checkpoint(config, tensors, path, "gguf", quantized)
     from ferrum_mac.weights.safetensors import load_safetensors
 
     config = config_from_hf(path)

@@ -1,15 +1,19 @@
-"""GGUF checkpoints through `mx.load`: Q4_0, Q4_1 and Q8_0 arrive as MLX affine-quantized
-tensors (group size 32), F16/F32 as dense arrays. Names are mapped to the canonical
-(Hugging Face, without the `model.` prefix) names the backends use."""
+"""GGUF checkpoints: the config from the header (`gguf_header`), the tensors through `mx.load`
+on first use: Q4_0, Q4_1 and Q8_0 arrive as MLX affine-quantized tensors (group size 32),
+F16/F32 as dense arrays. Names are mapped to the canonical (Hugging Face, without the
+`model.` prefix) names the backends use."""
 
 from __future__ import annotations
 
+import math
 import re
+import struct
+from collections.abc import MutableMapping
 from pathlib import Path
 
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
 from ferrum_mac.weights.config import ModelConfig, check_model_type
-from ferrum_mac.weights.gguf_header import read_gguf_info
+from ferrum_mac.weights.gguf_header import GgufInfo, cached_gguf_info
 
 # ggml type -> MLX quantization (None: dense)
 SUPPORTED_GGML = {"F32": None, "F16": None, "Q4_0": (32, 4), "Q4_1": (32, 4), "Q8_0": (32, 8)}
@@ -52,14 +56,14 @@ def _scalar(meta: dict, key: str, default=None):
     return value
 
 
-def config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bool) -> ModelConfig:
+def config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bool, token_count: int = 0) -> ModelConfig:
     arch_name = _scalar(meta, "general.architecture", "")
     model_type = ARCHITECTURES.get(arch_name, arch_name)
     check_model_type(model_type, str(path))
     a = arch_name
     heads = _scalar(meta, f"{a}.attention.head_count")
     hidden = _scalar(meta, f"{a}.embedding_length")
-    vocab = _scalar(meta, f"{a}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    vocab = _scalar(meta, f"{a}.vocab_size") or token_count or len(meta.get("tokenizer.ggml.tokens", []))
     eos = _scalar(meta, "tokenizer.ggml.eos_token_id")
     extra = {k.split(".", 1)[1]: _scalar(meta, k) for k in meta if k.startswith(f"{a}.") and "." in k}
     return ModelConfig(
@@ -87,10 +91,10 @@ def config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: boo
     )
 
 
-def _quantization_by_module(path: Path) -> dict:
+def _quantization_by_module(path: Path, info: GgufInfo) -> dict:
     """Per-module quantization from the tensor table; refuses ggml types MLX cannot keep."""
     per_module: dict = {}
-    for name, _, type_name in read_gguf_info(path).tensors:
+    for name, _, type_name in info.tensors:
         if type_name not in SUPPORTED_GGML:
             raise UnsupportedModelError(
                 f"{path}: tensor {name} is {type_name}, which ferrum cannot load "
@@ -106,30 +110,102 @@ def _quantization_by_module(path: Path) -> dict:
     return {"group_size": first["group_size"], "bits": first["bits"], **per_module}
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict]:
+def load_gguf(path: Path) -> tuple[ModelConfig, "LazyTensors", int]:
+    """The config (from the header alone), the canonical tensors (read on first use) and how
+    many weights the file stores quantized."""
     try:
-        import mlx.core as mx
+        import mlx.core  # noqa: F401
     except ImportError:
         raise UnsupportedModelError(f"{path}: reading GGUF files needs MLX (pip install mlx); use a safetensors checkpoint") from None
 
-    quantization = _quantization_by_module(path)
+    info = cached_gguf_info(path)  # the tokenizer reads the same header
+    size = path.stat().st_size
+    if info.data_end > size:
+        raise CorruptModelError(f"{path} is truncated ({size} of {info.data_end} bytes); download it again")
+    quantization = _quantization_by_module(path, info)
+    names = {}  # canonical name -> GGUF name, for the tensors MLX will return
+    for name, _, _ in info.tensors:
+        module, _, suffix = name.rpartition(".")
+        canonical = canonical_module(module)
+        if canonical is not None:
+            names[f"{canonical}.{suffix}"] = name
+    config = config_from_gguf(
+        path, info.metadata, quantization, has_output="lm_head.weight" in names,
+        token_count=info.array_lengths.get("tokenizer.ggml.tokens", 0),
+    )  # fmt: skip
+    tensors = LazyTensors(lambda: _read_tensors(path))
+    if "rope_freqs.weight" in info.offsets:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
+        config.rope_scaling = {"rope_type": "freq_factors", "factors": _rope_freqs(path, info)}
+    # Only modules GGUF stored quantized are quantized; mark the rest dense.
+    if config.quantization:
+        for name in names:
+            module = name.rsplit(".", 1)[0]
+            if name.endswith(".weight") and module not in config.quantization:
+                config.quantization[module] = False
+    quantized = sum(math.prod(shape) for _, shape, kind in info.tensors if SUPPORTED_GGML.get(kind))
+    return config, tensors, quantized
+
+
+class LazyTensors(MutableMapping):
+    """A checkpoint's canonical tensors, read from the file on first use: a backend that finds
+    them elsewhere (MLX's dense copy on the CPU) never pays for reading them."""
+
+    def __init__(self, read):
+        self._read, self._tensors = read, None
+
+    @property
+    def loaded(self) -> dict:
+        if self._tensors is None:
+            self._tensors = self._read()
+        return self._tensors
+
+    def __getitem__(self, name):
+        return self.loaded[name]
+
+    def __setitem__(self, name, value):
+        self.loaded[name] = value
+
+    def __delitem__(self, name):
+        del self.loaded[name]
+
+    def __iter__(self):
+        return iter(self.loaded)
+
+    def __len__(self):
+        return len(self.loaded)
+
+    def clear(self):
+        self._tensors = {}  # nothing left to read
+
+
+def _read_raw(path: Path) -> dict:
+    import mlx.core as mx
+
     try:
-        raw, meta = mx.load(str(path), return_metadata=True)
+        return mx.load(str(path))
     except (RuntimeError, ValueError) as e:
         raise CorruptModelError(f"{path} cannot be read ({str(e).splitlines()[0]}); download it again") from None
+
+
+def _read_tensors(path: Path) -> dict:
     tensors = {}
-    for name, array in raw.items():
+    for name, array in _read_raw(path).items():
         module, _, suffix = name.rpartition(".")
         canonical = canonical_module(module)
         if canonical is not None:
             tensors[f"{canonical}.{suffix}"] = array
-    config = config_from_gguf(path, meta, quantization, has_output="lm_head.weight" in tensors)
-    if "rope_freqs.weight" in raw:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
-        config.rope_scaling = {"rope_type": "freq_factors", "factors": raw["rope_freqs.weight"]}
-    # Only modules GGUF stored quantized are quantized; mark the rest dense.
-    if config.quantization:
-        for name in tensors:
-            module = name.rsplit(".", 1)[0]
-            if name.endswith(".weight") and module not in config.quantization:
-                config.quantization[module] = False
-    return config, tensors
+    return tensors
+
+
+def _rope_freqs(path: Path, info: GgufInfo):
+    """rope_freqs.weight, read on its own when it is F32 (as converters write it)."""
+    import mlx.core as mx
+
+    shape, kind = next((shape, kind) for name, shape, kind in info.tensors if name == "rope_freqs.weight")
+    if kind != "F32":
+        return _read_raw(path)["rope_freqs.weight"]
+    count = math.prod(shape)
+    with open(path, "rb") as f:
+        f.seek(info.offsets["rope_freqs.weight"])
+        data = f.read(4 * count)
+    return mx.array(struct.unpack(f"<{count}f", data), dtype=mx.float32)

@@ -1,18 +1,24 @@
 """A GGUF file's metadata and tensor table, read from its header without touching tensor data.
 
-Scalar and string values (arrays such as the vocabulary are skipped, not decoded) and each
-tensor's shape and ggml type: what `ferrum list`/`show` print, and what the loader checks
-before MLX reads the file (MLX silently casts tensor types it cannot keep quantized to
-float16; reading the table first lets us refuse those by name).
+Scalar and string values, and each tensor's shape, ggml type and file offset: what `ferrum
+list`/`show` print, what the loader checks before MLX reads the file (MLX silently casts
+tensor types it cannot keep quantized to float16; reading the table first lets us refuse
+those by name) and what the model config comes from. Arrays (the vocabulary, its merges and
+scores) are skipped, only counted, unless asked for (the tokenizer reads them from here).
+
+The header is parsed in memory (the file mapped, `struct.unpack_from` at offsets): a 49k-token
+vocabulary is ~100k strings, too many for one read call each.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import math
+import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferrum_mac.errors import CorruptModelError
@@ -23,14 +29,25 @@ TYPES = {
     11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
     19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M", 30: "BF16", 39: "MXFP4",
 }
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+# type name -> (values per block, bytes per block), for the types whose size we check
+BLOCKS = {
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
+    "Q5_1": (32, 24), "Q8_0": (32, 34), "Q8_1": (32, 36), "Q2_K": (256, 84), "Q3_K": (256, 110),
+    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_K": (256, 292),
+}
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+DEFAULT_ALIGNMENT = 32
 
 
 @dataclass(frozen=True)
 class GgufInfo:
-    metadata: dict  # key -> scalar or string (arrays omitted)
+    metadata: dict  # key -> scalar or string (arrays only when read with arrays=True)
     tensors: list  # (name, shape, type name)
+    offsets: dict = field(default_factory=dict)  # tensor name -> absolute file offset of its data
+    array_lengths: dict = field(default_factory=dict)  # metadata key of an array -> its length
+    data_end: int = 0  # where the last tensor of a known type ends (the file must be this long)
 
     @property
     def parameters(self) -> int:
@@ -45,64 +62,137 @@ class GgufInfo:
         return weight.most_common(1)[0][0] if weight else "?"
 
 
-def read_gguf_info(path: Path) -> GgufInfo:
+def read_gguf_info(path: str | Path, arrays: bool = False) -> GgufInfo:
+    """The header of the GGUF file at `path`; `arrays`: decode metadata arrays too (as lists)."""
     with open(path, "rb") as f:
-        reader = _Reader(f, path)
-        if f.read(4) != b"GGUF":
+        size = os.fstat(f.fileno()).st_size
+        if size < 4 or f.read(4) != b"GGUF":
             raise CorruptModelError(f"{path} is not a GGUF file; download it again")
-        reader.take("<I")  # version
-        tensor_count, kv_count = reader.take("<Q"), reader.take("<Q")
-        metadata = {}
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                return _Parser(buf, size, path, arrays).info()
+            except struct.error:
+                raise _truncated(path) from None
+
+
+def cached_gguf_info(path: str | Path) -> GgufInfo:
+    """`read_gguf_info(path, arrays=True)`, read once per process while the file is unchanged:
+    the model loader and the tokenizer both want the header. Callers must not modify it."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _cached_info(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_info(path: str, size: int, mtime_ns: int) -> GgufInfo:
+    return read_gguf_info(path, arrays=True)
+
+
+def _truncated(path) -> CorruptModelError:
+    return CorruptModelError(f"{path} ends inside its GGUF header; the file is truncated, download it again")
+
+
+class _Parser:
+    def __init__(self, buf, size: int, path, arrays: bool):
+        self.buf, self.size, self.path, self.arrays = buf, size, path, arrays
+        self.pos = 4
+
+    def info(self) -> GgufInfo:
+        self.u32()  # version
+        tensor_count, kv_count = self.u64(), self.u64()
+        metadata, lengths = {}, {}
         for _ in range(kv_count):
-            key = reader.string()
-            value = reader.value(reader.take("<I"))
-            if value is not _SKIPPED:
-                metadata[key] = value
-        tensors = []
+            key = self.string()
+            kind = self.u32()
+            if kind == _ARRAY:
+                value, lengths[key] = self.array()
+                if value is not None:
+                    metadata[key] = value
+            else:
+                metadata[key] = self.value(kind)
+        tensors, relative = [], {}
         for _ in range(tensor_count):
-            name = reader.string()
-            shape = tuple(reader.take("<Q") for _ in range(reader.take("<I")))
-            kind = reader.take("<I")
-            reader.take("<Q")  # data offset
-            tensors.append((name, shape[::-1], TYPES.get(kind, f"type {kind}")))
-    return GgufInfo(metadata, tensors)
+            name = self.string()
+            shape = tuple(self.u64() for _ in range(self.u32()))[::-1]
+            type_id = self.u32()
+            kind = TYPES.get(type_id, f"type {type_id}")
+            relative[name] = self.u64()
+            tensors.append((name, shape, kind))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        alignment = alignment if isinstance(alignment, int) and alignment > 0 else DEFAULT_ALIGNMENT
+        data_start = -(-self.pos // alignment) * alignment
+        offsets = {name: data_start + offset for name, offset in relative.items()}
+        data_end = data_start
+        for name, shape, kind in tensors:
+            if kind in BLOCKS:
+                per_block, block_bytes = BLOCKS[kind]
+                data_end = max(data_end, offsets[name] + -(-math.prod(shape) // per_block) * block_bytes)
+        return GgufInfo(metadata, tensors, offsets, lengths, data_end)
 
+    def u32(self) -> int:
+        value = _U32.unpack_from(self.buf, self.pos)[0]
+        self.pos += 4
+        return value
 
-_SKIPPED = object()
-
-
-class _Reader:
-    def __init__(self, f, path: Path):
-        self.f, self.path = f, path
-        self.size = os.fstat(f.fileno()).st_size
-
-    def take(self, fmt: str):
-        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
-
-    def read(self, size: int) -> bytes:
-        # A damaged length field can claim more bytes than the file has: do not try to read them.
-        data = self.f.read(size) if size <= self.size else b""
-        if len(data) != size:
-            raise CorruptModelError(f"{self.path} ends inside its GGUF header; the file is truncated, download it again")
-        return data
+    def u64(self) -> int:
+        value = _U64.unpack_from(self.buf, self.pos)[0]
+        self.pos += 8
+        return value
 
     def string(self) -> str:
-        return self.read(self.take("<Q")).decode("utf-8", errors="replace")
+        n = self.u64()
+        end = self.pos + n
+        if end > self.size:  # a damaged length field can claim more bytes than the file has
+            raise _truncated(self.path)
+        text = self.buf[self.pos : end].decode("utf-8", errors="replace")
+        self.pos = end
+        return text
 
     def value(self, kind: int):
         if kind == _STRING:
             return self.string()
         if kind in _SCALARS:
-            return self.take(_SCALARS[kind])
-        if kind == _ARRAY:
-            item_kind, count = self.take("<I"), self.take("<Q")
-            if item_kind in _SCALARS:
-                self.f.seek(struct.calcsize(_SCALARS[item_kind]) * count, 1)
-            elif item_kind == _STRING:
-                for _ in range(count):
-                    self.f.seek(self.take("<Q"), 1)
-            else:
-                for _ in range(count):
-                    self.value(item_kind)
-            return _SKIPPED
+            fmt = "<" + _SCALARS[kind]
+            value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+            self.pos += struct.calcsize(fmt)
+            return value
         raise CorruptModelError(f"{self.path} has an unknown GGUF metadata type {kind}; the file is damaged")
+
+    def array(self) -> tuple[list | None, int]:
+        """(the array as a list, or None when skipped; its length)."""
+        item_kind, count = self.u32(), self.u64()
+        if item_kind in _SCALARS:
+            width = struct.calcsize("<" + _SCALARS[item_kind])
+            if self.pos + width * count > self.size:
+                raise _truncated(self.path)
+            value = list(struct.unpack_from(f"<{count}{_SCALARS[item_kind]}", self.buf, self.pos)) if self.arrays else None
+            self.pos += width * count
+            return value, count
+        if item_kind == _STRING:
+            return self.strings(count), count
+        items = [self.array()[0] if item_kind == _ARRAY else self.value(item_kind) for _ in range(count)]
+        return (items if self.arrays else None), count
+
+    def strings(self, count: int) -> list[str] | None:
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        if not self.arrays:
+            for _ in range(count):
+                pos += 8 + unpack(buf, pos)[0]
+            value = None
+        else:
+            raw = []
+            append = raw.append
+            for _ in range(count):
+                start = pos + 8
+                pos = start + unpack(buf, pos)[0]
+                append(buf[start:pos])
+            # One decode for all of them: joined by newlines when none contains one.
+            joined = b"\n".join(raw)
+            if count and joined.count(b"\n") == count - 1:
+                value = joined.decode("utf-8", errors="replace").split("\n")
+            else:
+                value = [item.decode("utf-8", errors="replace") for item in raw]
+        if pos > self.size:
+            raise _truncated(self.path)
+        self.pos = pos
+        return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,16 @@ import helpers
 
 # The tokenizers library forks worker threads and warns when the process forks later on.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory):
+    """ferrum's cache (the MLX CPU build's dense weight copies) in a folder of this session,
+    not the user's; subprocesses inherit it."""
+    folder = tmp_path_factory.mktemp("ferrum-cache")
+    os.environ["FERRUM_CACHE_DIR"] = str(folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)  # copies of real models are hundreds of MB
 
 
 class TinyZoo:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ferrum_mac.backends.mlx.kv import SequenceCache
-from ferrum_mac.backends.mlx.layers import Projections, Rope, TensorSource
+from ferrum_mac.backends.mlx.layers import Rope, TensorSource
 from ferrum_mac.weights import ModelConfig
 
 
@@ -56,7 +56,7 @@ class Attention:
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv = Projections(
+        self.qkv = src.projections(
             [
                 src.linear(f"{p}.q_proj", q_out, c.hidden_size, c.qkv_bias),
                 src.linear(f"{p}.k_proj", kv_out, c.hidden_size, c.qkv_bias),

@@ -16,9 +16,9 @@ from ferrum_mac.weights import ModelConfig
 class TensorSource:
     """Hands out a checkpoint's tensors by canonical name, checking presence and shape."""
 
-    def __init__(self, tensors: dict, config: ModelConfig, dtype: mx.Dtype, where: str, dequantize: bool = False):
+    def __init__(self, tensors: dict, config: ModelConfig, dtype: mx.Dtype, where: str, fuse: bool = True):
         self.tensors, self.config, self.dtype, self.where = tensors, config, dtype, where
-        self.dequantize = dequantize  # load quantized linears as dense weights
+        self.fuse = fuse  # run linears that read one input as one matmul (`Projections`)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -46,12 +46,30 @@ class TensorSource:
         weight = self.take(f"{module}.weight", (out_dim, in_dim * bits // 32), cast=False)
         scales = self.take(f"{module}.scales", (out_dim, in_dim // group))
         biases = self.take(f"{module}.biases", (out_dim, in_dim // group))
-        if self.dequantize:
-            return Linear(mx.dequantize(weight, scales, biases, group_size=group, bits=bits).astype(self.dtype), b)
         return Linear(weight, b, scales, biases, group, bits)
 
     def norm(self, module: str, dim: int) -> mx.array:
         return self.take(f"{module}.weight", (dim,))
+
+    def projections(self, linears: list["Linear"]) -> "Projections":
+        return Projections(linears, fuse=self.fuse)
+
+
+def dequantized(tensors, config: ModelConfig, dtype: mx.Dtype) -> dict:
+    """`tensors` with every quantized linear (a 2-D packed weight with scales and biases) as a
+    dense weight in `dtype`; stacked MoE experts stay quantized (`gather_qmm` runs them).
+    Lazy: nothing is computed until evaluated."""
+    out = dict(tensors)
+    for name, weight in tensors.items():
+        module, _, suffix = name.rpartition(".")
+        quant = config.quant_for(module)
+        if suffix != "weight" or quant is None or weight.ndim != 2 or ".experts." in name or f"{module}.scales" not in tensors:
+            continue
+        # in float32, where scale * q + bias is exact (and MLX's CPU build runs float16 ~5x slower)
+        scales, biases = (out.pop(f"{module}.{part}").astype(mx.float32) for part in ("scales", "biases"))
+        dense = mx.dequantize(weight, scales, biases, group_size=quant["group_size"], bits=quant["bits"])
+        out[name] = dense.astype(dtype)
+    return out
 
 
 class Linear:
@@ -83,7 +101,7 @@ class Linear:
         )
 
 
-def fuse(linears: list[Linear]) -> Linear | None:
+def fuse_linears(linears: list[Linear]) -> Linear | None:
     """Stack linears that read the same input into one matmul, or None if their formats differ."""
     first = linears[0]
     same = all(
@@ -101,11 +119,13 @@ def fuse(linears: list[Linear]) -> Linear | None:
 
 
 class Projections:
-    """Several linears over one input, run as one fused matmul when their formats allow."""
+    """Several linears over one input, run as one fused matmul when their formats allow and
+    `fuse` asks (on MLX's CPU build the fused matmul is no faster, and concatenating the
+    weights costs ~0.25 s of a 135M model's load)."""
 
-    def __init__(self, linears: list[Linear]):
+    def __init__(self, linears: list[Linear], fuse: bool = True):
         self.sizes = [l.weight.shape[0] for l in linears]
-        self.fused = fuse(linears)
+        self.fused = fuse_linears(linears) if fuse else None
         self.parts = None if self.fused else linears
         self.splits = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
 

@@ -14,6 +14,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ferrum_mac.backends.mlx.attention import Plan, Segment
+from ferrum_mac.backends.mlx.dense_cache import dense_tensors
 from ferrum_mac.backends.mlx.kv import KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
@@ -42,13 +43,17 @@ def compute_dtype(checkpoint: Checkpoint, override: str | None) -> mx.Dtype:
 
 def dequantize_on_cpu(checkpoint: Checkpoint, dtype: mx.Dtype) -> bool:
     """On MLX's CPU build quantized matmuls are slow (a 135M Q4_1 model prefilled ~37 tokens
-    in 9 s, against 3 s dense): load them dense when that fits. FERRUM_DEQUANTIZE_ON_CPU=0
-    keeps them quantized (the tests use it to run the quantized kernels)."""
+    in 9 s quantized, against 3 s dense on the reference BLAS and 0.3 s dense on OpenBLAS,
+    see cpu_blas.py): load them dense when that fits. The dense copy is kept on disk
+    (dense_cache.py), so only the first open pays for dequantizing (~1.2 s for that model on
+    2 cores). FERRUM_DEQUANTIZE_ON_CPU=0 keeps them quantized (the tests use it to run the
+    quantized kernels)."""
     if not on_cpu() or not checkpoint.config.quantization or os.environ.get("FERRUM_DEQUANTIZE_ON_CPU") == "0":
         return False
-    packed = sum(t.size for n, t in checkpoint.tensors.items() if n.endswith(".weight") and t.dtype == mx.uint32)
-    dense_bytes = packed * 8 * dtype.size  # at most 8 weights per uint32 (4-bit)
-    return dense_bytes < free_memory_bytes() // 3
+    weights = checkpoint.quantized_weights
+    if weights is None:  # at most 8 weights per uint32 (4-bit)
+        weights = 8 * sum(t.size for n, t in checkpoint.tensors.items() if n.endswith(".weight") and t.dtype == mx.uint32)
+    return weights * dtype.size < free_memory_bytes() // 3
 
 
 class MlxLLM(DecoderOnlyLLM):
@@ -60,9 +65,13 @@ class MlxLLM(DecoderOnlyLLM):
                 f"the MLX backend has no {c.model_type!r} model (supported: {', '.join(sorted(FAMILIES))})"
             )
         self.dtype = compute_dtype(checkpoint, dtype)
-        source = TensorSource(checkpoint.tensors, c, self.dtype, str(checkpoint.path), dequantize_on_cpu(checkpoint, self.dtype))
+        tensors = checkpoint.tensors
+        if dequantize_on_cpu(checkpoint, self.dtype):
+            tensors = dense_tensors(checkpoint, self.dtype)
+        source = TensorSource(tensors, c, self.dtype, str(checkpoint.path), fuse=not on_cpu())
         self.model = family(source, c)
         checkpoint.tensors.clear()  # the model holds what it needs (fused copies included)
+        del tensors, source
         params = model_arrays(self.model)
         mx.eval(params)
         self.weight_bytes = sum(a.nbytes for a in params)

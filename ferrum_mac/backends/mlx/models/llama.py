@@ -8,7 +8,7 @@ import os
 import mlx.core as mx
 
 from ferrum_mac.backends.mlx.attention import Attention, Plan
-from ferrum_mac.backends.mlx.layers import Linear, Projections, TensorSource, swiglu
+from ferrum_mac.backends.mlx.layers import Linear, TensorSource, swiglu
 from ferrum_mac.weights import ModelConfig
 
 # Steps of at most this many tokens (decode, small decode batches) run compiled; each
@@ -20,7 +20,7 @@ COMPILE_MAX_TOKENS = int(os.environ.get("FERRUM_COMPILE_MAX_TOKENS", "16"))
 class Mlp:
     def __init__(self, src: TensorSource, config: ModelConfig, prefix: str, hidden: int):
         c, bias = config, config.mlp_bias
-        self.gate_up = Projections(
+        self.gate_up = src.projections(
             [
                 src.linear(f"{prefix}.gate_proj", hidden, c.hidden_size, bias),
                 src.linear(f"{prefix}.up_proj", hidden, c.hidden_size, bias),

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
-
-import sentencepiece as spm
-from sentencepiece import sentencepiece_model_pb2
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.text.tokenizer import REPLACE_EACH_BYTE, KeepStart, TextStart, Tokenizer
+
+if TYPE_CHECKING:  # sentencepiece and protobuf load on first use (~35 ms most models never need)
+    from sentencepiece import sentencepiece_model_pb2
 
 SPACE = "▁"
 
@@ -57,6 +57,8 @@ class SentencePieceTokenizer(Tokenizer):
         legacy: bool = False,
         extra_eos_ids: Iterable[int] = (),
     ):
+        import sentencepiece as spm
+
         proto = _read_proto(Path(model_file))
         self.processor = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
         self.add_dummy_prefix = proto.normalizer_spec.add_dummy_prefix
@@ -137,6 +139,8 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def _read_proto(path: Path) -> sentencepiece_model_pb2.ModelProto:
+    from sentencepiece import sentencepiece_model_pb2
+
     proto = sentencepiece_model_pb2.ModelProto()
     try:
         proto.ParseFromString(path.read_bytes())

@@ -156,7 +156,8 @@ def main() -> None:
         return make_model(args.make_model, args.shape, args.tokenizer)
     url = args.url.rstrip("/").removesuffix("/v1")
     wait_for_server(url)
-    one_round(url, args.api_key, 1, 8)  # warm-up: kernels and caches
+    for c in args.concurrency.split(","):  # warm-up: kernels, caches and each batch size's CUDA graphs
+        one_round(url, args.api_key, int(c), 8)
     rows = [one_round(url, args.api_key, int(c), args.max_tokens) for c in args.concurrency.split(",")]
     for row in rows:
         print(json.dumps(row))

@@ -63,14 +63,14 @@ def test_steps_belong_to_runs_of_pool_slots(zoo):
 
 
 def test_decode_batch_leaves_slots_outside_the_batch_alone(zoo):
-    """A batch over slots 0 and 2 runs one step over slots 0-2; slot 1's sequence, not in the
+    """A batch over slots 0 and 2 runs one step over slots 0-3; slot 1's sequence, not in the
     batch, keeps its cache (its row writes only the scratch column)."""
     model = torch_model(zoo, "llama")
     model.reset()
     for cid in ("a", "b", "c"):
         model.prefill(cid, PROMPT)
     model.decode_batch([DecodeItem("a", 5, len(PROMPT)), DecodeItem("c", 6, len(PROMPT))])
-    assert list(model.steps.steps) == [(0, 3)]
+    assert list(model.steps.steps) == [(0, 4)]
     got = model.decode("b", 7, len(PROMPT))
     model.prefill("fresh", PROMPT)
     want = model.decode("fresh", 7, len(PROMPT))
@@ -203,3 +203,16 @@ def test_sampled_tokens_drive_decode(zoo):
     model.release("s")
     assert got == helpers.ferrum_greedy(model, "g", PROMPT, 6)
     model.release("g")
+
+
+@pytest.mark.parametrize(
+    "slots, pool, run",
+    [([0], 1, (0, 1)), ([5], 8, (5, 1)), ([0, 2], 4, (0, 4)), ([2, 3], 4, (2, 2)), ([3, 5], 8, (3, 4)),
+     ([6, 7, 5], 8, (4, 4)), ([0, 15], 16, (0, 16)), ([9, 11, 12], 16, (9, 4))],
+)
+def test_run_of_slots_covers_the_batch_in_a_power_of_two(slots, pool, run):
+    from ferrum_mac.backends.torch.runtime import run_of_slots
+
+    first, size = run_of_slots(slots, pool)
+    assert (first, size) == run
+    assert first >= 0 and first + size <= pool and first <= min(slots) and max(slots) < first + size

@@ -36,6 +36,16 @@ def compute_dtype(checkpoint: Checkpoint, override: str | None) -> torch.dtype:
     return DTYPES.get(checkpoint.config.dtype, torch.float16)
 
 
+def run_of_slots(slots: list[int], pool_slots: int) -> tuple[int, int]:
+    """The first slot and size of the run a decode step covers: every slot of the batch, the
+    size rounded up to a power of two so a server's changing batches share few steps (each
+    one a CUDA graph to capture), moved down where it would pass the pool's end (the pool's
+    slot count is a power of two)."""
+    first = min(slots)
+    size = 1 << (max(slots) - first).bit_length()
+    return min(first, pool_slots - size), size
+
+
 class TorchLLM(DecoderOnlyLLM):
     def __init__(self, checkpoint: Checkpoint, dtype: str | None = None, device: str | torch.device | None = None):
         c = checkpoint.config
@@ -95,11 +105,9 @@ class TorchLLM(DecoderOnlyLLM):
         caches = [self.kv.acquire(it.cache_id) for it in items]
         for cache, it in zip(caches, items):
             self.kv.reserve(cache, it.pos + 1)
-        # One step over the run of slots from the lowest to the highest: the same sequences
-        # in any order share it (and its graph).
-        first = min(c.slot for c in caches)
+        first, size = run_of_slots([c.slot for c in caches], self.kv.slots)
         rows = [c.slot - first for c in caches]
-        step = self.steps.get(first, max(rows) + 1)
+        step = self.steps.get(first, size)
         step.load({row: (it.token, it.pos) for row, it in zip(rows, items)})
         logits = step.run()
         for cache, it in zip(caches, items):

@@ -26,10 +26,6 @@ from ferrum_mac.backends.torch.kv import KvManager
 
 # FERRUM_CUDA_GRAPHS=0 runs CUDA decode steps eagerly (for debugging and A/B timing).
 USE_GRAPHS = os.environ.get("FERRUM_CUDA_GRAPHS", "1") != "0"
-# FERRUM_TORCH_COMPILE=step: the whole decode step compiled by torch.compile (Inductor fuses
-# the norms, RoPE, residual adds and SwiGLU between the matmuls), then captured as above.
-# Compiling takes a while for each new run of slots; an A/B knob until measured.
-COMPILE_STEP = os.environ.get("FERRUM_TORCH_COMPILE", "0") == "step"
 MAX_STEPS = 16  # captured graphs kept (least recently used dropped first)
 
 
@@ -78,14 +74,8 @@ class DecodeStep:
         return self.out.clone()
 
     def forward(self) -> torch.Tensor:
-        global compiled_forward
-        if COMPILE_STEP and compiled_forward is not None:
-            try:
-                return compiled_forward(self.model, self.pool, self.first, self.tokens, self.positions, self.columns, self.dtype)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: decode eagerly
-                compiled_forward = None
-                print(f"ferrum: decoding without torch.compile ({str(e).splitlines()[0] if str(e) else type(e).__name__})", file=sys.stderr)
-        return decode_forward(self.model, self.pool, self.first, self.tokens, self.positions, self.columns, self.dtype)
+        plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype)
+        return self.model.logits(self.model.hidden(self.tokens, plan))
 
     def capture(self) -> None:
         try:
@@ -103,21 +93,6 @@ class DecodeStep:
         except RuntimeError as e:
             self.captured = False
             print(f"ferrum: decoding without CUDA graphs ({str(e).splitlines()[0]})", file=sys.stderr)
-
-
-def decode_forward(model, pool: KvManager, first: int, tokens, positions, columns, dtype) -> torch.Tensor:
-    plan = DecodePlan(pool, first, positions, columns, dtype)
-    return model.logits(model.hidden(tokens, plan))
-
-
-def compile_decode_forward():
-    import torch._dynamo
-
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # one per run of slots
-    return torch.compile(decode_forward, fullgraph=True)
-
-
-compiled_forward = compile_decode_forward() if COMPILE_STEP else None
 
 
 class DecodeSteps:

@@ -6,7 +6,7 @@ in OpenBLAS, and the 31-token prompt of `ferrum run "hi"` on SmolLM2-135M prefil
 against 0.27 s. numpy, already a dependency, ships OpenBLAS. `activate()` loads the small
 `_cpu_blas` extension (built from `_cpu_blas.c` at install) with RTLD_GLOBAL before libmlx
 is loaded, so the dynamic linker binds libmlx's `cblas_sgemm` to the extension's, which calls
-OpenBLAS's sgemm.
+OpenBLAS's sgemm (or its sgemv for a product with one row or column: a decode step's).
 
 It has to run before the process first imports `mlx.core`: `ferrum_mac/__init__.py` calls it
 just before anything imports MLX. It does nothing (MLX keeps its own BLAS) on macOS (MLX
@@ -23,12 +23,13 @@ import sys
 
 ENV = "FERRUM_CPU_BLAS"  # "reference": leave MLX on the BLAS its wheel bundles
 EXTENSION = "ferrum_mac.backends.mlx._cpu_blas"
-# sgemm entry points of numpy's OpenBLAS builds, with whether they take 64-bit sizes (ILP64)
-SGEMM_SYMBOLS = (
-    ("scipy_cblas_sgemm64_", True),  # numpy >= 2 (scipy-openblas64)
-    ("cblas_sgemm64_", True),  # numpy 1.26 (openblas64_)
-    ("scipy_cblas_sgemm", False),  # scipy-openblas32
-    ("cblas_sgemm", False),  # a plain LP64 OpenBLAS
+# Name patterns of the CBLAS entry points of numpy's OpenBLAS builds ({} is sgemm or sgemv),
+# with whether they take 64-bit sizes (ILP64)
+SYMBOLS = (
+    ("scipy_cblas_{}64_", True),  # numpy >= 2 (scipy-openblas64)
+    ("cblas_{}64_", True),  # numpy 1.26 (openblas64_)
+    ("scipy_cblas_{}", False),  # scipy-openblas32
+    ("cblas_{}", False),  # a plain LP64 OpenBLAS
 )
 
 _state: str | None = None
@@ -67,24 +68,24 @@ def _activate() -> str:
         spec = importlib.util.find_spec(EXTENSION)
         if spec is None or not spec.origin:
             return "reference: the _cpu_blas extension was not built (no C compiler at install?)"
-        found = _numpy_openblas_sgemm()
+        found = numpy_openblas()
         if found is None:
             return "reference: numpy has no OpenBLAS of its own"
-        path, address, ilp64 = found
+        path, sgemm, sgemv, ilp64 = found
         import ctypes
 
         _libraries.append(ctypes.CDLL(spec.origin, mode=ctypes.RTLD_GLOBAL))
         module = importlib.import_module(EXTENSION)  # the same loaded library, now as a module
-        module.route(address, ilp64)
+        module.route(sgemm, sgemv, ilp64)
     except (ImportError, OSError, AttributeError, ValueError) as e:
         return f"reference: routing to OpenBLAS failed ({e})"
     _module = module
     return f"openblas ({path})"
 
 
-def _numpy_openblas_sgemm() -> tuple[str, int, bool] | None:
-    """(library path, sgemm address, ILP64?) of the OpenBLAS numpy's wheel bundles, found
-    without importing numpy."""
+def numpy_openblas() -> tuple[str, int, int, bool] | None:
+    """(library path, sgemm address, sgemv address or 0, ILP64?) of the OpenBLAS numpy's wheel
+    bundles, found without importing numpy; None if there is none."""
     import ctypes
 
     try:
@@ -101,9 +102,11 @@ def _numpy_openblas_sgemm() -> tuple[str, int, bool] | None:
             library = ctypes.CDLL(path)
         except OSError:
             continue
-        for symbol, ilp64 in SGEMM_SYMBOLS:
-            function = getattr(library, symbol, None)
-            if function is not None:
+        for pattern, ilp64 in SYMBOLS:
+            sgemm = getattr(library, pattern.format("sgemm"), None)
+            if sgemm is not None:
+                sgemv = getattr(library, pattern.format("sgemv"), None)
                 _libraries.append(library)
-                return path, ctypes.cast(function, ctypes.c_void_p).value, ilp64
+                address = lambda f: ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0  # noqa: E731
+                return path, address(sgemm), address(sgemv), ilp64
     return None

@@ -42,10 +42,10 @@ def compute_dtype(checkpoint: Checkpoint, override: str | None) -> mx.Dtype:
 
 
 def dequantize_on_cpu(checkpoint: Checkpoint, dtype: mx.Dtype) -> bool:
-    """On MLX's CPU build quantized matmuls are slow (a 135M Q4_1 model prefilled ~37 tokens
-    in 9 s quantized, against 3 s dense on the reference BLAS and 0.3 s dense on OpenBLAS,
-    see cpu_blas.py): load them dense when that fits. The dense copy is kept on disk
-    (dense_cache.py), so only the first open pays for dequantizing (~1.2 s for that model on
+    """On MLX's CPU build quantized matmuls are slow (SmolLM2-135M Q4_1 prefills a 31-token
+    prompt in 5.5 s quantized, 0.26 s dense with float32 matmuls on OpenBLAS, see
+    cpu_blas.py): load them dense when that fits. The dense copy is kept on disk
+    (dense_cache.py), so only the first open pays for dequantizing (~1 s for that model on
     2 cores). FERRUM_DEQUANTIZE_ON_CPU=0 keeps them quantized (the tests use it to run the
     quantized kernels)."""
     if not on_cpu() or not checkpoint.config.quantization or os.environ.get("FERRUM_DEQUANTIZE_ON_CPU") == "0":

@@ -20,6 +20,7 @@ import glob
 import importlib.util
 import os
 import sys
+from typing import NamedTuple
 
 ENV = "FERRUM_CPU_BLAS"  # "reference": leave MLX on the BLAS its wheel bundles
 EXTENSION = "ferrum_mac.backends.mlx._cpu_blas"
@@ -68,24 +69,57 @@ def _activate() -> str:
         spec = importlib.util.find_spec(EXTENSION)
         if spec is None or not spec.origin:
             return "reference: the _cpu_blas extension was not built (no C compiler at install?)"
-        found = numpy_openblas()
-        if found is None:
+        blas = numpy_openblas()
+        if blas is None:
             return "reference: numpy has no OpenBLAS of its own"
-        path, sgemm, sgemv, ilp64 = found
         import ctypes
 
         _libraries.append(ctypes.CDLL(spec.origin, mode=ctypes.RTLD_GLOBAL))
         module = importlib.import_module(EXTENSION)  # the same loaded library, now as a module
-        module.route(sgemm, sgemv, ilp64)
+        module.route(blas.sgemm, blas.sgemv, blas.ilp64)
+        threads = _limit_threads(blas.library, blas.ilp64)
     except (ImportError, OSError, AttributeError, ValueError) as e:
         return f"reference: routing to OpenBLAS failed ({e})"
     _module = module
-    return f"openblas ({path})"
+    return f"openblas ({blas.path}{f', {threads} thread' + 's' * (threads > 1) if threads else ''})"
 
 
-def numpy_openblas() -> tuple[str, int, int, bool] | None:
-    """(library path, sgemm address, sgemv address or 0, ILP64?) of the OpenBLAS numpy's wheel
-    bundles, found without importing numpy; None if there is none."""
+def _limit_threads(library, ilp64: bool) -> int | None:
+    """Leave a core to the rest of the process and the machine: OpenBLAS splits each product
+    among its threads and waits for the slowest, so when another process keeps a core busy a
+    thread that loses its core stalls every matmul (on 2 shared cores a 31-token prefill took
+    6-8 s on 2 threads against 0.4-0.6 s on 1, and 0.27 s against 0.37 s when idle). Left
+    alone when OPENBLAS_NUM_THREADS or OMP_NUM_THREADS says otherwise. Returns the count set."""
+    if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    names = ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_") if ilp64 else ()
+    names += ("scipy_openblas_set_num_threads", "openblas_set_num_threads")
+    setter = next((getattr(library, name) for name in names if hasattr(library, name)), None)
+    if setter is None:
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    threads = max(1, cores - 1)
+    import ctypes
+
+    setter.argtypes = [ctypes.c_int]
+    setter.restype = None
+    setter(threads)
+    return threads
+
+
+class OpenBlas(NamedTuple):
+    path: str
+    library: object  # the ctypes.CDLL
+    sgemm: int  # function addresses
+    sgemv: int  # 0 when missing
+    ilp64: bool  # 64-bit sizes
+
+
+def numpy_openblas() -> OpenBlas | None:
+    """The OpenBLAS numpy's wheel bundles, found without importing numpy; None if there is none."""
     import ctypes
 
     try:
@@ -108,5 +142,5 @@ def numpy_openblas() -> tuple[str, int, int, bool] | None:
                 sgemv = getattr(library, pattern.format("sgemv"), None)
                 _libraries.append(library)
                 address = lambda f: ctypes.cast(f, ctypes.c_void_p).value if f is not None else 0  # noqa: E731
-                return path, address(sgemm), address(sgemv), ilp64
+                return OpenBlas(path, library, address(sgemm), address(sgemv), ilp64)
     return None

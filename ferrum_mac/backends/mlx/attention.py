@@ -42,9 +42,8 @@ class Plan:
             self.pool = segments[0].cache.pool
             self.slots = mx.array([s.cache.slot for s in segments])
             self.width = max(s.offset for s in segments) + 1
-            # Each sequence sees its own keys only: positions up to its offset (0 there, -inf past it).
-            visible = mx.arange(self.width)[None, :] <= self.positions[:, None]
-            self.bias = mx.where(visible, 0.0, -mx.inf)[:, None, None, :]
+            # Each sequence sees its own keys only: positions up to its offset.
+            self.mask = (mx.arange(self.width)[None, :] <= self.positions[:, None])[:, None, None, :]
 
 
 class Attention:
@@ -102,29 +101,14 @@ class Attention:
         """B one-token sequences `(B, heads, dim)`: one write and one masked attention for all."""
         B = q.shape[0]
         keys, values = plan.pool.write_batch(self.layer, plan.slots, plan.positions, k[:, :, None, :], v[:, :, None, :], plan.width)
-        return masked_decode_attention(q, keys, values, plan.bias, self.scale).reshape(1, B, self.heads * self.head_dim)
+        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=self.scale, mask=plan.mask)
+        return out.reshape(1, B, self.heads * self.head_dim)
 
     def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:
         """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`."""
         keys, values = seg.cache.write(self.layer, k, v, seg.offset)
         mask = "causal" if seg.length > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-
-
-def masked_decode_attention(q: mx.array, keys: mx.array, values: mx.array, bias: mx.array, scale: float) -> mx.array:
-    """One query per sequence `(B, heads, dim)` over its keys/values `(B, kv_heads, W, dim)`
-    under an additive `(B, 1, 1, W)` bias -> `(B, kv_heads, group, dim)`.
-
-    Written out rather than `mx.fast.scaled_dot_product_attention(mask=...)`: with an array
-    mask MLX's CUDA build leaves its fused kernel for a general path that cost ~290 us a
-    layer at batch 4 on an H100 (Qwen3-8B shape), against ~60 us unmasked. A query head's
-    group is folded into the query length, so no key is repeated."""
-    B, heads, dim = q.shape
-    kv_heads = keys.shape[1]
-    grouped = (q * scale).reshape(B, kv_heads, heads // kv_heads, dim)
-    scores = grouped @ keys.swapaxes(-1, -2) + bias.astype(q.dtype)
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    return weights @ values
 
 
 # Layout changes are graph nodes too, and a decode step's cost is mostly per node: a single

@@ -21,16 +21,33 @@ def available(backend: str) -> bool:
 
 def choose(backend: str) -> str:
     if backend == "auto":
-        for candidate in BACKENDS:
-            if available(candidate):
-                return candidate
-        raise UnsupportedError("no backend is installed; install ferrum-mac with MLX (or the torch extra)")
+        return automatic()
     if backend not in BACKENDS:
         raise UnsupportedError(f"unknown backend {backend!r}; choose one of: auto, {', '.join(BACKENDS)}")
     if not available(backend):
-        install = {"mlx": "pip install mlx", "torch": "pip install 'ferrum-mac[torch]' (or a torch build for your GPU)"}
+        install = {"mlx": "pip install mlx", "torch": "pip install 'ferrum-mac[cuda]' (or a torch build for your GPU)"}
         raise UnsupportedError(f"the {backend} backend is not installed; {install[backend]}")
     return backend
+
+
+def automatic() -> str:
+    """torch where it is installed and an NVIDIA GPU is present; else MLX (Metal on a Mac; on
+    a Linux CPU its matmuls go to OpenBLAS, see cpu_blas); else torch on the CPU.
+
+    Decided without importing either library (torch's import alone takes seconds), so that
+    `ferrum run` starts fast."""
+    if available("torch") and nvidia_gpu_present():
+        return "torch"
+    for candidate in BACKENDS:
+        if available(candidate):
+            return candidate
+    raise UnsupportedError("no backend is installed; install ferrum-mac with MLX (or 'ferrum-mac[cuda]' for torch)")
+
+
+def nvidia_gpu_present() -> bool:
+    """An NVIDIA driver with at least one GPU (Linux's /proc entry, or a device node)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return (gpus.is_dir() and any(gpus.iterdir())) or Path("/dev/nvidia0").exists()
 
 
 def recommended_dtype(backend: str = "auto") -> str | None:

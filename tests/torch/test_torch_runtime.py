@@ -138,6 +138,18 @@ def test_without_torch_asking_for_it_says_how_to_install(monkeypatch):
         backends.choose("torch")
 
 
+@pytest.mark.parametrize(
+    "installed, gpu, chosen",
+    [({"mlx", "torch"}, True, "torch"), ({"mlx", "torch"}, False, "mlx"), ({"mlx"}, True, "mlx"), ({"torch"}, False, "torch")],
+)
+def test_auto_prefers_torch_on_an_nvidia_gpu_else_mlx(monkeypatch, installed, gpu, chosen):
+    from ferrum_mac import backends
+
+    monkeypatch.setattr(backends, "available", lambda b: b in installed)
+    monkeypatch.setattr(backends, "nvidia_gpu_present", lambda: gpu)
+    assert backends.choose("auto") == chosen
+
+
 # -- the sampler --------------------------------------------------------------------------
 
 TOP, SECOND, VOCAB = 5, 9, 320

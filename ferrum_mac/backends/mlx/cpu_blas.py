@@ -11,7 +11,9 @@ OpenBLAS's sgemm (or its sgemv for a product with one row or column: a decode st
 It has to run before the process first imports `mlx.core`: `ferrum_mac/__init__.py` calls it
 just before anything imports MLX. It does nothing (MLX keeps its own BLAS) on macOS (MLX
 uses Accelerate there), once MLX is loaded, with FERRUM_CPU_BLAS=reference, or when the
-extension was not built or numpy has no OpenBLAS of its own.
+extension was not built or numpy has no OpenBLAS of its own. It also gives OpenBLAS one
+thread less than the machine has cores (`_limit_threads`); numpy in the same process shares
+that setting.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def activate() -> str:
 
 
 def status() -> str:
-    """'openblas (PATH)' when MLX's CPU matmuls go to OpenBLAS, else 'reference: WHY'."""
+    """'openblas (PATH, N threads)' when MLX's CPU matmuls go to OpenBLAS, else 'reference: WHY'."""
     return _state or "reference: not activated (ferrum routes the BLAS before MLX is first imported)"
 
 

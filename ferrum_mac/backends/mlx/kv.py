@@ -1,5 +1,6 @@
 """The KV manager: a pool of cache slots, one `(slots, kv_heads, tokens, head_dim)` key
-buffer and one value buffer per layer, with a slot for each `cache_id`.
+buffer and one value buffer per layer, with a slot for each `cache_id` (the bookkeeping is
+`SlotPool`'s).
 
 Writes are in-place slice updates. The pool grows in steps of `GROW_STEP` tokens (unless
 `prepare` sized it up front) and doubles its slots when every one is taken; a released
@@ -12,15 +13,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-GROW_STEP = 256
+from ferrum_mac.backends.slot_pool import GROW_STEP, Slot, SlotPool
+
+__all__ = ["GROW_STEP", "KvManager", "SequenceCache"]
 
 
-class SequenceCache:
-    """One sequence's slot in the pool and how many tokens it holds."""
-
-    def __init__(self, pool: "KvManager", slot: int):
-        self.pool, self.slot, self.length = pool, slot, 0
-
+class SequenceCache(Slot):
     def write(self, layer: int, k: mx.array, v: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """Store k/v `(1, kv_heads, n, head_dim)` at `offset`; return every cached key/value up to them."""
         end, s = offset + k.shape[2], self.slot
@@ -30,39 +28,17 @@ class SequenceCache:
         return keys[s : s + 1, :, :end, :], values[s : s + 1, :, :end, :]
 
 
-class KvManager:
+class KvManager(SlotPool):
+    slot_type = SequenceCache
+
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, capacity: int):
+        super().__init__(capacity)
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
-        self.capacity = capacity
         self.heads = mx.arange(kv_heads)
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
-        self.slots = 0  # slots the buffers hold
-        self.tokens = 0  # tokens each slot can hold
-        self.caches: dict[str, SequenceCache] = {}
-        self.free: list[int] = []
 
-    def get(self, cache_id: str) -> SequenceCache | None:
-        return self.caches.get(cache_id)
-
-    def length(self, cache_id: str) -> int:
-        cache = self.caches.get(cache_id)
-        return cache.length if cache else 0
-
-    def acquire(self, cache_id: str) -> SequenceCache:
-        cache = self.caches.get(cache_id)
-        if cache is None:
-            if not self.free:
-                self._grow(max(1, 2 * self.slots), self.tokens)
-            cache = self.caches[cache_id] = SequenceCache(self, self.free.pop())
-        return cache
-
-    def reserve(self, cache: SequenceCache, tokens: int) -> None:
-        """Make every slot hold at least `tokens` (rounded up to the grow step, at most capacity)."""
-        if tokens > self.tokens:
-            self._grow(self.slots, min(self.capacity, -(-tokens // GROW_STEP) * GROW_STEP))
-
-    def _grow(self, slots: int, tokens: int) -> None:
+    def _resize(self, slots: int, tokens: int) -> None:
         shape = (slots, self.kv_heads, tokens, self.head_dim)
         for buffers in (self.keys, self.values):
             for layer, old in enumerate(buffers):
@@ -70,9 +46,6 @@ class KvManager:
                 if old is not None and self.slots and self.tokens:
                     fresh[: self.slots, :, : self.tokens, :] = old
                 buffers[layer] = fresh
-        # New slots are handed out lowest first, so a batch tends to sit in neighbouring slots.
-        self.free = sorted(set(self.free) | set(range(self.slots, slots)), reverse=True)
-        self.slots, self.tokens = slots, tokens
         mx.eval(self.arrays())
 
     def write_batch(self, layer: int, slots: mx.array, offsets: mx.array, k: mx.array, v: mx.array, width: int):
@@ -87,19 +60,6 @@ class KvManager:
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]
 
-    def truncate(self, cache_id: str, new_len: int) -> None:
-        cache = self.caches.get(cache_id)
-        if cache is not None:
-            cache.length = min(cache.length, new_len)
-
-    def release(self, cache_id: str) -> None:
-        cache = self.caches.pop(cache_id, None)
-        if cache is not None:
-            self.free.append(cache.slot)
-
-    def reset(self) -> None:
-        self.caches.clear()
+    def _drop(self) -> None:
         self.keys = [None] * self.num_layers
         self.values = [None] * self.num_layers
-        self.slots = self.tokens = 0
-        self.free = []

@@ -9,10 +9,13 @@ With a single segment (the usual prefill or decode) nothing is sliced.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import mlx.core as mx
 
+from ferrum_mac.backends.mlx import cuda_attention
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
 from ferrum_mac.weights import ModelConfig
@@ -42,8 +45,15 @@ class Plan:
             self.pool = segments[0].cache.pool
             self.slots = mx.array([s.cache.slot for s in segments])
             self.width = max(s.offset for s in segments) + 1
-            # Each sequence sees its own keys only: positions up to its offset.
-            self.mask = (mx.arange(self.width)[None, :] <= self.positions[:, None])[:, None, None, :]
+
+    @cached_property
+    def mask(self) -> mx.array:
+        """For a batched decode under a mask: each sequence sees its own keys up to its offset."""
+        return (mx.arange(self.width)[None, :] <= self.positions[:, None])[:, None, None, :]
+
+
+# FERRUM_MLX_CUDA_ATTENTION=0 keeps the masked fused attention on CUDA too (A/B timing).
+USE_CUDA_KERNEL = os.environ.get("FERRUM_MLX_CUDA_ATTENTION", "1") != "0"
 
 
 class Attention:
@@ -68,6 +78,7 @@ class Attention:
         self.k_norm = src.norm(f"{p}.k_norm", c.head_dim) if c.qk_norm else None
         self.eps = c.rms_norm_eps
         self.rope = Rope(config)
+        self.by_length = USE_CUDA_KERNEL and cuda_attention.available() and cuda_attention.supports(c.head_dim, c.num_heads // c.num_kv_heads)
 
     def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment
@@ -98,10 +109,15 @@ class Attention:
         return mx.concatenate(outs, axis=1)
 
     def _attend_batch(self, q, k, v, plan: Plan) -> mx.array:
-        """B one-token sequences `(B, heads, dim)`: one write and one masked attention for all."""
+        """B one-token sequences `(B, heads, dim)`: one write and one attention for all, by
+        length from the pool on CUDA, else over the gathered keys under a length mask."""
         B = q.shape[0]
-        keys, values = plan.pool.write_batch(self.layer, plan.slots, plan.positions, k[:, :, None, :], v[:, :, None, :], plan.width)
-        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=self.scale, mask=plan.mask)
+        keys, values = plan.pool.write_batch(self.layer, plan.slots, plan.positions, k, v)
+        if self.by_length:
+            out = cuda_attention.decode_attention(q, keys, values, plan.slots, plan.positions, self.scale)
+        else:
+            keys, values = keys[plan.slots, :, : plan.width, :], values[plan.slots, :, : plan.width, :]
+            out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=self.scale, mask=plan.mask)
         return out.reshape(1, B, self.heads * self.head_dim)
 
     def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:

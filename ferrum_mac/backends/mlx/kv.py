@@ -48,14 +48,14 @@ class KvManager(SlotPool):
                 buffers[layer] = fresh
         mx.eval(self.arrays())
 
-    def write_batch(self, layer: int, slots: mx.array, offsets: mx.array, k: mx.array, v: mx.array, width: int):
-        """One new key/value `(B, kv_heads, 1, head_dim)` per sequence at its own offset; returns the
-        batch's keys and values `(B, kv_heads, width, head_dim)` (attend under a length mask)."""
+    def write_batch(self, layer: int, slots: mx.array, offsets: mx.array, k: mx.array, v: mx.array):
+        """One new key/value `(B, kv_heads, head_dim)` per sequence at its own offset; returns the
+        layer's whole key and value pools."""
         keys, values = self.keys[layer], self.values[layer]
         rows, heads, columns = slots[:, None], self.heads[None, :], offsets[:, None]  # broadcast to (B, kv_heads)
-        keys[rows, heads, columns] = k[:, :, 0, :]
-        values[rows, heads, columns] = v[:, :, 0, :]
-        return keys[slots, :, :width, :], values[slots, :, :width, :]
+        keys[rows, heads, columns] = k
+        values[rows, heads, columns] = v
+        return keys, values
 
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]

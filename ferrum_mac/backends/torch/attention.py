@@ -9,7 +9,9 @@ the plan writes each sequence's keys/values to its cache and attends.
 - `DecodePlan`: one token per sequence for a run of neighbouring pool slots, positions in
   a device tensor, every shape fixed by the pool. Nothing reads a position on the host, so
   the step can be captured once as a CUDA graph and replayed at any position; the batch
-  writes its keys/values with one kernel and attends with one.
+  writes its keys/values with one kernel and attends with one. On CUDA with triton
+  (`pointwise.triton_runs`) it is `fused`: one Triton kernel norms and ropes q/k and writes
+  k/v into the pool, and attention reads each row's keys up to its position, no further.
 
 Grouped-query attention: a kv head serves `heads / kv_heads` consecutive query heads. A
 decode step folds those into the query length, `(kv_heads, group, dim)`, so it attends as
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.kv import KvManager, SequenceCache
 from ferrum_mac.backends.torch.layers import Rope, fuse, linear
-from ferrum_mac.backends.torch.pointwise import norm_and_rope
+from ferrum_mac.backends.torch.pointwise import norm_and_rope, triton_runs
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
@@ -58,8 +60,12 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """residual + attention(x): x `(T, hidden)` already normed."""
-        q, k, v = self.project(x, cos, sin)
-        return self.o_proj.plus(plan.attend(self.layer, q, k, v, self.scale), residual)
+        if plan.fused:
+            out = plan.attend_fused(self, self.qkv(x), cos, sin)
+        else:
+            q, k, v = self.project(x, cos, sin)
+            out = plan.attend(self.layer, q, k, v, self.scale)
+        return self.o_proj.plus(out, residual)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> roped q `(T, heads, dim)`, roped k and v `(T, kv_heads, dim)`."""
@@ -80,6 +86,8 @@ class Segment:
 
 
 class Plan:
+    fused = False  # see DecodePlan
+
     def __init__(self, segments: list[Segment], device: torch.device):
         self.segments = segments
         self.total = sum(s.length for s in segments)
@@ -116,16 +124,21 @@ class DecodePlan:
     """Row `i` is the next token of the sequence in slot `first + i` of the pool, at position
     `positions[i]`, its key/value written to token column `columns[i]` (the pool's scratch
     column for a slot outside the batch). Every shape is fixed by the pool and the run of
-    slots; positions and columns are device tensors the host never reads."""
+    slots; positions and columns are device tensors the host never reads.
+
+    `fused` (CUDA with triton): `attend_fused` takes the qkv projection's output and does the
+    rest in Triton kernels; otherwise `attend` takes roped q, k, v and runs torch."""
 
     def __init__(self, pool: KvManager, first: int, positions: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype):
         self.pool, self.first, self.positions = pool, first, positions
         self.total = rows = positions.shape[0]
         tokens, heads, device = pool.tokens, pool.kv_heads, positions.device
-        # Which token columns each row sees: an additive bias instead of lengths known on the
-        # host. Built once per step, shared by every layer.
-        visible = torch.arange(tokens, device=device)[None, :] <= positions[:, None]
-        self.bias = attention_bias(visible, dtype).view(rows, 1, 1, tokens)
+        self.fused = triton_runs(positions)
+        if not self.fused:  # (Triton's attention reads the lengths from positions)
+            # Which token columns each row sees: an additive bias instead of lengths known on
+            # the host. Built once per step, shared by every layer.
+            visible = torch.arange(tokens, device=device)[None, :] <= positions[:, None]
+            self.bias = attention_bias(visible, dtype).view(rows, 1, 1, tokens)
         # Each (row, kv head)'s place among a layer's `slots * kv_heads * (tokens + 1)` key rows.
         slots = torch.arange(first, first + rows, device=device)
         slot_heads = slots[:, None] * heads + torch.arange(heads, device=device)[None, :]
@@ -140,6 +153,14 @@ class DecodePlan:
         grouped_q = q.reshape(self.total, kv_heads, -1, dim)  # (rows, kv_heads, group, dim)
         out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.bias, scale=scale)
         return out.reshape(self.total, -1)
+
+    def attend_fused(self, attn: Attention, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`attn`'s qkv projection output `(T, (heads + 2 * kv_heads) * dim)` -> `(T, heads * dim)`."""
+        from ferrum_mac.backends.torch import triton_ops
+
+        kv = self.pool.kv[attn.layer]  # (2, slots, kv_heads, tokens + 1, dim)
+        q = triton_ops.norm_rope_write(qkv, attn.heads, attn.qk_norm, cos, sin, attn.eps, attn.rope.interleaved, kv, self.places)
+        return triton_ops.decode_attention(q, kv, self.first, self.positions, attn.scale)
 
 
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

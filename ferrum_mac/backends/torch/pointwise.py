@@ -1,19 +1,38 @@
 """The elementwise work between a block's matmuls: q/k RMSNorm + RoPE, and SwiGLU.
 
 Eagerly each is a handful of small kernels. In a CUDA decode step at batch 1 the matmuls
-take microseconds, so those launches are a real share of the step. FERRUM_TORCH_COMPILE=1
-turns each function into one fused kernel with torch.compile (shapes dynamic: compiled
-once for every token count). Off by default: it is an A/B knob until measured on the GPU.
+take microseconds, so those launches are a real share of the step. On CUDA, where triton
+imports, SwiGLU is one `triton_ops` kernel (and a decode step's q/k norm and RoPE one more,
+fused with its KV write: see `DecodePlan`); FERRUM_TORCH_TRITON=0 keeps torch, for A/B timing.
+FERRUM_TORCH_COMPILE=1 turns each torch function into one fused kernel with torch.compile
+(shapes dynamic: compiled once for every token count). Off by default: it is an A/B knob
+until measured on the GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 COMPILE = os.environ.get("FERRUM_TORCH_COMPILE", "0") == "1"
+TRITON = os.environ.get("FERRUM_TORCH_TRITON", "1") != "0"
+
+
+def triton_runs(x: torch.Tensor) -> bool:
+    """Whether `triton_ops` does the work on `x`: on CUDA, with triton installed, unless turned off."""
+    return TRITON and x.is_cuda and triton_imports()
+
+
+@functools.cache
+def triton_imports() -> bool:
+    try:  # imported only here, and only for CUDA tensors: the CPU path never pays for it
+        from ferrum_mac.backends.torch import triton_ops
+    except ImportError:
+        return False
+    return triton_ops.triton is not None
 
 
 def maybe_compiled(fn):
@@ -38,9 +57,25 @@ def norm_and_rope(qk: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tens
     return qk * cos + partner * sin
 
 
-@maybe_compiled
 def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up from the fused projection's output (gate first), times `weights` if given."""
+    """silu(gate) * up from the fused projection's output (gate first), times `weights` (one per
+    row) if given."""
+    if triton_runs(gate_up) and one_per_row(weights, gate_up):
+        from ferrum_mac.backends.torch import triton_ops
+
+        return triton_ops.swiglu(gate_up, weights)
+    return torch_swiglu(gate_up, weights)
+
+
+def one_per_row(weights: torch.Tensor | None, gate_up: torch.Tensor) -> bool:
+    """No weights, or one of gate_up's dtype for each row (the Triton kernel's only case)."""
+    if weights is None:
+        return True
+    return weights.dtype == gate_up.dtype and weights.numel() * gate_up.shape[-1] == gate_up.numel()
+
+
+@maybe_compiled
+def torch_swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     out = F.silu(gate) * up
     return out if weights is None else out * weights

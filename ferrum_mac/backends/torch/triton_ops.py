@@ -1,0 +1,257 @@
+"""Triton kernels for a decode step's small work between the matmuls: what eager torch does in
+about a dozen launches per layer, in four.
+
+- `norm_rope_write`: q/k RMSNorm + RoPE on the fused qkv projection's output, q returned, k
+  and v written straight into the KV pool at a `DecodePlan`'s places.
+- `decode_attention`: one query per row over its slot of the pool, reading only the row's
+  `positions[i] + 1` keys (lengths read on the device, so a CUDA graph replays it at any
+  position). Split-K: each (row, head) spreads its keys over several programs, whose partial
+  softmaxes a second kernel merges, so a single sequence still fills the GPU.
+- `swiglu`: silu(gate) * up (* per-row weights) from the fused gate_up output.
+
+Results round where transformers' eager code rounds (norm in float32, rounded before the
+weight; each product of RoPE and SwiGLU rounded to the activations' dtype), so they match the
+torch path to the last bit or so. Attention keeps its softmax and sums in float32.
+
+The entry functions launch on whatever tensors they are given: on CUDA, or on CPU tensors
+under Triton's interpreter (`TRITON_INTERPRET=1`, for tests). Choosing to use them (CUDA
+only) is the callers' business. The module loads without triton; `triton` is then None.
+"""
+
+import functools
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+# -- launches -----------------------------------------------------------------------------------
+
+
+def norm_rope_write(qkv: torch.Tensor, heads: int, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    eps: float, interleaved: bool, kv: torch.Tensor, places: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """qkv `(T, (heads + 2 * kv_heads) * dim)` -> roped q `(T, heads, dim)`; roped k and v go
+    into the pool layer `kv` `(2, slots, kv_heads, tokens + 1, dim)` at `places` `(T * kv_heads,)`,
+    flat indices among its `slots * kv_heads * (tokens + 1)` rows (`DecodePlan.places`).
+
+    `weight` `(heads + kv_heads, dim)`: each q and k head's RMSNorm weight, or None for no
+    norm. cos and signed sin: each row's `Rope.tables`, `(T, 1, dim)` in the activations' dtype."""
+    rows, dim, kv_heads = qkv.shape[0], kv.shape[-1], kv.shape[2]
+    assert qkv.shape[1] == (heads + 2 * kv_heads) * dim and qkv.stride(1) == 1 and kv.is_contiguous()
+    cos, sin = cos.reshape(rows, dim).contiguous(), sin.reshape(rows, dim).contiguous()
+    q = torch.empty((rows, heads, dim), dtype=qkv.dtype, device=qkv.device)
+    has_weight = weight is not None
+    weight = weight.contiguous() if has_weight else qkv  # any pointer: never read
+    _norm_rope_write_kernel[(rows, heads + 2 * kv_heads)](
+        qkv, qkv.stride(0), weight, cos, sin, q, kv, places, kv.stride(0), eps,
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, BLOCK=triton.next_power_of_2(dim),
+        HAS_WEIGHT=has_weight, INTERLEAVED=interleaved, num_warps=1,
+    )  # fmt: skip
+    return q
+
+
+KEYS_PER_BLOCK = 32  # keys a program scores per step of its loop
+MAX_SPLITS = 32
+
+
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: torch.Tensor, scale: float,
+                     splits: int | None = None) -> torch.Tensor:  # fmt: skip
+    """q `(T, heads, dim)`; row i attends over slot `first + i` of the pool layer `kv`
+    `(2, slots, kv_heads, tokens + 1, dim)`, key columns `0 .. positions[i]` -> `(T, heads * dim)`.
+
+    Query head h reads kv head `h // (heads / kv_heads)`. `splits`: programs per (row, head),
+    a power of two (by default enough to give every SM two programs)."""
+    rows, heads, dim = q.shape
+    kv_heads, tokens = kv.shape[2], kv.shape[3] - 1
+    kv = kv[:, first : first + rows]  # row i reads slot i of this view (and `first` is no kernel argument)
+    assert q.stride(2) == 1 and kv.stride(4) == 1 and heads % kv_heads == 0
+    splits = splits or default_splits(rows * heads, tokens, q.device)
+    assert splits & (splits - 1) == 0, "splits: a power of two"
+    out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
+    block_d = triton.next_power_of_2(dim)
+    if splits == 1:  # the split kernel writes the output itself
+        partial_acc = partial_max = partial_sum = out
+    else:
+        partial_acc = torch.empty((rows * heads * splits, block_d), dtype=torch.float32, device=q.device)
+        partial_max = torch.empty((rows * heads * splits,), dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty_like(partial_max)
+    _decode_attention_kernel[(rows * heads, splits)](
+        q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        positions, scale * math.log2(math.e), out, partial_acc, partial_max, partial_sum,
+        HEADS=heads, GROUP=heads // kv_heads, DIM=dim, SPLITS=splits,
+        BLOCK_N=KEYS_PER_BLOCK, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(rows * heads,)](
+            partial_acc, partial_max, partial_sum, out,
+            HEADS=heads, DIM=dim, SPLITS=splits, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def default_splits(row_heads: int, tokens: int, device: torch.device) -> int:
+    """Programs per (row, head): about two per SM over the batch, a power of two (few kernel
+    variants to compile), no more than the pool's width has key blocks."""
+    wanted = min(max(1, 2 * multiprocessors(device) // row_heads), triton.cdiv(tokens, KEYS_PER_BLOCK), MAX_SPLITS)
+    return 1 << (wanted.bit_length() - 1)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+SWIGLU_BLOCK = 1024
+
+
+def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up from `(..., 2 * width)` (gate first) -> `(..., width)`, times `weights`
+    (one per row: `(..., 1)`) when given."""
+    *lead, double = gate_up.shape
+    width = double // 2
+    flat = gate_up.reshape(-1, double)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
+    has_weights = weights is not None
+    weights = weights.reshape(rows).contiguous() if has_weights else flat  # any pointer: never read
+    _swiglu_kernel[(rows, triton.cdiv(width, SWIGLU_BLOCK))](
+        flat, flat.stride(0), weights, out, width, HAS_WEIGHTS=has_weights, BLOCK=SWIGLU_BLOCK, num_warps=4
+    )
+    return out.reshape(*lead, width)
+
+
+# -- kernels ------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, like):
+        """x (float32) rounded to `like`'s dtype and back: where eager torch stores an intermediate."""
+        return x.to(like.dtype).to(tl.float32)
+
+    @triton.jit
+    def _norm_rope_write_kernel(
+        qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, places_ptr, kv_half_stride, eps,
+        HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (row, head); heads run q heads, then k heads, then v heads.
+        row, head = tl.program_id(0), tl.program_id(1)
+        dims = tl.arange(0, BLOCK)
+        inside = dims < DIM
+        src = qkv_ptr + row.to(tl.int64) * qkv_row_stride + head * DIM
+        if head >= HEADS + KV_HEADS:  # a v head: copied as it is
+            value_place = tl.load(places_ptr + row * KV_HEADS + head - HEADS - KV_HEADS)
+            value = tl.load(src + dims, mask=inside)
+            tl.store(kv_ptr + kv_half_stride + value_place * DIM + dims, value, mask=inside)
+        else:
+            if INTERLEAVED:  # pairs (2i, 2i+1)
+                partner_dims = dims ^ 1
+            else:  # pairs (i, i + dim/2)
+                partner_dims = (dims + DIM // 2) % DIM
+            raw = tl.load(src + dims, mask=inside, other=0.0)
+            partner = tl.load(src + partner_dims, mask=inside, other=0.0).to(tl.float32)
+            x = raw.to(tl.float32)
+            if HAS_WEIGHT:
+                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DIM + eps)
+                w = tl.load(weight_ptr + head * DIM + dims, mask=inside, other=0.0).to(tl.float32)
+                partner_w = tl.load(weight_ptr + head * DIM + partner_dims, mask=inside, other=0.0).to(tl.float32)
+                x = _round(_round(x * inv_rms, raw) * w, raw)
+                partner = _round(_round(partner * inv_rms, raw) * partner_w, raw)
+            cos = tl.load(cos_ptr + row * DIM + dims, mask=inside, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + row * DIM + dims, mask=inside, other=0.0).to(tl.float32)
+            roped = (_round(x * cos, raw) + _round(partner * sin, raw)).to(raw.dtype)
+            if head < HEADS:
+                tl.store(q_ptr + (row * HEADS + head) * DIM + dims, roped, mask=inside)
+            else:
+                place = tl.load(places_ptr + row * KV_HEADS + head - HEADS)
+                tl.store(kv_ptr + place * DIM + dims, roped, mask=inside)
+
+    @triton.jit
+    def _decode_attention_kernel(
+        q_ptr, q_row_stride, q_head_stride,
+        kv_ptr, kv_half_stride, kv_slot_stride, kv_head_stride, kv_token_stride,
+        positions_ptr, scale_log2, out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
+        HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (row, query head, split): an online softmax over the split's share of
+        # the row's keys, in blocks of BLOCK_N. Scores are in log2 units (exp2 is the fast one).
+        row_head, split = tl.program_id(0), tl.program_id(1)
+        row, head = row_head // HEADS, row_head % HEADS
+        length = tl.load(positions_ptr + row) + 1
+        share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks per split
+        start = split * share
+        end = tl.minimum(start + share, length)
+
+        dims = tl.arange(0, BLOCK_D)
+        inside = dims < DIM
+        q = tl.load(q_ptr + row * q_row_stride + head * q_head_stride + dims, mask=inside, other=0.0)
+        q = q.to(tl.float32) * scale_log2
+        keys_ptr = kv_ptr + row.to(tl.int64) * kv_slot_stride + (head // GROUP) * kv_head_stride
+        values_ptr = keys_ptr + kv_half_stride
+
+        running_max = -float("inf")
+        running_sum = 0.0
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for block in range(start, end, BLOCK_N):
+            columns = block + tl.arange(0, BLOCK_N)
+            seen = columns < end
+            offsets = columns[:, None] * kv_token_stride + dims[None, :]
+            both = seen[:, None] & inside[None, :]
+            k = tl.load(keys_ptr + offsets, mask=both, other=0.0).to(tl.float32)
+            scores = tl.where(seen, tl.sum(k * q[None, :], axis=1), -float("inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+            rescale = tl.exp2(running_max - new_max)
+            p = tl.exp2(scores - new_max)
+            v = tl.load(values_ptr + offsets, mask=both, other=0.0).to(tl.float32)
+            acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
+            running_sum = running_sum * rescale + tl.sum(p, axis=0)
+            running_max = new_max
+
+        if SPLITS == 1:
+            out = acc / running_sum
+            tl.store(out_ptr + row * (HEADS * DIM) + head * DIM + dims, out.to(out_ptr.dtype.element_ty), mask=inside)
+        else:  # an empty split leaves max -inf and sum 0, which the merge weighs as nothing
+            part = row_head * SPLITS + split
+            tl.store(partial_acc_ptr + part * BLOCK_D + dims, acc)
+            tl.store(partial_max_ptr + part, running_max)
+            tl.store(partial_sum_ptr + part, running_sum)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptr,
+        HEADS: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (row, head): the splits' partial sums, each rescaled to the top max.
+        row_head = tl.program_id(0)
+        row, head = row_head // HEADS, row_head % HEADS
+        splits = tl.arange(0, SPLITS)
+        dims = tl.arange(0, BLOCK_D)
+        parts = row_head * SPLITS + splits
+        maxes = tl.load(partial_max_ptr + parts)
+        weights = tl.exp2(maxes - tl.max(maxes, axis=0))
+        total = tl.sum(tl.load(partial_sum_ptr + parts) * weights, axis=0)
+        acc = tl.load(partial_acc_ptr + parts[:, None] * BLOCK_D + dims[None, :])
+        out = tl.sum(acc * weights[:, None], axis=0) / total
+        tl.store(out_ptr + row * (HEADS * DIM) + head * DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < DIM)
+
+    @triton.jit
+    def _swiglu_kernel(gate_up_ptr, row_stride, weights_ptr, out_ptr, width, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+        row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        columns = block * BLOCK + tl.arange(0, BLOCK)
+        inside = columns < width
+        raw = tl.load(gate_up_ptr + row * row_stride + columns, mask=inside, other=0.0)
+        up = tl.load(gate_up_ptr + row * row_stride + width + columns, mask=inside, other=0.0).to(tl.float32)
+        gate = raw.to(tl.float32)
+        out = _round(_round(gate / (1.0 + tl.exp(-gate)), raw) * up, raw)
+        if HAS_WEIGHTS:
+            out = _round(out * tl.load(weights_ptr + row).to(tl.float32), raw)
+        tl.store(out_ptr + row * width + columns, out.to(raw.dtype), mask=inside)

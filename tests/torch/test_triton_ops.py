@@ -1,0 +1,206 @@
+"""The Triton decode kernels against the torch code they replace: q/k norm + RoPE + KV write,
+attention over the pool with a length per row, SwiGLU, and a whole decode step through them.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (numpy underneath), so
+shapes stay small. With one they run compiled on it.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRET = not torch.cuda.is_available()
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+# Triton reads TRITON_INTERPRET when a kernel is defined (when triton_ops is imported) and
+# again at launches, so it stays set for the session (nothing else here uses Triton).
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from ferrum_mac.backends.torch import attention, pointwise, triton_ops  # noqa: E402
+from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
+from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
+from ferrum_mac.backends.torch.layers import Rope  # noqa: E402
+from ferrum_mac.backends.torch.pointwise import norm_and_rope, torch_swiglu  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_like_a_gpu():
+    """Two fixes to the interpreter (as of Triton 3.6), for this module only:
+    - its scalars are 1-element arrays, which numpy >= 2.3 no longer turns into an int, so a
+      loop bound read from memory (`range(start, end, ...)`) fails;
+    - it truncates float32 to bfloat16 where a GPU (and torch) rounds to nearest even, so
+      bf16 results would be off by an ulp wherever the kernels round as torch does."""
+    if not INTERPRET:
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch = pytest.MonkeyPatch()
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor_with_index(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    builder = type(interpreter.interpreter_builder)
+    cast = builder.cast_impl
+
+    def cast_rounding_to_nearest(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            floats = torch.from_numpy(np.ascontiguousarray(src.data))
+            return interpreter.TensorHandle(floats.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor_with_index)
+    patch.setattr(builder, "cast_impl", cast_rounding_to_nearest)
+    yield
+    patch.undo()
+
+
+def ulps(dtype: torch.dtype) -> float:
+    """A tolerance of a couple of units in the last place for `dtype`'s activations."""
+    return {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+
+
+def random_pool(kv_heads: int, dim: int, slots: int, tokens: int, dtype: torch.dtype, seed: int) -> KvManager:
+    torch.manual_seed(seed)
+    pool = KvManager(1, kv_heads, dim, dtype, DEVICE, capacity=slots * tokens)
+    pool._grow(slots, tokens)
+    pool.kv.normal_()
+    return pool
+
+
+def rope_tables(dim: int, interleaved: bool, positions: torch.Tensor, dtype: torch.dtype):
+    config = SimpleNamespace(head_dim=dim, rope_theta=10000.0, rope_scaling=None, rope_traditional=interleaved)
+    rope = Rope(config, DEVICE)
+    rope.build(256)
+    return rope.tables(positions, dtype)
+
+
+# heads, kv_heads (groups 1, 2 and 4), head_dim
+SHAPES = [(2, 2, 64), (4, 2, 128), (4, 1, 64)]
+
+
+# -- q/k norm + RoPE + KV write -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_norm_rope_write_matches_torch(dtype, heads, kv_heads, dim, interleaved, qk_norm):
+    rows, first, tokens = 3, 1, 40
+    pool, expected = (random_pool(kv_heads, dim, 5, tokens, dtype, seed=1) for _ in range(2))
+    positions = torch.tensor([5, 0, 39], device=DEVICE)
+    columns = torch.tensor([5, tokens, 39], device=DEVICE)  # the middle row writes to scratch
+    plan = DecodePlan(pool, first, positions, columns, dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE).to(dtype)
+    weight = (1 + 0.3 * torch.randn(heads + kv_heads, dim, device=DEVICE)).to(dtype) if qk_norm else None
+    cos, sin = rope_tables(dim, interleaved, positions, dtype)
+
+    q = triton_ops.norm_rope_write(qkv, heads, weight, cos, sin, 1e-6, interleaved, pool.kv[0], plan.places)
+
+    qk = norm_and_rope(qkv[:, : (heads + kv_heads) * dim].unflatten(-1, (-1, dim)), weight, cos, sin, 1e-6, interleaved)
+    k, v = qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].unflatten(-1, (kv_heads, dim))
+    expected.kv[0].view(2, -1, dim)[:, plan.places] = torch.stack((k, v)).view(2, -1, dim)  # as DecodePlan.attend
+    torch.testing.assert_close(q, qk[:, :heads], rtol=ulps(dtype), atol=ulps(dtype))
+    torch.testing.assert_close(pool.kv, expected.kv, rtol=ulps(dtype), atol=ulps(dtype))
+
+
+# -- attention over the pool --------------------------------------------------------------------
+
+
+def attention_by_row(q, kv, first, positions, scale):
+    """Each row on its own: exact-length SDPA over its slot's first `position + 1` keys."""
+    out = []
+    for i, pos in enumerate(positions.tolist()):
+        keys, values = kv[0, first + i, :, : pos + 1], kv[1, first + i, :, : pos + 1]
+        grouped = q[i].unflatten(0, (keys.shape[0], -1)).float()  # (kv_heads, group, dim)
+        out.append(F.scaled_dot_product_attention(grouped, keys.float(), values.float(), scale=scale).flatten())
+    return torch.stack(out).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_heads, dim, splits):
+    first, tokens = 1, 70
+    pool = random_pool(kv_heads, dim, 5, tokens, dtype, seed=2)
+    positions = torch.tensor([0, 69, 37], device=DEVICE)
+    for i, pos in enumerate(positions.tolist()):  # what a row must not read: NaN would spread
+        pool.kv[0, :, first + i, :, pos + 1 :] = float("nan")
+    q = torch.randn(len(positions), heads, dim, device=DEVICE).to(dtype)
+
+    out = triton_ops.decode_attention(q, pool.kv[0], first, positions, dim**-0.5, splits=splits)
+
+    torch.testing.assert_close(out, attention_by_row(q, pool.kv[0], first, positions, dim**-0.5), rtol=ulps(dtype), atol=ulps(dtype))
+
+
+def test_default_splits_fill_the_gpu_in_powers_of_two():
+    assert triton_ops.default_splits(16, 4096, torch.device("cpu")) == 1  # 8 "SMs" on the CPU
+    assert triton_ops.default_splits(1, 4096, torch.device("cpu")) == 16
+    assert triton_ops.default_splits(1, 40, torch.device("cpu")) == 2  # no more than the key blocks
+
+
+# -- SwiGLU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead, weighted", [((3,), False), ((5,), True), ((2, 4), True)])
+def test_swiglu_matches_torch(dtype, lead, weighted):
+    torch.manual_seed(3)
+    gate_up = (2 * torch.randn(*lead, 2 * 1100, device=DEVICE)).to(dtype)  # two blocks and a partial one
+    weights = torch.rand(*lead, 1, device=DEVICE).to(dtype) if weighted else None
+    torch.testing.assert_close(triton_ops.swiglu(gate_up, weights), torch_swiglu(gate_up, weights), rtol=ulps(dtype), atol=ulps(dtype))
+
+
+def test_swiglu_keeps_torch_for_weights_it_cannot_take():
+    gate_up = torch.randn(3, 8)
+    assert pointwise.one_per_row(None, gate_up) and pointwise.one_per_row(torch.rand(3, 1), gate_up)
+    assert not pointwise.one_per_row(torch.rand(3, 4), gate_up)  # one per element
+    assert not pointwise.one_per_row(torch.rand(3, 1, dtype=torch.float64), gate_up)
+
+
+# -- a whole decode step ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family):
+    """Two sequences at different positions, two steps: the logits with every decode-step
+    kernel on Triton (forced on the CPU under the interpreter) equal torch's."""
+    from ferrum_mac.llm import DecodeItem
+
+    from helpers import random_tokens
+
+    model = zoo.ferrum(family, "torch")
+    prompts = {"a": random_tokens(7, seed=4), "b": random_tokens(19, seed=5)}
+
+    def decode_twice(tag: str) -> list[torch.Tensor]:
+        for name, prompt in prompts.items():
+            model.prefill(f"{tag}-{name}", prompt)
+        logits = []
+        for step in range(2):
+            items = [DecodeItem(f"{tag}-{n}", 3 + step, len(p) + step) for n, p in prompts.items()]
+            logits.append(model.decode_batch(items).clone())
+        for name in prompts:
+            model.release(f"{tag}-{name}")
+        return logits
+
+    def on_triton(yes: bool) -> None:
+        monkeypatch.setattr(attention, "triton_runs", lambda x: yes)
+        monkeypatch.setattr(pointwise, "triton_runs", lambda x: yes)
+
+    on_triton(False)
+    expected = decode_twice("torch")
+    on_triton(True)
+    for got, want in zip(decode_twice("triton"), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

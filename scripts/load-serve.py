@@ -95,6 +95,7 @@ def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int) 
         "decode_tps": round(decoded / (end - first), 1),
         "per_stream_tps": round(decoded / (end - first) / concurrency, 1),
         "mean_ttft_s": round(sum(r["first"] - r["start"] for r in results) / concurrency, 3),
+        "ramp_s": round(max(r["first"] for r in results) - first, 3),  # until every stream decodes
         "wall_s": round(end - min(r["start"] for r in results), 2),
     }
 

@@ -297,6 +297,14 @@ def test_unified_forward_equals_split_path(model):
     assert_close(out[1], model.decode(s["a"], 24, 6))
     assert model.unified_forward([ForwardItem(u["b"], [25, 26], 9, is_final=False)]) == [None]
     assert model.kv_len(u["b"]) == 11
+    e_prompt = random_tokens(6, seed=15)
+    u["e"], s["e"] = fresh_id("ue"), fresh_id("se")
+    out = model.unified_forward(  # decode rows first, as the scheduler orders them
+        [ForwardItem(u["a"], [27], 7), ForwardItem(u["d"], [28], 5), ForwardItem(u["e"], e_prompt, 0)]
+    )
+    assert_close(out[0], model.decode(s["a"], 27, 7))
+    assert_close(out[1], model.decode(s["d"], 28, 5))
+    assert_close(out[2], model.prefill(s["e"], e_prompt))
     for ids in (u, s):
         for cid in ids.values():
             model.release(cid)

@@ -30,26 +30,38 @@ class Segment:
 
 
 class Plan:
-    """`positions` is a scalar offset for one segment, else one position per token. A batch of
-    one-token segments (a batched decode) also gets what attending them together needs."""
+    """`positions` is a scalar offset for one segment, else one position per token. When two or
+    more segments are one token long (a batched decode, or the decode rows of a unified step)
+    they attend together: `decoding` lists them, with what attending them together needs."""
 
     def __init__(self, segments: list[Segment]):
         self.segments = segments
         self.total = sum(s.length for s in segments)
-        self.batched_decode = len(segments) > 1 and self.total == len(segments)
         if len(segments) == 1:
             self.positions = mx.array(segments[0].offset)
         else:
             self.positions = mx.concatenate([mx.arange(s.offset, s.offset + s.length) for s in segments])
-        if self.batched_decode:
-            self.pool = segments[0].cache.pool
-            self.slots = mx.array([s.cache.slot for s in segments])
-            self.width = max(s.offset for s in segments) + 1
+        singles = [s for s in segments if s.length == 1]
+        self.decoding = singles if len(singles) > 1 else []
+        if self.decoding:
+            self.pool = singles[0].cache.pool
+            self.slots = mx.array([s.cache.slot for s in singles])
+            self.decode_positions = mx.array([s.offset for s in singles])
+            self.width = max(s.offset for s in singles) + 1
+            # The decode rows' place in the flat batch: all of it, a leading run, or scattered.
+            self.decode_rows = None if len(singles) == len(segments) else decode_rows(singles)
 
     @cached_property
     def mask(self) -> mx.array:
-        """For a batched decode under a mask: each sequence sees its own keys up to its offset."""
-        return (mx.arange(self.width)[None, :] <= self.positions[:, None])[:, None, None, :]
+        """For decode rows under a mask: each sequence sees its own keys up to its offset."""
+        return (mx.arange(self.width)[None, :] <= self.decode_positions[:, None])[:, None, None, :]
+
+
+def decode_rows(singles: list[Segment]) -> slice | mx.array:
+    starts = [s.start for s in singles]
+    if starts == list(range(starts[0], starts[0] + len(starts))):
+        return slice(starts[0], starts[0] + len(starts))
+    return mx.array(starts)
 
 
 # FERRUM_MLX_CUDA_ATTENTION=0 keeps the masked fused attention on CUDA too (A/B timing).
@@ -98,23 +110,32 @@ class Attention:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, plan: Plan) -> mx.array:
         """Write each segment's k/v to its cache and attend; returns `(1, T, heads * dim)`."""
-        if plan.batched_decode:
-            return self._attend_batch(q, k, v, plan)
         if len(plan.segments) == 1:
             return merge_heads(self._attend_segment(q, k, v, plan.segments[0]))
-        outs = []
+        if plan.decoding and plan.decode_rows is None:
+            return self._attend_batch(q, k, v, plan)
+        pieces = {}  # first row -> output rows, joined in row order
+        if plan.decoding:
+            rows = plan.decode_rows
+            batch = self._attend_batch(q[rows], k[rows], v[rows], plan)
+            if isinstance(rows, slice):
+                pieces[rows.start] = batch
+            else:
+                pieces.update((seg.start, batch[:, i : i + 1]) for i, seg in enumerate(plan.decoding))
+        batched = {seg.start for seg in plan.decoding}
         for seg in plan.segments:
-            rows = slice(seg.start, seg.start + seg.length)
-            outs.append(merge_heads(self._attend_segment(heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg)))
-        return mx.concatenate(outs, axis=1)
+            if seg.start not in batched:
+                rows = slice(seg.start, seg.start + seg.length)
+                pieces[seg.start] = merge_heads(self._attend_segment(heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg))
+        return mx.concatenate([pieces[start] for start in sorted(pieces)], axis=1)
 
     def _attend_batch(self, q, k, v, plan: Plan) -> mx.array:
         """B one-token sequences `(B, heads, dim)`: one write and one attention for all, by
         length from the pool on CUDA, else over the gathered keys under a length mask."""
         B = q.shape[0]
-        keys, values = plan.pool.write_batch(self.layer, plan.slots, plan.positions, k, v)
+        keys, values = plan.pool.write_batch(self.layer, plan.slots, plan.decode_positions, k, v)
         if self.by_length:
-            out = cuda_attention.decode_attention(q, keys, values, plan.slots, plan.positions, self.scale)
+            out = cuda_attention.decode_attention(q, keys, values, plan.slots, plan.decode_positions, self.scale)
         else:
             keys, values = keys[plan.slots, :, : plan.width, :], values[plan.slots, :, : plan.width, :]
             out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=self.scale, mask=plan.mask)

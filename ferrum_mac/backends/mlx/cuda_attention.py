@@ -62,7 +62,7 @@ _SOURCE = """
   float m[G], l[G], acc[G][DPL];
   #pragma unroll
   for (int g = 0; g < G; ++g) {
-    m[g] = -inf;
+    m[g] = -INFINITY;
     l[g] = 0.f;
     #pragma unroll
     for (int i = 0; i < DPL; ++i) acc[g][i] = 0.f;
@@ -113,7 +113,7 @@ _SOURCE = """
 
   for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
     const int g = idx / D, d = idx % D;
-    float top = -inf;
+    float top = -INFINITY;
     #pragma unroll
     for (int w = 0; w < NW; ++w) top = fmaxf(top, sm_m[w][g]);
     float num = 0.f, den = 0.f;

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Checks and times the torch backend's Triton decode kernels (`ferrum_mac/backends/torch/triton_ops.py`)
+on a CUDA GPU, against the torch code they replace, at Qwen3-0.6B's and Qwen3-8B's head shapes
+in bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, checked only):
+
+- norm + rope + write: `pointwise.norm_and_rope` and DecodePlan's KV index_put vs `norm_rope_write`
+- attention: DecodePlan's SDPA under the additive bias vs `decode_attention` (split-K + merge)
+- attention block: both of the above, as `DecodePlan.attend` vs `DecodePlan.attend_fused`
+- swiglu: `pointwise.torch_swiglu` vs `triton_ops.swiglu`
+
+Times are device microseconds per call, from CUDA graphs of many back-to-back calls (a decode
+step runs as a graph, so Python's launch cost is not counted). Exits 1 on a mismatch. Needs
+only torch (with its triton) and numpy; from the repository root:
+
+    python3 scripts/check-torch-triton.py
+"""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ferrum_mac.backends.torch import pointwise, triton_ops  # noqa: E402
+from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
+from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
+from ferrum_mac.backends.torch.layers import Rope  # noqa: E402
+
+# name -> heads, kv_heads, head_dim, MLP width, q/k norm, interleaved RoPE
+LAYOUTS = {
+    "qwen3-0.6b": (16, 8, 128, 3072, True, False),
+    "qwen3-8b": (32, 8, 128, 12288, True, False),
+    "llama-like": (32, 8, 64, 8192, False, True),
+}
+TIMED = ("qwen3-0.6b", "qwen3-8b")
+CASES = [(1, 256), (1, 4096), (8, 1024)]  # (rows, context: the longest row's position + 1)
+DTYPE = torch.bfloat16
+TOLERANCE = 2e-2  # a couple of bf16 ulps near 1
+FIRST = 1  # the batch's first pool slot: slot 0 is some other sequence's
+GRAPH_CALLS, REPLAYS = 100, 5
+
+failures: list[str] = []
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: this script checks the Triton kernels on a GPU", file=sys.stderr)
+        return 2
+    if triton_ops.triton is None:
+        print("triton does not import", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton_ops.triton.__version__}\n")
+    rows_out = []
+    for name, layout in LAYOUTS.items():
+        for rows, context in CASES if name in TIMED else CASES[:1]:
+            rows_out += check_case(name, layout, rows, context, timed=name in TIMED)
+    print(f"{'layout':<11} {'rows':>4} {'ctx':>5}  {'op':<16} {'torch us':>9} {'triton us':>9} {'speedup':>7}")
+    for name, rows, context, op, torch_us, triton_us in rows_out:
+        speedup = torch_us / triton_us
+        print(f"{name:<11} {rows:>4} {context:>5}  {op:<16} {torch_us:>9.2f} {triton_us:>9.2f} {speedup:>6.2f}x")
+    if failures:
+        print(f"\n{len(failures)} mismatch(es):\n  " + "\n  ".join(failures))
+        return 1
+    print("\nall kernels match the torch path")
+    return 0
+
+
+def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
+    heads, kv_heads, dim, width, qk_norm, interleaved = layout
+    where = f"{name} rows={rows} ctx={context}"
+    torch.manual_seed(rows * 10_000 + context)
+    tokens = -(-(context + 1) // 256) * 256  # the pool grows in steps of 256 tokens
+    positions = torch.randint(0, context, (rows,), device="cuda")
+    positions[-1] = context - 1
+    columns = positions.clone()
+    torch_pool, triton_pool = (pool(kv_heads, dim, FIRST + rows + 1, tokens) for _ in range(2))
+    triton_pool.kv.copy_(torch_pool.kv)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device="cuda", dtype=DTYPE)
+    weight = (1 + 0.1 * torch.randn(heads + kv_heads, dim, device="cuda")).to(DTYPE) if qk_norm else None
+    rope = Rope(SimpleNamespace(head_dim=dim, rope_theta=1e6, rope_scaling=None, rope_traditional=interleaved), "cuda")
+    rope.build(tokens)
+    cos, sin = rope.tables(positions, DTYPE)
+    attn = SimpleNamespace(layer=0, heads=heads, qk_norm=weight, eps=1e-6, rope=rope, scale=dim**-0.5)
+    torch_plan = decode_plan(torch_pool, positions, columns, fused=False)
+    triton_plan = decode_plan(triton_pool, positions, columns, fused=True)
+
+    def torch_project():
+        qk = qkv[:, : (heads + kv_heads) * dim].unflatten(-1, (heads + kv_heads, dim))
+        v = qkv[:, (heads + kv_heads) * dim :].unflatten(-1, (kv_heads, dim))
+        qk = pointwise.norm_and_rope(qk, weight, cos, sin, attn.eps, interleaved)
+        return qk[:, :heads], qk[:, heads:], v
+
+    def torch_block():
+        return torch_plan.attend(0, *torch_project(), attn.scale)
+
+    def triton_block():
+        return triton_plan.attend_fused(attn, qkv, cos, sin)
+
+    # norm + rope + write, then attention, then both (the pools end up written the same)
+    q, k, v = torch_project()
+    triton_q = triton_ops.norm_rope_write(qkv, heads, weight, cos, sin, attn.eps, interleaved, triton_pool.kv[0], triton_plan.places)
+    compare(f"{where} q", triton_q, q)
+    torch_out = torch_block()
+    compare(f"{where} pool", triton_pool.kv, torch_pool.kv)
+    compare(f"{where} attention", triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale), torch_out)
+    compare(f"{where} attention, one split", triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale, splits=1), torch_out)
+    compare(f"{where} attention block", triton_block(), torch_out)
+    gate_up = 2 * torch.randn(rows, 2 * width, device="cuda", dtype=DTYPE)
+    compare(f"{where} swiglu", triton_ops.swiglu(gate_up), pointwise.torch_swiglu(gate_up))
+    routing = torch.rand(rows, 1, device="cuda", dtype=DTYPE)
+    compare(f"{where} weighted swiglu", triton_ops.swiglu(gate_up, routing), pointwise.torch_swiglu(gate_up, routing))
+    if not timed:
+        return []
+
+    kv, grouped_q = torch_pool.kv[0], q.reshape(rows, kv_heads, -1, dim)
+    keys, values = kv[0, FIRST : FIRST + rows, :, :tokens], kv[1, FIRST : FIRST + rows, :, :tokens]
+
+    def torch_norm_rope_write():
+        q, k, v = torch_project()
+        kv.view(2, -1, dim)[:, torch_plan.places] = torch.stack((k, v)).view(2, -1, dim)
+        return q
+
+    def torch_attention():
+        return torch.nn.functional.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=torch_plan.bias, scale=attn.scale)
+
+    pairs = {
+        "norm+rope+write": (torch_norm_rope_write, lambda: triton_ops.norm_rope_write(
+            qkv, heads, weight, cos, sin, attn.eps, interleaved, triton_pool.kv[0], triton_plan.places)),
+        "attention": (torch_attention, lambda: triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale)),
+        "attention block": (torch_block, triton_block),
+        "swiglu": (lambda: pointwise.torch_swiglu(gate_up), lambda: triton_ops.swiglu(gate_up)),
+    }  # fmt: skip
+    return [(name, rows, context, op, graph_us(a), graph_us(b)) for op, (a, b) in pairs.items()]
+
+
+def pool(kv_heads: int, dim: int, slots: int, tokens: int) -> KvManager:
+    kv = KvManager(1, kv_heads, dim, DTYPE, torch.device("cuda"), capacity=slots * tokens)
+    kv._grow(slots, tokens)
+    kv.kv.normal_()
+    return kv
+
+
+def decode_plan(kv: KvManager, positions, columns, fused: bool) -> DecodePlan:
+    pointwise.TRITON = fused  # DecodePlan asks pointwise.triton_runs
+    try:
+        plan = DecodePlan(kv, FIRST, positions, columns, DTYPE)
+    finally:
+        pointwise.TRITON = True
+    assert plan.fused == fused
+    return plan
+
+
+def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    diff = (got.float() - want.float()).abs()
+    bound = TOLERANCE * (1 + want.float().abs())
+    if got.shape != want.shape or not bool((diff <= bound).all()):
+        failures.append(f"{what}: max |diff| {diff.max().item():.3g}, {int((diff > bound).sum())} of {diff.numel()} out of tolerance")
+
+
+def graph_us(fn) -> float:
+    """Device time per call of `fn`, from a CUDA graph of GRAPH_CALLS calls."""
+    for _ in range(3):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (GRAPH_CALLS * REPLAYS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

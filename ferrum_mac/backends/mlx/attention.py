@@ -39,14 +39,16 @@ class Plan:
         self.total = sum(s.length for s in segments)
         if len(segments) == 1:
             self.positions = mx.array(segments[0].offset)
-        else:
-            self.positions = mx.concatenate([mx.arange(s.offset, s.offset + s.length) for s in segments])
+        else:  # built on the host: one array, not a node per segment
+            self.positions = mx.array([p for s in segments for p in range(s.offset, s.offset + s.length)])
         singles = [s for s in segments if s.length == 1]
         self.decoding = singles if len(singles) > 1 else []
         if self.decoding:
             self.pool = singles[0].cache.pool
             self.slots = mx.array([s.cache.slot for s in singles])
-            self.decode_positions = mx.array([s.offset for s in singles])
+            all_singles = len(singles) == len(segments)
+            self.decode_positions = self.positions if all_singles else mx.array([s.offset for s in singles])
+            self.write_index = self.pool.batch_index(self.slots, self.decode_positions)  # shared by every layer
             self.width = max(s.offset for s in singles) + 1
             # The decode rows' place in the flat batch: all of it, a leading run, or scattered.
             self.decode_rows = None if len(singles) == len(segments) else decode_rows(singles)
@@ -133,7 +135,7 @@ class Attention:
         """B one-token sequences `(B, heads, dim)`: one write and one attention for all, by
         length from the pool on CUDA, else over the gathered keys under a length mask."""
         B = q.shape[0]
-        keys, values = plan.pool.write_batch(self.layer, plan.slots, plan.decode_positions, k, v)
+        keys, values = plan.pool.write_batch(self.layer, plan.write_index, k, v)
         if self.by_length:
             out = cuda_attention.decode_attention(q, keys, values, plan.slots, plan.decode_positions, self.scale)
         else:

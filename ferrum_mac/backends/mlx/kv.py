@@ -48,13 +48,17 @@ class KvManager(SlotPool):
                 buffers[layer] = fresh
         mx.eval(self.arrays())
 
-    def write_batch(self, layer: int, slots: mx.array, offsets: mx.array, k: mx.array, v: mx.array):
-        """One new key/value `(B, kv_heads, head_dim)` per sequence at its own offset; returns the
-        layer's whole key and value pools."""
+    def batch_index(self, slots: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Where a batched write puts sequence b's key: slot `slots[b]`, every head, token
+        `offsets[b]` (indices broadcasting to `(B, kv_heads)`)."""
+        return slots[:, None], self.heads[None, :], offsets[:, None]
+
+    def write_batch(self, layer: int, index: tuple, k: mx.array, v: mx.array):
+        """One new key/value `(B, kv_heads, head_dim)` per sequence at `index` (`batch_index`);
+        returns the layer's whole key and value pools."""
         keys, values = self.keys[layer], self.values[layer]
-        rows, heads, columns = slots[:, None], self.heads[None, :], offsets[:, None]  # broadcast to (B, kv_heads)
-        keys[rows, heads, columns] = k
-        values[rows, heads, columns] = v
+        keys[index] = k
+        values[index] = v
         return keys, values
 
     def arrays(self) -> list[mx.array]:

@@ -54,13 +54,15 @@ if sys.platform.startswith("linux") and "mlx.core" not in sys.modules:
 
 
 def open_model(
-    name_or_path: str | Path, backend: str = "auto", dtype: str | None = None, pull: bool = True
+    name_or_path: str | Path, backend: str = "auto", dtype: str | None = None, pull: bool = True,
+    device: str | None = None,
 ) -> DecoderOnlyLLM:
     """Open a model folder (config.json + safetensors) or a .gguf file with a backend.
 
     Any other name (an alias such as "qwen3:0.6b", a Hugging Face repo id) goes through the
     model store: a cached copy is used, a missing one is downloaded unless `pull` is false.
-    `dtype` ("float32", "float16", "bfloat16") overrides the compute dtype.
+    `dtype` ("float32", "float16", "bfloat16") overrides the compute dtype; `device` (cpu, gpu,
+    cuda[:N], metal) the backend's default device.
     """
     from ferrum_mac.backends import choose, open_path
 
@@ -69,4 +71,4 @@ def open_model(
         from ferrum_mac.store import resolve_model
 
         path = resolve_model(str(name_or_path), backend=choose(backend), pull=pull)
-    return open_path(path, backend=backend, dtype=dtype)
+    return open_path(path, backend=backend, dtype=dtype, device=device)

@@ -24,6 +24,9 @@ def _group() -> None:
     """Local LLM chat, Apple-Silicon-first."""
 
 
+DEVICE_HELP = "cpu or gpu (cuda, cuda:N, metal); default: the backend's GPU where it has one."
+
+
 @app.command()
 def bench(
     model: Optional[str] = typer.Argument(None, help="Model folder, .gguf file or name (omit with --shape)."),
@@ -36,7 +39,7 @@ def bench(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     batch: int = typer.Option(0, help="Also time decode_batch over this many sequences (aggregate tok/s)."),
     backend: str = typer.Option("auto", help="mlx (beside mlx-lm) or torch (beside transformers, with the roofline)."),
-    device: Optional[str] = typer.Option(None, help="With --backend torch: cuda or cpu (default: cuda when present)."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
 ) -> None:
     """Prefill and decode speed, time to first token and peak memory, beside mlx-lm (or transformers)."""
     from ferrum_mac.bench import run_bench
@@ -117,6 +120,7 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats line (tok/s) after each answer."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, reasoning, stats."),
     backend: str = typer.Option("auto", help="auto, mlx or torch."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
     kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", help="Most tokens in the context."),
     context: str = typer.Option("error", help="When the context is full: error or truncate-oldest."),
     pull: bool = typer.Option(True, "--pull/--no-pull", help="Download the model when it is not on disk."),
@@ -131,7 +135,7 @@ def run(
     run_chat(words or [], RunOptions(
         system=system, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop or [], think=think,
-        hide_thinking=hide_thinking, verbose=verbose, json=json_out, backend=backend, kv_capacity=kv_capacity,
+        hide_thinking=hide_thinking, verbose=verbose, json=json_out, backend=backend, device=device, kv_capacity=kv_capacity,
         context=context, pull=pull, interactive=interactive, remote=remote, api_key=api_key,
     ))
 
@@ -143,17 +147,19 @@ def serve(
     port: int = typer.Option(8000, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
     backend: str = typer.Option("auto", help="auto, mlx or torch."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
 ) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from ferrum_mac.serve.command import serve_command
 
-    serve_command(model, host, port, api_key, backend)
+    serve_command(model, host, port, api_key, backend, device)
 
 
 @app.command()
 def chat(
     model: Optional[str] = typer.Argument(None, help="Model to open (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
     backend: str = typer.Option("auto", help="auto, mlx or torch."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
     db: Optional[str] = typer.Option(None, "--db", help="Chat history file (default: in the platform's data folder)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Most tokens per answer in new conversations."),
     remote: Optional[str] = typer.Option(None, "--remote", help="Chat with an OpenAI-compatible server at this URL instead."),
@@ -162,7 +168,7 @@ def chat(
     """The chat application: conversations kept as they happen, streaming Markdown, a model picker."""
     from ferrum_mac.tui.app import main as chat_app
 
-    chat_app(model, backend, db, max_tokens, remote=remote, api_key=api_key)
+    chat_app(model, backend, db, max_tokens, remote=remote, api_key=api_key, device=device)
 
 
 def main(prog_name: str | None = None) -> None:

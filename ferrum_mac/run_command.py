@@ -36,6 +36,7 @@ class RunOptions:
     verbose: bool = False
     json: bool = False
     backend: str = "auto"
+    device: str | None = None
     kv_capacity: int | None = None
     context: str = "error"
     pull: bool = True
@@ -85,7 +86,7 @@ def open_engine(model: str | None, options: RunOptions):
         from ferrum_mac.remote import RemoteEngine
 
         return RemoteEngine(options.remote, api_key=options.api_key, model=model)
-    return Engine.open(model, backend=options.backend, pull=options.pull)
+    return Engine.open(model, backend=options.backend, device=options.device, pull=options.pull)
 
 
 def split_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:

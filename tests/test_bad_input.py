@@ -252,6 +252,25 @@ def test_unknown_dtype_and_backend(zoo):
     fails(UnsupportedError, zoo.path("llama"), backend="tpu")
 
 
+def test_unknown_and_missing_devices(zoo):
+    path = zoo.path("llama")
+    assert "cpu, gpu, cuda" in fails(UnsupportedError, path, device="tpu")
+    fails(UnsupportedError, path, device="metal:1")
+    assert "--backend mlx" in fails(UnsupportedError, path, backend="torch", device="metal")
+    import mlx.core as mx
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "--device cpu" in fails(UnsupportedError, path, backend="torch", device="cuda:0")
+    if not (mx.metal.is_available() or mx.cuda.is_available()):
+        assert "--device cpu" in fails(UnsupportedError, path, backend="mlx", device="gpu")
+
+
+def test_device_cpu_is_honoured(zoo):
+    model = ferrum_mac.open_model(zoo.path("llama"), backend="torch", device="cpu", dtype="float32")
+    assert model.device.type == "cpu"
+
+
 @pytest.mark.parametrize("bad", [320, 10**6, -1])
 def test_token_ids_outside_the_vocabulary(zoo, bad):
     """An id past the embedding must be refused, not read out of bounds (which crashes MLX)."""

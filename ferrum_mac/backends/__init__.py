@@ -9,6 +9,7 @@ from ferrum_mac.errors import UnsupportedError
 from ferrum_mac.llm import DecoderOnlyLLM
 
 BACKENDS = ("mlx", "torch")
+DEVICES = ("cpu", "gpu", "cuda", "metal")  # cuda:N names one of several GPUs (torch)
 
 
 def available(backend: str) -> bool:
@@ -50,27 +51,44 @@ def nvidia_gpu_present() -> bool:
     return (gpus.is_dir() and any(gpus.iterdir())) or Path("/dev/nvidia0").exists()
 
 
-def recommended_dtype(backend: str = "auto") -> str | None:
+def check_device(device: str | None) -> str | None:
+    """`device` as given when it is one we know (None: the backend's default), else a clear error."""
+    if device is None:
+        return None
+    kind, _, index = device.partition(":")
+    if kind not in DEVICES or (index and not (kind == "cuda" and index.isdigit())):
+        raise UnsupportedError(f"unknown device {device!r}; choose cpu, gpu, cuda (or cuda:N) or metal")
+    return device
+
+
+def recommended_dtype(backend: str = "auto", device: str | None = None) -> str | None:
     """The compute dtype to ask for when the user names none: float32 where the device has no
     fast half-precision kernels (MLX's CPU build runs float16 many times slower), else None
     (the checkpoint's own)."""
+    if check_device(device) == "cpu":
+        return "float32"
     if choose(backend) == "mlx":
         from ferrum_mac.backends.mlx.memory import device_name
 
         return "float32" if device_name() == "cpu" else None
-    from ferrum_mac.backends.torch.memory import default_device
+    from ferrum_mac.backends.torch.memory import resolve_device
 
-    return "float32" if default_device().type == "cpu" else None  # torch's CPU half-precision matmuls are slow
+    return "float32" if resolve_device(device).type == "cpu" else None  # torch's CPU half-precision matmuls are slow
 
 
-def open_path(path: Path, backend: str = "auto", dtype: str | None = None) -> DecoderOnlyLLM:
+def open_path(path: Path, backend: str = "auto", dtype: str | None = None, device: str | None = None) -> DecoderOnlyLLM:
+    """Open a checkpoint with `backend` on `device` (cpu, gpu, cuda[:N], metal; None: the
+    backend's default: its GPU where it has one)."""
     from ferrum_mac.weights import load_checkpoint
 
-    chosen = choose(backend)
+    chosen, device = choose(backend), check_device(device)
     if chosen == "mlx":
+        from ferrum_mac.backends.mlx.memory import use_device
         from ferrum_mac.backends.mlx.runtime import MlxLLM
 
+        use_device(device)
         return MlxLLM(load_checkpoint(path), dtype=dtype)
+    from ferrum_mac.backends.torch.memory import resolve_device
     from ferrum_mac.backends.torch.runtime import TorchLLM
 
-    return TorchLLM(load_checkpoint(path), dtype=dtype)
+    return TorchLLM(load_checkpoint(path), dtype=dtype, device=resolve_device(device))

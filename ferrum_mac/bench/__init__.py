@@ -37,7 +37,7 @@ def _ferrum_from_path(model: str):
 
 
 def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, backend="mlx", device=None) -> dict:
-    from ferrum_mac.backends import choose
+    from ferrum_mac.backends import check_device, choose
 
     if choose(backend) == "torch":  # beside transformers, with no MLX import on the way
         from ferrum_mac.bench.torch_side import run_torch_bench
@@ -46,10 +46,11 @@ def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, jso
             model=model, shape=shape, quant=quant, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
             runs=runs, peer=peer, json_out=json_out, batch=batch, device=device,
         )
-    from ferrum_mac.backends.mlx.memory import device_name
+    from ferrum_mac.backends.mlx.memory import device_name, use_device
     from ferrum_mac.bench.measure import batched_decode_tps, ferrum_stream, mlx_lm_stream, time_stream
     from ferrum_mac.bench.report import interleaved
 
+    use_device(check_device(device))
     if (model is None) == (shape is None):
         raise FerrumError("give either a MODEL or --shape (for example: ferrum bench --shape qwen3-0.6b)")
     log = (lambda msg: print(msg, file=sys.stderr)) if json_out else print

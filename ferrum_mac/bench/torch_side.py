@@ -33,13 +33,14 @@ COPY_MIB = {"cuda": 512, "cpu": 64}  # far past any cache
 
 
 def run_torch_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, device=None) -> dict:
-    from ferrum_mac.backends.torch.memory import default_device, device_name
+    from ferrum_mac.backends import check_device
+    from ferrum_mac.backends.torch.memory import device_name, resolve_device
 
     if (model is None) == (shape is None):
         raise FerrumError("give either a MODEL or --shape (for example: ferrum bench --backend torch --shape qwen3-8b)")
     if quant != "bf16":
         raise FerrumError(f"the torch bench runs bf16 weights, not --quant {quant}; drop --quant")
-    device = torch.device(device) if device else default_device()
+    device = resolve_device(check_device(device))
     log = (lambda msg: print(msg, file=sys.stderr)) if json_out else print
     log("ferrum bench: measuring the copy bandwidth ...")
     bandwidth = copy_bandwidth(device)

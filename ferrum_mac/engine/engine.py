@@ -53,6 +53,7 @@ class Engine:
         name: str | Path | None = None,
         *,
         backend: str = "auto",
+        device: str | None = None,
         dtype: str | None = None,
         pull: bool = True,
         template: str | None = None,
@@ -66,7 +67,7 @@ class Engine:
 
         name = str(name or default_model_name())
         path = resolve_model(name, backend=choose(backend), pull=pull)
-        model = open_model(path, backend=backend, dtype=dtype or recommended_dtype(backend))
+        model = open_model(path, backend=backend, dtype=dtype or recommended_dtype(backend, device), device=device)
         tokenizer = load_tokenizer(path)
         return cls(
             model, tokenizer, load_chat_template(path, tokenizer, template),

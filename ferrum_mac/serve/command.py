@@ -8,7 +8,9 @@ import sys
 LOOPBACK = "127.0.0.1"
 
 
-def serve_command(model: str | None, host: str, port: int, api_key: str | None, backend: str = "auto") -> None:
+def serve_command(
+    model: str | None, host: str, port: int, api_key: str | None, backend: str = "auto", device: str | None = None
+) -> None:
     import uvicorn
 
     from ferrum_mac.engine import Engine
@@ -18,7 +20,7 @@ def serve_command(model: str | None, host: str, port: int, api_key: str | None, 
     if not is_loopback(host) and not api_key:
         print(f"ferrum: serving on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)
-    scheduler = Scheduler(lambda: Engine.open(model, backend=backend)).start()
+    scheduler = Scheduler(lambda: Engine.open(model, backend=backend, device=device)).start()
     name = scheduler.engine.name
     print(f"ferrum: serving {name} on http://{host}:{port}/v1 (context {scheduler.capacity} tokens)", file=sys.stderr)
     try:

@@ -115,13 +115,13 @@ class ChatApp(App):
 
 def main(
     model: str | None, backend: str, db: str | None, max_tokens: int | None = None,
-    remote: str | None = None, api_key: str | None = None,
+    remote: str | None = None, api_key: str | None = None, device: str | None = None,
 ) -> None:
     from ferrum_mac.store.history import History
     from ferrum_mac.tui.chat_settings import stored_settings
     from ferrum_mac.tui.services import RemoteServices, Services
 
-    services = RemoteServices(remote, api_key) if remote else Services(backend)
+    services = RemoteServices(remote, api_key) if remote else Services(backend, device)
     history = History.open(db)
     try:
         app = ChatApp(services, history, model, stored_settings(max_tokens=max_tokens))

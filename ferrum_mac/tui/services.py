@@ -15,8 +15,8 @@ class ModelEntry:
 
 
 class Services:
-    def __init__(self, backend: str = "auto"):
-        self.backend = backend
+    def __init__(self, backend: str = "auto", device: str | None = None):
+        self.backend, self.device = backend, device
 
     def default_model(self) -> str:
         from ferrum_mac.engine import default_model_name
@@ -26,7 +26,7 @@ class Services:
     def open_engine(self, name: str | None):
         from ferrum_mac.engine import Engine
 
-        return Engine.open(name, backend=self.backend)
+        return Engine.open(name, backend=self.backend, device=self.device)
 
     def local_models(self) -> list[ModelEntry]:
         from ferrum_mac.store import list_models

@@ -63,6 +63,15 @@ def test_one_shot_verbose_prints_a_stats_line(stories_path, env):
     assert "tok/s" in run.stderr and "stop: max_tokens" in run.stderr
 
 
+def test_device_flag(stories_path, env):
+    on_cpu = ferrum("run", str(stories_path), STORY, "--max-tokens", "8", "--device", "cpu", env=env)
+    assert on_cpu.returncode == 0, on_cpu.stderr
+    assert on_cpu.stdout.startswith("Anna")
+    wrong = ferrum("run", str(stories_path), STORY, "--device", "tpu", env=env)
+    assert wrong.returncode == 1 and wrong.stdout == ""
+    assert wrong.stderr.strip().count("\n") == 0 and "unknown device 'tpu'" in wrong.stderr
+
+
 def test_piped_stdin_is_the_prompt(stories_path, env):
     by_argument = ferrum("run", str(stories_path), STORY, "--max-tokens", "12", env=env)
     by_pipe = ferrum("run", str(stories_path), "--max-tokens", "12", env=env, stdin=STORY + "\n")

@@ -6,6 +6,8 @@ import os
 
 import mlx.core as mx
 
+from ferrum_mac.errors import UnsupportedError
+
 
 def _metal() -> bool:
     return mx.metal.is_available()
@@ -19,7 +21,23 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def use_device(device: str | None) -> None:
+    """Make `device` MLX's default for this process: cpu, or the GPU (gpu, or metal / cuda as
+    this build of MLX has it). None leaves MLX's own default (its GPU where it has one)."""
+    if device is None:
+        return
+    if device == "cpu":
+        mx.set_default_device(mx.cpu)
+        return
+    has = {"gpu": _metal() or _cuda(), "metal": _metal(), "cuda": _cuda()}[device.partition(":")[0]]
+    if not has:
+        raise UnsupportedError(f"MLX has no {device} device on this machine (it runs on {device_name()}); use --device cpu or leave --device out")
+    mx.set_default_device(mx.gpu)
+
+
 def device_name() -> str:
+    if on_cpu():
+        return "cpu"
     if _metal():
         return f"metal ({mx.device_info().get('device_name', 'Apple GPU')})"
     if _cuda():

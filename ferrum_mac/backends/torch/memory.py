@@ -6,12 +6,28 @@ import os
 
 import torch
 
+from ferrum_mac.errors import UnsupportedError
+
 
 def default_device() -> torch.device:
     """`FERRUM_DEVICE` (cuda, cuda:1, cpu) when set, else CUDA when present, else the CPU."""
     if os.environ.get("FERRUM_DEVICE"):
         return torch.device(os.environ["FERRUM_DEVICE"])
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch device for a `--device` value (gpu means cuda); None: `default_device()`."""
+    if device is None:
+        return default_device()
+    if isinstance(device, torch.device):
+        return device
+    if device == "metal":
+        raise UnsupportedError("the torch backend runs on cuda or cpu; for Metal use --backend mlx")
+    name = "cuda" if device == "gpu" else device
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UnsupportedError(f"torch sees no CUDA GPU on this machine, so it cannot use --device {device}; use --device cpu")
+    return torch.device(name)
 
 
 def device_name(device: torch.device) -> str:

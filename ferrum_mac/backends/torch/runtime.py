@@ -13,7 +13,7 @@ import torch
 
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import KvManager
-from ferrum_mac.backends.torch.memory import default_device, free_memory_bytes
+from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
 from ferrum_mac.backends.torch.models import FAMILIES
 from ferrum_mac.backends.torch.steps import DecodeSteps
 from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
@@ -54,7 +54,7 @@ class TorchLLM(DecoderOnlyLLM):
             raise UnsupportedModelError(
                 f"the torch backend has no {c.model_type!r} model (supported: {', '.join(sorted(FAMILIES))})"
             )
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = resolve_device(device)
         self.dtype = compute_dtype(checkpoint, dtype)
         with torch.inference_mode():
             source = TensorSource(checkpoint.tensors, c, self.dtype, self.device, str(checkpoint.path))

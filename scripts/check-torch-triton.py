@@ -4,7 +4,8 @@ on a CUDA GPU, against the torch code they replace, at Qwen3-0.6B's and Qwen3-8B
 in bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, checked only):
 
 - norm + rope + write: `pointwise.norm_and_rope` and DecodePlan's KV index_put vs `norm_rope_write`
-- attention: DecodePlan's SDPA under the additive bias vs `decode_attention` (split-K + merge)
+- attention: DecodePlan's SDPA under the additive bias vs `decode_attention` (a kv head's query
+  group per program; split-K + merge where the batch is too small to fill the GPU)
 - attention block: both of the above, as `DecodePlan.attend` vs `DecodePlan.attend_fused`
 - swiglu: `pointwise.torch_swiglu` vs `triton_ops.swiglu`
 
@@ -35,7 +36,7 @@ LAYOUTS = {
     "llama-like": (32, 8, 64, 8192, False, True),
 }
 TIMED = ("qwen3-0.6b", "qwen3-8b")
-CASES = [(1, 256), (1, 4096), (8, 1024)]  # (rows, context: the longest row's position + 1)
+CASES = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (32, 1024)]  # (rows, context: the longest row's position + 1)
 DTYPE = torch.bfloat16
 TOLERANCE = 2e-2  # a couple of bf16 ulps near 1
 FIRST = 1  # the batch's first pool slot: slot 0 is some other sequence's

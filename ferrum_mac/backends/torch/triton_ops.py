@@ -5,8 +5,10 @@ about a dozen launches per layer, in four.
   and v written straight into the KV pool at a `DecodePlan`'s places.
 - `decode_attention`: one query per row over its slot of the pool, reading only the row's
   `positions[i] + 1` keys (lengths read on the device, so a CUDA graph replays it at any
-  position). Split-K: each (row, head) spreads its keys over several programs, whose partial
-  softmaxes a second kernel merges, so a single sequence still fills the GPU.
+  position). A program takes a kv head with all the query heads it serves (one `tl.dot`
+  over the group), so a key is read once per row, not once per query head. Split-K: each
+  (row, kv head) spreads its keys over several programs, whose partial softmaxes a second
+  kernel merges, so a small batch still fills the GPU.
 - `swiglu`: silu(gate) * up (* per-row weights) from the fused gate_up output.
 
 Results round where transformers' eager code rounds (norm in float32, rounded before the
@@ -55,8 +57,9 @@ def norm_rope_write(qkv: torch.Tensor, heads: int, weight: torch.Tensor | None, 
     return q
 
 
-KEYS_PER_BLOCK = 32  # keys a program scores per step of its loop
+KEYS_PER_BLOCK = 64  # keys a program scores per step of its loop
 MAX_SPLITS = 32
+MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: a query group is padded to it
 
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: torch.Tensor, scale: float,
@@ -64,27 +67,31 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: t
     """q `(T, heads, dim)`; row i attends over slot `first + i` of the pool layer `kv`
     `(2, slots, kv_heads, tokens + 1, dim)`, key columns `0 .. positions[i]` -> `(T, heads * dim)`.
 
-    Query head h reads kv head `h // (heads / kv_heads)`. `splits`: programs per (row, head),
-    a power of two (by default enough to give every SM two programs)."""
+    Query head h reads kv head `h // (heads / kv_heads)`; one program serves a kv head's whole
+    group, so each key is read once per row. `splits`: programs per (row, kv head), a power of
+    two (by default enough to give every SM two programs)."""
     rows, heads, dim = q.shape
     kv_heads, tokens = kv.shape[2], kv.shape[3] - 1
     kv = kv[:, first : first + rows]  # row i reads slot i of this view (and `first` is no kernel argument)
     assert q.stride(2) == 1 and kv.stride(4) == 1 and heads % kv_heads == 0
-    splits = splits or default_splits(rows * heads, tokens, q.device)
+    group = heads // kv_heads
+    splits = splits or default_splits(rows * kv_heads, tokens, q.device)
     assert splits & (splits - 1) == 0, "splits: a power of two"
     out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
     block_d = triton.next_power_of_2(dim)
+    block_n = KEYS_PER_BLOCK if q.element_size() == 2 else KEYS_PER_BLOCK // 2  # float32 blocks that size spill registers
     if splits == 1:  # the split kernel writes the output itself
         partial_acc = partial_max = partial_sum = out
     else:
         partial_acc = torch.empty((rows * heads * splits, block_d), dtype=torch.float32, device=q.device)
         partial_max = torch.empty((rows * heads * splits,), dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)
-    _decode_attention_kernel[(rows * heads, splits)](
+    _decode_attention_kernel[(rows * kv_heads, splits)](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         positions, scale * math.log2(math.e), out, partial_acc, partial_max, partial_sum,
-        HEADS=heads, GROUP=heads // kv_heads, DIM=dim, SPLITS=splits,
-        BLOCK_N=KEYS_PER_BLOCK, BLOCK_D=block_d, num_warps=4,
+        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        DIM=dim, SPLITS=splits, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(rows * heads,)](
@@ -94,10 +101,11 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: t
     return out
 
 
-def default_splits(row_heads: int, tokens: int, device: torch.device) -> int:
-    """Programs per (row, head): about two per SM over the batch, a power of two (few kernel
-    variants to compile), no more than the pool's width has key blocks."""
-    wanted = min(max(1, 2 * multiprocessors(device) // row_heads), triton.cdiv(tokens, KEYS_PER_BLOCK), MAX_SPLITS)
+def default_splits(row_kv_heads: int, tokens: int, device: torch.device) -> int:
+    """Programs per (row, kv head): about two per SM over the batch (1 once the batch alone
+    gives that: no merge), a power of two (few kernel variants to compile), no more than the
+    pool's width has key blocks."""
+    wanted = min(max(1, 2 * multiprocessors(device) // row_kv_heads), triton.cdiv(tokens, KEYS_PER_BLOCK), MAX_SPLITS)
     return 1 << (wanted.bit_length() - 1)
 
 
@@ -179,51 +187,58 @@ if triton is not None:
         q_ptr, q_row_stride, q_head_stride,
         kv_ptr, kv_half_stride, kv_slot_stride, kv_head_stride, kv_token_stride,
         positions_ptr, scale_log2, out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
-        HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+        SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # One program per (row, query head, split): an online softmax over the split's share of
-        # the row's keys, in blocks of BLOCK_N. Scores are in log2 units (exp2 is the fast one).
-        row_head, split = tl.program_id(0), tl.program_id(1)
-        row, head = row_head // HEADS, row_head % HEADS
+        # One program per (row, kv head, split): the kv head's query heads (padded to GROUP_PAD
+        # rows, the padding masked) against the split's share of the row's keys, in blocks of
+        # BLOCK_N, with an online softmax per query head. Scores are in log2 units (exp2 is the
+        # fast one); both products accumulate in float32, as flash attention does.
+        row_kv_head, split = tl.program_id(0), tl.program_id(1)
+        row, kv_head = row_kv_head // KV_HEADS, row_kv_head % KV_HEADS
         length = tl.load(positions_ptr + row) + 1
         share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks per split
         start = split * share
         end = tl.minimum(start + share, length)
 
+        members = tl.arange(0, GROUP_PAD)
+        in_group = members < GROUP
+        heads = kv_head * GROUP + members
         dims = tl.arange(0, BLOCK_D)
         inside = dims < DIM
-        q = tl.load(q_ptr + row * q_row_stride + head * q_head_stride + dims, mask=inside, other=0.0)
-        q = q.to(tl.float32) * scale_log2
-        keys_ptr = kv_ptr + row.to(tl.int64) * kv_slot_stride + (head // GROUP) * kv_head_stride
+        q_offsets = row * q_row_stride + heads[:, None] * q_head_stride + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=in_group[:, None] & inside[None, :], other=0.0)
+        keys_ptr = kv_ptr + row.to(tl.int64) * kv_slot_stride + kv_head * kv_head_stride
         values_ptr = keys_ptr + kv_half_stride
 
-        running_max = -float("inf")
-        running_sum = 0.0
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        running_max = tl.full([GROUP_PAD], -float("inf"), dtype=tl.float32)
+        running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
         for block in range(start, end, BLOCK_N):
             columns = block + tl.arange(0, BLOCK_N)
             seen = columns < end
             offsets = columns[:, None] * kv_token_stride + dims[None, :]
             both = seen[:, None] & inside[None, :]
-            k = tl.load(keys_ptr + offsets, mask=both, other=0.0).to(tl.float32)
-            scores = tl.where(seen, tl.sum(k * q[None, :], axis=1), -float("inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+            k = tl.load(keys_ptr + offsets, mask=both, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            scores = tl.where(seen[None, :], scores, -float("inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             rescale = tl.exp2(running_max - new_max)
-            p = tl.exp2(scores - new_max)
-            v = tl.load(values_ptr + offsets, mask=both, other=0.0).to(tl.float32)
-            acc = acc * rescale + tl.sum(p[:, None] * v, axis=0)
-            running_sum = running_sum * rescale + tl.sum(p, axis=0)
+            p = tl.exp2(scores - new_max[:, None])
+            v = tl.load(values_ptr + offsets, mask=both, other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=PRECISION)
+            running_sum = running_sum * rescale + tl.sum(p, axis=1)
             running_max = new_max
 
         if SPLITS == 1:
-            out = acc / running_sum
-            tl.store(out_ptr + row * (HEADS * DIM) + head * DIM + dims, out.to(out_ptr.dtype.element_ty), mask=inside)
+            out = acc / running_sum[:, None]
+            out_offsets = row * (KV_HEADS * GROUP * DIM) + heads[:, None] * DIM + dims[None, :]
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=in_group[:, None] & inside[None, :])
         else:  # an empty split leaves max -inf and sum 0, which the merge weighs as nothing
-            part = row_head * SPLITS + split
-            tl.store(partial_acc_ptr + part * BLOCK_D + dims, acc)
-            tl.store(partial_max_ptr + part, running_max)
-            tl.store(partial_sum_ptr + part, running_sum)
+            parts = (row * (KV_HEADS * GROUP) + heads) * SPLITS + split
+            tl.store(partial_acc_ptr + parts[:, None] * BLOCK_D + dims[None, :], acc, mask=in_group[:, None])
+            tl.store(partial_max_ptr + parts, running_max, mask=in_group)
+            tl.store(partial_sum_ptr + parts, running_sum, mask=in_group)
 
     @triton.jit
     def _merge_splits_kernel(

@@ -18,6 +18,7 @@ import mlx.core as mx
 from ferrum_mac.backends.mlx import cuda_attention
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
+from ferrum_mac.backends.mlx.memory import on_cuda_gpu
 from ferrum_mac.weights import ModelConfig
 
 
@@ -92,7 +93,8 @@ class Attention:
         self.k_norm = src.norm(f"{p}.k_norm", c.head_dim) if c.qk_norm else None
         self.eps = c.rms_norm_eps
         self.rope = Rope(config)
-        self.by_length = USE_CUDA_KERNEL and cuda_attention.available() and cuda_attention.supports(c.head_dim, c.num_heads // c.num_kv_heads)
+        group = c.num_heads // c.num_kv_heads
+        self.by_length = USE_CUDA_KERNEL and on_cuda_gpu() and cuda_attention.supports(c.head_dim, group)
 
     def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment

@@ -128,11 +128,6 @@ _SOURCE = """
 """
 
 
-def available() -> bool:
-    """True on MLX's CUDA build with the GPU as the default device."""
-    return hasattr(mx, "cuda") and mx.cuda.is_available() and mx.default_device() == mx.gpu
-
-
 def supports(head_dim: int, group: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= 256 and WARPS * group * head_dim * 4 <= 40_000
 

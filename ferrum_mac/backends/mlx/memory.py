@@ -21,6 +21,11 @@ def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def on_cuda_gpu() -> bool:
+    """MLX's CUDA build with the GPU as the default device: where our CUDA kernels run."""
+    return _cuda() and mx.default_device() == mx.gpu
+
+
 def use_device(device: str | None) -> None:
     """Make `device` MLX's default for this process: cpu, or the GPU (gpu, or metal / cuda as
     this build of MLX has it). None leaves MLX's own default (its GPU where it has one)."""

@@ -10,13 +10,16 @@ are fused along the out dim at load. Routing stays on the device: no host sync.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from ferrum_mac.backends.mlx import cuda_moe
 from ferrum_mac.backends.mlx.layers import Linear, TensorSource
+from ferrum_mac.backends.mlx.memory import on_cuda_gpu
 from ferrum_mac.backends.mlx.models import llama
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.weights import ModelConfig
@@ -26,6 +29,9 @@ from ferrum_mac.weights.moe import MoeConfig, moe_config  # noqa: F401  (the MoE
 # so each expert's weights are read once for all of its tokens.
 SORT_MIN_PAIRS = 64
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# On MLX's CUDA build, decode-sized steps route and run quantized experts with our own
+# kernels (cuda_moe.py); FERRUM_MLX_CUDA_MOE=0 keeps MLX's ops (A/B timing).
+USE_CUDA_KERNELS = os.environ.get("FERRUM_MLX_CUDA_MOE", "1") != "0"
 
 
 # -- loading: every checkpoint layout -> mlp.switch_mlp.{gate,up,down}_proj (E, out, in) ----
@@ -118,8 +124,9 @@ def weighted_swiglu(gate: mx.array, up: mx.array, weights: mx.array) -> mx.array
 class Router:
     """Softmax over the experts' gate logits, then the top k, optionally renormalised."""
 
-    def __init__(self, gate: Linear, top_k: int, renormalise: bool):
+    def __init__(self, gate: Linear, top_k: int, renormalise: bool, num_experts: int):
         self.gate, self.top_k, self.renormalise = gate, top_k, renormalise
+        self.by_kernel = USE_CUDA_KERNELS and on_cuda_gpu() and num_experts <= 512 and top_k <= 32
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """x `(T, hidden)` -> expert ids `(T, k)` and their weights `(T, k)`.
@@ -128,6 +135,8 @@ class Router:
         and renormalised top-k probabilities are the softmax of the top-k logits: four
         kernels, and no ties from rounding probabilities to bf16."""
         logits = self.gate(x)
+        if self.by_kernel and x.shape[0] * self.top_k <= cuda_moe.MAX_PAIRS:
+            return cuda_moe.route(logits, self.top_k, self.renormalise, x.dtype)
         experts = mx.argpartition(logits, kth=-self.top_k, axis=-1)[:, -self.top_k :]
         top = mx.take_along_axis(logits, experts, axis=-1)
         if self.renormalise:
@@ -147,11 +156,19 @@ class Experts:
         fusable = gate.format() == up.format()
         self.gate_up = stack_outputs(gate, up) if fusable else None
         self.gate, self.up = (None, None) if fusable else (gate, up)
-        self.inter = inter
+        self.inter, self.hidden = inter, hidden
+        quantized = fusable and gate.scales is not None and self.down.format() == gate.format()
+        self.by_kernel = (
+            USE_CUDA_KERNELS and on_cuda_gpu() and quantized
+            and cuda_moe.supports(hidden, inter, moe.top_k, gate.group_size, gate.bits)
+        )  # fmt: skip
 
     def __call__(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
         """x `(T, hidden)`, experts/weights `(T, k)` -> sum over k of weight * expert(x), `(T, hidden)`."""
         T, k = experts.shape
+        if self.by_kernel and experts.size <= cuda_moe.MAX_PAIRS:
+            a = cuda_moe.gate_up_swiglu(x, self.gate_up, experts, weights, self.inter)
+            return cuda_moe.down_sum(a, self.down, experts, self.hidden)
         if experts.size < SORT_MIN_PAIRS:
             # Every token row meets each of its k experts: (T, 1, 1, H) x (T, k) -> (T, k, 1, H)
             y = self.gathered_mlp(x[:, None, None, :], experts, weights[..., None, None], sorted_indices=False)
@@ -176,7 +193,7 @@ class SparseMoe:
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int, moe: MoeConfig):
         p = f"layers.{layer}.mlp"
         gate = src.linear(f"{p}.gate", moe.num_experts, config.hidden_size)
-        self.router = Router(gate, moe.top_k, moe.norm_topk_prob)
+        self.router = Router(gate, moe.top_k, moe.norm_topk_prob, moe.num_experts)
         self.experts = Experts(src, f"{p}.switch_mlp", moe, config.hidden_size)
 
     def __call__(self, x: mx.array) -> mx.array:

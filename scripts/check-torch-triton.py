@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
 """Checks and times the torch backend's Triton decode kernels (`ferrum_mac/backends/torch/triton_ops.py`)
-on a CUDA GPU, against the torch code they replace, at Qwen3-0.6B's and Qwen3-8B's head shapes
-in bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, checked only):
+on a CUDA GPU, against the torch code they replace, at Qwen3-0.6B's and Qwen3-8B's shapes in
+bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, checked only):
 
 - norm + rope + write: `pointwise.norm_and_rope` and DecodePlan's KV index_put vs `norm_rope_write`
 - attention: DecodePlan's SDPA under the additive bias vs `decode_attention` (a kv head's query
   group per program; split-K + merge where the batch is too small to fill the GPU)
 - attention block: both of the above, as `DecodePlan.attend` vs `DecodePlan.attend_fused`
 - swiglu: `pointwise.torch_swiglu` vs `triton_ops.swiglu`
+- the GEMVs for a decode step's few rows (ctx "-"): norm+qkv (`rms_norm` + F.linear vs
+  `norm_matmul`), norm+gate_up+swiglu (`rms_norm` + F.linear + `pointwise.swiglu`, Triton's
+  on CUDA, vs `norm_swiglu`), o_proj/down+residual (`torch.addmm` vs `matmul_residual`). Their
+  calls cycle through copies of the weight that together outgrow the L2 cache, as a step's
+  layers do.
 
 Times are device microseconds per call, from CUDA graphs of many back-to-back calls (a decode
 step runs as a graph, so Python's launch cost is not counted). Exits 1 on a mismatch. Needs
@@ -16,31 +21,35 @@ only torch (with its triton) and numpy; from the repository root:
     python3 scripts/check-torch-triton.py
 """
 
+import itertools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrum_mac.backends.torch import pointwise, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
-from ferrum_mac.backends.torch.layers import Rope  # noqa: E402
+from ferrum_mac.backends.torch.layers import RmsNorm, Rope  # noqa: E402
 
-# name -> heads, kv_heads, head_dim, MLP width, q/k norm, interleaved RoPE
+# name -> hidden size, heads, kv_heads, head_dim, MLP width, q/k norm, interleaved RoPE
 LAYOUTS = {
-    "qwen3-0.6b": (16, 8, 128, 3072, True, False),
-    "qwen3-8b": (32, 8, 128, 12288, True, False),
-    "llama-like": (32, 8, 64, 8192, False, True),
+    "qwen3-0.6b": (1024, 16, 8, 128, 3072, True, False),
+    "qwen3-8b": (4096, 32, 8, 128, 12288, True, False),
+    "llama-like": (4096, 32, 8, 64, 8192, False, True),
 }
 TIMED = ("qwen3-0.6b", "qwen3-8b")
 CASES = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (32, 1024)]  # (rows, context: the longest row's position + 1)
+GEMV_ROWS = (1, 4)
 DTYPE = torch.bfloat16
 TOLERANCE = 2e-2  # a couple of bf16 ulps near 1
 FIRST = 1  # the batch's first pool slot: slot 0 is some other sequence's
 GRAPH_CALLS, REPLAYS = 100, 5
+BEYOND_L2 = 128 << 20  # bytes of weight copies a timed GEMV cycles through
 
 failures: list[str] = []
 
@@ -57,10 +66,12 @@ def main() -> int:
     for name, layout in LAYOUTS.items():
         for rows, context in CASES if name in TIMED else CASES[:1]:
             rows_out += check_case(name, layout, rows, context, timed=name in TIMED)
-    print(f"{'layout':<11} {'rows':>4} {'ctx':>5}  {'op':<16} {'torch us':>9} {'triton us':>9} {'speedup':>7}")
+        for rows in GEMV_ROWS if name in TIMED else GEMV_ROWS[:1]:
+            rows_out += check_gemvs(name, layout, rows, timed=name in TIMED)
+    print(f"{'layout':<11} {'rows':>4} {'ctx':>5}  {'op':<19} {'torch us':>9} {'triton us':>9} {'speedup':>7}")
     for name, rows, context, op, torch_us, triton_us in rows_out:
         speedup = torch_us / triton_us
-        print(f"{name:<11} {rows:>4} {context:>5}  {op:<16} {torch_us:>9.2f} {triton_us:>9.2f} {speedup:>6.2f}x")
+        print(f"{name:<11} {rows:>4} {context:>5}  {op:<19} {torch_us:>9.2f} {triton_us:>9.2f} {speedup:>6.2f}x")
     if failures:
         print(f"\n{len(failures)} mismatch(es):\n  " + "\n  ".join(failures))
         return 1
@@ -69,7 +80,7 @@ def main() -> int:
 
 
 def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
-    heads, kv_heads, dim, width, qk_norm, interleaved = layout
+    _, heads, kv_heads, dim, width, qk_norm, interleaved = layout
     where = f"{name} rows={rows} ctx={context}"
     torch.manual_seed(rows * 10_000 + context)
     tokens = -(-(context + 1) // 256) * 256  # the pool grows in steps of 256 tokens
@@ -134,6 +145,42 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
         "swiglu": (lambda: pointwise.torch_swiglu(gate_up), lambda: triton_ops.swiglu(gate_up)),
     }  # fmt: skip
     return [(name, rows, context, op, graph_us(a), graph_us(b)) for op, (a, b) in pairs.items()]
+
+
+def check_gemvs(name: str, layout, rows: int, timed: bool) -> list:
+    hidden, heads, kv_heads, dim, width, _, _ = layout
+    where = f"{name} rows={rows}"
+    torch.manual_seed(rows)
+    x = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
+    norm = RmsNorm((1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE), 1e-6)
+    attn_out = torch.randn(rows, heads * dim, device="cuda", dtype=DTYPE)
+    inter = torch.randn(rows, width, device="cuda", dtype=DTYPE)
+    shapes = {"qkv": ((heads + 2 * kv_heads) * dim, hidden), "gate_up": (2 * width, hidden), "o_proj": (hidden, heads * dim), "down": (hidden, width)}
+    weights = {part: weight_copies(shape, timed) for part, shape in shapes.items()}
+    ops = {  # op -> torch, triton (each of a weight), the weights
+        "norm+qkv": (lambda w: F.linear(norm(x), w), lambda w: triton_ops.norm_matmul(x, norm.weight, norm.eps, w), weights["qkv"]),
+        "norm+gate_up+swiglu": (lambda w: pointwise.swiglu(F.linear(norm(x), w)),
+                                lambda w: triton_ops.norm_swiglu(x, norm.weight, norm.eps, w), weights["gate_up"]),
+        "o_proj+residual": (lambda w: torch.addmm(x, attn_out, w.t()), lambda w: triton_ops.matmul_residual(attn_out, w, x), weights["o_proj"]),
+        "down+residual": (lambda w: torch.addmm(x, inter, w.t()), lambda w: triton_ops.matmul_residual(inter, w, x), weights["down"]),
+    }  # fmt: skip
+    for op, (torch_op, triton_op, copies) in ops.items():
+        compare(f"{where} {op}", triton_op(copies[0]), torch_op(copies[0]))
+    if not timed:
+        return []
+    return [(name, rows, "-", op, graph_us(cycling(a, w)), graph_us(cycling(b, w))) for op, (a, b, w) in ops.items()]
+
+
+def weight_copies(shape: tuple[int, int], timed: bool) -> list[torch.Tensor]:
+    """Random weights scaled to keep outputs near 1: one, or for timing as many as outgrow L2."""
+    copies = -(-BEYOND_L2 // (shape[0] * shape[1] * DTYPE.itemsize)) if timed else 1
+    return [(torch.randn(shape, device="cuda") / shape[1] ** 0.5).to(DTYPE) for _ in range(copies)]
+
+
+def cycling(op, weights: list[torch.Tensor]):
+    """A call of `op` on the next weight each time."""
+    turn = itertools.cycle(weights)
+    return lambda: op(next(turn))
 
 
 def pool(kv_heads: int, dim: int, slots: int, tokens: int) -> KvManager:

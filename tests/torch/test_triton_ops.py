@@ -1,5 +1,6 @@
 """The Triton decode kernels against the torch code they replace: q/k norm + RoPE + KV write,
-attention over the pool with a length per row, SwiGLU, and a whole decode step through them.
+attention over the pool with a length per row, SwiGLU, the GEMVs for a few rows (RMSNorm +
+matmul, RMSNorm + gate_up + SwiGLU, matmul + residual), and a whole decode step through them.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (numpy underneath), so
 shapes stay small. With one they run compiled on it.
@@ -26,7 +27,7 @@ triton = pytest.importorskip("triton")
 from ferrum_mac.backends.torch import attention, pointwise, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
-from ferrum_mac.backends.torch.layers import Rope  # noqa: E402
+from ferrum_mac.backends.torch.layers import RmsNorm, Rope  # noqa: E402
 from ferrum_mac.backends.torch.pointwise import norm_and_rope, torch_swiglu  # noqa: E402
 
 
@@ -180,13 +181,66 @@ def test_swiglu_keeps_torch_for_weights_it_cannot_take():
     assert not pointwise.one_per_row(torch.rand(3, 1, dtype=torch.float64), gate_up)
 
 
+# -- GEMVs for a few rows -----------------------------------------------------------------------
+
+# rows, K, N: a 16-column block, K in chunks with a partial last one, a 64-column block
+GEMV_SHAPES = [(1, 96, 40), (3, 1100, 70), (4, 64, 16), (2, 200, 600)]
+
+
+def gemv_inputs(rows: int, k: int, n: int, dtype: torch.dtype, bias: bool):
+    """x, its RMSNorm, a weight `(n, k)` scaled to keep outputs near 1, and maybe a bias."""
+    torch.manual_seed(rows * k + n)
+    x = (3 * torch.randn(rows, k, device=DEVICE)).to(dtype)
+    norm = RmsNorm((1 + 0.3 * torch.randn(k, device=DEVICE)).to(dtype), 1e-6)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    return x, norm, weight, torch.randn(n, device=DEVICE).to(dtype) if bias else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n", GEMV_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_matmul_matches_torch(dtype, rows, k, n, bias):
+    x, norm, weight, b = gemv_inputs(rows, k, n, dtype, bias)
+    got = triton_ops.norm_matmul(x, norm.weight, norm.eps, weight, b)
+    torch.testing.assert_close(got, F.linear(norm(x), weight, b), rtol=ulps(dtype), atol=ulps(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n", GEMV_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_norm_swiglu_matches_torch(dtype, rows, k, n, bias):
+    x, norm, gate_up, b = gemv_inputs(rows, k, 2 * n, dtype, bias)
+    got = triton_ops.norm_swiglu(x, norm.weight, norm.eps, gate_up, b)
+    torch.testing.assert_close(got, torch_swiglu(F.linear(norm(x), gate_up, b)), rtol=ulps(dtype), atol=ulps(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, k, n", GEMV_SHAPES)
+def test_matmul_residual_matches_addmm(dtype, rows, k, n):
+    x, _, weight, _ = gemv_inputs(rows, k, n, dtype, bias=False)
+    residual = torch.randn(rows, n, device=DEVICE).to(dtype)
+    got = triton_ops.matmul_residual(x, weight, residual)
+    torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), rtol=ulps(dtype), atol=ulps(dtype))
+
+
+def test_gemv_runs_for_a_few_rows_and_the_kernels_named(monkeypatch):
+    monkeypatch.setattr(pointwise, "triton_runs", lambda x: True)
+    monkeypatch.setattr(pointwise, "GEMV", frozenset({"norm_matmul", "norm_swiglu"}))
+    few, many = torch.zeros(pointwise.GEMV_MAX_ROWS, 8), torch.zeros(pointwise.GEMV_MAX_ROWS + 1, 8)
+    assert pointwise.gemv_runs("norm_matmul", few) and pointwise.gemv_runs("norm_swiglu", few)
+    assert not pointwise.gemv_runs("norm_matmul", many)
+    assert not pointwise.gemv_runs("matmul_residual", few)
+    monkeypatch.setattr(pointwise, "triton_runs", lambda x: False)  # off the GPU, or FERRUM_TORCH_TRITON=0
+    assert not pointwise.gemv_runs("norm_matmul", few)
+
+
 # -- a whole decode step ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family):
     """Two sequences at different positions, two steps: the logits with every decode-step
-    kernel on Triton (forced on the CPU under the interpreter) equal torch's."""
+    kernel on Triton (forced on the CPU under the interpreter, every GEMV on) equal torch's."""
     from ferrum_mac.llm import DecodeItem
 
     from helpers import random_tokens
@@ -212,5 +266,18 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family):
     on_triton(False)
     expected = decode_twice("torch")
     on_triton(True)
+    monkeypatch.setattr(pointwise, "GEMV", frozenset({"norm_matmul", "norm_swiglu", "matmul_residual"}))
+    calls = {name: 0 for name in pointwise.GEMV}
+    for name in calls:
+        monkeypatch.setattr(triton_ops, name, counted(getattr(triton_ops, name), name, calls))
     for got, want in zip(decode_twice("triton"), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert all(calls.values()), calls  # a decode step's two rows went through every GEMV
+
+
+def counted(fn, name: str, calls: dict):
+    def call(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    return call

@@ -26,14 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.kv import KvManager, SequenceCache
-from ferrum_mac.backends.torch.layers import Rope, fuse, linear
+from ferrum_mac.backends.torch.layers import RmsNorm, Rope, fuse, linear
 from ferrum_mac.backends.torch.pointwise import norm_and_rope, triton_runs
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
 
 class Attention:
-    """q/k/v as one fused projection, optional q/k RMSNorm (Qwen3), RoPE, then the plan's attention.
+    """The block's input norm and q/k/v as one fused projection (one Triton GEMV for a few rows
+    on CUDA), optional q/k RMSNorm (Qwen3), RoPE, then the plan's attention.
 
     q and k sit side by side in the projection's output, so their norm and rotation run
     once over all `heads + kv_heads` heads (each head normed with its own side's weight)."""
@@ -58,18 +59,18 @@ class Attention:
             self.qk_norm = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
         self.eps = c.rms_norm_eps
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """residual + attention(x): x `(T, hidden)` already normed."""
+    def __call__(self, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h + attention(norm(h)), h `(T, hidden)`."""
+        qkv = self.qkv.after_norm(h, norm)
         if plan.fused:
-            out = plan.attend_fused(self, self.qkv(x), cos, sin)
+            out = plan.attend_fused(self, qkv, cos, sin)
         else:
-            q, k, v = self.project(x, cos, sin)
+            q, k, v = self.project(qkv, cos, sin)
             out = plan.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj.plus(out, residual)
+        return self.o_proj.plus(out, h)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """-> roped q `(T, heads, dim)`, roped k and v `(T, kv_heads, dim)`."""
-        qkv = self.qkv(x)
+    def project(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The qkv projection's output -> roped q `(T, heads, dim)`, roped k and v `(T, kv_heads, dim)`."""
         qk_width = (self.heads + self.kv_heads) * self.head_dim
         qk = qkv[:, :qk_width].unflatten(-1, (self.heads + self.kv_heads, self.head_dim))
         v = qkv[:, qk_width:].unflatten(-1, (self.kv_heads, self.head_dim))

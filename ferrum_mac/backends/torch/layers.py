@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ferrum_mac.backends.torch.pointwise import gemv_runs
 from ferrum_mac.backends.torch.weights import TensorSource, to_torch
 from ferrum_mac.weights import ModelConfig
 
@@ -25,7 +26,19 @@ class Linear:
         """residual + x W^T (+ b) as one GEMM (the residual is its accumulator)."""
         if self.bias is not None or x.dim() != 2:
             return residual + self(x)
+        if gemv_runs("matmul_residual", x):
+            from ferrum_mac.backends.torch import triton_ops
+
+            return triton_ops.matmul_residual(x, self.weight, residual)
         return torch.addmm(residual, x, self.weight.t())
+
+    def after_norm(self, x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
+        """self(norm(x)); for a few rows on CUDA one Triton kernel (`pointwise.gemv_runs`)."""
+        if gemv_runs("norm_matmul", x):
+            from ferrum_mac.backends.torch import triton_ops
+
+            return triton_ops.norm_matmul(x, norm.weight, norm.eps, self.weight, self.bias)
+        return self(norm(x))
 
 
 def linear(src: TensorSource, module: str, out_dim: int, in_dim: int, bias: bool = False) -> Linear:
@@ -43,8 +56,19 @@ def fuse(linears: list[Linear]) -> Linear:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    # Normalises in float32 and rounds before the weight, as transformers' RMSNorm does.
+    # Normalises and weighs in float32, rounding once to x's dtype (transformers' RMSNorm
+    # rounds before the weight too, so the two can differ by an ulp).
     return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+class RmsNorm:
+    """`rms_norm` with its weight and eps, for the layers that may fuse it into their matmul."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight, eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Rope:

@@ -1,9 +1,13 @@
-"""The elementwise work between a block's matmuls: q/k RMSNorm + RoPE, and SwiGLU.
+"""The elementwise work between a block's matmuls: q/k RMSNorm + RoPE, and SwiGLU; and the
+switches that hand it (and, for a few rows, the matmuls beside it) to `triton_ops` on CUDA.
 
 Eagerly each is a handful of small kernels. In a CUDA decode step at batch 1 the matmuls
 take microseconds, so those launches are a real share of the step. On CUDA, where triton
 imports, SwiGLU is one `triton_ops` kernel (and a decode step's q/k norm and RoPE one more,
 fused with its KV write: see `DecodePlan`); FERRUM_TORCH_TRITON=0 keeps torch, for A/B timing.
+With a few rows (a decode step's), the matmuls after an RMSNorm take their norm into a Triton
+GEMV too (`gemv_runs`: qkv, and gate_up with SwiGLU), each kernel on or off by name in
+FERRUM_TORCH_GEMV.
 FERRUM_TORCH_COMPILE=1 turns each torch function into one fused kernel with torch.compile
 (shapes dynamic: compiled once for every token count). Off by default: it is an A/B knob
 until measured on the GPU.
@@ -19,11 +23,21 @@ import torch.nn.functional as F
 
 COMPILE = os.environ.get("FERRUM_TORCH_COMPILE", "0") == "1"
 TRITON = os.environ.get("FERRUM_TORCH_TRITON", "1") != "0"
+# The fused GEMV kernels in use, by name: "norm_matmul" (RMSNorm + qkv projection),
+# "norm_swiglu" (RMSNorm + gate_up + SwiGLU), "matmul_residual" (o_proj and down plus the
+# residual; off unless named, until it beats cuBLAS's addmm on the GPU). "" for none.
+GEMV = frozenset(os.environ.get("FERRUM_TORCH_GEMV", "norm_matmul,norm_swiglu").split(","))
+GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
 
 
 def triton_runs(x: torch.Tensor) -> bool:
     """Whether `triton_ops` does the work on `x`: on CUDA, with triton installed, unless turned off."""
     return TRITON and x.is_cuda and triton_imports()
+
+
+def gemv_runs(kernel: str, x: torch.Tensor) -> bool:
+    """Whether the Triton GEMV `kernel` (named as in GEMV) takes x `(rows, K)`: a few rows on CUDA."""
+    return kernel in GEMV and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and triton_runs(x)
 
 
 @functools.cache

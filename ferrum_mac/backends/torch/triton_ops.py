@@ -1,5 +1,6 @@
-"""Triton kernels for a decode step's small work between the matmuls: what eager torch does in
-about a dozen launches per layer, in four.
+"""Triton kernels for a CUDA decode step: the small work between the matmuls (what eager torch
+does in about a dozen launches per layer, in four), and for a step's few rows the matmuls
+with the RMSNorm before them or the SwiGLU after.
 
 - `norm_rope_write`: q/k RMSNorm + RoPE on the fused qkv projection's output, q returned, k
   and v written straight into the KV pool at a `DecodePlan`'s places.
@@ -10,10 +11,15 @@ about a dozen launches per layer, in four.
   (row, kv head) spreads its keys over several programs, whose partial softmaxes a second
   kernel merges, so a small batch still fills the GPU.
 - `swiglu`: silu(gate) * up (* per-row weights) from the fused gate_up output.
+- GEMVs for up to 16 rows, a weight read once for all of them (a block of output columns per
+  program, tl.dot over K in chunks, the rows padded to 16): `norm_matmul` (RMSNorm, then x W^T;
+  every program norms the few rows itself), `norm_swiglu` (RMSNorm, gate_up and SwiGLU: a
+  program takes matching gate and up columns), `matmul_residual` (x W^T + residual).
 
-Results round where transformers' eager code rounds (norm in float32, rounded before the
-weight; each product of RoPE and SwiGLU rounded to the activations' dtype), so they match the
-torch path to the last bit or so. Attention keeps its softmax and sums in float32.
+Results round where the torch path rounds (the q/k norm in float32, rounded before the
+weight; the block norms weighed in float32 and rounded once, as F.rms_norm; each product of
+RoPE and SwiGLU rounded to the activations' dtype; matmuls summed in float32 and rounded
+once), so they match it to the last bit or so. Attention keeps its softmax and sums in float32.
 
 The entry functions launch on whatever tensors they are given: on CUDA, or on CPU tensors
 under Triton's interpreter (`TRITON_INTERPRET=1`, for tests). Choosing to use them (CUDA
@@ -59,7 +65,7 @@ def norm_rope_write(qkv: torch.Tensor, heads: int, weight: torch.Tensor | None, 
 
 KEYS_PER_BLOCK = 64  # keys a program scores per step of its loop
 MAX_SPLITS = 32
-MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: a query group is padded to it
+MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: a query group, or a GEMV's few rows, is padded to it
 
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: torch.Tensor, scale: float,
@@ -133,6 +139,57 @@ def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.
         flat, flat.stride(0), weights, out, width, HAS_WEIGHTS=has_weights, BLOCK=SWIGLU_BLOCK, num_warps=4
     )
     return out.reshape(*lead, width)
+
+
+
+def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """rms_norm(x) W^T (+ bias) for a few rows: x `(M, K)`, W `(N, K)` -> `(M, N)`."""
+    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps)
+
+
+def norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """silu(gate) * up from rms_norm(x) times the fused `gate_up` `(2 * width, K)` (gate rows
+    first) (+ bias) for a few rows -> `(M, width)`: gate_up's output is never stored."""
+    return _gemv(x, gate_up, bias, norm_weight=norm_weight, eps=eps, swiglu=True)
+
+
+def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x W^T for a few rows (what `torch.addmm(residual, x, W.t())` gives)."""
+    return _gemv(x, weight, None, residual=residual)
+
+
+def _gemv(x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=None) -> torch.Tensor:
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    assert rows <= MIN_DOT_ROWS and weight.shape[1] == k and weight.is_contiguous()
+    x = x.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_n, block_k = gemv_blocks(n, k, x.device, weight.element_size())
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
+        x if residual is None else residual.contiguous(), out, rows, eps,  # (x: any pointer, never read)
+        ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=GEMV_STAGES,
+    )  # fmt: skip
+    return out
+
+
+GEMV_TILE_BYTES = 8192  # of the weight (each of gate and up), per program and step of its loop over K
+GEMV_STAGES = 4  # tiles a program has in flight (software pipelining)
+
+
+def gemv_blocks(n: int, k: int, device: torch.device, element_size: int) -> tuple[int, int]:
+    """A program's output columns and K chunk: the widest column block (up to 64) that still
+    gives every SM a program, and a chunk of the weight GEMV_TILE_BYTES in size."""
+    block_n = 64
+    while block_n > 16 and triton.cdiv(n, block_n) < multiprocessors(device):
+        block_n //= 2
+    block_k = min(triton.next_power_of_2(k), GEMV_TILE_BYTES // (block_n * element_size))
+    return block_n, max(block_k, 16)
 
 
 # -- kernels ------------------------------------------------------------------------------------
@@ -270,3 +327,63 @@ if triton is not None:
         if HAS_WEIGHTS:
             out = _round(out * tl.load(weights_ptr + row).to(tl.float32), raw)
         tl.store(out_ptr + row * width + columns, out.to(raw.dtype), mask=inside)
+
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, rows, eps, ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # One program per block of BLOCK_N output columns (with SWIGLU: of gate, and the same
+        # columns of up, N rows further down the weight), over all of K. x's few rows are
+        # padded to ROWS_PAD for tl.dot; the padding is masked, so never read or written. Every
+        # program norms x itself: x is a few KiB, the weight is what takes the time.
+        row_ids = tl.arange(0, ROWS_PAD)
+        live = row_ids < rows
+        if HAS_NORM:
+            inv_rms = _inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK)
+        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = columns < N
+        tiles = weight_ptr + columns[:, None].to(tl.int64) * K
+        acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
+        up_acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)  # (SWIGLU only)
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_inside = ks < K
+            x = tl.load(x_ptr + row_ids[:, None] * K + ks[None, :], mask=live[:, None] & k_inside[None, :], other=0.0)
+            if HAS_NORM:  # F.rms_norm's rounding: scaled by 1/rms and the weight in float32, rounded once
+                norm = tl.load(norm_ptr + ks, mask=k_inside, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * inv_rms[:, None] * norm[None, :]).to(x.dtype)
+            both = inside[:, None] & k_inside[None, :]
+            w = tl.load(tiles + ks[None, :], mask=both, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if SWIGLU:
+                up = tl.load(tiles + N * K + ks[None, :], mask=both, other=0.0)
+                up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
+
+        dtype = out_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
+            if SWIGLU:
+                up_acc += tl.load(bias_ptr + N + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
+        if HAS_RESIDUAL:  # as addmm: added to the float32 sum, rounded once
+            acc += tl.load(residual_ptr + row_ids[:, None] * N + columns[None, :], mask=live[:, None] & inside[None, :], other=0.0).to(tl.float32)
+        if SWIGLU:  # rounded where the torch path stores: gate, up, silu(gate), the product
+            gate = acc.to(dtype).to(tl.float32)
+            up = up_acc.to(dtype).to(tl.float32)
+            acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        tl.store(out_ptr + row_ids[:, None] * N + columns[None, :], acc.to(dtype), mask=live[:, None] & inside[None, :])
+
+    @triton.jit
+    def _inverse_rms(x_ptr, rows, row_ids, eps, K: tl.constexpr, BLOCK: tl.constexpr):
+        """1 / rms of each row of x `(rows, K)`, at its place in a vector like `row_ids` (0 past `rows`)."""
+        inv_rms = tl.zeros(row_ids.shape, dtype=tl.float32)
+        for row in range(rows):
+            squares = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, K, BLOCK):
+                ks = start + tl.arange(0, BLOCK)
+                v = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+                squares += v * v
+            inv_rms = tl.where(row_ids == row, 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps), inv_rms)
+        return inv_rms

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.attention import Attention
-from ferrum_mac.backends.torch.layers import Linear, Rope, fuse, linear, rms_norm
-from ferrum_mac.backends.torch.pointwise import swiglu
+from ferrum_mac.backends.torch.layers import Linear, RmsNorm, Rope, fuse, linear, rms_norm
+from ferrum_mac.backends.torch.pointwise import gemv_runs, swiglu
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
@@ -24,9 +24,15 @@ class Mlp:
         )
         self.down = linear(src, f"{prefix}.down_proj", c.hidden_size, hidden, bias)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + mlp(x)."""
-        return self.down.plus(swiglu(self.gate_up(x)), residual)
+    def __call__(self, h: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
+        """h + mlp(norm(h)); for a few rows on CUDA, norm, gate_up and SwiGLU are one Triton GEMV."""
+        if gemv_runs("norm_swiglu", h):
+            from ferrum_mac.backends.torch import triton_ops
+
+            a = triton_ops.norm_swiglu(h, norm.weight, norm.eps, self.gate_up.weight, self.gate_up.bias)
+        else:
+            a = swiglu(self.gate_up(norm(h)))
+        return self.down.plus(a, h)
 
 
 class Block:
@@ -36,13 +42,14 @@ class Block:
         p = f"layers.{layer}"
         self.attn = Attention(src, config, layer, rope)
         self.mlp = mlp
-        self.attn_norm = src.norm(f"{p}.input_layernorm", config.hidden_size)
-        self.mlp_norm = src.norm(f"{p}.post_attention_layernorm", config.hidden_size)
-        self.eps = config.rms_norm_eps
+        self.attn_norm = RmsNorm(src.norm(f"{p}.input_layernorm", config.hidden_size), config.rms_norm_eps)
+        self.mlp_norm = RmsNorm(src.norm(f"{p}.post_attention_layernorm", config.hidden_size), config.rms_norm_eps)
 
     def __call__(self, h: torch.Tensor, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = self.attn(rms_norm(h, self.attn_norm, self.eps), h, plan, cos, sin)
-        return self.mlp(rms_norm(h, self.mlp_norm, self.eps), h)
+        h = self.attn(h, self.attn_norm, plan, cos, sin)
+        if isinstance(self.mlp, Mlp):  # norms its input itself, to fuse the norm into its first kernel
+            return self.mlp(h, self.mlp_norm)
+        return self.mlp(self.mlp_norm(h), h)
 
 
 class Model:

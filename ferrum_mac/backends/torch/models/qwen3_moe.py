@@ -15,6 +15,11 @@ decode step with experts can be captured as a CUDA graph.
   (gpt-fast's way); for a few pairs where grouped_mm is unavailable.
 - dense: every expert over every token, weighted by a mostly-zero `(T, E)` routing matrix;
   reads each expert once, for many pairs where grouped_mm is unavailable.
+
+At decode sizes on CUDA (up to TRITON_MAX_PAIRS pairs, where `pointwise.triton_runs`) the
+whole block after the gate projection is three `triton_moe` kernels instead: router, gate_up
+with SwiGLU, down with the sum over k and the residual add. A forced route (FERRUM_MOE_ROUTE)
+or FERRUM_TORCH_TRITON=0 keeps torch.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.layers import Linear, linear
 from ferrum_mac.backends.torch.models import llama
-from ferrum_mac.backends.torch.pointwise import swiglu
+from ferrum_mac.backends.torch.pointwise import swiglu, triton_runs
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 from ferrum_mac.weights.moe import MoeConfig, moe_config
@@ -35,6 +40,9 @@ from ferrum_mac.weights.moe import MoeConfig, moe_config
 GATHER_MAX_PAIRS = 64
 # Force a route ("grouped", "gathered" or "dense") for A/B timing and tests; "" chooses.
 ROUTE = os.environ.get("FERRUM_MOE_ROUTE", "")
+# At most this many token-expert pairs take the Triton kernels (a pair is a GEMV there; a
+# prefill's many pairs are better served by grouped GEMMs).
+TRITON_MAX_PAIRS = 256
 
 
 def grouped_mm_runs(weight: torch.Tensor) -> bool:
@@ -136,8 +144,20 @@ class SparseMoe:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + moe(x), x `(T, hidden)`."""
+        if self.on_triton(x):
+            return self.triton_block(x, residual)
         experts, weights = self.router(x)
         return residual + self.experts(x, experts, weights)
+
+    def on_triton(self, x: torch.Tensor) -> bool:
+        return not ROUTE and x.shape[0] * self.router.top_k <= TRITON_MAX_PAIRS and triton_runs(x)
+
+    def triton_block(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        from ferrum_mac.backends.torch import triton_moe
+
+        router, experts = self.router, self.experts
+        ids, weights = triton_moe.route(router.gate(x), router.top_k, router.renormalise, x.dtype)
+        return triton_moe.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
 
 
 class Model(llama.Model):

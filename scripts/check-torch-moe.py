@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Checks and times the torch backend's Triton MoE kernels (`ferrum_mac/backends/torch/triton_moe.py`)
+on a CUDA GPU at Qwen3-30B-A3B's MoE layer shape (128 experts, top 8, hidden 2048, expert
+intermediate 768) in bf16 with random weights, for 1, 8 and 32 tokens:
+
+- router: `qwen3_moe.Router` (softmax, top k, renormalise) vs `triton_moe.route`
+- gate_up + SwiGLU: the gathered route's per-pair activations vs `triton_moe.gate_up_swiglu`
+- down + sum over k + residual: the gathered route's vs `triton_moe.down_sum_plus`
+- block: the grouped route (what runs today) vs `SparseMoe.triton_block`, both from x
+
+then times the whole block (gate projection, router, experts, residual add) both ways. Times are
+device microseconds per call, from CUDA graphs of 100 back-to-back calls (a decode step runs as
+a graph). GB/s: the chosen experts' weights (each read once) over the Triton block's time.
+`--sweep` also times the two expert kernels at other tile sizes. Exits 1 on a mismatch. Needs
+only torch (with its triton); from the repository root:
+
+    python3 scripts/check-torch-moe.py [--sweep]
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ferrum_mac.backends.torch import pointwise, triton_moe  # noqa: E402
+from ferrum_mac.backends.torch.models.qwen3_moe import SparseMoe  # noqa: E402
+from ferrum_mac.backends.torch.weights import TensorSource  # noqa: E402
+from ferrum_mac.weights import ModelConfig  # noqa: E402
+from ferrum_mac.weights.moe import MoeConfig  # noqa: E402
+
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+TOKENS = (1, 8, 32)
+DTYPE = torch.bfloat16
+TOLERANCE = 2e-2  # a couple of bf16 ulps near 1
+GRAPH_CALLS, REPLAYS = 100, 5
+SWEEP_GATE_UP = [(16, 128), (16, 256), (32, 128), (32, 64), (64, 64)]  # (block_i, block_h)
+SWEEP_DOWN = [(16, 256), (8, 256), (16, 128), (32, 128), (32, 64)]  # (block_h, block_i)
+
+failures: list[str] = []
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: this script checks the Triton kernels on a GPU", file=sys.stderr)
+        return 2
+    if triton_moe.triton is None:
+        print("triton does not import", file=sys.stderr)
+        return 2
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton_moe.triton.__version__}")
+    print(f"experts {EXPERTS}, top {TOP_K}, hidden {HIDDEN}, intermediate {INTER}, {DTYPE}\n")
+    torch.manual_seed(0)
+    moe = random_moe()
+    timings, sweeps = [], []
+    for tokens in TOKENS:
+        x, residual = (torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE) for _ in range(2))
+        check(moe, x, residual)
+        timings.append(time_blocks(moe, x, residual))
+        if "--sweep" in sys.argv:
+            sweeps += sweep(moe, x, residual)
+
+    print(f"{'tokens':>6} {'grouped us':>10} {'triton us':>9} {'speedup':>7}  {'route':>6} {'gate_up':>7} {'down':>6}  {'GB/s':>5}")
+    for tokens, grouped, fused, route, gate_up, down, gbps in timings:
+        print(f"{tokens:>6} {grouped:>10.2f} {fused:>9.2f} {grouped / fused:>6.2f}x  {route:>6.2f} {gate_up:>7.2f} {down:>6.2f}  {gbps:>5.0f}")
+    if sweeps:
+        print(f"\n{'tokens':>6}  {'kernel':<8} {'blocks':<9} {'us':>7}")
+        for tokens, kernel, blocks, us in sweeps:
+            print(f"{tokens:>6}  {kernel:<8} {str(blocks):<9} {us:>7.2f}")
+    if failures:
+        print(f"\n{len(failures)} mismatch(es):\n  " + "\n  ".join(failures))
+        return 1
+    print("\nall kernels match the torch path")
+    return 0
+
+
+def random_moe() -> SparseMoe:
+    """One MoE layer of random weights on the GPU, scaled so each projection keeps unit variance."""
+    def randn(*shape, scale):
+        return torch.randn(*shape, device="cuda", dtype=DTYPE) * scale
+
+    tensors = {
+        "layers.0.mlp.gate.weight": randn(EXPERTS, HIDDEN, scale=HIDDEN**-0.5),
+        "layers.0.mlp.experts.gate_up_proj": randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
+        "layers.0.mlp.experts.down_proj": randn(EXPERTS, HIDDEN, INTER, scale=INTER**-0.5),
+    }
+    config = ModelConfig("qwen3_moe", 151936, HIDDEN, 6144, 1, 32, 4, 128)
+    moe = MoeConfig(num_experts=EXPERTS, top_k=TOP_K, intermediate_size=INTER, norm_topk_prob=True)
+    return SparseMoe(TensorSource(tensors, config, DTYPE, torch.device("cuda"), "random"), config, 0, moe)
+
+
+def check(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> None:
+    tokens = x.shape[0]
+    where = f"tokens={tokens}"
+    router, experts = moe.router, moe.experts
+    want_ids, want_weights = router(x)
+    ids, weights = triton_moe.route(router.gate(x), TOP_K, router.renormalise, DTYPE)
+    if not torch.equal(ids.long(), want_ids):
+        probs = torch.softmax(router.gate(x).float(), dim=-1)  # bf16 logits can tie: either expert is right
+        if not torch.equal(probs.gather(1, ids.long()), probs.gather(1, want_ids)):
+            failures.append(f"{where} router: other experts chosen")
+    compare(f"{where} router weights", weights, want_weights)
+
+    # each expert kernel from the torch path's own inputs
+    ids = want_ids.int()
+    gate_up = experts.gate_up[want_ids.reshape(-1)]  # (T * k, 2I, H): the gathered route's
+    rows = x.repeat_interleave(TOP_K, dim=0)[:, :, None]
+    activations = pointwise.swiglu(torch.bmm(gate_up, rows)[..., 0], want_weights.reshape(-1, 1))
+    compare(f"{where} gate_up+swiglu", triton_moe.gate_up_swiglu(x, ids, want_weights, experts.gate_up), activations)
+    del gate_up
+    down = experts.down[want_ids.reshape(-1)]
+    want = residual + torch.bmm(down, activations[:, :, None])[..., 0].view(tokens, TOP_K, HIDDEN).sum(dim=1)
+    compare(f"{where} down+sum+residual", triton_moe.down_sum_plus(activations, ids, experts.down, residual), want)
+    del down
+    compare(f"{where} block vs grouped", moe.triton_block(x, residual), grouped_block(moe, x, residual))
+
+
+def grouped_block(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The block as it runs without the Triton MoE kernels (grouped_mm on an SM80+ GPU)."""
+    assert moe.experts.route(x.shape[0] * TOP_K) == "grouped"
+    return residual + moe.experts(x, *moe.router(x))
+
+
+def time_blocks(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> tuple:
+    router, experts = moe.router, moe.experts
+    logits = router.gate(x)
+    ids, weights = triton_moe.route(logits, TOP_K, router.renormalise, DTYPE)
+    activations = triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up)
+    fused = graph_us(lambda: moe.triton_block(x, residual))
+    chosen = ids.unique().numel()
+    weight_bytes = chosen * 3 * INTER * HIDDEN * experts.down.element_size()
+    return (
+        x.shape[0],
+        graph_us(lambda: grouped_block(moe, x, residual)),
+        fused,
+        graph_us(lambda: triton_moe.route(logits, TOP_K, router.renormalise, DTYPE)),
+        graph_us(lambda: triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up)),
+        graph_us(lambda: triton_moe.down_sum_plus(activations, ids, experts.down, residual)),
+        weight_bytes / fused / 1e3,
+    )
+
+
+def sweep(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> list:
+    experts = moe.experts
+    ids, weights = triton_moe.route(moe.router.gate(x), TOP_K, moe.router.renormalise, DTYPE)
+    activations = triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up)
+    rows = []
+    for block_i, block_h in SWEEP_GATE_UP:
+        def gate_up():
+            return triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up, block_i=block_i, block_h=block_h)
+
+        compare(f"tokens={x.shape[0]} gate_up {block_i, block_h}", gate_up(), activations)
+        rows.append((x.shape[0], "gate_up", (block_i, block_h), graph_us(gate_up)))
+    for block_h, block_i in SWEEP_DOWN:
+        def down():
+            return triton_moe.down_sum_plus(activations, ids, experts.down, residual, block_h=block_h, block_i=block_i)
+
+        rows.append((x.shape[0], "down", (block_h, block_i), graph_us(down)))
+    return rows
+
+
+def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    diff = (got.float() - want.float()).abs()
+    bound = TOLERANCE * (1 + want.float().abs())
+    if got.shape != want.shape or not bool((diff <= bound).all()):
+        failures.append(f"{what}: max |diff| {diff.max().item():.3g}, {int((diff > bound).sum())} of {diff.numel()} out of tolerance")
+
+
+def graph_us(fn) -> float:
+    """Device time per call of `fn`, from a CUDA graph of GRAPH_CALLS calls."""
+    for _ in range(3):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (GRAPH_CALLS * REPLAYS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

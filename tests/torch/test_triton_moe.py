@@ -1,0 +1,234 @@
+"""The Triton MoE kernels (`triton_moe`) against the torch code they replace: the router, the
+pairs' gate_up + SwiGLU, the down projection summed over k plus the residual, the whole
+block, and a Qwen3-MoE decode through them.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors, so shapes stay small
+(8 or 16 experts, hidden 64); with one they run compiled on it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = not torch.cuda.is_available()
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+# Triton reads TRITON_INTERPRET when a kernel is defined (when triton_moe is imported) and at
+# launches, so it stays set for the session.
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from ferrum_mac.backends.torch import triton_moe  # noqa: E402
+from ferrum_mac.backends.torch.layers import Linear  # noqa: E402
+from ferrum_mac.backends.torch.models import qwen3_moe  # noqa: E402
+from ferrum_mac.backends.torch.models.qwen3_moe import Router, SparseMoe  # noqa: E402
+from ferrum_mac.backends.torch.pointwise import torch_swiglu  # noqa: E402
+from ferrum_mac.backends.torch.weights import TensorSource  # noqa: E402
+from ferrum_mac.weights import ModelConfig  # noqa: E402
+from ferrum_mac.weights.moe import MoeConfig  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter_rounds_like_a_gpu():
+    """The interpreter (Triton 3.6), made to compute as a GPU does, for this module only:
+    - it truncates float32 to bfloat16 where a GPU (and torch) rounds to nearest even;
+    - its `tl.dot` multiplies bfloat16 operands as the raw uint16 they are stored in.
+    It pays per program more than per element, so by default programs take wide blocks here
+    (the kernel tests ask for narrow ones, to cover partial blocks and loops)."""
+    if not INTERPRET:
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = type(interpreter.interpreter_builder)
+    cast, dot = builder.cast_impl, builder.create_dot
+
+    def cast_to_nearest_bfloat16(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    def dot_of_bfloat16_values(self, a, b, acc, *args):
+        if a.dtype.scalar == tl.bfloat16:  # bf16 bits are a float32's top half
+            a, b = (interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32) for h in (a, b))
+        return dot(self, a, b, acc, *args)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(builder, "cast_impl", cast_to_nearest_bfloat16)
+    patch.setattr(builder, "create_dot", dot_of_bfloat16_values)
+    patch.setattr(triton_moe, "GATE_UP_BLOCK_I", 64)
+    patch.setattr(triton_moe, "DOWN_BLOCK_H", 64)
+    yield
+    patch.undo()
+
+
+def ulps(dtype: torch.dtype) -> float:
+    """A couple of units in the last place for `dtype`'s activations."""
+    return {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+
+
+def distinct_logits(tokens: int, experts: int, dtype: torch.dtype) -> torch.Tensor:
+    """Gate logits without ties (each row a shuffle of multiples of 1/8, exact in bf16), so the
+    top k is one set of experts, whichever way ties would break."""
+    rows = torch.stack([torch.randperm(experts) for _ in range(tokens)]).float()
+    return ((rows - experts / 2) / 8).to(dtype).to(DEVICE)
+
+
+def random_moe(experts: int, top_k: int, hidden: int, inter: int, renormalise: bool, dtype: torch.dtype) -> SparseMoe:
+    """One sparse MoE layer of random weights, scaled so each projection keeps unit variance."""
+    tensors = {
+        "layers.0.mlp.gate.weight": torch.randn(experts, hidden) * hidden**-0.5 * 4,
+        "layers.0.mlp.experts.gate_up_proj": torch.randn(experts, 2 * inter, hidden) * hidden**-0.5,
+        "layers.0.mlp.experts.down_proj": torch.randn(experts, hidden, inter) * inter**-0.5,
+    }
+    config = ModelConfig("qwen3_moe", 320, hidden, 4 * hidden, 1, 4, 2, 16)
+    moe = MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=inter, norm_topk_prob=renormalise)
+    return SparseMoe(TensorSource(tensors, config, dtype, DEVICE, "random"), config, 0, moe)
+
+
+def torch_pair_activations(moe: SparseMoe, x, ids, weights) -> torch.Tensor:
+    """The torch path's SwiGLU outputs per pair, (token, slot) order: each projection rounded."""
+    gate_up = moe.experts.gate_up[ids.reshape(-1).long()]  # (T * k, 2I, H)
+    rows = x.repeat_interleave(ids.shape[1], dim=0)[:, :, None]
+    return torch_swiglu(torch.bmm(gate_up, rows)[..., 0], weights.reshape(-1, 1))
+
+
+# experts, top k, hidden, intermediate, tokens: a lone token; every expert shared (5 tokens
+# choose 4 of 8); a partial column block (48 = 16 * 3, blocks of 32 tested below)
+SHAPES = [(16, 2, 64, 32, 1), (8, 4, 64, 48, 5), (16, 3, 64, 48, 3)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# -- router -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts, top_k, tokens", [(8, 2, 1), (16, 4, 5), (12, 3, 3)])
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_route_matches_router(dtype, experts, top_k, tokens, renormalise):
+    torch.manual_seed(1)
+    logits = distinct_logits(tokens, experts, dtype)
+    identity = Linear(torch.eye(experts, dtype=dtype, device=DEVICE))  # the router's gate passes the logits through
+    want_ids, want_weights = Router(identity, top_k, renormalise)(logits)
+
+    ids, weights = triton_moe.route(logits, top_k, renormalise, dtype)
+
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=ulps(dtype) / 4, atol=ulps(dtype) / 4)
+
+
+def test_route_breaks_ties_to_the_lower_index():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]], device=DEVICE)
+    ids, weights = triton_moe.route(logits, 2, False, torch.float32)
+    assert ids.tolist() == [[1, 3]] and weights[0, 0] == weights[0, 1]
+
+
+# -- experts --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts, top_k, hidden, inter, tokens", SHAPES)
+def test_gate_up_swiglu_matches_torch(dtype, experts, top_k, hidden, inter, tokens):
+    torch.manual_seed(2)
+    moe = random_moe(experts, top_k, hidden, inter, True, dtype)
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    ids, weights = triton_moe.route(moe.router.gate(x), top_k, True, dtype)
+
+    got = triton_moe.gate_up_swiglu(x, ids, weights, moe.experts.gate_up, block_i=32, block_h=32)
+
+    want = torch_pair_activations(moe, x, ids, weights)
+    torch.testing.assert_close(got, want, rtol=ulps(dtype), atol=ulps(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts, top_k, hidden, inter, tokens", SHAPES)
+def test_down_sum_plus_is_one_rounding_of_the_exact_sum(dtype, experts, top_k, hidden, inter, tokens):
+    """Within a rounding of the float64 result; the torch path, which rounds each pair's output
+    and the sum before the residual add, is further off (bf16: a few ulps)."""
+    torch.manual_seed(3)
+    moe = random_moe(experts, top_k, hidden, inter, False, dtype)
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int().to(DEVICE)
+    activations = torch.randn(tokens * top_k, inter, device=DEVICE).to(dtype)
+    residual = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+
+    got = triton_moe.down_sum_plus(activations, ids, moe.experts.down, residual, block_h=32, block_i=32)
+
+    down = moe.experts.down[ids.reshape(-1).long()]  # (T * k, H, I)
+    per_pair = torch.bmm(down.double(), activations.double()[:, :, None])[..., 0]
+    exact = residual.double() + per_pair.view(tokens, top_k, hidden).sum(dim=1)
+    close = {torch.float32: 1e-5, torch.bfloat16: 2**-8}[dtype]  # bf16: one ulp
+    torch.testing.assert_close(got.double(), exact, rtol=close, atol=1e-5)
+    torch_path = residual + torch.bmm(down, activations[:, :, None])[..., 0].view(tokens, top_k, hidden).sum(dim=1)
+    torch.testing.assert_close(got, torch_path, rtol=ulps(dtype), atol=ulps(dtype))
+
+
+@pytest.mark.parametrize("dtype, route, renormalise", [
+    (torch.float32, "grouped", True), (torch.bfloat16, "grouped", False),
+    (torch.float32, "gathered", False), (torch.bfloat16, "gathered", True),
+])  # fmt: skip
+def test_moe_block_matches_the_torch_routes(dtype, route, renormalise):
+    torch.manual_seed(4)
+    moe = random_moe(8, 4, 64, 48, renormalise, dtype)
+    x = torch.randn(5, 64, device=DEVICE).to(dtype)
+    residual = torch.randn(5, 64, device=DEVICE).to(dtype)
+    experts, weights = moe.router(x)
+    top = torch.softmax(moe.router.gate(x).float(), dim=-1).topk(5).values
+    assert (top[:, 3] > top[:, 4]).all(), "the seed gives no tie at the top-k cut"
+
+    got = moe.triton_block(x, residual)
+
+    pairs = getattr(moe.experts, route)(x, experts.reshape(-1), weights.reshape(-1))
+    want = residual + pairs.view(5, 4, -1).sum(dim=1)
+    torch.testing.assert_close(got, want, rtol=ulps(dtype), atol=ulps(dtype))
+
+
+def test_triton_block_only_for_decode_sizes_on_cuda(monkeypatch):
+    moe = random_moe(8, 4, 64, 32, True, torch.float32)
+    x = torch.randn(64, 64)
+    assert not moe.on_triton(x)  # a CPU tensor
+    monkeypatch.setattr(qwen3_moe, "triton_runs", lambda x: True)
+    assert moe.on_triton(x) and not moe.on_triton(torch.randn(65, 64))  # 256 pairs at most
+    monkeypatch.setattr(qwen3_moe, "ROUTE", "grouped")  # a forced torch route
+    assert not moe.on_triton(x)
+
+
+# -- a whole decode -----------------------------------------------------------------------------
+
+
+def test_decode_batch_through_triton_moe_matches_torch(zoo, monkeypatch):
+    """Two sequences at different positions, two steps of the tiny Qwen3-MoE: the logits with
+    the MoE blocks on Triton (forced on the CPU under the interpreter) equal torch's."""
+    from ferrum_mac.llm import DecodeItem
+
+    from helpers import random_tokens
+
+    model = zoo.ferrum("qwen3_moe", "torch")
+    prompts = {"a": random_tokens(3, seed=4), "b": random_tokens(6, seed=5)}
+
+    def decode_twice(tag: str) -> list[torch.Tensor]:
+        for name, prompt in prompts.items():
+            model.prefill(f"{tag}-{name}", prompt)
+        logits = []
+        for step in range(2):
+            items = [DecodeItem(f"{tag}-{n}", 3 + step, len(p) + step) for n, p in prompts.items()]
+            logits.append(model.decode_batch(items).clone())
+        for name in prompts:
+            model.release(f"{tag}-{name}")
+        return logits
+
+    launches = []
+    monkeypatch.setattr(qwen3_moe, "triton_runs", lambda x: False)
+    expected = decode_twice("torch")
+    monkeypatch.setattr(qwen3_moe, "triton_runs", lambda x: True)
+    route = triton_moe.route
+    monkeypatch.setattr(triton_moe, "route", lambda *args: launches.append(1) or route(*args))
+    for got, want in zip(decode_twice("triton"), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert launches, "the MoE blocks ran on Triton"

@@ -281,3 +281,14 @@ def counted(fn, name: str, calls: dict):
         return fn(*args, **kwargs)
 
     return call
+
+
+def test_triton_runs_only_inside_a_decode_step(monkeypatch):
+    monkeypatch.setattr(pointwise, "TRITON", True)
+    monkeypatch.setattr(pointwise, "triton_imports", lambda: True)
+    on_cuda = SimpleNamespace(is_cuda=True)
+    assert not pointwise.triton_runs(on_cuda)  # prefill and unified steps: torch's own ops
+    with pointwise.decode_step():
+        assert pointwise.triton_runs(on_cuda)
+        assert not pointwise.triton_runs(SimpleNamespace(is_cuda=False))
+    assert not pointwise.triton_runs(on_cuda)

@@ -15,6 +15,7 @@ until measured on the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -23,16 +24,34 @@ import torch.nn.functional as F
 
 COMPILE = os.environ.get("FERRUM_TORCH_COMPILE", "0") == "1"
 TRITON = os.environ.get("FERRUM_TORCH_TRITON", "1") != "0"
-# The fused GEMV kernels in use, by name: "norm_matmul" (RMSNorm + qkv projection),
-# "norm_swiglu" (RMSNorm + gate_up + SwiGLU), "matmul_residual" (o_proj and down plus the
-# residual; off unless named, until it beats cuBLAS's addmm on the GPU). "" for none.
-GEMV = frozenset(os.environ.get("FERRUM_TORCH_GEMV", "norm_matmul,norm_swiglu").split(","))
+# The fused GEMV kernels in use, by name: "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
+# "matmul_residual" (o_proj and down plus the residual), "norm_matmul" (RMSNorm + qkv
+# projection; off unless named: on the H100 it lost to cuBLAS on Qwen3-8B's qkv at 1 row,
+# 31.9 against 29.0 us, and on both shapes at 4 rows). "" for none.
+GEMV = frozenset(os.environ.get("FERRUM_TORCH_GEMV", "norm_swiglu,matmul_residual").split(","))
 GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
 
 
+_IN_DECODE_STEP = False
+
+
+@contextlib.contextmanager
+def decode_step():
+    """Marks a decode step's forward (`steps.DecodeStep`), the only place Triton kernels run:
+    there they are captured once in a CUDA graph. Launched eagerly (prefill, unified steps)
+    each Triton call costs tens of microseconds of Python, more than the torch op it replaces."""
+    global _IN_DECODE_STEP
+    outer, _IN_DECODE_STEP = _IN_DECODE_STEP, True
+    try:
+        yield
+    finally:
+        _IN_DECODE_STEP = outer
+
+
 def triton_runs(x: torch.Tensor) -> bool:
-    """Whether `triton_ops` does the work on `x`: on CUDA, with triton installed, unless turned off."""
-    return TRITON and x.is_cuda and triton_imports()
+    """Whether `triton_ops` does the work on `x`: in a decode step on CUDA, with triton
+    installed, unless turned off."""
+    return TRITON and _IN_DECODE_STEP and x.is_cuda and triton_imports()
 
 
 def gemv_runs(kernel: str, x: torch.Tensor) -> bool:

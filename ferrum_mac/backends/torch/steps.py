@@ -22,6 +22,7 @@ from collections import OrderedDict
 import torch
 
 from ferrum_mac.backends.torch.attention import DecodePlan
+from ferrum_mac.backends.torch.pointwise import decode_step
 from ferrum_mac.backends.torch.kv import KvManager
 
 # FERRUM_CUDA_GRAPHS=0 runs CUDA decode steps eagerly (for debugging and A/B timing).
@@ -74,8 +75,9 @@ class DecodeStep:
         return self.out.clone()
 
     def forward(self) -> torch.Tensor:
-        plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype)
-        return self.model.logits(self.model.hidden(self.tokens, plan))
+        with decode_step():
+            plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype)
+            return self.model.logits(self.model.hidden(self.tokens, plan))
 
     def capture(self) -> None:
         try:

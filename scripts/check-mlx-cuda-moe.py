@@ -57,10 +57,12 @@ def check(bits) -> bool:
         for renorm in (True, False):
             ids, w = cuda_moe.route(logits, K, renorm, mx.bfloat16)
             ref_ids, ref_w = mlx_route(logits, renorm)
-            order, ref_order = mx.argsort(ids, axis=-1), mx.argsort(ref_ids, axis=-1)
-            same = mx.array_equal(mx.take_along_axis(ids, order, -1), mx.take_along_axis(ref_ids.astype(mx.uint32), ref_order, -1)).item()
-            print(f"check router T={T:2d} renorm={renorm!s:5s} same experts: {same}")
-            ok &= same and close(f"router weights T={T} renorm={renorm}", mx.take_along_axis(w, order, -1), mx.take_along_axis(ref_w, ref_order, -1), 1e-2)
+            # bf16 logits tie often: compare the chosen logits (and weights), not the ids
+            chosen = mx.sort(mx.take_along_axis(logits, ids.astype(mx.int32), -1), axis=-1)
+            ref_chosen = mx.sort(mx.take_along_axis(logits, ref_ids.astype(mx.int32), -1), axis=-1)
+            same = mx.array_equal(chosen, ref_chosen).item()
+            print(f"check router T={T:2d} renorm={renorm!s:5s} same top-k logits: {same}")
+            ok &= same and close(f"router weights T={T} renorm={renorm}", mx.sort(w, axis=-1), mx.sort(ref_w, axis=-1), 1e-2)
         a = cuda_moe.gate_up_swiglu(x, gate_up, ids, w, I)
         y = cuda_moe.down_sum(a, down, ids, H)
         ref_a, ref_y = mlx_experts(x, gate_up, down, ids, w)
@@ -77,6 +79,7 @@ def block_time(T, bits, fused, layers=48, reps=20) -> float:
     mx.eval(gate, x0)
 
     def step(x):
+        x = mx.fast.rms_norm(x, mx.ones((H,), mx.bfloat16), 1e-6)  # as the block's norm keeps the chain finite
         logits = x @ gate.T
         if fused:
             ids, w = cuda_moe.route(logits, K, True, x.dtype)

@@ -139,7 +139,7 @@ class Attention:
         B = q.shape[0]
         keys, values = plan.pool.write_batch(self.layer, plan.write_index, k, v)
         if self.by_length:
-            out = cuda_attention.decode_attention(q, keys, values, plan.slots, plan.decode_positions, self.scale)
+            out = cuda_attention.decode_attention(q, keys, values, plan.slots, plan.decode_positions, self.scale, plan.width)
         else:
             keys, values = keys[plan.slots, :, : plan.width, :], values[plan.slots, :, : plan.width, :]
             out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=self.scale, mask=plan.mask)

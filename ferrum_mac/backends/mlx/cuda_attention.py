@@ -7,10 +7,11 @@ Qwen3-8B layer at batch 4: 316 us masked against 74 us unmasked, `scripts/probe-
 the batch's keys also had to be gathered out of the pool first. Metal's fused kernel takes
 masks, so this module is used on CUDA only.
 
-One thread block serves one (sequence, kv head): its `group` query heads share every key
-read. Each warp walks a strided share of the key positions with an online softmax in
-float32 (a lane holds `head_dim / 32` dims, dot products reduced across the warp); the
-warps' partial results are then merged through shared memory.
+One thread block serves one (sequence, kv head, split of its keys): its `group` query heads
+share every key read. Each warp walks a strided share of the split's keys with an online
+softmax in float32 (a lane holds `head_dim / 32` dims, dot products reduced across the warp);
+the warps' partial results are then merged through shared memory. Small batches split each
+sequence's keys over several blocks to fill the GPU, and a second kernel merges the splits.
 """
 
 from __future__ import annotations
@@ -36,18 +37,23 @@ __device__ __forceinline__ float ferrum_warp_sum(float x) {
 """
 
 # Inputs: q (B, heads, D); keys/values (slots, kv_heads, tokens, D); slots, positions (B,)
-# int32; scale (1,) float32. Output: out (B, heads, D). Template: T, D, G (group), NW, U.
-_SOURCE = """
+# int32; scale (1,) float32. Template: T, D, G (group), NW, U, S (splits of each sequence's
+# keys, one block each). Each block walks keys [begin, end) of its split.
+_WALK = """
   constexpr int DPL = D / 32;  // dims per lane
   using Pack = FerrumPack<T, DPL>;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int kvh = blockIdx.y;
-  const int b = blockIdx.z;
+  const int b = blockIdx.z / S;
+  const int split = blockIdx.z % S;
   const int kv_heads = keys_shape[1];
   const int tokens = keys_shape[2];
   const int heads = kv_heads * G;
   const int length = positions[b] + 1;
+  const int chunk = (length + S - 1) / S;
+  const int begin = split * chunk;
+  const int end = min(length, begin + chunk);
   const size_t base = ((size_t)slots[b] * kv_heads + kvh) * tokens * D + lane * DPL;
   const float s = scale[0];
 
@@ -68,18 +74,18 @@ _SOURCE = """
     for (int i = 0; i < DPL; ++i) acc[g][i] = 0.f;
   }
 
-  for (int t0 = warp * U; t0 < length; t0 += NW * U) {
+  for (int t0 = begin + warp * U; t0 < end; t0 += NW * U) {
     Pack kp[U], vp[U];
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (t0 + u < length) {
+      if (t0 + u < end) {
         kp[u] = *reinterpret_cast<const Pack*>(keys + base + (size_t)(t0 + u) * D);
         vp[u] = *reinterpret_cast<const Pack*>(values + base + (size_t)(t0 + u) * D);
       }
     }
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (t0 + u >= length) break;
+      if (t0 + u >= end) break;
       #pragma unroll
       for (int g = 0; g < G; ++g) {
         float dot = 0.f;
@@ -117,15 +123,51 @@ _SOURCE = """
     #pragma unroll
     for (int w = 0; w < NW; ++w) top = fmaxf(top, sm_m[w][g]);
     float num = 0.f, den = 0.f;
-    #pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float f = expf(sm_m[w][g] - top);  // 0 for a warp that saw no key
-      num += sm_acc[w][g][d] * f;
-      den += sm_l[w][g] * f;
+    if (top > -INFINITY) {  // else this split saw no key
+      #pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float f = expf(sm_m[w][g] - top);  // 0 for a warp that saw no key
+        num += sm_acc[w][g][d] * f;
+        den += sm_l[w][g] * f;
+      }
     }
-    out[((size_t)b * heads + kvh * G + g) * D + d] = static_cast<T>(num / den);
+    const size_t h = (size_t)b * heads + kvh * G + g;
+"""
+
+# One split: the block's result is the output.
+_WHOLE = _WALK + """
+    out[h * D + d] = static_cast<T>(num / den);
   }
 """
+
+# Several splits: partial results (max, sum of weights, weighted values; float32) per split.
+_PARTIAL = _WALK + """
+    part_acc[(h * S + split) * D + d] = num;
+    if (d == 0) {
+      part_m[h * S + split] = top;
+      part_l[h * S + split] = den;
+    }
+  }
+"""
+
+# part_m, part_l (B*heads, S), part_acc (B*heads, S, D) -> out (B, heads, D). Thread (d, row).
+_MERGE = """
+  const int d = threadIdx.x + blockIdx.x * blockDim.x;
+  const size_t h = blockIdx.y;
+  if (d >= D) return;
+  float top = -INFINITY;
+  for (int s = 0; s < S; ++s) top = fmaxf(top, part_m[h * S + s]);
+  float num = 0.f, den = 0.f;
+  for (int s = 0; s < S; ++s) {
+    const float f = expf(part_m[h * S + s] - top);
+    num += part_acc[(h * S + s) * D + d] * f;
+    den += part_l[h * S + s] * f;
+  }
+  out[h * D + d] = static_cast<T>(num / den);
+"""
+
+BLOCKS_WANTED = 256  # about two blocks per SM of an H100: below it, a sequence's keys are split
+MIN_KEYS_PER_SPLIT = 64
 
 
 def supports(head_dim: int, group: int) -> bool:
@@ -133,28 +175,50 @@ def supports(head_dim: int, group: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _kernel():
+def _kernel(name: str):
+    inputs = ["q", "keys", "values", "slots", "positions", "scale"]
+    outputs, source = {
+        "whole": (["out"], _WHOLE),
+        "partial": (["part_m", "part_l", "part_acc"], _PARTIAL),
+        "merge": (["out"], _MERGE),
+    }[name]
+    if name == "merge":
+        inputs = ["part_m", "part_l", "part_acc"]
     return mx.fast.cuda_kernel(
-        name="ferrum_decode_attention",
-        input_names=["q", "keys", "values", "slots", "positions", "scale"],
-        output_names=["out"],
-        source=_SOURCE,
-        header=_HEADER,
+        name=f"ferrum_decode_attention_{name}", input_names=inputs, output_names=outputs, source=source, header=_HEADER
     )
 
 
-def decode_attention(q: mx.array, keys: mx.array, values: mx.array, slots: mx.array, positions: mx.array, scale: float) -> mx.array:
+def splits_for(batch: int, kv_heads: int, longest: int) -> int:
+    """Splits of each sequence's keys so the batch fills the GPU, none shorter than MIN_KEYS_PER_SPLIT."""
+    wanted = -(-BLOCKS_WANTED // (batch * kv_heads))
+    return max(1, min(wanted, -(-longest // MIN_KEYS_PER_SPLIT), 32))
+
+
+def decode_attention(
+    q: mx.array, keys: mx.array, values: mx.array, slots: mx.array, positions: mx.array, scale: float,
+    longest: int | None = None,
+) -> mx.array:
     """q `(B, heads, dim)`; keys/values the whole pool `(slots, kv_heads, tokens, dim)`; row b
-    attends slot `slots[b]`'s keys 0..`positions[b]`. Returns `(B, heads, dim)`."""
+    attends slot `slots[b]`'s keys 0..`positions[b]`; `longest` (a host bound on the lengths,
+    default the pool's tokens) picks how many blocks share a sequence. Returns `(B, heads, dim)`."""
     B, heads, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    (out,) = _kernel()(
-        inputs=[q, keys, values, slots.astype(mx.int32), positions.astype(mx.int32), mx.array([scale], mx.float32)],
-        template=[("T", q.dtype), ("D", dim), ("G", group), ("NW", WARPS), ("U", UNROLL)],
-        grid=(32 * WARPS, kv_heads, B),
-        threadgroup=(32 * WARPS, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )
+    S = splits_for(B, kv_heads, keys.shape[2] if longest is None else longest)
+    inputs = [q, keys, values, slots.astype(mx.int32), positions.astype(mx.int32), mx.array([scale], mx.float32)]
+    template = [("T", q.dtype), ("D", dim), ("G", group), ("NW", WARPS), ("U", UNROLL), ("S", S)]
+    launch = dict(grid=(32 * WARPS, kv_heads, B * S), threadgroup=(32 * WARPS, 1, 1))
+    if S == 1:
+        (out,) = _kernel("whole")(inputs=inputs, template=template, output_shapes=[q.shape], output_dtypes=[q.dtype], **launch)
+        return out
+    rows = B * heads
+    part_m, part_l, part_acc = _kernel("partial")(
+        inputs=inputs, template=template, **launch,
+        output_shapes=[(rows, S), (rows, S), (rows, S, dim)], output_dtypes=[mx.float32] * 3,
+    )  # fmt: skip
+    (out,) = _kernel("merge")(
+        inputs=[part_m, part_l, part_acc], template=[("T", q.dtype), ("D", dim), ("S", S)],
+        grid=(dim, rows, 1), threadgroup=(dim, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype],
+    )  # fmt: skip
     return out

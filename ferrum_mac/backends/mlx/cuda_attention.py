@@ -37,14 +37,16 @@ __device__ __forceinline__ float ferrum_warp_sum(float x) {
 """
 
 # Inputs: q (B, heads, D); keys/values (slots, kv_heads, tokens, D); slots, positions (B,)
-# int32; scale (1,) float32. Template: T, D, G (group), NW, U, S (splits of each sequence's
-# keys, one block each). Each block walks keys [begin, end) of its split.
+# int32; scale (1,) float32. Template: T, D, G (group), NW, U. Grid z: B * S blocks, S splits
+# of each sequence's keys (a launch value, not a template one: no new compile as sequences
+# grow). Each block walks keys [begin, end) of its split.
 _WALK = """
   constexpr int DPL = D / 32;  // dims per lane
   using Pack = FerrumPack<T, DPL>;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int kvh = blockIdx.y;
+  const int S = gridDim.z / q_shape[0];
   const int b = blockIdx.z / S;
   const int split = blockIdx.z % S;
   const int kv_heads = keys_shape[1];
@@ -152,6 +154,7 @@ _PARTIAL = _WALK + """
 
 # part_m, part_l (B*heads, S), part_acc (B*heads, S, D) -> out (B, heads, D). Thread (d, row).
 _MERGE = """
+  const int S = part_m_shape[1];
   const int d = threadIdx.x + blockIdx.x * blockDim.x;
   const size_t h = blockIdx.y;
   if (d >= D) return;
@@ -195,6 +198,7 @@ def splits_for(batch: int, kv_heads: int, longest: int) -> int:
     return max(1, min(wanted, -(-longest // MIN_KEYS_PER_SPLIT), 32))
 
 
+
 def decode_attention(
     q: mx.array, keys: mx.array, values: mx.array, slots: mx.array, positions: mx.array, scale: float,
     longest: int | None = None,
@@ -207,7 +211,7 @@ def decode_attention(
     group = heads // kv_heads
     S = splits_for(B, kv_heads, keys.shape[2] if longest is None else longest)
     inputs = [q, keys, values, slots.astype(mx.int32), positions.astype(mx.int32), mx.array([scale], mx.float32)]
-    template = [("T", q.dtype), ("D", dim), ("G", group), ("NW", WARPS), ("U", UNROLL), ("S", S)]
+    template = [("T", q.dtype), ("D", dim), ("G", group), ("NW", WARPS), ("U", UNROLL)]
     launch = dict(grid=(32 * WARPS, kv_heads, B * S), threadgroup=(32 * WARPS, 1, 1))
     if S == 1:
         (out,) = _kernel("whole")(inputs=inputs, template=template, output_shapes=[q.shape], output_dtypes=[q.dtype], **launch)
@@ -218,7 +222,7 @@ def decode_attention(
         output_shapes=[(rows, S), (rows, S), (rows, S, dim)], output_dtypes=[mx.float32] * 3,
     )  # fmt: skip
     (out,) = _kernel("merge")(
-        inputs=[part_m, part_l, part_acc], template=[("T", q.dtype), ("D", dim), ("S", S)],
+        inputs=[part_m, part_l, part_acc], template=[("T", q.dtype), ("D", dim)],
         grid=(dim, rows, 1), threadgroup=(dim, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype],
     )  # fmt: skip
     return out

@@ -36,28 +36,6 @@ __device__ __forceinline__ float ferrum_qdot(
   constexpr int GROUPS = COLS / GROUP;
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   float acc = 0.f;
-  if (WORDS % 4 == 0 && GROUP % (4 * PACK) == 0) {
-    // 16-byte loads: four packed words (one quantization group) per lane per step
-    const uint4* w4 = reinterpret_cast<const uint4*>(w + row * WORDS);
-    for (int quad = lane; quad < WORDS / 4; quad += 32) {
-      const uint4 packed4 = w4[quad];
-      const uint32_t words[4] = {packed4.x, packed4.y, packed4.z, packed4.w};
-      const int col0 = quad * 4 * PACK;
-      const int group = col0 / GROUP;
-      float qx = 0.f, xsum = 0.f;
-      #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        #pragma unroll
-        for (int p = 0; p < PACK; ++p) {
-          const float xv = xs[col0 + k * PACK + p];
-          qx += static_cast<float>((words[k] >> (p * BITS)) & MASK) * xv;
-          xsum += xv;
-        }
-      }
-      acc += static_cast<float>(scales[row * GROUPS + group]) * qx + static_cast<float>(biases[row * GROUPS + group]) * xsum;
-    }
-    return acc;
-  }
   for (int word = lane; word < WORDS; word += 32) {
     const uint32_t packed = w[row * WORDS + word];
     const int col = word * PACK;

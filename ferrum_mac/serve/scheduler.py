@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 MAX_BATCH = 32  # sequences decoding together
 STEP_TOKENS = 512  # tokens one forward may carry (decode tokens plus prefill chunks)
 UNIFIED, SPLIT, SINGLE = "unified_forward", "decode_batch", "decode"
+WARMUP_ID = "scheduler-warm-up"
 
 
 @dataclass
@@ -164,6 +165,8 @@ class Scheduler:
         self.tokenizer = self.engine.tokenizer
         self.eos_ids = frozenset(self.engine.eos_ids)
         self.capacity = self.model.kv_capacity()
+        self.model.prepare(WARMUP_ID, 16)  # compiles kernels and captures graphs before any request
+        self.model.release(WARMUP_ID)
         if self.kv_budget is None:
             self.kv_budget = self.model.kv_free_tokens()  # None: only the batch size limits admission
 

@@ -96,6 +96,11 @@ class Attention:
         group = c.num_heads // c.num_kv_heads
         self.by_length = USE_CUDA_KERNEL and on_cuda_gpu() and cuda_attention.supports(c.head_dim, group)
 
+    def warm_up_kernels(self, dtype: mx.Dtype) -> None:
+        """Compile the CUDA decode-attention kernels, where this layer uses them."""
+        if self.by_length:
+            cuda_attention.warm_up(dtype, self.heads, self.kv_heads, self.head_dim)
+
     def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment
         (a scalar offset), else `(T, heads, dim)` (one position per token)."""

@@ -198,7 +198,6 @@ def splits_for(batch: int, kv_heads: int, longest: int) -> int:
     return max(1, min(wanted, -(-longest // MIN_KEYS_PER_SPLIT), 32))
 
 
-
 def decode_attention(
     q: mx.array, keys: mx.array, values: mx.array, slots: mx.array, positions: mx.array, scale: float,
     longest: int | None = None,
@@ -226,3 +225,14 @@ def decode_attention(
         grid=(dim, rows, 1), threadgroup=(dim, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype],
     )  # fmt: skip
     return out
+
+
+def warm_up(dtype: mx.Dtype, heads: int, kv_heads: int, dim: int) -> None:
+    """Compile every kernel here for this layout now: a first compile takes seconds, which a
+    server would otherwise spend inside the first step that splits keys."""
+    pool = mx.zeros((2, kv_heads, 2 * MIN_KEYS_PER_SPLIT, dim), dtype)
+    q, slots, positions = mx.zeros((2, heads, dim), dtype), mx.array([0, 1]), mx.array([2 * MIN_KEYS_PER_SPLIT - 1, 3])
+    mx.eval(
+        decode_attention(q, pool, pool, slots, positions, 1.0, longest=1),  # one block a sequence
+        decode_attention(q, pool, pool, slots, positions, 1.0, longest=2 * MIN_KEYS_PER_SPLIT),  # split, merged
+    )

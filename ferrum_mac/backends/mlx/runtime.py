@@ -146,6 +146,7 @@ class MlxLLM(DecoderOnlyLLM):
             logits = self.decode(WARMUP_ID, mx.argmax(logits), warm)
             mx.eval(logits)
         self.release(WARMUP_ID)
+        self.model.layers[0].attn.warm_up_kernels(self.dtype)  # the batched decode's, on CUDA
 
     def truncate_kv(self, cache_id: str, new_len: int) -> None:
         if new_len < 0:

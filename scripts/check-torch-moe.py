@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _gpu_check import compare, failures, graph_us, missing_gpu_or_triton  # noqa: E402  (this folder)
+
 from ferrum_mac.backends.torch import pointwise, triton_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import SparseMoe  # noqa: E402
 from ferrum_mac.backends.torch.weights import TensorSource  # noqa: E402
@@ -33,20 +35,14 @@ from ferrum_mac.weights.moe import MoeConfig  # noqa: E402
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 TOKENS = (1, 8, 32)
 DTYPE = torch.bfloat16
-TOLERANCE = 2e-2  # a couple of bf16 ulps near 1
-GRAPH_CALLS, REPLAYS = 100, 5
 SWEEP_GATE_UP = [(16, 128), (16, 256), (32, 128), (32, 64), (64, 64)]  # (block_i, block_h)
 SWEEP_DOWN = [(16, 256), (8, 256), (16, 128), (32, 128), (32, 64)]  # (block_h, block_i)
 
-failures: list[str] = []
-
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: this script checks the Triton kernels on a GPU", file=sys.stderr)
-        return 2
-    if triton_moe.triton is None:
-        print("triton does not import", file=sys.stderr)
+    missing = missing_gpu_or_triton(triton_moe)
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton_moe.triton.__version__}")
     print(f"experts {EXPERTS}, top {TOP_K}, hidden {HIDDEN}, intermediate {INTER}, {DTYPE}\n")
@@ -157,32 +153,6 @@ def sweep(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> list:
 
         rows.append((x.shape[0], "down", (block_h, block_i), graph_us(down)))
     return rows
-
-
-def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    diff = (got.float() - want.float()).abs()
-    bound = TOLERANCE * (1 + want.float().abs())
-    if got.shape != want.shape or not bool((diff <= bound).all()):
-        failures.append(f"{what}: max |diff| {diff.max().item():.3g}, {int((diff > bound).sum())} of {diff.numel()} out of tolerance")
-
-
-def graph_us(fn) -> float:
-    """Device time per call of `fn`, from a CUDA graph of GRAPH_CALLS calls."""
-    for _ in range(3):  # compile and warm up outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (GRAPH_CALLS * REPLAYS)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _gpu_check import compare, failures, graph_us, missing_gpu_or_triton  # noqa: E402  (this folder)
+
 from ferrum_mac.backends.torch import pointwise, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
@@ -46,20 +48,14 @@ TIMED = ("qwen3-0.6b", "qwen3-8b")
 CASES = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (32, 1024)]  # (rows, context: the longest row's position + 1)
 GEMV_ROWS = (1, 4)
 DTYPE = torch.bfloat16
-TOLERANCE = 2e-2  # a couple of bf16 ulps near 1
 FIRST = 1  # the batch's first pool slot: slot 0 is some other sequence's
-GRAPH_CALLS, REPLAYS = 100, 5
 BEYOND_L2 = 128 << 20  # bytes of weight copies a timed GEMV cycles through
-
-failures: list[str] = []
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: this script checks the Triton kernels on a GPU", file=sys.stderr)
-        return 2
-    if triton_ops.triton is None:
-        print("triton does not import", file=sys.stderr)
+    missing = missing_gpu_or_triton(triton_ops)
+    if missing:
+        print(missing, file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton_ops.triton.__version__}\n")
     rows_out = []
@@ -198,32 +194,6 @@ def decode_plan(kv: KvManager, positions, columns, fused: bool) -> DecodePlan:
         pointwise.TRITON = True
     assert plan.fused == fused
     return plan
-
-
-def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    diff = (got.float() - want.float()).abs()
-    bound = TOLERANCE * (1 + want.float().abs())
-    if got.shape != want.shape or not bool((diff <= bound).all()):
-        failures.append(f"{what}: max |diff| {diff.max().item():.3g}, {int((diff > bound).sum())} of {diff.numel()} out of tolerance")
-
-
-def graph_us(fn) -> float:
-    """Device time per call of `fn`, from a CUDA graph of GRAPH_CALLS calls."""
-    for _ in range(3):  # compile and warm up outside the capture
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (GRAPH_CALLS * REPLAYS)
 
 
 if __name__ == "__main__":

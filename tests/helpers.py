@@ -382,3 +382,19 @@ def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) ->
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def decode_batch_steps(model, prompts: dict[str, list[int]], tag: str, steps: int = 2) -> list:
+    """Prefill each prompt (cache ids `tag-NAME`), then `steps` decode_batch steps over all of
+    them (token 3 + step at each one's next position), then release; each step's logits."""
+    from ferrum_mac.llm import DecodeItem
+
+    for name, prompt in prompts.items():
+        model.prefill(f"{tag}-{name}", prompt)
+    logits = []
+    for step in range(steps):
+        items = [DecodeItem(f"{tag}-{n}", 3 + step, len(p) + step) for n, p in prompts.items()]
+        logits.append(model.decode_batch(items).clone())
+    for name in prompts:
+        model.release(f"{tag}-{name}")
+    return logits

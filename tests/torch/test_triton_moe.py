@@ -8,18 +8,12 @@ Without a GPU the kernels run in Triton's interpreter on CPU tensors, so shapes 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-INTERPRET = not torch.cuda.is_available()
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+from triton_interpreter import DEVICE, INTERPRET, like_a_gpu  # noqa: E402  (before triton: sets the interpreter up)
 
-# Triton reads TRITON_INTERPRET when a kernel is defined (when triton_moe is imported) and at
-# launches, so it stays set for the session.
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from ferrum_mac.backends.torch import triton_moe  # noqa: E402
@@ -34,39 +28,18 @@ from ferrum_mac.weights.moe import MoeConfig  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter_rounds_like_a_gpu():
-    """The interpreter (Triton 3.6), made to compute as a GPU does, for this module only:
-    - it truncates float32 to bfloat16 where a GPU (and torch) rounds to nearest even;
-    - its `tl.dot` multiplies bfloat16 operands as the raw uint16 they are stored in.
-    It pays per program more than per element, so by default programs take wide blocks here
-    (the kernel tests ask for narrow ones, to cover partial blocks and loops)."""
-    if not INTERPRET:
+    """The interpreter computing as a GPU does (`triton_interpreter.like_a_gpu`). It pays per
+    program more than per element, so by default programs take wide blocks here (the kernel
+    tests ask for narrow ones, to cover partial blocks and loops)."""
+    with like_a_gpu():
+        if not INTERPRET:
+            yield
+            return
+        patch = pytest.MonkeyPatch()
+        patch.setattr(triton_moe, "GATE_UP_BLOCK_I", 64)
+        patch.setattr(triton_moe, "DOWN_BLOCK_H", 64)
         yield
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = type(interpreter.interpreter_builder)
-    cast, dot = builder.cast_impl, builder.create_dot
-
-    def cast_to_nearest_bfloat16(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    def dot_of_bfloat16_values(self, a, b, acc, *args):
-        if a.dtype.scalar == tl.bfloat16:  # bf16 bits are a float32's top half
-            a, b = (interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32) for h in (a, b))
-        return dot(self, a, b, acc, *args)
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(builder, "cast_impl", cast_to_nearest_bfloat16)
-    patch.setattr(builder, "create_dot", dot_of_bfloat16_values)
-    patch.setattr(triton_moe, "GATE_UP_BLOCK_I", 64)
-    patch.setattr(triton_moe, "DOWN_BLOCK_H", 64)
-    yield
-    patch.undo()
+        patch.undo()
 
 
 def ulps(dtype: torch.dtype) -> float:
@@ -205,23 +178,13 @@ def test_triton_block_only_for_decode_sizes_on_cuda(monkeypatch):
 def test_decode_batch_through_triton_moe_matches_torch(zoo, monkeypatch):
     """Two sequences at different positions, two steps of the tiny Qwen3-MoE: the logits with
     the MoE blocks on Triton (forced on the CPU under the interpreter) equal torch's."""
-    from ferrum_mac.llm import DecodeItem
-
-    from helpers import random_tokens
+    from helpers import decode_batch_steps, random_tokens
 
     model = zoo.ferrum("qwen3_moe", "torch")
     prompts = {"a": random_tokens(3, seed=4), "b": random_tokens(6, seed=5)}
 
     def decode_twice(tag: str) -> list[torch.Tensor]:
-        for name, prompt in prompts.items():
-            model.prefill(f"{tag}-{name}", prompt)
-        logits = []
-        for step in range(2):
-            items = [DecodeItem(f"{tag}-{n}", 3 + step, len(p) + step) for n, p in prompts.items()]
-            logits.append(model.decode_batch(items).clone())
-        for name in prompts:
-            model.release(f"{tag}-{name}")
-        return logits
+        return decode_batch_steps(model, prompts, tag)
 
     launches = []
     monkeypatch.setattr(qwen3_moe, "triton_runs", lambda x: False)

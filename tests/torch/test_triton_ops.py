@@ -8,20 +8,14 @@ shapes stay small. With one they run compiled on it.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-INTERPRET = not torch.cuda.is_available()
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+from triton_interpreter import DEVICE, like_a_gpu  # noqa: E402  (before triton: sets the interpreter up)
 
-# Triton reads TRITON_INTERPRET when a kernel is defined (when triton_ops is imported) and
-# again at launches, so it stays set for the session (nothing else here uses Triton).
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
 from ferrum_mac.backends.torch import attention, pointwise, triton_ops  # noqa: E402
@@ -33,47 +27,8 @@ from ferrum_mac.backends.torch.pointwise import norm_and_rope, torch_swiglu  # n
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter_like_a_gpu():
-    """Two fixes to the interpreter (as of Triton 3.6), for this module only:
-    - its scalars are 1-element arrays, which numpy >= 2.3 no longer turns into an int, so a
-      loop bound read from memory (`range(start, end, ...)`) fails;
-    - it truncates float32 to bfloat16 where a GPU (and torch) rounds to nearest even, so
-      bf16 results would be off by an ulp wherever the kernels round as torch does;
-    - its `tl.dot` multiplies bfloat16 operands as the raw uint16 they are stored in."""
-    if not INTERPRET:
+    with like_a_gpu():
         yield
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch = pytest.MonkeyPatch()
-    patch_lang_tensor = interpreter._patch_lang_tensor
-
-    def patch_lang_tensor_with_index(tensor, scope):
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    builder = type(interpreter.interpreter_builder)
-    cast = builder.cast_impl
-
-    def cast_rounding_to_nearest(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            floats = torch.from_numpy(np.ascontiguousarray(src.data))
-            return interpreter.TensorHandle(floats.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    dot = builder.create_dot
-
-    def dot_of_bfloat16_as_float32(self, a, b, acc, *args):
-        if a.dtype.scalar == tl.bfloat16:
-            a, b = (interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32) for x in (a, b))
-        return dot(self, a, b, acc, *args)
-
-    patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor_with_index)
-    patch.setattr(builder, "cast_impl", cast_rounding_to_nearest)
-    patch.setattr(builder, "create_dot", dot_of_bfloat16_as_float32)
-    yield
-    patch.undo()
 
 
 def ulps(dtype: torch.dtype) -> float:
@@ -241,23 +196,13 @@ def test_gemv_runs_for_a_few_rows_and_the_kernels_named(monkeypatch):
 def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family):
     """Two sequences at different positions, two steps: the logits with every decode-step
     kernel on Triton (forced on the CPU under the interpreter, every GEMV on) equal torch's."""
-    from ferrum_mac.llm import DecodeItem
-
-    from helpers import random_tokens
+    from helpers import decode_batch_steps, random_tokens
 
     model = zoo.ferrum(family, "torch")
     prompts = {"a": random_tokens(7, seed=4), "b": random_tokens(19, seed=5)}
 
     def decode_twice(tag: str) -> list[torch.Tensor]:
-        for name, prompt in prompts.items():
-            model.prefill(f"{tag}-{name}", prompt)
-        logits = []
-        for step in range(2):
-            items = [DecodeItem(f"{tag}-{n}", 3 + step, len(p) + step) for n, p in prompts.items()]
-            logits.append(model.decode_batch(items).clone())
-        for name in prompts:
-            model.release(f"{tag}-{name}")
-        return logits
+        return decode_batch_steps(model, prompts, tag)
 
     def on_triton(yes: bool) -> None:
         monkeypatch.setattr(attention, "triton_runs", lambda x: yes)

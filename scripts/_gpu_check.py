@@ -1,0 +1,44 @@
+"""What the GPU kernel check scripts share: a tolerance check that records mismatches, and
+device time per call measured from a CUDA graph (no launch overhead in the figure)."""
+
+import torch
+
+TOLERANCE = 2e-2  # a couple of bf16 ulps near 1
+GRAPH_CALLS, REPLAYS = 100, 5
+
+failures: list[str] = []
+
+
+def missing_gpu_or_triton(kernels_module) -> str | None:
+    """Why the kernels cannot be checked here (no CUDA device, triton not importing), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device: this script checks the Triton kernels on a GPU"
+    if kernels_module.triton is None:
+        return "triton does not import"
+    return None
+
+
+def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    diff = (got.float() - want.float()).abs()
+    bound = TOLERANCE * (1 + want.float().abs())
+    if got.shape != want.shape or not bool((diff <= bound).all()):
+        failures.append(f"{what}: max |diff| {diff.max().item():.3g}, {int((diff > bound).sum())} of {diff.numel()} out of tolerance")
+
+
+def graph_us(fn) -> float:
+    """Device time per call of `fn`, from a CUDA graph of GRAPH_CALLS calls."""
+    for _ in range(3):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (GRAPH_CALLS * REPLAYS)

@@ -60,14 +60,14 @@ class Server:
         except FerrumError as e:
             raise api.ApiError(400, str(e), param="messages") from None
         ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
-        return await self._answer(ids, opts, prompt_opens_reasoning(text), chat=True)
+        return await self._answer(request, ids, opts, prompt_opens_reasoning(text), chat=True)
 
     async def completions(self, request: Request) -> Response:
         body = api.check_body(await json_body(request))
         prompt = api.completion_prompt(body)
         opts = self._options(body)
         ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
-        return await self._answer(ids, opts, False, chat=False)
+        return await self._answer(request, ids, opts, False, chat=False)
 
     async def models(self, request: Request) -> Response:
         entry = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "ferrum",
@@ -88,7 +88,7 @@ class Server:
         except FerrumError as e:  # a sampling value out of range
             raise api.ApiError(400, str(e), code="invalid_value") from None
 
-    async def _answer(self, ids: list[int], opts: api.Options, opens_reasoning: bool, chat: bool) -> Response:
+    async def _answer(self, http: Request, ids: list[int], opts: api.Options, opens_reasoning: bool, chat: bool) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         request = GenerationRequest(
@@ -108,9 +108,29 @@ class Server:
             chunks = stream_chunks(handle, events, envelope, chat, opts.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            return JSONResponse(await whole_answer(events, envelope, chat))
+            answer = await unless_disconnected(http, whole_answer(events, envelope, chat))
+            return JSONResponse(answer) if answer is not None else Response(status_code=499)
         finally:
             handle.cancel()  # no-op once done; frees the sequence when the client went away
+
+
+DISCONNECT_POLL_S = 0.1
+
+
+async def unless_disconnected(http: Request, work):
+    """`work`'s result, or None as soon as the client has gone (then `work` is cancelled).
+    Starlette cancels a streaming response's generator on a disconnect, but not a handler
+    that is still computing a whole answer: this watches for it."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                return None
+    finally:
+        task.cancel()
 
 
 async def whole_answer(events: asyncio.Queue, envelope: dict, chat: bool) -> dict:

@@ -1,6 +1,6 @@
 """The official openai client against a live server: chat and completions, streaming and not,
 16 concurrent streams equal to the same requests one at a time, a client that disconnects
-mid-stream, and OpenAI-style errors after which the server keeps serving."""
+mid-stream or while a whole answer is computed, and OpenAI-style errors after which the server keeps serving."""
 
 from __future__ import annotations
 
@@ -83,6 +83,19 @@ def test_disconnect_mid_stream_releases_the_kv(server):
             next(lines)
         assert metrics(server)["ferrum_active_sequences"] == 1
         assert metrics(server)["ferrum_kv_tokens_in_use"] > 0
+    deadline = time.monotonic() + 20
+    while metrics(server)["ferrum_active_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = metrics(server)
+    assert after["ferrum_active_sequences"] == 0 and after["ferrum_kv_tokens_in_use"] == 0
+    assert after['ferrum_requests_total{reason="cancelled"}'] == cancelled + 1
+
+
+def test_disconnect_while_a_whole_answer_is_computed_releases_the_kv(server):
+    cancelled = metrics(server).get('ferrum_requests_total{reason="cancelled"}', 0)
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
     deadline = time.monotonic() + 20
     while metrics(server)["ferrum_active_sequences"] and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -79,3 +79,17 @@ def test_quantized_modes_agree(gguf_file, monkeypatch):
     np.testing.assert_allclose(logits(gguf_file), cached, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("FERRUM_DEQUANTIZE_ON_CPU", "0")
     np.testing.assert_allclose(logits(gguf_file), cached, rtol=1e-3, atol=1e-3)
+
+
+def test_a_copy_whose_model_is_gone_is_swept(gguf_file):
+    from ferrum_mac.store.derived import recorded_source, sweep_orphans
+
+    before = set(entries())
+    logits(gguf_file)
+    (written,) = set(entries()) - before
+    entry = dense_cache.cache_dir() / written
+    assert recorded_source(entry) == str(gguf_file.resolve())
+    assert sweep_orphans() == 0 and entry.exists()  # its model is still there
+    size = entry.stat().st_size
+    gguf_file.unlink()  # as `ferrum rm` (or a user) removes it
+    assert sweep_orphans() >= size and not entry.exists()

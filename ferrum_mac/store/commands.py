@@ -47,8 +47,8 @@ def rm_command(name: str, yes: bool, backend: str) -> None:
     if not yes and not typer.confirm(question, default=False):
         print("nothing removed")
         raise typer.Exit(1)
-    removal.execute()
-    print(f"removed {name} ({human_bytes(removal.size)} freed)")
+    derived = removal.execute()
+    print(f"removed {name} ({human_bytes(removal.size + derived)} freed)")
 
 
 def show_command(name: str, backend: str) -> None:

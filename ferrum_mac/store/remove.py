@@ -9,6 +9,7 @@ from pathlib import Path
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.store import bundled, hub_cache
 from ferrum_mac.store.aliases import BundledRef, RepoRef, parse_name
+from ferrum_mac.store.derived import sweep_orphans
 
 
 @dataclass(frozen=True)
@@ -19,13 +20,15 @@ class Removal:
     folder: Path
     commit: str | None = None  # remove only this snapshot, not the whole repository
 
-    def execute(self) -> None:
+    def execute(self) -> int:
+        """Delete the model; returns the bytes of derived files (dense copies) that went with it."""
         if self.commit is not None:
             _delete_revisions(self.folder, [self.commit])
-            return
-        _delete_revisions(self.folder, None)
-        shutil.rmtree(self.folder, ignore_errors=True)  # partial downloads, refs, what hf left
-        shutil.rmtree(self.folder.parent / ".locks" / self.folder.name, ignore_errors=True)
+        else:
+            _delete_revisions(self.folder, None)
+            shutil.rmtree(self.folder, ignore_errors=True)  # partial downloads, refs, what hf left
+            shutil.rmtree(self.folder.parent / ".locks" / self.folder.name, ignore_errors=True)
+        return sweep_orphans()
 
 
 def plan_removal(name: str, backend: str = "mlx") -> Removal:

@@ -10,7 +10,8 @@ same files read them instead.
 An entry is named by the checkpoint's path and keyed by its files (path, size, mtime), the
 dtype and FORMAT. It is written atomically (a temporary file renamed into place), only while
 the disk keeps MIN_FREE_BYTES free; a hit refreshes its mtime and the least recently used
-entries go once the folder passes MAX_BYTES. FERRUM_CACHE_DIR moves the folder
+entries go once the folder passes MAX_BYTES, and so do entries whose model file is gone
+(`store/derived.py`, which `ferrum rm` also runs). FERRUM_CACHE_DIR moves the folder
 (`<it>/dense-weights`); FERRUM_DENSE_CACHE=0 turns the cache off.
 """
 
@@ -27,10 +28,10 @@ import mlx.core as mx
 
 from ferrum_mac.backends.mlx.layers import dequantized
 from ferrum_mac.errors import FerrumError
+from ferrum_mac.store.derived import SOURCE_KEY, dense_dir, sweep_orphans
 from ferrum_mac.weights import Checkpoint
 
 FORMAT = "1"  # bump when what an entry holds changes
-CACHE_DIR_ENV = "FERRUM_CACHE_DIR"
 ENABLE_ENV = "FERRUM_DENSE_CACHE"
 MAX_BYTES = 8 << 30  # older entries go once the folder holds more
 MIN_FREE_BYTES = 2 << 30  # never fill the disk past this
@@ -47,17 +48,12 @@ def dense_tensors(checkpoint: Checkpoint, dtype: mx.Dtype) -> dict:
     tensors = dequantized(checkpoint.tensors, checkpoint.config, dtype)
     mx.eval(list(tensors.values()))
     if entry is not None:
-        store(entry, tensors)
+        store(entry, tensors, source=checkpoint_files(checkpoint)[0])
     return tensors
 
 
 def cache_dir() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV, "").strip()
-    if not root:
-        import platformdirs
-
-        root = platformdirs.user_cache_dir("ferrum_mac")
-    return Path(root).expanduser() / "dense-weights"
+    return dense_dir()
 
 
 def enabled() -> bool:
@@ -112,8 +108,9 @@ def load(entry: Path) -> dict | None:
     return tensors
 
 
-def store(entry: Path, tensors: dict) -> bool:
-    """Write evaluated `tensors` as the entry, atomically; False when skipped (no room) or failed."""
+def store(entry: Path, tensors: dict, source: Path) -> bool:
+    """Write evaluated `tensors` as the entry made from model file `source`, atomically; False
+    when skipped (no room) or failed."""
     size = sum(a.nbytes for a in tensors.values())
     folder = entry.parent
     temp = folder / f".{entry.stem}-{os.getpid()}.tmp.safetensors"  # mx.save_safetensors wants the suffix
@@ -121,7 +118,7 @@ def store(entry: Path, tensors: dict) -> bool:
         folder.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(folder).free - size < MIN_FREE_BYTES:
             return False
-        mx.save_safetensors(str(temp), tensors, metadata={"ferrum_dense_format": FORMAT})
+        mx.save_safetensors(str(temp), tensors, metadata={"ferrum_dense_format": FORMAT, SOURCE_KEY: str(source)})
         os.replace(temp, entry)
     except (OSError, RuntimeError, ValueError):
         temp.unlink(missing_ok=True)
@@ -131,8 +128,9 @@ def store(entry: Path, tensors: dict) -> bool:
 
 
 def prune(folder: Path, keep: Path) -> None:
-    """Drop older copies of `keep`'s checkpoint, crashed writers' temporary files, and the least
-    recently used entries past MAX_BYTES."""
+    """Drop older copies of `keep`'s checkpoint, copies whose model is gone, crashed writers'
+    temporary files, and the least recently used entries past MAX_BYTES."""
+    sweep_orphans(folder)
     prefix = keep.name.split("-", 1)[0] + "-"
     entries = []
     for path in folder.iterdir():

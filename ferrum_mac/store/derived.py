@@ -1,0 +1,57 @@
+"""Files ferrum derives from a model and keeps in the user cache: the dense copies of
+quantized checkpoints that MLX's CPU build loads (`backends/mlx/dense_cache.py` writes them).
+
+Each copy records the model file it was made from (safetensors metadata `ferrum_source`), so
+copies whose model is gone, removed by `ferrum rm` or by hand, can be swept. FERRUM_CACHE_DIR
+moves the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+CACHE_DIR_ENV = "FERRUM_CACHE_DIR"
+SOURCE_KEY = "ferrum_source"
+
+
+def dense_dir() -> Path:
+    root = os.environ.get(CACHE_DIR_ENV, "").strip()
+    if not root:
+        import platformdirs
+
+        root = platformdirs.user_cache_dir("ferrum_mac")
+    return Path(root).expanduser() / "dense-weights"
+
+
+def recorded_source(entry: Path) -> str | None:
+    """The model file a copy was made from, from its safetensors header (None if unrecorded or unreadable)."""
+    try:
+        with open(entry, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 << 20:
+                return None
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error):
+        return None
+    return (header.get("__metadata__") or {}).get(SOURCE_KEY)
+
+
+def sweep_orphans(folder: Path | None = None) -> int:
+    """Delete the copies whose model file no longer exists; returns the bytes freed."""
+    folder = dense_dir() if folder is None else folder
+    freed = 0
+    if not folder.is_dir():
+        return 0
+    for entry in folder.glob("*.safetensors"):
+        source = recorded_source(entry)
+        if source is not None and not Path(source).exists():
+            try:
+                size = entry.stat().st_size
+                entry.unlink()
+                freed += size
+            except OSError:
+                continue
+    return freed

@@ -63,7 +63,8 @@ def run(shape: str, batch: int, steps: int, prompt_tokens: int) -> None:
     kernels.sort(key=time_of, reverse=True)
     total = sum(time_of(e) for e in kernels) / steps
     launches = sum(e.count for e in kernels) / steps
-    print(f"{label}, {device}, batch {batch}: step {graphed:.3f} ms in a CUDA graph, {eager:.3f} ms eager;"
+    first_kind = "in a CUDA graph" if device.type == "cuda" else "default"
+    print(f"{label}, {device}, batch {batch}: step {graphed:.3f} ms {first_kind}, {eager:.3f} ms eager;"
           f" {launches:.0f} {'kernels' if device.type == 'cuda' else 'ops'} a step, {total / 1e3:.3f} ms of their time")
     print(f"{'us/step':>9} {'count/step':>10}  name")
     for e in kernels[:30]:

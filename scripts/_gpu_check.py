@@ -1,6 +1,8 @@
 """What the GPU kernel check scripts share: a tolerance check that records mismatches, and
 device time per call measured from a CUDA graph (no launch overhead in the figure)."""
 
+import sys
+
 import torch
 
 TOLERANCE = 2e-2  # a couple of bf16 ulps near 1
@@ -9,13 +11,16 @@ GRAPH_CALLS, REPLAYS = 100, 5
 failures: list[str] = []
 
 
-def missing_gpu_or_triton(kernels_module) -> str | None:
-    """Why the kernels cannot be checked here (no CUDA device, triton not importing), or None."""
+def can_check(kernels_module) -> bool:
+    """Whether the Triton kernels of `kernels_module` run here; if not, says why on stderr."""
     if not torch.cuda.is_available():
-        return "no CUDA device: this script checks the Triton kernels on a GPU"
+        print("no CUDA device: this script checks the Triton kernels on a GPU", file=sys.stderr)
+        return False
     if kernels_module.triton is None:
-        return "triton does not import"
-    return None
+        print("triton does not import", file=sys.stderr)
+        return False
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {kernels_module.triton.__version__}")
+    return True
 
 
 def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _gpu_check import compare, failures, graph_us, missing_gpu_or_triton  # noqa: E402  (this folder)
+from _gpu_check import compare, failures, graph_us, can_check  # noqa: E402  (this folder)
 
 from ferrum_mac.backends.torch import pointwise, triton_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import SparseMoe  # noqa: E402
@@ -40,11 +40,8 @@ SWEEP_DOWN = [(16, 256), (8, 256), (16, 128), (32, 128), (32, 64)]  # (block_h, 
 
 
 def main() -> int:
-    missing = missing_gpu_or_triton(triton_moe)
-    if missing:
-        print(missing, file=sys.stderr)
+    if not can_check(triton_moe):
         return 2
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton_moe.triton.__version__}")
     print(f"experts {EXPERTS}, top {TOP_K}, hidden {HIDDEN}, intermediate {INTER}, {DTYPE}\n")
     torch.manual_seed(0)
     moe = random_moe()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _gpu_check import compare, failures, graph_us, missing_gpu_or_triton  # noqa: E402  (this folder)
+from _gpu_check import compare, failures, graph_us, can_check  # noqa: E402  (this folder)
 
 from ferrum_mac.backends.torch import pointwise, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
@@ -53,11 +53,9 @@ BEYOND_L2 = 128 << 20  # bytes of weight copies a timed GEMV cycles through
 
 
 def main() -> int:
-    missing = missing_gpu_or_triton(triton_ops)
-    if missing:
-        print(missing, file=sys.stderr)
+    if not can_check(triton_ops):
         return 2
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton_ops.triton.__version__}\n")
+    print()
     rows_out = []
     for name, layout in LAYOUTS.items():
         for rows, context in CASES if name in TIMED else CASES[:1]:

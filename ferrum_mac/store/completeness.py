@@ -8,11 +8,11 @@ safetensors file as long as its header says, a tokenizer, no dangling symlinks.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
+from ferrum_mac.weights.safetensors import read_header, tensors_end
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-MAX_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB
 
 
 def missing_parts(folder: Path) -> list[str]:
@@ -53,13 +53,6 @@ def _missing_weights(folder: Path) -> list[str]:
 def safetensors_is_whole(path: Path) -> bool:
     """True when the file is at least as long as its header says its tensors reach."""
     try:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > MAX_HEADER:
-                return False
-            header = json.loads(f.read(header_len))
-        size = path.stat().st_size
-    except (OSError, ValueError, struct.error):
+        return path.stat().st_size >= tensors_end(*read_header(path))
+    except (OSError, ValueError):
         return False
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-    return size >= 8 + header_len + max(ends, default=0)

@@ -8,10 +8,10 @@ moves the folder.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from pathlib import Path
+
+from ferrum_mac.weights.safetensors import read_header
 
 CACHE_DIR_ENV = "FERRUM_CACHE_DIR"
 SOURCE_KEY = "ferrum_source"
@@ -29,12 +29,8 @@ def dense_dir() -> Path:
 def recorded_source(entry: Path) -> str | None:
     """The model file a copy was made from, from its safetensors header (None if unrecorded or unreadable)."""
     try:
-        with open(entry, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > 100 << 20:
-                return None
-            header = json.loads(f.read(length))
-    except (OSError, ValueError, struct.error):
+        _, header = read_header(entry)
+    except (OSError, ValueError):
         return None
     return (header.get("__metadata__") or {}).get(SOURCE_KEY)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from ferrum_mac.weights.gguf_header import read_gguf_info
+from ferrum_mac.weights.safetensors import read_header
 
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _LICENSE_LINE = re.compile(r"^license:\s*['\"]?([^'\"\n]+?)['\"]?\s*$", re.MULTILINE)
@@ -97,7 +97,7 @@ def count_parameters(folder: Path, config: dict | None = None) -> int | None:
     for shard in sorted(folder.glob("*.safetensors")):
         try:
             tensors.update(safetensors_shapes(shard))
-        except (OSError, ValueError, struct.error):
+        except (OSError, ValueError):
             return None
     if not tensors:
         return None
@@ -123,9 +123,7 @@ def _group_size(quant: dict, prefix: str) -> int:
 
 
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+    _, header = read_header(path)
     return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
 
 

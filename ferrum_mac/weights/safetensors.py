@@ -11,6 +11,7 @@ from pathlib import Path
 from ferrum_mac.errors import CorruptModelError, ModelNotFoundError
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+MAX_HEADER = 100 << 20  # safetensors caps its JSON header at 100 MB
 
 
 def shard_files(folder: Path) -> list[Path]:
@@ -33,25 +34,39 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def check_complete(path: Path) -> None:
-    """Refuse a truncated or malformed file before MLX reads it (its own error is vague)."""
+def read_header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's JSON header (tensor name -> dtype, shape, data_offsets; and
+    `__metadata__`) and its length in bytes. ValueError, saying what is wrong, for a file too
+    short for its header or a header that is not JSON; OSError when it cannot be read."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
-            raise CorruptModelError(f"{path} is truncated ({size} bytes); download it again")
-        header_len = struct.unpack("<Q", head)[0]
-        if header_len > size - 8:
-            raise CorruptModelError(f"{path} is truncated (header runs past the end); download it again")
+            raise ValueError(f"is truncated ({size} bytes)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8 or header_len > MAX_HEADER:
+            raise ValueError("is truncated (header runs past the end)")
         try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CorruptModelError(f"{path} has a malformed safetensors header; download it again") from None
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + end > size:
-        raise CorruptModelError(
-            f"{path} is truncated ({size} of {8 + header_len + end} bytes); download it again"
-        )
+            return header_len, json.loads(f.read(header_len))
+        except ValueError:  # not JSON, or not UTF-8
+            raise ValueError("has a malformed safetensors header") from None
+
+
+def tensors_end(header_len: int, header: dict) -> int:
+    """The byte the file's last tensor ends at: a whole file is at least this long."""
+    return 8 + header_len + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+
+
+def check_complete(path: Path) -> None:
+    """Refuse a truncated or malformed file before MLX reads it (its own error is vague)."""
+    size = path.stat().st_size
+    try:
+        header_len, header = read_header(path)
+    except ValueError as e:
+        raise CorruptModelError(f"{path} {e}; download it again") from None
+    end = tensors_end(header_len, header)
+    if end > size:
+        raise CorruptModelError(f"{path} is truncated ({size} of {end} bytes); download it again")
 
 
 def canonical_name(name: str) -> str | None:

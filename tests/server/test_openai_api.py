@@ -74,6 +74,16 @@ def metrics(server) -> dict[str, float]:
     return {name: float(value) for name, value in samples}
 
 
+def assert_cancelled_and_released(server, cancelled_before: float) -> None:
+    """Within 20 s no sequence is active and no KV held, and one more request counts as cancelled."""
+    deadline = time.monotonic() + 20
+    while metrics(server)["ferrum_active_sequences"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = metrics(server)
+    assert after["ferrum_active_sequences"] == 0 and after["ferrum_kv_tokens_in_use"] == 0
+    assert after['ferrum_requests_total{reason="cancelled"}'] == cancelled_before + 1
+
+
 def test_disconnect_mid_stream_releases_the_kv(server):
     cancelled = metrics(server).get('ferrum_requests_total{reason="cancelled"}', 0)
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 2000, "temperature": 0, "stream": True}
@@ -83,12 +93,7 @@ def test_disconnect_mid_stream_releases_the_kv(server):
             next(lines)
         assert metrics(server)["ferrum_active_sequences"] == 1
         assert metrics(server)["ferrum_kv_tokens_in_use"] > 0
-    deadline = time.monotonic() + 20
-    while metrics(server)["ferrum_active_sequences"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    after = metrics(server)
-    assert after["ferrum_active_sequences"] == 0 and after["ferrum_kv_tokens_in_use"] == 0
-    assert after['ferrum_requests_total{reason="cancelled"}'] == cancelled + 1
+    assert_cancelled_and_released(server, cancelled)
 
 
 def test_disconnect_while_a_whole_answer_is_computed_releases_the_kv(server):
@@ -96,12 +101,7 @@ def test_disconnect_while_a_whole_answer_is_computed_releases_the_kv(server):
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
-    deadline = time.monotonic() + 20
-    while metrics(server)["ferrum_active_sequences"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    after = metrics(server)
-    assert after["ferrum_active_sequences"] == 0 and after["ferrum_kv_tokens_in_use"] == 0
-    assert after['ferrum_requests_total{reason="cancelled"}'] == cancelled + 1
+    assert_cancelled_and_released(server, cancelled)
 
 
 def error_of(response: httpx.Response, status: int) -> dict:

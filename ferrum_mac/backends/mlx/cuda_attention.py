@@ -192,6 +192,15 @@ def _kernel(name: str):
     )
 
 
+def int32(a: mx.array) -> mx.array:
+    return a if a.dtype == mx.int32 else a.astype(mx.int32)  # astype always adds a node
+
+
+@lru_cache(maxsize=None)
+def _scale_array(scale: float) -> mx.array:
+    return mx.array([scale], mx.float32)  # one array for every layer and step, not one each
+
+
 def splits_for(batch: int, kv_heads: int, longest: int) -> int:
     """Splits of each sequence's keys so the batch fills the GPU, none shorter than MIN_KEYS_PER_SPLIT."""
     wanted = -(-BLOCKS_WANTED // (batch * kv_heads))
@@ -209,7 +218,7 @@ def decode_attention(
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     S = splits_for(B, kv_heads, keys.shape[2] if longest is None else longest)
-    inputs = [q, keys, values, slots.astype(mx.int32), positions.astype(mx.int32), mx.array([scale], mx.float32)]
+    inputs = [q, keys, values, int32(slots), int32(positions), _scale_array(scale)]
     template = [("T", q.dtype), ("D", dim), ("G", group), ("NW", WARPS), ("U", UNROLL)]
     launch = dict(grid=(32 * WARPS, kv_heads, B * S), threadgroup=(32 * WARPS, 1, 1))
     if S == 1:
@@ -227,9 +236,11 @@ def decode_attention(
     return out
 
 
+@lru_cache(maxsize=None)
 def warm_up(dtype: mx.Dtype, heads: int, kv_heads: int, dim: int) -> None:
-    """Compile every kernel here for this layout now: a first compile takes seconds, which a
-    server would otherwise spend inside the first step that splits keys."""
+    """Compile every kernel here for this layout now (once a process: every `prepare` asks): a
+    first compile takes seconds, which a server would otherwise spend inside the first step
+    that splits keys."""
     pool = mx.zeros((2, kv_heads, 2 * MIN_KEYS_PER_SPLIT, dim), dtype)
     q, slots, positions = mx.zeros((2, heads, dim), dtype), mx.array([0, 1]), mx.array([2 * MIN_KEYS_PER_SPLIT - 1, 3])
     mx.eval(

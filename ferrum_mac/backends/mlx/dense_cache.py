@@ -28,7 +28,8 @@ import mlx.core as mx
 
 from ferrum_mac.backends.mlx.layers import dequantized
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.store.derived import SOURCE_KEY, dense_dir, sweep_orphans
+from ferrum_mac.store.derived import SOURCE_KEY, sweep_orphans
+from ferrum_mac.store.derived import dense_dir as cache_dir
 from ferrum_mac.weights import Checkpoint
 
 FORMAT = "1"  # bump when what an entry holds changes
@@ -50,10 +51,6 @@ def dense_tensors(checkpoint: Checkpoint, dtype: mx.Dtype) -> dict:
     if entry is not None:
         store(entry, tensors, source=checkpoint_files(checkpoint)[0])
     return tensors
-
-
-def cache_dir() -> Path:
-    return dense_dir()
 
 
 def enabled() -> bool:

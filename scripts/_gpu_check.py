@@ -11,6 +11,15 @@ GRAPH_CALLS, REPLAYS = 100, 5
 failures: list[str] = []
 
 
+def verdict() -> int:
+    """Prints the mismatches (or that there were none); the script's exit status."""
+    if failures:
+        print(f"\n{len(failures)} mismatch(es):\n  " + "\n  ".join(failures))
+        return 1
+    print("\nall kernels match the torch path")
+    return 0
+
+
 def can_check(kernels_module) -> bool:
     """Whether the Triton kernels of `kernels_module` run here; if not, says why on stderr."""
     if not torch.cuda.is_available():

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _gpu_check import compare, failures, graph_us, can_check  # noqa: E402  (this folder)
+from _gpu_check import can_check, compare, failures, graph_us, verdict  # noqa: E402  (this folder)
 
 from ferrum_mac.backends.torch import pointwise, triton_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import SparseMoe  # noqa: E402
@@ -60,11 +60,7 @@ def main() -> int:
         print(f"\n{'tokens':>6}  {'kernel':<8} {'blocks':<9} {'us':>7}")
         for tokens, kernel, blocks, us in sweeps:
             print(f"{tokens:>6}  {kernel:<8} {str(blocks):<9} {us:>7.2f}")
-    if failures:
-        print(f"\n{len(failures)} mismatch(es):\n  " + "\n  ".join(failures))
-        return 1
-    print("\nall kernels match the torch path")
-    return 0
+    return verdict()
 
 
 def random_moe() -> SparseMoe:

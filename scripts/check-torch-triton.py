@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _gpu_check import compare, failures, graph_us, can_check  # noqa: E402  (this folder)
+from _gpu_check import can_check, compare, graph_us, verdict  # noqa: E402  (this folder)
 
 from ferrum_mac.backends.torch import pointwise, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
@@ -66,11 +66,7 @@ def main() -> int:
     for name, rows, context, op, torch_us, triton_us in rows_out:
         speedup = torch_us / triton_us
         print(f"{name:<11} {rows:>4} {context:>5}  {op:<19} {torch_us:>9.2f} {triton_us:>9.2f} {speedup:>6.2f}x")
-    if failures:
-        print(f"\n{len(failures)} mismatch(es):\n  " + "\n  ".join(failures))
-        return 1
-    print("\nall kernels match the torch path")
-    return 0
+    return verdict()
 
 
 def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:

@@ -15,6 +15,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
+from _mlx_check import close
 from ferrum_mac.backends.mlx import cuda_moe
 from ferrum_mac.backends.mlx.models.qwen3_moe import ExpertLinear, Router, stack_outputs
 
@@ -38,13 +39,6 @@ def mlx_experts(x, gate_up, down, experts, weights):
     y = gate_up(x[:, None, None, :], experts, sorted_indices=False)
     a = nn.silu(y[..., :I]) * y[..., I:] * weights[..., None, None]
     return a[:, :, 0, :], down(a, experts, sorted_indices=False).sum(axis=1)[:, 0, :]
-
-
-def close(name, got, want, tol) -> bool:
-    err = (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max() / (mx.abs(want.astype(mx.float32)).max() + 1e-6)).item()
-    good = err <= tol
-    print(f"check {name:40s} rel err {err:.2e} {'ok' if good else 'MISMATCH'}")
-    return good
 
 
 def check(bits) -> bool:

@@ -6,9 +6,8 @@ the given batch. On the GPU machine (torch only):
 
     python3 scripts/profile-torch-step.py --shape qwen3-0.6b [--batch 1] [--steps 20]
 
-The profiled steps run eagerly (FERRUM_CUDA_GRAPHS=0, set here), so each kernel is seen;
-their launch gaps are what the graph removes, so compare the kernels' sum with the graph's
-wall time, not the eager one. On a CPU it profiles the CPU ops instead (a smoke test).
+It profiles the steps as replayed from their CUDA graph (the GPU's busy time beside the
+wall time shows the gaps between kernels), then eagerly (FERRUM_CUDA_GRAPHS=0).
 """
 
 import argparse
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def decode_items(batch: int, prompt: list[int], step: int):
@@ -28,8 +28,8 @@ def decode_items(batch: int, prompt: list[int], step: int):
 
 def run(shape: str, batch: int, steps: int, prompt_tokens: int) -> None:
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
+    from _kernel_profile import profile_steps
     from ferrum_mac.backends.torch import steps as step_module
     from ferrum_mac.bench.torch_side import random_pair
 
@@ -39,36 +39,28 @@ def run(shape: str, batch: int, steps: int, prompt_tokens: int) -> None:
     for b in range(batch):
         llm.prefill(f"p{b}", prompt)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    counter = iter(range(10**6))
 
-    def timed_steps(first: int) -> float:
-        llm.decode_batch(decode_items(batch, prompt, first))  # warm-up: compiles, captures
+    def step() -> None:
+        llm.decode_batch(decode_items(batch, prompt, next(counter)))
+
+    def timed_steps() -> float:
+        step()  # warm-up: compiles, captures
         sync()
         start = time.perf_counter()
-        for step in range(first + 1, first + 1 + steps):
-            llm.decode_batch(decode_items(batch, prompt, step))
+        for _ in range(steps):
+            step()
         sync()
         return (time.perf_counter() - start) / steps * 1e3
 
-    graphed = timed_steps(0)
+    graphed = timed_steps()
+    kind = "in a CUDA graph" if device.type == "cuda" else "default"
+    print(f"{label}, {device}, batch {batch}: step {graphed:.3f} ms {kind}")
+    profile_steps(step, steps, sync)
     step_module.USE_GRAPHS = False
     llm.steps.clear()
-    eager = timed_steps(steps + 1)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for step in range(2 * steps + 2, 3 * steps + 2):
-            llm.decode_batch(decode_items(batch, prompt, step))
-        sync()
-    kernels = [e for e in prof.key_averages() if (e.device_type.name == "CUDA" if device.type == "cuda" else True)]
-    time_of = (lambda e: e.device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
-    kernels.sort(key=time_of, reverse=True)
-    total = sum(time_of(e) for e in kernels) / steps
-    launches = sum(e.count for e in kernels) / steps
-    first_kind = "in a CUDA graph" if device.type == "cuda" else "default"
-    print(f"{label}, {device}, batch {batch}: step {graphed:.3f} ms {first_kind}, {eager:.3f} ms eager;"
-          f" {launches:.0f} {'kernels' if device.type == 'cuda' else 'ops'} a step, {total / 1e3:.3f} ms of their time")
-    print(f"{'us/step':>9} {'count/step':>10}  name")
-    for e in kernels[:30]:
-        print(f"{time_of(e) / steps:9.1f} {e.count / steps:10.1f}  {e.key[:110]}")
+    print(f"  eager: step {timed_steps():.3f} ms")
+    profile_steps(step, steps, sync)
 
 
 def main() -> None:

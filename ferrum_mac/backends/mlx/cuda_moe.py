@@ -7,7 +7,8 @@ A decode step of a MoE model is bound by how many kernels it runs, not by the by
 48 layers). MLX's route is argpartition, take, softmax, then a gathered quantized matmul, a
 SwiGLU, another gathered matmul and a sum: here it is three kernels, each reading only the
 chosen experts' weights. The matrix-vector products put one warp on each output row, its
-lanes walking the row's packed words (coalesced) against the input held in shared memory.
+lanes walking the row's packed words (coalesced; a lane loads all of its words before using
+any, so the loads overlap) against the input held in shared memory.
 """
 
 from __future__ import annotations
@@ -16,41 +17,58 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from ferrum_mac.backends.mlx.cuda_qmatmul import WARP_SUM
+
 WARPS = 8  # output rows per block (one warp each)
 MAX_PAIRS = 128  # token-expert pairs up to which these kernels run (decode steps and batches)
 
-_HEADER = """
-__device__ __forceinline__ float ferrum_moe_warp_sum(float x) {
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffff, x, o);
-  return x;
-}
+_HEADER = WARP_SUM + """
 
-// One lane's share of the dot product of packed row `row` (affine-quantized: value =
-// scale * q + bias per group) with the float vector xs.
+// One lane's share of a packed row (affine-quantized: value = scale * q + bias per group):
+// its words, every one loaded before any is used so the loads overlap, then its share of the
+// dot product with the float vector xs.
 template <typename T, int BITS, int GROUP, int COLS>
-__device__ __forceinline__ float ferrum_qdot(
-    const uint32_t* w, const T* scales, const T* biases, size_t row, const float* xs, int lane) {
-  constexpr int PACK = 32 / BITS;
-  constexpr int WORDS = COLS / PACK;
-  constexpr int GROUPS = COLS / GROUP;
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
-  float acc = 0.f;
-  for (int word = lane; word < WORDS; word += 32) {
-    const uint32_t packed = w[row * WORDS + word];
-    const int col = word * PACK;
-    const int group = col / GROUP;
-    float qx = 0.f, xsum = 0.f;
+struct FerrumQRow {
+  static constexpr int PACK = 32 / BITS;
+  static constexpr int WORDS = COLS / PACK;
+  static constexpr int GROUPS = COLS / GROUP;
+  static constexpr int PER_LANE = (WORDS + 31) / 32;
+  uint32_t packed[PER_LANE];
+  float scale[PER_LANE], bias[PER_LANE];
+
+  __device__ __forceinline__ void load(const uint32_t* w, const T* scales, const T* biases, size_t row, int lane) {
     #pragma unroll
-    for (int p = 0; p < PACK; ++p) {
-      const float xv = xs[col + p];
-      qx += static_cast<float>((packed >> (p * BITS)) & MASK) * xv;
-      xsum += xv;
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int word = lane + 32 * i;
+      const bool inside = word < WORDS;
+      const size_t group = row * GROUPS + (inside ? word * PACK / GROUP : 0);
+      packed[i] = inside ? w[row * WORDS + word] : 0u;
+      scale[i] = inside ? static_cast<float>(scales[group]) : 0.f;
+      bias[i] = inside ? static_cast<float>(biases[group]) : 0.f;
     }
-    acc += static_cast<float>(scales[row * GROUPS + group]) * qx + static_cast<float>(biases[row * GROUPS + group]) * xsum;
   }
-  return acc;
-}
+
+  __device__ __forceinline__ float dot(const float* xs, int lane) const {
+    constexpr uint32_t MASK = (1u << BITS) - 1u;
+    float acc = 0.f;
+    #pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int word = lane + 32 * i;
+      if (word < WORDS) {
+        const int col = word * PACK;
+        float qx = 0.f, xsum = 0.f;
+        #pragma unroll
+        for (int p = 0; p < PACK; ++p) {
+          const float xv = xs[col + p];
+          qx += static_cast<float>((packed[i] >> (p * BITS)) & MASK) * xv;
+          xsum += xv;
+        }
+        acc += scale[i] * qx + bias[i] * xsum;
+      }
+    }
+    return acc;
+  }
+};
 """
 
 # logits (T, E) -> experts (T, K) uint32, weights (T, K). One warp per token.
@@ -71,7 +89,7 @@ _ROUTER = """
   float z = 0.f;
   #pragma unroll
   for (int i = 0; i < PER; ++i) z += expf(v[i] - top);
-  z = ferrum_moe_warp_sum(z);
+  z = ferrum_warp_sum(z);
 
   float picked[K];
   float picked_sum = 0.f;
@@ -118,10 +136,11 @@ _GATE_UP = """
   __syncthreads();
   if (r >= I) return;
   const size_t gate_row = (size_t)experts[pair] * 2 * I + r;
-  float g = ferrum_qdot<T, BITS, GROUP, H>(w, scales, biases, gate_row, xs, lane);
-  float u = ferrum_qdot<T, BITS, GROUP, H>(w, scales, biases, gate_row + I, xs, lane);
-  g = ferrum_moe_warp_sum(g);
-  u = ferrum_moe_warp_sum(u);
+  FerrumQRow<T, BITS, GROUP, H> gate, up;
+  gate.load(w, scales, biases, gate_row, lane);
+  up.load(w, scales, biases, gate_row + I, lane);
+  float g = ferrum_warp_sum(gate.dot(xs, lane));
+  float u = ferrum_warp_sum(up.dot(xs, lane));
   if (lane == 0) {
     g = static_cast<float>(static_cast<T>(g));  // rounded as the projection's output would be
     u = static_cast<float>(static_cast<T>(u));
@@ -140,12 +159,13 @@ _DOWN = """
   for (int i = threadIdx.x; i < K * I; i += blockDim.x) as[i] = static_cast<float>(a[(size_t)t * K * I + i]);
   __syncthreads();
   if (r >= H) return;
+  FerrumQRow<T, BITS, GROUP, I> rows[K];
+  #pragma unroll
+  for (int j = 0; j < K; ++j) rows[j].load(w, scales, biases, (size_t)experts[t * K + j] * H + r, lane);
   float acc = 0.f;
-  for (int j = 0; j < K; ++j) {
-    const size_t row = (size_t)experts[t * K + j] * H + r;
-    acc += ferrum_qdot<T, BITS, GROUP, I>(w, scales, biases, row, as + j * I, lane);
-  }
-  acc = ferrum_moe_warp_sum(acc);
+  #pragma unroll
+  for (int j = 0; j < K; ++j) acc += rows[j].dot(as + j * I, lane);
+  acc = ferrum_warp_sum(acc);
   if (lane == 0) out[(size_t)t * H + r] = static_cast<T>(acc);
 """
 

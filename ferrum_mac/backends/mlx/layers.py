@@ -9,6 +9,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from ferrum_mac.backends.mlx import cuda_qmatmul
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.weights import ModelConfig
 
@@ -84,7 +85,9 @@ class Linear:
         return self.scales is not None
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.quantized:
+        if self.quantized and cuda_qmatmul.runs(x.size // x.shape[-1], x.shape[-1], self.group_size, self.bits):
+            y = cuda_qmatmul.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        elif self.quantized:
             y = mx.quantized_matmul(
                 x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
             )

@@ -16,7 +16,7 @@ from triton_interpreter import DEVICE, INTERPRET, like_a_gpu  # noqa: E402  (bef
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import triton_moe  # noqa: E402
+from ferrum_mac.backends.torch import triton_moe, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.layers import Linear  # noqa: E402
 from ferrum_mac.backends.torch.models import qwen3_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import Router, SparseMoe  # noqa: E402
@@ -38,6 +38,7 @@ def interpreter_rounds_like_a_gpu():
         patch = pytest.MonkeyPatch()
         patch.setattr(triton_moe, "GATE_UP_BLOCK_I", 64)
         patch.setattr(triton_moe, "DOWN_BLOCK_H", 64)
+        patch.setattr(triton_moe, "UNSPLIT_DOWN_BLOCK_H", 64)
         yield
         patch.undo()
 
@@ -122,16 +123,18 @@ def test_gate_up_swiglu_matches_torch(dtype, experts, top_k, hidden, inter, toke
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("experts, top_k, hidden, inter, tokens", SHAPES)
-def test_down_sum_plus_is_one_rounding_of_the_exact_sum(dtype, experts, top_k, hidden, inter, tokens):
+@pytest.mark.parametrize("split", [True, False])
+def test_down_sum_plus_is_one_rounding_of_the_exact_sum(dtype, experts, top_k, hidden, inter, tokens, split):
     """Within a rounding of the float64 result; the torch path, which rounds each pair's output
-    and the sum before the residual add, is further off (bf16: a few ulps)."""
+    and the sum before the residual add, is further off (bf16: a few ulps). Split over the
+    pairs, it leaves its arrival counters at zero, ready for the next launch."""
     torch.manual_seed(3)
     moe = random_moe(experts, top_k, hidden, inter, False, dtype)
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).int().to(DEVICE)
     activations = torch.randn(tokens * top_k, inter, device=DEVICE).to(dtype)
     residual = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
 
-    got = triton_moe.down_sum_plus(activations, ids, moe.experts.down, residual, block_h=32, block_i=32)
+    got = triton_moe.down_sum_plus(activations, ids, moe.experts.down, residual, block_h=32, block_i=32, split=split)
 
     down = moe.experts.down[ids.reshape(-1).long()]  # (T * k, H, I)
     per_pair = torch.bmm(down.double(), activations.double()[:, :, None])[..., 0]
@@ -140,6 +143,7 @@ def test_down_sum_plus_is_one_rounding_of_the_exact_sum(dtype, experts, top_k, h
     torch.testing.assert_close(got.double(), exact, rtol=close, atol=1e-5)
     torch_path = residual + torch.bmm(down, activations[:, :, None])[..., 0].view(tokens, top_k, hidden).sum(dim=1)
     torch.testing.assert_close(got, torch_path, rtol=ulps(dtype), atol=ulps(dtype))
+    assert not triton_ops.split_counters(DEVICE).any()
 
 
 @pytest.mark.parametrize("dtype, route, renormalise", [

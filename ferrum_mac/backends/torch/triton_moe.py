@@ -13,9 +13,13 @@ read on the device.
   that chose the expert runs it for every token that chose it (a `tl.dot` over the tokens,
   padded to 16 rows), later pairs of that expert exit. So each chosen expert's weights are
   read once per step, however many tokens share it.
-- `down_sum_plus`: residual + sum over a token's k pairs of a Wd^T: one program per (token,
-  block of hidden columns), the k experts' rows as one long dot product in float32, rounded
-  once (torch rounds each pair's output first, then the sum, then the residual add).
+- `down_sum_plus`: residual + sum over a token's k pairs of a Wd^T. One program per (pair,
+  block of hidden columns) stores the pair's products in float32; the last of a token's k
+  programs for a block to finish adds them up in slot order with the residual and rounds
+  once (torch rounds each pair's output first, then the sum, then the residual add). So a
+  lone token still has k times as many programs as column blocks to fill the GPU with.
+  FERRUM_TORCH_SPLIT_K=0 (`triton_ops.SPLIT_K`) keeps the unsplit kernel, for A/B timing:
+  one program per (token, block), the k experts' rows as one long dot product.
 
 Products round where the torch path rounds them (each projection's output, silu, the product
 with up, the router's weight), so the pairs' activations match it to a bf16 ulp or so.
@@ -27,6 +31,8 @@ without triton; `triton` is then None.
 
 import torch
 
+from ferrum_mac.backends.torch import triton_ops
+
 try:
     import triton
     import triton.language as tl
@@ -37,7 +43,8 @@ MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: the tokens are padded to it
 # Tile sizes (columns of a program, then the step of its loop). Small column blocks give a
 # single token's GEMVs enough programs to fill the GPU.
 GATE_UP_BLOCK_I, GATE_UP_BLOCK_H = 16, 128
-DOWN_BLOCK_H, DOWN_BLOCK_I = 16, 256
+DOWN_BLOCK_H, DOWN_BLOCK_I = 32, 256  # a program per pair
+UNSPLIT_DOWN_BLOCK_H = 16  # a program per token
 
 
 # -- launches -----------------------------------------------------------------------------------
@@ -80,18 +87,29 @@ def gate_up_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
 
 
 def down_sum_plus(activations: torch.Tensor, ids: torch.Tensor, down: torch.Tensor, residual: torch.Tensor,
-                  block_h: int | None = None, block_i: int | None = None) -> torch.Tensor:  # fmt: skip
+                  block_h: int | None = None, block_i: int | None = None, split: bool | None = None) -> torch.Tensor:  # fmt: skip
     """The pairs' activations `(T * k, I)`, ids `(T, k)`, down `(E, H, I)`, residual `(T, H)` ->
-    residual + the sum over each token's k pairs of activation Wd^T, `(T, H)`."""
-    block_h, block_i = block_h or DOWN_BLOCK_H, block_i or DOWN_BLOCK_I
+    residual + the sum over each token's k pairs of activation Wd^T, `(T, H)`. `split`: a
+    program per pair (by default, unless `triton_ops.SPLIT_K` turns splitting off) or per token."""
+    split = triton_ops.SPLIT_K > 1 if split is None else split
     (tokens, top_k), (_, hidden, inter) = ids.shape, down.shape
     assert activations.is_contiguous() and ids.is_contiguous() and down.is_contiguous() and residual.stride(1) == 1
     assert activations.shape == (tokens * top_k, inter) and down.dtype == residual.dtype
+    block_h = block_h or (DOWN_BLOCK_H if split else UNSPLIT_DOWN_BLOCK_H)
+    block_i = min(block_i or DOWN_BLOCK_I, triton.next_power_of_2(inter))
+    blocks = triton.cdiv(hidden, block_h)
     out = torch.empty((tokens, hidden), dtype=residual.dtype, device=residual.device)
-    _down_sum_plus_kernel[(tokens, triton.cdiv(hidden, block_h))](
-        activations, ids, down, residual, residual.stride(0), out,
-        K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_H=block_h, BLOCK_I=min(block_i, triton.next_power_of_2(inter)),
-        num_warps=4, num_stages=3,
+    if not split:
+        _down_sum_plus_kernel[(tokens, blocks)](
+            activations, ids, down, residual, residual.stride(0), out,
+            K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=4, num_stages=3,
+        )  # fmt: skip
+        return out
+    assert tokens * blocks <= triton_ops.SPLIT_COUNTERS
+    products = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=residual.device)
+    _down_split_sum_plus_kernel[(tokens * top_k, blocks)](
+        activations, ids, down, residual, residual.stride(0), products, triton_ops.split_counters(residual.device), out,
+        K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
 
@@ -105,6 +123,7 @@ def experts_plus(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
+    from ferrum_mac.backends.torch.triton_ops import arrived_last, sum_of_splits
 
     @triton.jit
     def _swiglu_as_torch(gate, up, weight, dtype: tl.constexpr):
@@ -218,3 +237,31 @@ if triton is not None:
         residual = tl.load(residual_ptr + token * residual_row_stride + columns, mask=in_columns, other=0.0)
         out = residual.to(tl.float32) + tl.sum(acc, axis=1)
         tl.store(out_ptr + token * HIDDEN + columns, out.to(residual.dtype), mask=in_columns)
+
+    @triton.jit
+    def _down_split_sum_plus_kernel(
+        activations_ptr, ids_ptr, down_ptr, residual_ptr, residual_row_stride, products_ptr, counters_ptr, out_ptr,
+        K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (pair, block of BLOCK_H hidden columns): its expert's rows for those
+        # columns dotted with its activation, to `products` (T * k, H) in float32. The last of
+        # a token's K programs for the block to finish sums their products, adds the residual.
+        pair, block = tl.program_id(0), tl.program_id(1)
+        token = pair // K
+        columns = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        in_columns = columns < HIDDEN
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = down_ptr + expert * (HIDDEN * INTER) + columns[:, None] * INTER
+        acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+        for start in range(0, INTER, BLOCK_I):
+            inner = start + tl.arange(0, BLOCK_I)
+            in_inner = inner < INTER
+            a = tl.load(activations_ptr + pair * INTER + inner, mask=in_inner, other=0.0).to(tl.float32)
+            w = tl.load(rows + inner[None, :], mask=in_columns[:, None] & in_inner[None, :], other=0.0).to(tl.float32)
+            acc += w * a[None, :]
+        tl.store(products_ptr + pair * HIDDEN + columns, tl.sum(acc, axis=1), mask=in_columns)
+        if arrived_last(counters_ptr + token * tl.num_programs(1) + block, K):
+            products = sum_of_splits(products_ptr, token * K * HIDDEN + columns, in_columns, K, HIDDEN)
+            residual = tl.load(residual_ptr + token * residual_row_stride + columns, mask=in_columns, other=0.0)
+            out = residual.to(tl.float32) + products
+            tl.store(out_ptr + token * HIDDEN + columns, out.to(residual.dtype), mask=in_columns)

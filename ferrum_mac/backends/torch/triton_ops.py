@@ -28,6 +28,7 @@ only) is the callers' business. The module loads without triton; `triton` is the
 
 import functools
 import math
+import os
 
 import torch
 
@@ -120,6 +121,21 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+# FERRUM_TORCH_SPLIT_K=0 (or 1) turns off splitting a sum over several programs, for A/B
+# timing: `triton_moe.down_sum_plus` then takes a token's k pairs in one program.
+SPLIT_K = int(os.environ.get("FERRUM_TORCH_SPLIT_K", "8"))
+SPLIT_COUNTERS = 1 << 16
+
+
+@functools.cache
+def split_counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters for the kernels whose programs split a sum and whose last program to
+    finish adds up the parts (`arrived_last`). That program sets its counter back to 0, so
+    they are zero between launches and a CUDA graph replays those kernels with no memset.
+    One set per device: its kernels run one after another on one stream."""
+    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+
+
 SWIGLU_BLOCK = 1024
 
 
@@ -200,6 +216,28 @@ if triton is not None:
     def _round(x, like):
         """x (float32) rounded to `like`'s dtype and back: where eager torch stores an intermediate."""
         return x.to(like.dtype).to(tl.float32)
+
+    @triton.jit
+    def arrived_last(counter_ptr, arrivals):
+        """Whether this program is the last of `arrivals` to reach the counter (which it then
+        resets). Every program's stores before the call are visible to the last one's loads
+        after it: the barrier orders the program's threads before its atomic, whose acquire
+        and release order the programs (inductor's grid barrier does the same)."""
+        tl.debug_barrier()
+        last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+        if last:
+            tl.store(counter_ptr, 0)
+        return last
+
+    @triton.jit
+    def sum_of_splits(partials_ptr, offsets, mask, splits, split_stride):
+        """The float32 partials of `splits` programs at `offsets`, `split_stride` apart, summed
+        in split order (the same rounding whichever program finished last). Read from L2 (.cg):
+        other SMs wrote them."""
+        total = tl.load(partials_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+        for split in range(1, splits):
+            total += tl.load(partials_ptr + split * split_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+        return total
 
     @triton.jit
     def _norm_rope_write_kernel(

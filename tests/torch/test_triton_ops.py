@@ -1,5 +1,5 @@
 """The Triton decode kernels against the torch code they replace: q/k norm + RoPE + KV write,
-attention over the pool with a length per row, SwiGLU, the GEMVs for a few rows (RMSNorm +
+attention over the pool with a length per row, SwiGLU, RMSNorm, the GEMVs for a few rows (RMSNorm +
 matmul, RMSNorm + gate_up + SwiGLU, matmul + residual), and a whole decode step through them.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (numpy underneath), so
@@ -18,7 +18,7 @@ from triton_interpreter import DEVICE, like_a_gpu  # noqa: E402  (before triton:
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import attention, pointwise, triton_ops  # noqa: E402
+from ferrum_mac.backends.torch import attention, layers, pointwise, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope  # noqa: E402
@@ -136,6 +136,19 @@ def test_swiglu_keeps_torch_for_weights_it_cannot_take():
     assert not pointwise.one_per_row(torch.rand(3, 1, dtype=torch.float64), gate_up)
 
 
+# -- RMSNorm ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 1100), (2, 3, 96)])  # a power of two; a masked tail; leading dims
+def test_rms_norm_matches_torch(dtype, shape):
+    torch.manual_seed(6)
+    x = (3 * torch.randn(*shape, device=DEVICE)).to(dtype)
+    weight = (1 + 0.3 * torch.randn(shape[-1], device=DEVICE)).to(dtype)
+    got = triton_ops.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(got, F.rms_norm(x, shape[-1:], weight, 1e-6), rtol=ulps(dtype), atol=ulps(dtype))
+
+
 # -- GEMVs for a few rows -----------------------------------------------------------------------
 
 # rows, K, N: a 16-column block, K in chunks with a partial last one, a 64-column block
@@ -205,19 +218,19 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family):
         return decode_batch_steps(model, prompts, tag)
 
     def on_triton(yes: bool) -> None:
-        monkeypatch.setattr(attention, "triton_runs", lambda x: yes)
-        monkeypatch.setattr(pointwise, "triton_runs", lambda x: yes)
+        for module in (attention, layers, pointwise):
+            monkeypatch.setattr(module, "triton_runs", lambda x: yes)
 
     on_triton(False)
     expected = decode_twice("torch")
     on_triton(True)
     monkeypatch.setattr(pointwise, "GEMV", frozenset({"norm_matmul", "norm_swiglu", "matmul_residual"}))
-    calls = {name: 0 for name in pointwise.GEMV}
+    calls = {name: 0 for name in pointwise.GEMV | {"rms_norm"}}
     for name in calls:
         monkeypatch.setattr(triton_ops, name, counted(getattr(triton_ops, name), name, calls))
     for got, want in zip(decode_twice("triton"), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert all(calls.values()), calls  # a decode step's two rows went through every GEMV
+    assert all(calls.values()), calls  # a decode step's two rows went through every GEMV and the norm
 
 
 def counted(fn, name: str, calls: dict):

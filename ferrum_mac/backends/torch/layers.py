@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ferrum_mac.backends.torch.pointwise import gemv_runs
+from ferrum_mac.backends.torch.pointwise import gemv_runs, triton_runs
 from ferrum_mac.backends.torch.weights import TensorSource, to_torch
 from ferrum_mac.weights import ModelConfig
 
@@ -57,7 +57,12 @@ def fuse(linears: list[Linear]) -> Linear:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # Normalises and weighs in float32, rounding once to x's dtype (transformers' RMSNorm
-    # rounds before the weight too, so the two can differ by an ulp).
+    # rounds before the weight too, so the two can differ by an ulp). In a CUDA decode step,
+    # one Triton kernel of the same rounding (F.rms_norm takes microseconds on a row).
+    if weight is not None and triton_runs(x):
+        from ferrum_mac.backends.torch import triton_ops
+
+        return triton_ops.rms_norm(x, weight, eps)
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 

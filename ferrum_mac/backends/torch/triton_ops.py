@@ -11,6 +11,8 @@ with the RMSNorm before them or the SwiGLU after.
   (row, kv head) spreads its keys over several programs, whose partial softmaxes a second
   kernel merges, so a small batch still fills the GPU.
 - `swiglu`: silu(gate) * up (* per-row weights) from the fused gate_up output.
+- `rms_norm`: F.rms_norm for a step's few rows (torch's kernel takes 3-6 us on one row of an
+  H100): a program per row, the whole row in registers.
 - GEMVs for up to 16 rows, a weight read once for all of them (a block of output columns per
   program, tl.dot over K in chunks, the rows padded to 16): `norm_matmul` (RMSNorm, then x W^T;
   every program norms the few rows itself), `norm_swiglu` (RMSNorm, gate_up and SwiGLU: a
@@ -156,6 +158,19 @@ def swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.
     )
     return out.reshape(*lead, width)
 
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(x, x.shape[-1:], weight, eps), x `(..., width)`, in x's dtype."""
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(width)
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, rows.stride(0), weight.contiguous(), out, eps, WIDTH=width, BLOCK=block, num_warps=min(16, max(1, block // 256))
+    )
+    return out.view(x.shape)
 
 
 def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -366,6 +381,16 @@ if triton is not None:
             out = _round(out * tl.load(weights_ptr + row).to(tl.float32), raw)
         tl.store(out_ptr + row * width + columns, out.to(raw.dtype), mask=inside)
 
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, row_stride, weight_ptr, out_ptr, eps, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+        # F.rms_norm's rounding: normalised and weighed in float32, rounded once.
+        row = tl.program_id(0).to(tl.int64)
+        columns = tl.arange(0, BLOCK)
+        inside = columns < WIDTH
+        x = tl.load(x_ptr + row * row_stride + columns, mask=inside, other=0.0).to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / WIDTH + eps)
+        weight = tl.load(weight_ptr + columns, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * WIDTH + columns, (x * inv_rms * weight).to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _gemv_kernel(

@@ -13,10 +13,14 @@ def close(name, got, want, tol) -> bool:
     return good
 
 
-def chained_us(fn, x, calls=48, reps=20) -> float:
-    """Microseconds per call of `fn(x)`, `calls` independent calls evaluated together."""
-    mx.eval([fn(x) for _ in range(calls)])
+def chained_us(fn, x, copies, calls=48, reps=10) -> float:
+    """Microseconds per call of `fn(x, copy)`, `calls` independent calls evaluated together,
+    each on the next of `copies` (distinct weights, so they are read from memory, not L2)."""
+    def chain():
+        return [fn(x, copies[i % len(copies)]) for i in range(calls)]
+
+    mx.eval(chain())
     start = time.perf_counter()
     for _ in range(reps):
-        mx.eval([fn(x) for _ in range(calls)])
+        mx.eval(chain())
     return (time.perf_counter() - start) / reps / calls * 1e6

@@ -22,8 +22,12 @@ from ferrum_mac.backends.mlx.memory import on_cuda_gpu
 
 MAX_ROWS = 8  # the input rows of one call are held in registers: up to this many
 MIN_ROWS = 2  # one row: MLX's own vector kernel
-WARPS = 4  # per block
-ROWS_PER_WARP = 2  # output rows a warp computes from one read of its inputs
+WARPS = 4  # per block, when the output has rows enough to fill the GPU so
+ROWS_PER_WARP = 2  # output rows a warp computes from one read of its inputs, likewise
+BLOCKS_WANTED = 264  # two per SM of an H100: narrower outputs get smaller blocks
+# From this many input rows on, MLX's tiled kernel wins where the output is wide enough to
+# fill the GPU with its tiles (measured: the lm_head at 8 rows).
+TILED_ROWS, TILED_MIN_OUT = 8, 16384
 # FERRUM_MLX_CUDA_QMM=0 keeps MLX's quantized_matmul for every row count (A/B timing).
 ENABLED = os.environ.get("FERRUM_MLX_CUDA_QMM", "1") != "0"
 
@@ -55,12 +59,16 @@ __device__ __forceinline__ void ferrum_load_floats(const T* src, float* dst) {
 }
 """
 
-# x (M, K), w packed (N, K*BITS/32) uint32, scales/biases (N, K/GROUP) -> out (M, N).
+# x (M, K), w packed (N, K*BITS/32) uint32, scales/biases (N, K/GROUP) -> out (M, N). A warp
+# takes R output rows; its lanes walk their words UNROLL at a time, loading every packed word,
+# scale and bias of those before using any (so the loads overlap), then the inputs' values
+# for each word once for all R rows.
 _SOURCE = """
   constexpr int PACK = 32 / BITS;
   constexpr int WORDS = K / PACK;
   constexpr int GROUPS = K / GROUP;
   constexpr uint32_t MASK = (1u << BITS) - 1u;
+  constexpr int UNROLL = 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int first = (blockIdx.x * NW + warp) * R;
   if (first >= N) return;
@@ -70,23 +78,37 @@ _SOURCE = """
     #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
   }
-  for (int word = lane; word < WORDS; word += 32) {
-    const int col = word * PACK;
-    float xv[M][PACK];
+  for (int base = 0; base < WORDS; base += 32 * UNROLL) {
+    uint32_t packed[UNROLL][R];
+    float scale[UNROLL][R], bias[UNROLL][R];
     #pragma unroll
-    for (int m = 0; m < M; ++m) ferrum_load_floats<T, PACK>(x + m * K + col, xv[m]);
+    for (int u = 0; u < UNROLL; ++u) {
+      const int word = base + 32 * u + lane;
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const bool inside = word < WORDS && first + r < N;
+        const size_t n = inside ? first + r : 0;
+        const size_t group = n * GROUPS + (inside ? word * PACK / GROUP : 0);
+        packed[u][r] = inside ? w[n * WORDS + word] : 0u;
+        scale[u][r] = inside ? static_cast<float>(scales[group]) : 0.f;
+        bias[u][r] = inside ? static_cast<float>(biases[group]) : 0.f;
+      }
+    }
     #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int n = first + r;
-      if (n < N) {
-        const uint32_t packed = w[(size_t)n * WORDS + word];
-        const float s = static_cast<float>(scales[(size_t)n * GROUPS + col / GROUP]);
-        const float b = static_cast<float>(biases[(size_t)n * GROUPS + col / GROUP]);
+    for (int u = 0; u < UNROLL; ++u) {
+      const int word = base + 32 * u + lane;
+      if (word < WORDS) {
+        float xv[M][PACK];
         #pragma unroll
-        for (int p = 0; p < PACK; ++p) {
-          const float wv = s * static_cast<float>((packed >> (p * BITS)) & MASK) + b;
+        for (int m = 0; m < M; ++m) ferrum_load_floats<T, PACK>(x + m * K + word * PACK, xv[m]);
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
           #pragma unroll
-          for (int m = 0; m < M; ++m) acc[r][m] += wv * xv[m][p];
+          for (int p = 0; p < PACK; ++p) {
+            const float wv = scale[u][r] * static_cast<float>((packed[u][r] >> (p * BITS)) & MASK) + bias[u][r];
+            #pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] += wv * xv[m][p];
+          }
         }
       }
     }
@@ -110,24 +132,36 @@ def _kernel():
     )  # fmt: skip
 
 
-def runs(rows: int, in_dim: int, group_size: int, bits: int) -> bool:
+def runs(rows: int, out_dim: int, in_dim: int, group_size: int, bits: int) -> bool:
     """Whether `quantized_matmul` takes `rows` rows of a linear of this format here."""
     return (
         ENABLED and MIN_ROWS <= rows <= MAX_ROWS and bits in (4, 8)
+        and not (rows >= TILED_ROWS and out_dim >= TILED_MIN_OUT)
         and in_dim % group_size == 0 and in_dim % 32 == 0 and on_cuda_gpu()
     )  # fmt: skip
 
 
-def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
-    """x `(..., K)` with a few rows in all, times the dequantized `weight` `(N, K)` transposed -> `(..., N)`."""
+def launch_shape(out_dim: int, warps: int | None = None, rows_per_warp: int | None = None) -> tuple[int, int]:
+    """Warps per block and output rows per warp: fewer of each where the output is too narrow
+    to give the GPU BLOCKS_WANTED blocks otherwise (a MoE router's 128 rows)."""
+    r = rows_per_warp or (ROWS_PER_WARP if out_dim >= BLOCKS_WANTED * WARPS * ROWS_PER_WARP else 1)
+    nw = warps or (WARPS if out_dim >= BLOCKS_WANTED * WARPS * r else 1)
+    return nw, r
+
+
+def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+                     warps: int | None = None, rows_per_warp: int | None = None) -> mx.array:  # fmt: skip
+    """x `(..., K)` with a few rows in all, times the dequantized `weight` `(N, K)` transposed -> `(..., N)`.
+    `warps` and `rows_per_warp` override `launch_shape` (for timing)."""
     K, N = x.shape[-1], weight.shape[0]
     flat = x.reshape(-1, K)
     M = flat.shape[0]
+    nw, r = launch_shape(N, warps, rows_per_warp)
     (out,) = _kernel()(
         inputs=[flat, weight, scales, biases],
-        template=[("T", x.dtype), ("M", M), ("K", K), ("N", N), ("BITS", bits), ("GROUP", group_size), ("NW", WARPS), ("R", ROWS_PER_WARP)],
-        grid=(32 * WARPS * -(-N // (WARPS * ROWS_PER_WARP)), 1, 1),
-        threadgroup=(32 * WARPS, 1, 1),
+        template=[("T", x.dtype), ("M", M), ("K", K), ("N", N), ("BITS", bits), ("GROUP", group_size), ("NW", nw), ("R", r)],
+        grid=(32 * nw * -(-N // (nw * r)), 1, 1),
+        threadgroup=(32 * nw, 1, 1),
         output_shapes=[(M, N)],
         output_dtypes=[x.dtype],
     )

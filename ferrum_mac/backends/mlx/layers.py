@@ -85,7 +85,7 @@ class Linear:
         return self.scales is not None
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.quantized and cuda_qmatmul.runs(x.size // x.shape[-1], x.shape[-1], self.group_size, self.bits):
+        if self.quantized and cuda_qmatmul.runs(x.size // x.shape[-1], self.weight.shape[0], x.shape[-1], self.group_size, self.bits):
             y = cuda_qmatmul.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
         elif self.quantized:
             y = mx.quantized_matmul(

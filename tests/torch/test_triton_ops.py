@@ -191,6 +191,35 @@ def test_matmul_residual_matches_addmm(dtype, rows, k, n):
     torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), rtol=ulps(dtype), atol=ulps(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 2, 3])  # 5 chunks of K: unsplit; 3 + 2 chunks; 2 + 2 + 1
+def test_gemvs_split_over_k_match_torch(dtype, splits):
+    """Each split's sums are added up by the last program to finish, which leaves the arrival
+    counters at zero for the next launch (a CUDA graph replays it with no memset)."""
+    rows, n = 3, 70  # 16-column blocks
+    k = 4 * triton_ops.GEMV_TILE_BYTES // (16 * dtype.itemsize) + 100
+    x, norm, weight, bias = gemv_inputs(rows, k, 2 * n, dtype, bias=True)
+    residual = torch.randn(rows, 2 * n, device=DEVICE).to(dtype)
+    tolerance = dict(rtol=ulps(dtype), atol=ulps(dtype))
+    got = triton_ops.norm_swiglu(x, norm.weight, norm.eps, weight, bias, splits=splits)
+    torch.testing.assert_close(got, torch_swiglu(F.linear(norm(x), weight, bias)), **tolerance)
+    got = triton_ops.norm_matmul(x, norm.weight, norm.eps, weight, bias, splits=splits)
+    torch.testing.assert_close(got, F.linear(norm(x), weight, bias), **tolerance)
+    got = triton_ops.matmul_residual(x, weight, residual, splits=splits)
+    torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), **tolerance)
+    assert not triton_ops.split_counters(DEVICE).any()
+
+
+def test_gemv_splits_k_only_where_the_columns_leave_sms_idle():
+    cpu = torch.device("cpu")  # 8 "SMs": up to 16 column blocks split
+    assert triton_ops.gemv_splits(16, 4096, 256, cpu) == (1, 4096)
+    assert triton_ops.gemv_splits(4, 4096, 256, cpu) == (4, 1024)
+    assert triton_ops.gemv_splits(5, 4096, 256, cpu) == (4, 1024)  # 4 splits, 16 chunks: 4 each
+    assert triton_ops.gemv_splits(1, 1100, 256, cpu) == (5, 256)  # no more splits than K has chunks
+    assert triton_ops.gemv_splits(5, 1280, 256, cpu, wanted=3) == (3, 512)  # 2 + 2 + 1 chunks
+    assert triton_ops.gemv_splits(1, 4096, 256, cpu, wanted=0) == (1, 4096)
+
+
 def test_gemv_runs_for_a_few_rows_and_the_kernels_named(monkeypatch):
     monkeypatch.setattr(pointwise, "triton_runs", lambda x: True)
     monkeypatch.setattr(pointwise, "GEMV", frozenset({"norm_matmul", "norm_swiglu"}))

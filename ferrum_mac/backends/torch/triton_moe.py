@@ -43,8 +43,10 @@ MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: the tokens are padded to it
 # Tile sizes (columns of a program, then the step of its loop). Small column blocks give a
 # single token's GEMVs enough programs to fill the GPU.
 GATE_UP_BLOCK_I, GATE_UP_BLOCK_H = 16, 128
-DOWN_BLOCK_H, DOWN_BLOCK_I = 32, 256  # a program per pair
-UNSPLIT_DOWN_BLOCK_H = 16  # a program per token
+# down_sum_plus, split: a program per pair takes the pair's rows for its columns in one step
+# (its loads all in flight at once; Triton pipelines only a loop's loads for tl.dot).
+DOWN_BLOCK_H, DOWN_BLOCK_I = 16, 1024
+UNSPLIT_DOWN_BLOCK_H, UNSPLIT_DOWN_BLOCK_I = 16, 256  # a program per token
 
 
 # -- launches -----------------------------------------------------------------------------------
@@ -96,7 +98,7 @@ def down_sum_plus(activations: torch.Tensor, ids: torch.Tensor, down: torch.Tens
     assert activations.is_contiguous() and ids.is_contiguous() and down.is_contiguous() and residual.stride(1) == 1
     assert activations.shape == (tokens * top_k, inter) and down.dtype == residual.dtype
     block_h = block_h or (DOWN_BLOCK_H if split else UNSPLIT_DOWN_BLOCK_H)
-    block_i = min(block_i or DOWN_BLOCK_I, triton.next_power_of_2(inter))
+    block_i = min(block_i or (DOWN_BLOCK_I if split else UNSPLIT_DOWN_BLOCK_I), triton.next_power_of_2(inter))
     blocks = triton.cdiv(hidden, block_h)
     out = torch.empty((tokens, hidden), dtype=residual.dtype, device=residual.device)
     if not split:

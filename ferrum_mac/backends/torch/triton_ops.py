@@ -16,7 +16,10 @@ with the RMSNorm before them or the SwiGLU after.
 - GEMVs for up to 16 rows, a weight read once for all of them (a block of output columns per
   program, tl.dot over K in chunks, the rows padded to 16): `norm_matmul` (RMSNorm, then x W^T;
   every program norms the few rows itself), `norm_swiglu` (RMSNorm, gate_up and SwiGLU: a
-  program takes matching gate and up columns), `matmul_residual` (x W^T + residual).
+  program takes matching gate and up columns), `matmul_residual` (x W^T + residual). Where
+  the column blocks would leave SMs idle (`gemv_splits`), their programs split K as well: each
+  stores its float32 sums, and the last of a block's programs to finish (`arrived_last`)
+  adds them up in split order and finishes the block. FERRUM_TORCH_SPLIT_K caps the splits.
 
 Results round where the torch path rounds (the q/k norm in float32, rounded before the
 weight; the block norms weighed in float32 and rounded once, as F.rms_norm; each product of
@@ -123,8 +126,9 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-# FERRUM_TORCH_SPLIT_K=0 (or 1) turns off splitting a sum over several programs, for A/B
-# timing: `triton_moe.down_sum_plus` then takes a token's k pairs in one program.
+# FERRUM_TORCH_SPLIT_K: the most programs a GEMV's column block splits its K over (default 8).
+# 0 (or 1) turns splitting a sum over several programs off, for A/B timing: in the GEMVs, and
+# in `triton_moe.down_sum_plus` (then a token's k pairs are one program's).
 SPLIT_K = int(os.environ.get("FERRUM_TORCH_SPLIT_K", "8"))
 SPLIT_COUNTERS = 1 << 16
 
@@ -174,35 +178,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """rms_norm(x) W^T (+ bias) for a few rows: x `(M, K)`, W `(N, K)` -> `(M, N)`."""
-    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps)
+                bias: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:  # fmt: skip
+    """rms_norm(x) W^T (+ bias) for a few rows: x `(M, K)`, W `(N, K)` -> `(M, N)`. (`splits`
+    of K, here and below: by default `gemv_splits`'.)"""
+    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, splits=splits)
 
 
 def norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                bias: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:  # fmt: skip
     """silu(gate) * up from rms_norm(x) times the fused `gate_up` `(2 * width, K)` (gate rows
     first) (+ bias) for a few rows -> `(M, width)`: gate_up's output is never stored."""
-    return _gemv(x, gate_up, bias, norm_weight=norm_weight, eps=eps, swiglu=True)
+    return _gemv(x, gate_up, bias, norm_weight=norm_weight, eps=eps, swiglu=True, splits=splits)
 
 
-def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """residual + x W^T for a few rows (what `torch.addmm(residual, x, W.t())` gives)."""
-    return _gemv(x, weight, None, residual=residual)
+    return _gemv(x, weight, None, residual=residual, splits=splits)
 
 
-def _gemv(x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=None) -> torch.Tensor:
+def _gemv(x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=None, splits=None) -> torch.Tensor:
     rows, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     assert rows <= MIN_DOT_ROWS and weight.shape[1] == k and weight.is_contiguous()
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block_n, block_k = gemv_blocks(n, k, x.device, weight.element_size())
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    blocks = triton.cdiv(n, block_n)
+    splits, k_per_split = gemv_splits(blocks, k, block_k, x.device, splits)
+    if splits > 1:
+        assert blocks <= SPLIT_COUNTERS
+        partials = torch.empty((splits, rows, weight.shape[0]), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device)
+    else:
+        partials = counters = x  # any pointer: never read
+    _gemv_kernel[(blocks, splits)](
         x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
-        x if residual is None else residual.contiguous(), out, rows, eps,  # (x: any pointer, never read)
+        x if residual is None else residual.contiguous(), out, partials, counters, rows, eps, splits,
         ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
         NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=GEMV_STAGES,
     )  # fmt: skip
@@ -221,6 +234,22 @@ def gemv_blocks(n: int, k: int, device: torch.device, element_size: int) -> tupl
         block_n //= 2
     block_k = min(triton.next_power_of_2(k), GEMV_TILE_BYTES // (block_n * element_size))
     return block_n, max(block_k, 16)
+
+
+# Below this many column blocks per SM, a GEMV splits K. (A program keeps GEMV_STAGES tiles
+# in flight; shared memory holds about 4 programs an SM, 3 with SwiGLU.)
+MIN_PROGRAMS_PER_SM = 2
+
+
+def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted: int | None = None) -> tuple[int, int]:
+    """How many programs share each column block's K, and the K each takes (whole chunks):
+    `wanted`, by default as few as give every SM MIN_PROGRAMS_PER_SM programs (at most
+    SPLIT_K), and no more than K has chunks."""
+    if wanted is None:
+        wanted = min(SPLIT_K, triton.cdiv(MIN_PROGRAMS_PER_SM * multiprocessors(device), blocks))
+    chunks = triton.cdiv(k, block_k)
+    chunks_per_split = triton.cdiv(chunks, max(1, min(wanted, chunks)))
+    return triton.cdiv(chunks, chunks_per_split), chunks_per_split * block_k
 
 
 # -- kernels ------------------------------------------------------------------------------------
@@ -394,24 +423,33 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, rows, eps, ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+        x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, partials_ptr, counters_ptr, rows, eps, splits,
+        ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        # One program per block of BLOCK_N output columns (with SWIGLU: of gate, and the same
-        # columns of up, N rows further down the weight), over all of K. x's few rows are
-        # padded to ROWS_PAD for tl.dot; the padding is masked, so never read or written. Every
-        # program norms x itself: x is a few KiB, the weight is what takes the time.
+        # One program per (block of BLOCK_N output columns, split of K) (with SWIGLU: of gate,
+        # and the same columns of up, N rows further down the weight). x's few rows are padded
+        # to ROWS_PAD for tl.dot; the padding is masked, so never read or written. Every
+        # program norms x itself: x is a few KiB, the weight is what takes the time. Unsplit, a
+        # program takes all of K and finishes its columns; SPLIT, each stores its float32 sums
+        # in `partials` (splits, rows, N; up's N more), and the last to finish sums those.
         row_ids = tl.arange(0, ROWS_PAD)
         live = row_ids < rows
         if HAS_NORM:
             inv_rms = _inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK)
-        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        block, split = tl.program_id(0), tl.program_id(1)
+        columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = columns < N
+        if SPLIT:  # K_PER_SPLIT: a multiple of BLOCK_K, and a constant, so the loads are known aligned
+            k_begin = split * K_PER_SPLIT
+            k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+        else:
+            k_begin, k_end = 0, K
         tiles = weight_ptr + columns[:, None].to(tl.int64) * K
         acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)  # (SWIGLU only)
-        for start in range(0, K, BLOCK_K):
+        for start in range(k_begin, k_end, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
             k_inside = ks < K
             x = tl.load(x_ptr + row_ids[:, None] * K + ks[None, :], mask=live[:, None] & k_inside[None, :], other=0.0)
@@ -425,6 +463,28 @@ if triton is not None:
                 up = tl.load(tiles + N * K + ks[None, :], mask=both, other=0.0)
                 up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
 
+        if SPLIT:
+            width: tl.constexpr = 2 * N if SWIGLU else N
+            here = row_ids[:, None] * width + columns[None, :]
+            mine = live[:, None] & inside[None, :]
+            split_stride = rows * width
+            tl.store(partials_ptr + split * split_stride + here, acc, mask=mine)
+            if SWIGLU:
+                tl.store(partials_ptr + split * split_stride + N + here, up_acc, mask=mine)
+            if arrived_last(counters_ptr + block, splits):
+                acc = sum_of_splits(partials_ptr, here, mine, splits, split_stride)
+                if SWIGLU:
+                    up_acc = sum_of_splits(partials_ptr, N + here, mine, splits, split_stride)
+                _finish_gemv(acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU)
+        else:
+            _finish_gemv(acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU)
+
+    @triton.jit
+    def _finish_gemv(
+        acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+        N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+    ):  # fmt: skip
+        """The GEMV's float32 sums of a block of columns -> its output: bias, residual, SwiGLU."""
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(bias_ptr + columns, mask=inside, other=0.0).to(tl.float32)[None, :]

@@ -1,6 +1,8 @@
 """What the GPU kernel check scripts share: a tolerance check that records mismatches, and
-device time per call measured from a CUDA graph (no launch overhead in the figure)."""
+device time per call measured from a CUDA graph (no launch overhead in the figure), of calls
+that may cycle through inputs (weights that together outgrow the L2 cache, as a step's layers do)."""
 
+import itertools
 import sys
 
 import torch
@@ -56,3 +58,9 @@ def graph_us(fn) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / (GRAPH_CALLS * REPLAYS)
+
+
+def cycling(op, inputs: list):
+    """A call of `op` on the next of `inputs` each time."""
+    turn = itertools.cycle(inputs)
+    return lambda: op(next(turn))

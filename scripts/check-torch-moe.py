@@ -5,14 +5,17 @@ intermediate 768) in bf16 with random weights, for 1, 8 and 32 tokens:
 
 - router: `qwen3_moe.Router` (softmax, top k, renormalise) vs `triton_moe.route`
 - gate_up + SwiGLU: the gathered route's per-pair activations vs `triton_moe.gate_up_swiglu`
-- down + sum over k + residual: the gathered route's vs `triton_moe.down_sum_plus`
+- down + sum over k + residual: the gathered route's vs `triton_moe.down_sum_plus`, split over
+  the pairs (the default) and a program per token
 - block: the grouped route (what runs today) vs `SparseMoe.triton_block`, both from x
 
-then times the whole block (gate projection, router, experts, residual add) both ways. Times are
-device microseconds per call, from CUDA graphs of 100 back-to-back calls (a decode step runs as
-a graph). GB/s: the chosen experts' weights (each read once) over the Triton block's time.
-`--sweep` also times the two expert kernels at other tile sizes. Exits 1 on a mismatch. Needs
-only torch (with its triton); from the repository root:
+then times the whole block (gate projection, router, experts, residual add) both ways, and
+`down_sum_plus` per token against split over the pairs at 1, 4 and 8 tokens, its calls cycling
+through random routings whose experts outgrow the L2 cache (as a step's layers read other
+experts). Times are device microseconds per call, from CUDA graphs of 100 back-to-back calls
+(a decode step runs as a graph). GB/s: the chosen experts' weights (each read once) over the
+time. `--sweep` also times the expert kernels at other tile sizes. Exits 1 on a mismatch.
+Needs only torch (with its triton); from the repository root:
 
     python3 scripts/check-torch-moe.py [--sweep]
 """
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _gpu_check import can_check, compare, failures, graph_us, verdict  # noqa: E402  (this folder)
+from _gpu_check import can_check, compare, cycling, failures, graph_us, verdict  # noqa: E402  (this folder)
 
 from ferrum_mac.backends.torch import pointwise, triton_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import SparseMoe  # noqa: E402
@@ -34,9 +37,14 @@ from ferrum_mac.weights.moe import MoeConfig  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 TOKENS = (1, 8, 32)
+DOWN_TOKENS = (1, 4, 8)
+ROUTINGS = 16  # a timed down projection's calls cycle through these (~80 of the experts at 1 token: 250 MB)
 DTYPE = torch.bfloat16
 SWEEP_GATE_UP = [(16, 128), (16, 256), (32, 128), (32, 64), (64, 64)]  # (block_i, block_h)
-SWEEP_DOWN = [(16, 256), (8, 256), (16, 128), (32, 128), (32, 64)]  # (block_h, block_i)
+SWEEP_DOWN = [  # split over the pairs?, (block_h, block_i)
+    (True, (16, 1024)), (True, (8, 1024)), (True, (32, 1024)), (True, (16, 256)), (True, (32, 256)),
+    (False, (16, 256)), (False, (8, 256)), (False, (16, 128)), (False, (32, 128)),
+]  # fmt: skip
 
 
 def main() -> int:
@@ -51,15 +59,25 @@ def main() -> int:
         check(moe, x, residual)
         timings.append(time_blocks(moe, x, residual))
         if "--sweep" in sys.argv:
-            sweeps += sweep(moe, x, residual)
+            sweeps += sweep_gate_up(moe, x)
+
+    downs = []
+    for tokens in DOWN_TOKENS:
+        down, down_sweep = time_down(moe, tokens)
+        downs.append(down)
+        sweeps += down_sweep
 
     print(f"{'tokens':>6} {'grouped us':>10} {'triton us':>9} {'speedup':>7}  {'route':>6} {'gate_up':>7} {'down':>6}  {'GB/s':>5}")
     for tokens, grouped, fused, route, gate_up, down, gbps in timings:
         print(f"{tokens:>6} {grouped:>10.2f} {fused:>9.2f} {grouped / fused:>6.2f}x  {route:>6.2f} {gate_up:>7.2f} {down:>6.2f}  {gbps:>5.0f}")
+    print(f"\ndown_sum_plus, weights past L2\n{'tokens':>6} {'MB read':>7} {'per token us':>12} {'GB/s':>5} {'split us':>8} {'GB/s':>5} {'speedup':>7}")
+    for tokens, weight_bytes, per_token, split in downs:
+        print(f"{tokens:>6} {weight_bytes / 1e6:>7.1f} {per_token:>12.2f} {weight_bytes / per_token / 1e3:>5.0f} "
+              f"{split:>8.2f} {weight_bytes / split / 1e3:>5.0f} {per_token / split:>6.2f}x")  # fmt: skip
     if sweeps:
-        print(f"\n{'tokens':>6}  {'kernel':<8} {'blocks':<9} {'us':>7}")
+        print(f"\n{'tokens':>6}  {'kernel':<15} {'blocks':<10} {'us':>7}")
         for tokens, kernel, blocks, us in sweeps:
-            print(f"{tokens:>6}  {kernel:<8} {str(blocks):<9} {us:>7.2f}")
+            print(f"{tokens:>6}  {kernel:<15} {str(blocks):<10} {us:>7.2f}")
     return verdict()
 
 
@@ -100,6 +118,7 @@ def check(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> None:
     down = experts.down[want_ids.reshape(-1)]
     want = residual + torch.bmm(down, activations[:, :, None])[..., 0].view(tokens, TOP_K, HIDDEN).sum(dim=1)
     compare(f"{where} down+sum+residual", triton_moe.down_sum_plus(activations, ids, experts.down, residual), want)
+    compare(f"{where} down+sum+residual, per token", triton_moe.down_sum_plus(activations, ids, experts.down, residual, split=False), want)
     del down
     compare(f"{where} block vs grouped", moe.triton_block(x, residual), grouped_block(moe, x, residual))
 
@@ -129,7 +148,30 @@ def time_blocks(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> tupl
     )
 
 
-def sweep(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> list:
+def time_down(moe: SparseMoe, tokens: int) -> tuple[tuple, list]:
+    """(tokens, the experts' down bytes a call reads on average, per-token us, split us), and
+    with --sweep the sweep's rows; each call on the next of ROUTINGS random routings."""
+    down = moe.experts.down
+    routings = [torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)]).int() for _ in range(ROUTINGS)]
+    activations = torch.randn(tokens * TOP_K, INTER, device="cuda", dtype=DTYPE)
+    residual = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE)
+    per_token = triton_moe.down_sum_plus(activations, routings[0], down, residual, split=False)  # checked against torch's in check()
+
+    def timed(**blocks) -> float:
+        compare(f"tokens={tokens} down {blocks}", triton_moe.down_sum_plus(activations, routings[0], down, residual, **blocks), per_token)
+        return graph_us(cycling(lambda ids: triton_moe.down_sum_plus(activations, ids, down, residual, **blocks), routings))
+
+    experts_read = sum(ids.unique().numel() for ids in routings) / ROUTINGS
+    row = (tokens, experts_read * HIDDEN * INTER * down.element_size(), timed(split=False), timed(split=True))
+    sweeps = []
+    if "--sweep" in sys.argv:
+        for split, (block_h, block_i) in SWEEP_DOWN:
+            us = timed(split=split, block_h=block_h, block_i=block_i)
+            sweeps.append((tokens, "down split" if split else "down per token", (block_h, block_i), us))
+    return row, sweeps
+
+
+def sweep_gate_up(moe: SparseMoe, x: torch.Tensor) -> list:
     experts = moe.experts
     ids, weights = triton_moe.route(moe.router.gate(x), TOP_K, moe.router.renormalise, DTYPE)
     activations = triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up)
@@ -140,11 +182,6 @@ def sweep(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> list:
 
         compare(f"tokens={x.shape[0]} gate_up {block_i, block_h}", gate_up(), activations)
         rows.append((x.shape[0], "gate_up", (block_i, block_h), graph_us(gate_up)))
-    for block_h, block_i in SWEEP_DOWN:
-        def down():
-            return triton_moe.down_sum_plus(activations, ids, experts.down, residual, block_h=block_h, block_i=block_i)
-
-        rows.append((x.shape[0], "down", (block_h, block_i), graph_us(down)))
     return rows
 
 

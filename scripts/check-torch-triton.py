@@ -8,20 +8,23 @@ bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, che
   group per program; split-K + merge where the batch is too small to fill the GPU)
 - attention block: both of the above, as `DecodePlan.attend` vs `DecodePlan.attend_fused`
 - swiglu: `pointwise.torch_swiglu` vs `triton_ops.swiglu`
-- the GEMVs for a decode step's few rows (ctx "-"): norm+qkv (`rms_norm` + F.linear vs
-  `norm_matmul`), norm+gate_up+swiglu (`rms_norm` + F.linear + `pointwise.swiglu`, Triton's
+- the GEMVs for a decode step's few rows (ctx "-"): norm+qkv (F.rms_norm + F.linear vs
+  `norm_matmul`), norm+gate_up+swiglu (F.rms_norm + F.linear + `pointwise.swiglu`, Triton's
   on CUDA, vs `norm_swiglu`), o_proj/down+residual (`torch.addmm` vs `matmul_residual`). Their
   calls cycle through copies of the weight that together outgrow the L2 cache, as a step's
-  layers do.
+  layers do. Then the three GEMVs a layer runs by default with K unsplit against the split
+  `triton_ops.gemv_splits` chooses (marked *), with each one's weight bytes per second
+  (`--sweep`: other split counts too).
+- RMSNorm of a step's row at Qwen3-0.6B's, Qwen3-30B-A3B's and Qwen3-8B's hidden sizes:
+  F.rms_norm vs `triton_ops.rms_norm`, with the bytes per second each moves (row, weight, output).
 
 Times are device microseconds per call, from CUDA graphs of many back-to-back calls (a decode
 step runs as a graph, so Python's launch cost is not counted). Exits 1 on a mismatch. Needs
 only torch (with its triton) and numpy; from the repository root:
 
-    python3 scripts/check-torch-triton.py
+    python3 scripts/check-torch-triton.py [--sweep]
 """
 
-import itertools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,12 +34,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _gpu_check import can_check, compare, graph_us, verdict  # noqa: E402  (this folder)
+from _gpu_check import can_check, compare, cycling, graph_us, verdict  # noqa: E402  (this folder)
 
 from ferrum_mac.backends.torch import pointwise, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
-from ferrum_mac.backends.torch.layers import RmsNorm, Rope  # noqa: E402
+from ferrum_mac.backends.torch.layers import Rope  # noqa: E402
 
 # name -> hidden size, heads, kv_heads, head_dim, MLP width, q/k norm, interleaved RoPE
 LAYOUTS = {
@@ -47,6 +50,10 @@ LAYOUTS = {
 TIMED = ("qwen3-0.6b", "qwen3-8b")
 CASES = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (32, 1024)]  # (rows, context: the longest row's position + 1)
 GEMV_ROWS = (1, 4)
+SPLIT_OPS = ("norm+gate_up+swiglu", "o_proj+residual", "down+residual")  # the GEMVs a decode step runs by default
+SWEEP_SPLITS = (2, 3, 4, 6, 8)
+NORM_WIDTHS = (1024, 2048, 4096)  # hidden sizes: Qwen3-0.6B, Qwen3-30B-A3B, Qwen3-8B
+EPS = 1e-6
 DTYPE = torch.bfloat16
 FIRST = 1  # the batch's first pool slot: slot 0 is some other sequence's
 BEYOND_L2 = 128 << 20  # bytes of weight copies a timed GEMV cycles through
@@ -56,16 +63,26 @@ def main() -> int:
     if not can_check(triton_ops):
         return 2
     print()
-    rows_out = []
+    rows_out, splits_out = [], []
     for name, layout in LAYOUTS.items():
         for rows, context in CASES if name in TIMED else CASES[:1]:
             rows_out += check_case(name, layout, rows, context, timed=name in TIMED)
         for rows in GEMV_ROWS if name in TIMED else GEMV_ROWS[:1]:
-            rows_out += check_gemvs(name, layout, rows, timed=name in TIMED)
+            timed, split = check_gemvs(name, layout, rows, timed=name in TIMED)
+            rows_out, splits_out = rows_out + timed, splits_out + split
+    norms_out = check_rms_norms()
     print(f"{'layout':<11} {'rows':>4} {'ctx':>5}  {'op':<19} {'torch us':>9} {'triton us':>9} {'speedup':>7}")
     for name, rows, context, op, torch_us, triton_us in rows_out:
         speedup = torch_us / triton_us
         print(f"{name:<11} {rows:>4} {context:>5}  {op:<19} {torch_us:>9.2f} {triton_us:>9.2f} {speedup:>6.2f}x")
+    print(f"\nGEMV split-K\n{'layout':<11} {'rows':>4}  {'op':<19} {'N x K':>11} {'blocks':>6} {'splits':>6} {'us':>7} {'GB/s':>5} {'vs 1':>6}")
+    for name, rows, op, (n, k), blocks, splits, chosen, us, unsplit_us, weight_bytes in splits_out:
+        mark = "*" if chosen else " "
+        print(f"{name:<11} {rows:>4}  {op:<19} {f'{n}x{k}':>11} {blocks:>6} {splits:>5}{mark} {us:>7.2f} "
+              f"{weight_bytes / us / 1e3:>5.0f} {unsplit_us / us:>5.2f}x")  # fmt: skip
+    print(f"\nRMSNorm, 1 row\n{'width':>5} {'F.rms_norm us':>13} {'triton us':>9} {'speedup':>7} {'GB/s torch':>10} {'GB/s triton':>11}")
+    for width, torch_us, triton_us, moved in norms_out:
+        print(f"{width:>5} {torch_us:>13.2f} {triton_us:>9.2f} {torch_us / triton_us:>6.2f}x {moved / torch_us / 1e3:>10.1f} {moved / triton_us / 1e3:>11.1f}")
     return verdict()
 
 
@@ -137,40 +154,82 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     return [(name, rows, context, op, graph_us(a), graph_us(b)) for op, (a, b) in pairs.items()]
 
 
-def check_gemvs(name: str, layout, rows: int, timed: bool) -> list:
+def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
+    """The GEMVs checked (split as `gemv_splits` chooses, and unsplit) and, if `timed`, timed
+    against torch: rows for the main table, and rows for the split-K table."""
     hidden, heads, kv_heads, dim, width, _, _ = layout
     where = f"{name} rows={rows}"
     torch.manual_seed(rows)
     x = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
-    norm = RmsNorm((1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE), 1e-6)
+    norm = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE)
     attn_out = torch.randn(rows, heads * dim, device="cuda", dtype=DTYPE)
     inter = torch.randn(rows, width, device="cuda", dtype=DTYPE)
     shapes = {"qkv": ((heads + 2 * kv_heads) * dim, hidden), "gate_up": (2 * width, hidden), "o_proj": (hidden, heads * dim), "down": (hidden, width)}
     weights = {part: weight_copies(shape, timed) for part, shape in shapes.items()}
-    ops = {  # op -> torch, triton (each of a weight), the weights
-        "norm+qkv": (lambda w: F.linear(norm(x), w), lambda w: triton_ops.norm_matmul(x, norm.weight, norm.eps, w), weights["qkv"]),
-        "norm+gate_up+swiglu": (lambda w: pointwise.swiglu(F.linear(norm(x), w)),
-                                lambda w: triton_ops.norm_swiglu(x, norm.weight, norm.eps, w), weights["gate_up"]),
-        "o_proj+residual": (lambda w: torch.addmm(x, attn_out, w.t()), lambda w: triton_ops.matmul_residual(attn_out, w, x), weights["o_proj"]),
-        "down+residual": (lambda w: torch.addmm(x, inter, w.t()), lambda w: triton_ops.matmul_residual(inter, w, x), weights["down"]),
+    ops = {  # op -> torch, triton (each of a weight; triton's also of a split count), the weights
+        "norm+qkv": (lambda w: F.linear(F.rms_norm(x, (hidden,), norm, EPS), w),
+                     lambda w, splits=None: triton_ops.norm_matmul(x, norm, EPS, w, splits=splits), weights["qkv"]),
+        "norm+gate_up+swiglu": (lambda w: pointwise.swiglu(F.linear(F.rms_norm(x, (hidden,), norm, EPS), w)),
+                                lambda w, splits=None: triton_ops.norm_swiglu(x, norm, EPS, w, splits=splits), weights["gate_up"]),
+        "o_proj+residual": (lambda w: torch.addmm(x, attn_out, w.t()),
+                            lambda w, splits=None: triton_ops.matmul_residual(attn_out, w, x, splits=splits), weights["o_proj"]),
+        "down+residual": (lambda w: torch.addmm(x, inter, w.t()),
+                          lambda w, splits=None: triton_ops.matmul_residual(inter, w, x, splits=splits), weights["down"]),
     }  # fmt: skip
     for op, (torch_op, triton_op, copies) in ops.items():
-        compare(f"{where} {op}", triton_op(copies[0]), torch_op(copies[0]))
+        want = torch_op(copies[0])
+        compare(f"{where} {op}", triton_op(copies[0]), want)
+        compare(f"{where} {op}, K unsplit", triton_op(copies[0], splits=1), want)
     if not timed:
-        return []
-    return [(name, rows, "-", op, graph_us(cycling(a, w)), graph_us(cycling(b, w))) for op, (a, b, w) in ops.items()]
+        return [], []
+    timings = [(name, rows, "-", op, graph_us(cycling(a, w)), graph_us(cycling(b, w))) for op, (a, b, w) in ops.items()]
+    triton_us = {op: us for _, _, _, op, _, us in timings}
+    split_rows = []
+    for op in SPLIT_OPS:
+        torch_op, triton_op, copies = ops[op]
+        swiglu = op == "norm+gate_up+swiglu"
+        for row in time_splits(f"{where} {op}", triton_op, torch_op, copies, swiglu, triton_us[op]):
+            split_rows.append((name, rows, op, *row))
+    return timings, split_rows
+
+
+def time_splits(where: str, triton_op, torch_op, copies: list, swiglu: bool, chosen_us: float) -> list:
+    """(N x K, column blocks, splits, chosen?, us, unsplit us, weight bytes) for K unsplit, the
+    split `gemv_splits` chooses (timed already: `chosen_us`) and, with --sweep, other counts."""
+    weight = copies[0]
+    n, k = weight.shape[0] // 2 if swiglu else weight.shape[0], weight.shape[1]
+    block_n, block_k = triton_ops.gemv_blocks(n, k, weight.device, weight.element_size())
+    blocks = -(-n // block_n)
+    chosen = triton_ops.gemv_splits(blocks, k, block_k, weight.device)[0]
+    wanted = {1, chosen} | (set(SWEEP_SPLITS) if "--sweep" in sys.argv else set())
+    splits = sorted({triton_ops.gemv_splits(blocks, k, block_k, weight.device, count)[0] for count in wanted})
+    times = {chosen: chosen_us}
+    for count in splits:
+        if count not in times:
+            compare(f"{where}, {count} splits", triton_op(weight, splits=count), torch_op(weight))
+            times[count] = graph_us(cycling(lambda w: triton_op(w, splits=count), copies))
+    weight_bytes = weight.numel() * weight.element_size()
+    return [((n, k), blocks, count, count == chosen, times[count], times[1], weight_bytes) for count in splits]
+
+
+def check_rms_norms() -> list:
+    """RMSNorm checked on 1 and 4 rows, timed on 1: (width, torch us, triton us, bytes moved)."""
+    timings = []
+    for width in NORM_WIDTHS:
+        weight = (1 + 0.1 * torch.randn(width, device="cuda")).to(DTYPE)
+        for rows in (1, 4):
+            x = torch.randn(rows, width, device="cuda", dtype=DTYPE)
+            compare(f"rms_norm width={width} rows={rows}", triton_ops.rms_norm(x, weight, EPS), F.rms_norm(x, (width,), weight, EPS))
+        x = x[:1]
+        moved = 3 * width * DTYPE.itemsize  # the row and the weight read, the output written
+        timings.append((width, graph_us(lambda: F.rms_norm(x, (width,), weight, EPS)), graph_us(lambda: triton_ops.rms_norm(x, weight, EPS)), moved))
+    return timings
 
 
 def weight_copies(shape: tuple[int, int], timed: bool) -> list[torch.Tensor]:
     """Random weights scaled to keep outputs near 1: one, or for timing as many as outgrow L2."""
     copies = -(-BEYOND_L2 // (shape[0] * shape[1] * DTYPE.itemsize)) if timed else 1
     return [(torch.randn(shape, device="cuda") / shape[1] ** 0.5).to(DTYPE) for _ in range(copies)]
-
-
-def cycling(op, weights: list[torch.Tensor]):
-    """A call of `op` on the next weight each time."""
-    turn = itertools.cycle(weights)
-    return lambda: op(next(turn))
 
 
 def pool(kv_heads: int, dim: int, slots: int, tokens: int) -> KvManager:

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-WARPS = 8  # per block; each walks every WARPS-th run of UNROLL keys
+WARPS = 4  # per block; each walks every WARPS-th run of UNROLL keys (160 registers a thread: 3 blocks an SM)
 UNROLL = 4  # keys loaded per warp before any is used, so loads overlap
 
 _HEADER = """
@@ -87,7 +87,8 @@ _WALK = """
     }
     #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (t0 + u >= end) break;
+      if (t0 + u < end) {  // (a guard, not a break: a break stops the unrolling, and the packs
+                           // indexed by a loop variable then live in local memory)
       #pragma unroll
       for (int g = 0; g < G; ++g) {
         float dot = 0.f;
@@ -101,6 +102,7 @@ _WALK = """
         #pragma unroll
         for (int i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * keep + p * static_cast<float>(vp[u].v[i]);
         m[g] = m_new;
+      }
       }
     }
   }
@@ -169,8 +171,8 @@ _MERGE = """
   out[h * D + d] = static_cast<T>(num / den);
 """
 
-BLOCKS_WANTED = 256  # about two blocks per SM of an H100: below it, a sequence's keys are split
-MIN_KEYS_PER_SPLIT = 64
+BLOCKS_WANTED = 528  # four blocks per SM of an H100: below it, a sequence's keys are split
+MIN_KEYS_PER_SPLIT = 32
 
 
 def supports(head_dim: int, group: int) -> bool:

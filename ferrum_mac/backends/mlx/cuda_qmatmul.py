@@ -60,7 +60,7 @@ __device__ __forceinline__ void ferrum_load_floats(const T* src, float* dst) {
 """
 
 # x (M, K), w packed (N, K*BITS/32) uint32, scales/biases (N, K/GROUP) -> out (M, N). A warp
-# takes R output rows; its lanes walk their words UNROLL at a time, loading every packed word,
+# takes R output rows; its lanes walk their words 8 / R at a time, loading every packed word,
 # scale and bias of those before using any (so the loads overlap), then the inputs' values
 # for each word once for all R rows.
 _SOURCE = """
@@ -68,7 +68,7 @@ _SOURCE = """
   constexpr int WORDS = K / PACK;
   constexpr int GROUPS = K / GROUP;
   constexpr uint32_t MASK = (1u << BITS) - 1u;
-  constexpr int UNROLL = 4;
+  constexpr int UNROLL = 8 / R;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int first = (blockIdx.x * NW + warp) * R;
   if (first >= N) return;

@@ -3,13 +3,15 @@
 on a CUDA GPU at Qwen3-30B-A3B's MoE layer shape (128 experts, top 8, hidden 2048, expert
 intermediate 768) in bf16 with random weights, for 1, 8 and 32 tokens:
 
-- router: `qwen3_moe.Router` (softmax, top k, renormalise) vs `triton_moe.route`
+- router: `qwen3_moe.Router` (softmax, top k, renormalise) vs `triton_moe.route` on its gate's
+  logits, and vs `triton_moe.gate_route` (the gate projection in the same kernel) on x
 - gate_up + SwiGLU: the gathered route's per-pair activations vs `triton_moe.gate_up_swiglu`
 - down + sum over k + residual: the gathered route's vs `triton_moe.down_sum_plus`, split over
   the pairs (the default) and a program per token
 - block: the grouped route (what runs today) vs `SparseMoe.triton_block`, both from x
 
-then times the whole block (gate projection, router, experts, residual add) both ways, and
+then times the whole block (gate projection, router, experts, residual add) both ways, its
+kernels (gate+route: cuBLAS's gate projection and `route`, as before `gate_route`), and
 `down_sum_plus` per token against split over the pairs at 1, 4 and 8 tokens, its calls cycling
 through random routings whose experts outgrow the L2 cache (as a step's layers read other
 experts). Times are device microseconds per call, from CUDA graphs of 100 back-to-back calls
@@ -67,9 +69,10 @@ def main() -> int:
         downs.append(down)
         sweeps += down_sweep
 
-    print(f"{'tokens':>6} {'grouped us':>10} {'triton us':>9} {'speedup':>7}  {'route':>6} {'gate_up':>7} {'down':>6}  {'GB/s':>5}")
-    for tokens, grouped, fused, route, gate_up, down, gbps in timings:
-        print(f"{tokens:>6} {grouped:>10.2f} {fused:>9.2f} {grouped / fused:>6.2f}x  {route:>6.2f} {gate_up:>7.2f} {down:>6.2f}  {gbps:>5.0f}")
+    print(f"{'tokens':>6} {'grouped us':>10} {'triton us':>9} {'speedup':>7}  {'gate+route':>10} {'gate_route':>10} {'gate_up':>7} {'down':>6}  {'GB/s':>5}")
+    for tokens, grouped, fused, gate_and_route, gate_route, gate_up, down, gbps in timings:
+        print(f"{tokens:>6} {grouped:>10.2f} {fused:>9.2f} {grouped / fused:>6.2f}x  {gate_and_route:>10.2f} {gate_route:>10.2f} "
+              f"{gate_up:>7.2f} {down:>6.2f}  {gbps:>5.0f}")  # fmt: skip
     print(f"\ndown_sum_plus, weights past L2\n{'tokens':>6} {'MB read':>7} {'per token us':>12} {'GB/s':>5} {'split us':>8} {'GB/s':>5} {'speedup':>7}")
     for tokens, weight_bytes, per_token, split in downs:
         print(f"{tokens:>6} {weight_bytes / 1e6:>7.1f} {per_token:>12.2f} {weight_bytes / per_token / 1e3:>5.0f} "
@@ -101,12 +104,16 @@ def check(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> None:
     where = f"tokens={tokens}"
     router, experts = moe.router, moe.experts
     want_ids, want_weights = router(x)
-    ids, weights = triton_moe.route(router.gate(x), TOP_K, router.renormalise, DTYPE)
-    if not torch.equal(ids.long(), want_ids):
-        probs = torch.softmax(router.gate(x).float(), dim=-1)  # bf16 logits can tie: either expert is right
-        if not torch.equal(probs.gather(1, ids.long()), probs.gather(1, want_ids)):
-            failures.append(f"{where} router: other experts chosen")
-    compare(f"{where} router weights", weights, want_weights)
+    routed = {
+        "router": triton_moe.route(router.gate(x), TOP_K, router.renormalise, DTYPE),
+        "gate+router": triton_moe.gate_route(x, router.gate.weight, TOP_K, router.renormalise),
+    }
+    for name, (ids, weights) in routed.items():
+        if not torch.equal(ids.long(), want_ids):
+            probs = torch.softmax(router.gate(x).float(), dim=-1)  # bf16 logits can tie: either expert is right
+            if not torch.equal(probs.gather(1, ids.long()), probs.gather(1, want_ids)):
+                failures.append(f"{where} {name}: other experts chosen")
+        compare(f"{where} {name} weights", weights, want_weights)
 
     # each expert kernel from the torch path's own inputs
     ids = want_ids.int()
@@ -131,8 +138,7 @@ def grouped_block(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> to
 
 def time_blocks(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> tuple:
     router, experts = moe.router, moe.experts
-    logits = router.gate(x)
-    ids, weights = triton_moe.route(logits, TOP_K, router.renormalise, DTYPE)
+    ids, weights = triton_moe.gate_route(x, router.gate.weight, TOP_K, router.renormalise)
     activations = triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up)
     fused = graph_us(lambda: moe.triton_block(x, residual))
     chosen = ids.unique().numel()
@@ -141,7 +147,8 @@ def time_blocks(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> tupl
         x.shape[0],
         graph_us(lambda: grouped_block(moe, x, residual)),
         fused,
-        graph_us(lambda: triton_moe.route(logits, TOP_K, router.renormalise, DTYPE)),
+        graph_us(lambda: triton_moe.route(router.gate(x), TOP_K, router.renormalise, DTYPE)),
+        graph_us(lambda: triton_moe.gate_route(x, router.gate.weight, TOP_K, router.renormalise)),
         graph_us(lambda: triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up)),
         graph_us(lambda: triton_moe.down_sum_plus(activations, ids, experts.down, residual)),
         weight_bytes / fused / 1e3,
@@ -173,7 +180,7 @@ def time_down(moe: SparseMoe, tokens: int) -> tuple[tuple, list]:
 
 def sweep_gate_up(moe: SparseMoe, x: torch.Tensor) -> list:
     experts = moe.experts
-    ids, weights = triton_moe.route(moe.router.gate(x), TOP_K, moe.router.renormalise, DTYPE)
+    ids, weights = triton_moe.gate_route(x, moe.router.gate.weight, TOP_K, moe.router.renormalise)
     activations = triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up)
     rows = []
     for block_i, block_h in SWEEP_GATE_UP:

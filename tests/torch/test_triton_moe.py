@@ -1,5 +1,5 @@
-"""The Triton MoE kernels (`triton_moe`) against the torch code they replace: the router, the
-pairs' gate_up + SwiGLU, the down projection summed over k plus the residual, the whole
+"""The Triton MoE kernels (`triton_moe`) against the torch code they replace: the router (from
+the logits, and with the gate projection), the pairs' gate_up + SwiGLU, the down projection summed over k plus the residual, the whole
 block, and a Qwen3-MoE decode through them.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors, so shapes stay small
@@ -98,6 +98,27 @@ def test_route_matches_router(dtype, experts, top_k, tokens, renormalise):
     torch.testing.assert_close(weights, want_weights, rtol=ulps(dtype) / 4, atol=ulps(dtype) / 4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts, top_k, tokens", [(8, 2, 1), (16, 4, 5), (14, 3, 3)])  # 14: a partial block of experts
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_gate_route_matches_router(dtype, experts, top_k, tokens, renormalise):
+    """The gate projection too, its logits rounded as F.linear's; the last of a token's
+    programs routes it and leaves its arrival counter at zero for the next launch."""
+    torch.manual_seed(5)
+    hidden = 100  # two blocks of 64, the second partial
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    gate = Linear((torch.randn(experts, hidden, device=DEVICE) * hidden**-0.5 * 4).to(dtype))
+    want_ids, want_weights = Router(gate, top_k, renormalise)(x)
+    top = torch.softmax(gate(x).float(), dim=-1).topk(top_k + 1).values
+    assert (top[:, top_k - 1] > top[:, top_k]).all(), "the seed gives no tie at the top-k cut"
+
+    ids, weights = triton_moe.gate_route(x, gate.weight, top_k, renormalise, block_e=4, block_h=64)
+
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=ulps(dtype), atol=ulps(dtype))
+    assert not triton_ops.split_counters(DEVICE).any()
+
+
 def test_route_breaks_ties_to_the_lower_index():
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]], device=DEVICE)
     ids, weights = triton_moe.route(logits, 2, False, torch.float32)
@@ -194,8 +215,8 @@ def test_decode_batch_through_triton_moe_matches_torch(zoo, monkeypatch):
     monkeypatch.setattr(qwen3_moe, "triton_runs", lambda x: False)
     expected = decode_twice("torch")
     monkeypatch.setattr(qwen3_moe, "triton_runs", lambda x: True)
-    route = triton_moe.route
-    monkeypatch.setattr(triton_moe, "route", lambda *args: launches.append(1) or route(*args))
+    gate_route = triton_moe.gate_route
+    monkeypatch.setattr(triton_moe, "gate_route", lambda *args: launches.append(1) or gate_route(*args))
     for got, want in zip(decode_twice("triton"), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert launches, "the MoE blocks ran on Triton"

@@ -1,13 +1,15 @@
-"""Triton kernels for a decode-sized mixture-of-experts block (Qwen3-MoE): the router, the
-experts and the residual add in three launches after the gate projection, instead of about
-fifteen small torch kernels, and with no host sync (a CUDA graph replays them).
+"""Triton kernels for a decode-sized mixture-of-experts block (Qwen3-MoE): the gate projection
+and router, the experts and the residual add in three launches, instead of about fifteen small
+torch kernels, and with no host sync (a CUDA graph replays them).
 
 The one idea: at decode a token-expert pair is a matrix-vector product, so the experts are
 GEMVs that read the chosen experts' weights straight from the stacked tensors, the expert id
 read on the device.
 
 - `route`: softmax of the gate logits in float32, the top k (k argmax steps, the lower index
-  on ties), optionally renormalised: one program per token.
+  on ties), optionally renormalised: one program per token. `gate_route` computes the logits
+  too (rounded to x's dtype, as the gate's F.linear stores them): a program per (token, block
+  of experts), the last of a token's programs to finish routes it.
 - `gate_up_swiglu`: silu(x Wg^T) * (x Wu^T) * the router's weight, for every pair. A program
   owns a block of the intermediate columns of one expert: the first pair (in token order)
   that chose the expert runs it for every token that chose it (a `tl.dot` over the tokens,
@@ -42,6 +44,7 @@ except ImportError:
 MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: the tokens are padded to it
 # Tile sizes (columns of a program, then the step of its loop). Small column blocks give a
 # single token's GEMVs enough programs to fill the GPU.
+GATE_BLOCK_E, GATE_BLOCK_H = 4, 2048
 GATE_UP_BLOCK_I, GATE_UP_BLOCK_H = 16, 128
 # down_sum_plus, split: a program per pair takes the pair's rows for its columns in one step
 # (its loads all in flight at once; Triton pipelines only a loop's loads for tl.dot).
@@ -63,6 +66,26 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtyp
         logits, logits.stride(0), ids, weights, EXPERTS=experts, K=top_k,
         EXPERTS_PAD=triton.next_power_of_2(experts), K_PAD=triton.next_power_of_2(top_k),
         RENORMALISE=renormalise, num_warps=1,
+    )  # fmt: skip
+    return ids, weights
+
+
+def gate_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalise: bool,
+               block_e: int | None = None, block_h: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`route(F.linear(x, gate), ...)` in one launch: x `(T, H)`, gate `(E, H)` -> expert ids
+    `(T, top_k)` int32 and their weights `(T, top_k)` in x's dtype."""
+    block_e, block_h = block_e or GATE_BLOCK_E, block_h or GATE_BLOCK_H
+    (tokens, hidden), experts = x.shape, gate.shape[0]
+    assert x.stride(1) == 1 and gate.is_contiguous() and gate.shape[1] == hidden and top_k <= experts
+    assert tokens <= triton_ops.SPLIT_COUNTERS
+    logits = torch.empty((tokens, experts), dtype=torch.float32, device=x.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=x.device)
+    weights = torch.empty((tokens, top_k), dtype=x.dtype, device=x.device)
+    _gate_route_kernel[(tokens, triton.cdiv(experts, block_e))](
+        x, x.stride(0), gate, logits, triton_ops.split_counters(x.device), ids, weights,
+        HIDDEN=hidden, EXPERTS=experts, K=top_k, EXPERTS_PAD=triton.next_power_of_2(experts),
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
+        RENORMALISE=renormalise, num_warps=4,
     )  # fmt: skip
     return ids, weights
 
@@ -143,8 +166,42 @@ if triton is not None:
     ):  # fmt: skip
         token = tl.program_id(0)
         experts = tl.arange(0, EXPERTS_PAD)
+        logits = tl.load(logits_ptr + token * row_stride + experts, mask=experts < EXPERTS, other=-float("inf"))
+        _route_token(logits.to(tl.float32), token, ids_ptr, weights_ptr, EXPERTS, K, EXPERTS_PAD, K_PAD, RENORMALISE)
+
+    @triton.jit
+    def _gate_route_kernel(
+        x_ptr, x_row_stride, gate_ptr, logits_ptr, counters_ptr, ids_ptr, weights_ptr,
+        HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, K: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+        K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, RENORMALISE: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (token, block of BLOCK_E experts): their logits, rounded to x's dtype,
+        # to `logits` (T, E) in float32. The last of a token's programs to finish routes it.
+        token, block = tl.program_id(0), tl.program_id(1)
+        experts = block * BLOCK_E + tl.arange(0, BLOCK_E)
         real = experts < EXPERTS
-        logits = tl.load(logits_ptr + token * row_stride + experts, mask=real, other=-float("inf")).to(tl.float32)
+        acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+        for start in range(0, HIDDEN, BLOCK_H):
+            hidden = start + tl.arange(0, BLOCK_H)
+            inside = hidden < HIDDEN
+            x = tl.load(x_ptr + token * x_row_stride + hidden, mask=inside, other=0.0).to(tl.float32)
+            w = tl.load(gate_ptr + experts[:, None] * HIDDEN + hidden[None, :], mask=real[:, None] & inside[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        logits = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(logits_ptr + token * EXPERTS + experts, logits, mask=real)
+        if arrived_last(counters_ptr + token, tl.num_programs(1)):
+            every = tl.arange(0, EXPERTS_PAD)
+            row = tl.load(logits_ptr + token * EXPERTS + every, mask=every < EXPERTS, other=-float("inf"), cache_modifier=".cg")
+            _route_token(row, token, ids_ptr, weights_ptr, EXPERTS, K, EXPERTS_PAD, K_PAD, RENORMALISE)
+
+    @triton.jit
+    def _route_token(
+        logits, token, ids_ptr, weights_ptr,
+        EXPERTS: tl.constexpr, K: tl.constexpr, EXPERTS_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORMALISE: tl.constexpr,
+    ):  # fmt: skip
+        """A token's float32 logits `(EXPERTS_PAD,)` (-inf past EXPERTS) -> its k expert ids and weights."""
+        experts = tl.arange(0, EXPERTS_PAD)
+        real = experts < EXPERTS
         exps = tl.exp(logits - tl.max(logits, axis=0))
         probs = tl.where(real, exps / tl.sum(exps, axis=0), -1.0)  # -1: below any probability, never chosen
 

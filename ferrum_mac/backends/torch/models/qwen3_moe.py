@@ -17,7 +17,7 @@ decode step with experts can be captured as a CUDA graph.
   reads each expert once, for many pairs where grouped_mm is unavailable.
 
 At decode sizes on CUDA (up to TRITON_MAX_PAIRS pairs, where `pointwise.triton_runs`) the
-whole block after the gate projection is three `triton_moe` kernels instead: router, gate_up
+whole block is three `triton_moe` kernels instead: gate projection with the router, gate_up
 with SwiGLU, down with the sum over k and the residual add. A forced route (FERRUM_MOE_ROUTE)
 or FERRUM_TORCH_TRITON=0 keeps torch.
 """
@@ -155,8 +155,8 @@ class SparseMoe:
     def triton_block(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         from ferrum_mac.backends.torch import triton_moe
 
-        router, experts = self.router, self.experts
-        ids, weights = triton_moe.route(router.gate(x), router.top_k, router.renormalise, x.dtype)
+        router, experts = self.router, self.experts  # (the gate has no bias)
+        ids, weights = triton_moe.gate_route(x, router.gate.weight, router.top_k, router.renormalise)
         return triton_moe.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
 
 

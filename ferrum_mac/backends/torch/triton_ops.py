@@ -210,10 +210,10 @@ def _gemv(x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=Non
         partials = torch.empty((splits, rows, weight.shape[0]), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device)
     else:
-        partials = counters = x  # any pointer: never read
+        partials = counters = x
     _gemv_kernel[(blocks, splits)](
         x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
-        x if residual is None else residual.contiguous(), out, partials, counters, rows, eps, splits,
+        x if residual is None else residual.contiguous(), out, partials, counters, rows, eps, splits,  # (x: any pointer, never read)
         ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
         NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -39,7 +39,7 @@ def run(shape: str, quant: str, batches: list[int], steps: int, prompt_tokens: i
 
         def step(pipelined: bool = False) -> None:
             nonlocal tokens
-            items = [DecodeItem(cid, tokens[i : i + 1], pos[0]) for i, cid in enumerate(ids)]
+            items = [DecodeItem(cid, tokens[i], pos[0]) for i, cid in enumerate(ids)]
             tokens = mx.argmax(llm.decode_batch(items), axis=-1)
             (mx.async_eval if pipelined else mx.eval)(tokens)
             pos[0] += 1

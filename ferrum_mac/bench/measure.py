@@ -47,9 +47,7 @@ def batched_decode_tps(model, prompt: list[int], batch: int, new_tokens: int) ->
         mx.eval(tokens)
         start = time.perf_counter()
         for step in range(new_tokens):
-            # Slices, not tokens[i]: MLX's CUDA build ran each integer index as a gather kernel
-            # (43 us apiece at batch 8 on an H100), a cost of this loop, not of the model.
-            items = [DecodeItem(cid, tokens[i : i + 1], positions[i] + step) for i, cid in enumerate(ids)]
+            items = [DecodeItem(cid, tokens[i], positions[i] + step) for i, cid in enumerate(ids)]
             tokens = mx.argmax(model.decode_batch(items), axis=-1)
             mx.async_eval(tokens)
         mx.eval(tokens)

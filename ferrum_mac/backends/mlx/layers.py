@@ -95,6 +95,13 @@ class Linear:
             y = x @ self.weight.T
         return y if self.bias is None else y + self.bias
 
+    def dense(self) -> "Linear":
+        """This linear with its weight dequantized (itself when already dense)."""
+        if not self.quantized:
+            return self
+        weight = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        return Linear(weight, self.bias)
+
     def rows(self, ids: mx.array) -> mx.array:
         """Rows of W (an embedding lookup), dequantized when needed."""
         if not self.quantized:

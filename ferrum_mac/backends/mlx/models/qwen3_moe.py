@@ -193,6 +193,8 @@ class SparseMoe:
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int, moe: MoeConfig):
         p = f"layers.{layer}.mlp"
         gate = src.linear(f"{p}.gate", moe.num_experts, config.hidden_size)
+        if on_cuda_gpu():  # a dense matmul beats MLX's quantized ones on this small (E, hidden) weight
+            gate = gate.dense()
         self.router = Router(gate, moe.top_k, moe.norm_topk_prob, moe.num_experts)
         self.experts = Experts(src, f"{p}.switch_mlp", moe, config.hidden_size)
 

@@ -242,7 +242,8 @@ def pool(kv_heads: int, dim: int, slots: int, tokens: int) -> KvManager:
 def decode_plan(kv: KvManager, positions, columns, fused: bool) -> DecodePlan:
     pointwise.TRITON = fused  # DecodePlan asks pointwise.triton_runs
     try:
-        plan = DecodePlan(kv, FIRST, positions, columns, DTYPE)
+        with pointwise.decode_step():  # where the decode step's Triton kernels run
+            plan = DecodePlan(kv, FIRST, positions, columns, DTYPE)
     finally:
         pointwise.TRITON = True
     assert plan.fused == fused

@@ -56,11 +56,23 @@ def run(shape: str, batch: int, steps: int, prompt_tokens: int) -> None:
     graphed = timed_steps()
     kind = "in a CUDA graph" if device.type == "cuda" else "default"
     print(f"{label}, {device}, batch {batch}: step {graphed:.3f} ms {kind}")
+    if batch == 1:
+        print(f"  as `ferrum bench` streams it (each token read one step behind): {bench_ms(llm, prompt):.3f} ms a token")
     profile_steps(step, steps, sync)
     step_module.USE_GRAPHS = False
     llm.steps.clear()
     print(f"  eager: step {timed_steps():.3f} ms")
     profile_steps(step, steps, sync)
+
+
+def bench_ms(llm, prompt: list[int], tokens: int = 128) -> float:
+    from ferrum_mac.bench.torch_side import ferrum_tokens
+
+    stream = ferrum_tokens(llm, prompt, tokens, cache_id="stream")
+    next(stream)
+    start = time.perf_counter()
+    count = sum(1 for _ in stream)
+    return (time.perf_counter() - start) / count * 1e3
 
 
 def main() -> None:

@@ -180,13 +180,16 @@ def time_tokens(tokens: Iterator[int], prompt_len: int, new_tokens: int, device:
 
 def ferrum_tokens(llm, prompt: list[int], new_tokens: int, cache_id: str = "bench") -> Iterator[int]:
     """Greedy tokens through the contract, each next step queued before the current token is read."""
+    from ferrum_mac.backends.torch.sampling import queue_read
+
     try:
         token = llm.prefill(cache_id, prompt).argmax()
-        pos = len(prompt)
+        read, pos = queue_read(token), len(prompt)
         for _ in range(new_tokens):
             following = llm.decode(cache_id, token, pos).argmax()
-            yield int(token)
-            token, pos = following, pos + 1
+            read_following = queue_read(following)
+            yield read()
+            token, read, pos = following, read_following, pos + 1
     finally:
         llm.release(cache_id)
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ferrum_mac.errors import FerrumError
 
 NEG_INF = -math.inf
+MAX_PENDING_READS = 4  # queued host copies kept for tokens not read yet (a decode loop has two)
 
 
 class TorchSampler:
@@ -31,6 +32,7 @@ class TorchSampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         window = list(context)[-params.penalty_window :] if params.penalised else []
         self.window = torch.tensor(window, dtype=torch.int64, device=device) if params.penalised else None
+        self.reads: dict[int, Callable[[], int]] = {}  # by id(token): its queued copy to the host
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
@@ -44,10 +46,14 @@ class TorchSampler:
         token = x.argmax() if p.greedy else self._draw(x)
         if self.window is not None:
             self.window = torch.cat([self.window, token.reshape(1)])[-p.penalty_window :]
+        self.reads[id(token)] = queue_read(token)
+        while len(self.reads) > MAX_PENDING_READS:  # tokens a caller never read
+            self.reads.pop(next(iter(self.reads)))
         return token
 
     def read(self, token: torch.Tensor) -> int:
-        return int(token.item())
+        pending = self.reads.pop(id(token), None)
+        return pending() if pending else int(token.item())
 
     def _penalise(self, x: torch.Tensor) -> torch.Tensor:
         p = self.params
@@ -93,3 +99,22 @@ def bias_vector(bias, width: int, device: torch.device) -> torch.Tensor:
     ids = torch.tensor([int(t) for t in bias], device=device)
     values = torch.tensor([float(v) for v in bias.values()], device=device)
     return torch.zeros(width, device=device).index_add_(0, ids, values)
+
+
+def queue_read(token: torch.Tensor) -> Callable[[], int]:
+    """Queues a device scalar's copy to the host now, and returns the function that gives it as
+    an int. That waits for the work queued before this call only: `token.item()` later would
+    also wait for the decode step queued since, leaving the GPU idle while the host builds the
+    step after it (a quarter of a Qwen3-0.6B token on the H100)."""
+    if token.device.type != "cuda":
+        return lambda: int(token.item())
+    host = torch.empty((), dtype=token.dtype, pin_memory=True)
+    host.copy_(token, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> int:
+        copied.synchronize()
+        return int(host.item())
+
+    return read

@@ -236,17 +236,20 @@ def gemv_blocks(n: int, k: int, device: torch.device, element_size: int) -> tupl
     return block_n, max(block_k, 16)
 
 
-# Below this many column blocks per SM, a GEMV splits K. (A program keeps GEMV_STAGES tiles
-# in flight; shared memory holds about 4 programs an SM, 3 with SwiGLU.)
+# A GEMV with fewer column blocks than SMs splits K, into enough programs to give every SM
+# MIN_PROGRAMS_PER_SM. (Measured on the H100: Qwen3-0.6B's down, 64 blocks, 7.75 -> 6.40 us
+# split in 4; its norm+gate_up+swiglu, 192 blocks, 10.1 -> 11.8 us split in 2, and Qwen3-8B's
+# 256-block o_proj 14.7 -> 15.6: past one block an SM, splitting costs more than it gives.)
 MIN_PROGRAMS_PER_SM = 2
 
 
 def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted: int | None = None) -> tuple[int, int]:
     """How many programs share each column block's K, and the K each takes (whole chunks):
-    `wanted`, by default as few as give every SM MIN_PROGRAMS_PER_SM programs (at most
-    SPLIT_K), and no more than K has chunks."""
+    `wanted`, by default none unless the blocks are fewer than the SMs, then as few as give
+    every SM MIN_PROGRAMS_PER_SM programs (at most SPLIT_K), and no more than K has chunks."""
     if wanted is None:
-        wanted = min(SPLIT_K, triton.cdiv(MIN_PROGRAMS_PER_SM * multiprocessors(device), blocks))
+        sms = multiprocessors(device)
+        wanted = 1 if blocks >= sms else min(SPLIT_K, triton.cdiv(MIN_PROGRAMS_PER_SM * sms, blocks))
     chunks = triton.cdiv(k, block_k)
     chunks_per_split = triton.cdiv(chunks, max(1, min(wanted, chunks)))
     return triton.cdiv(chunks, chunks_per_split), chunks_per_split * block_k

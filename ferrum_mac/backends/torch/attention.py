@@ -130,7 +130,8 @@ class DecodePlan:
     `fused` (CUDA with triton): `attend_fused` takes the qkv projection's output and does the
     rest in Triton kernels; otherwise `attend` takes roped q, k, v and runs torch."""
 
-    def __init__(self, pool: KvManager, first: int, positions: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, pool: KvManager, first: int, positions: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype,
+                 base_places: torch.Tensor | None = None):  # fmt: skip
         self.pool, self.first, self.positions = pool, first, positions
         self.total = rows = positions.shape[0]
         tokens, heads, device = pool.tokens, pool.kv_heads, positions.device
@@ -141,9 +142,8 @@ class DecodePlan:
             visible = torch.arange(tokens, device=device)[None, :] <= positions[:, None]
             self.bias = attention_bias(visible, dtype).view(rows, 1, 1, tokens)
         # Each (row, kv head)'s place among a layer's `slots * kv_heads * (tokens + 1)` key rows.
-        slots = torch.arange(first, first + rows, device=device)
-        slot_heads = slots[:, None] * heads + torch.arange(heads, device=device)[None, :]
-        self.places = (slot_heads * (tokens + 1) + columns[:, None]).reshape(-1)
+        base = slot_places(pool, first, rows, device) if base_places is None else base_places
+        self.places = (base + columns[:, None]).reshape(-1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         kv_heads, dim, tokens = k.shape[1], k.shape[2], self.pool.tokens
@@ -162,6 +162,15 @@ class DecodePlan:
         kv = self.pool.kv[attn.layer]  # (2, slots, kv_heads, tokens + 1, dim)
         q = triton_ops.norm_rope_write(qkv, attn.heads, attn.qk_norm, cos, sin, attn.eps, attn.rope.interleaved, kv, self.places)
         return triton_ops.decode_attention(q, kv, self.first, self.positions, attn.scale)
+
+
+def slot_places(pool: KvManager, first: int, rows: int, device: torch.device) -> torch.Tensor:
+    """`(rows, kv_heads)`: where the key rows of slot `first + row`, kv head h begin among a pool
+    layer's `slots * kv_heads * (tokens + 1)`; a token's place adds its column. Fixed for a
+    run of slots, so a decode step computes it once, outside its CUDA graph."""
+    slots = torch.arange(first, first + rows, device=device)
+    slot_heads = slots[:, None] * pool.kv_heads + torch.arange(pool.kv_heads, device=device)[None, :]
+    return slot_heads * (pool.tokens + 1)
 
 
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -85,9 +85,11 @@ class Rope:
         self.interleaved = config.rope_traditional  # GGUF llama: q/k rows permuted for it
         self.inv_freq = inverse_frequencies(config).to(device)
         self.cos = self.sin = None
+        self.cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # the tables in an activation dtype
 
     def build(self, positions: int) -> None:
         """Tables `(positions, dims)` for positions 0 .. positions-1 (the KV capacity), float32."""
+        self.cast = {}
         t = torch.arange(positions, device=self.inv_freq.device, dtype=torch.float32)
         angles = torch.outer(t, self.inv_freq)
         cos, sin = angles.cos(), angles.sin()
@@ -98,8 +100,12 @@ class Rope:
             self.cos, self.sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin `(T, 1, dims)` for positions `(T,)`, in the activations' dtype."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """cos and signed sin `(T, 1, dims)` for positions `(T,)`, in the activations' dtype (the
+        tables cast once, on first use: a decode step's graph then holds just the lookups)."""
+        if dtype not in self.cast:
+            self.cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        cos, sin = self.cast[dtype]
+        return cos[positions][:, None, :], sin[positions][:, None, :]
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import torch
 
-from ferrum_mac.backends.torch.attention import DecodePlan
+from ferrum_mac.backends.torch.attention import DecodePlan, slot_places
 from ferrum_mac.backends.torch.pointwise import decode_step
 from ferrum_mac.backends.torch.kv import KvManager
 
@@ -36,6 +36,7 @@ class DecodeStep:
         self.dtype, self.device, self.graphs = dtype, device, graphs
         self.inputs = torch.zeros(3 * rows, dtype=torch.int64, device=device)  # tokens, positions, columns
         self.tokens, self.positions, self.columns = self.inputs[:rows], self.inputs[rows : 2 * rows], self.inputs[2 * rows :]
+        self.base_places = slot_places(pool, first, rows, device)  # (steps die with their pool)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured = device.type == "cuda" and USE_GRAPHS
         self.out: torch.Tensor | None = None
@@ -76,7 +77,7 @@ class DecodeStep:
 
     def forward(self) -> torch.Tensor:
         with decode_step():
-            plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype)
+            plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype, self.base_places)
             return self.model.logits(self.model.hidden(self.tokens, plan))
 
     def capture(self) -> None:

@@ -4,9 +4,9 @@ MLX's `quantized_matmul` runs one row as a matrix-vector kernel, but from two ro
 switches to a tiled matrix-matrix kernel that, at decode sizes, reads the weight slower than
 the vector kernel reads it for one row: on an H100, Qwen3-30B-A3B's projections took 44 us a
 call at 8 rows against 9 us at one, so a batch of 8 spent 4 of its 15 ms there. This kernel
-reads each packed weight word once for all rows: a warp takes ROWS_PER_WARP output rows, its
-lanes walk the rows' packed words (coalesced), dequantize each word once and multiply it with
-every input row (held in registers for the warp's rows).
+reads each packed weight word once for all rows: a warp takes one or two output rows
+(`launch_shape`), its lanes walk the rows' packed words (coalesced, eight words a lane loaded
+before any is used), dequantize each word once and multiply it with every input row.
 
 MLX-quantized (affine, 4- or 8-bit) weights only; x `(M, K)` with M up to MAX_ROWS.
 """
@@ -143,7 +143,7 @@ def runs(rows: int, out_dim: int, in_dim: int, group_size: int, bits: int) -> bo
 
 def launch_shape(out_dim: int, warps: int | None = None, rows_per_warp: int | None = None) -> tuple[int, int]:
     """Warps per block and output rows per warp: fewer of each where the output is too narrow
-    to give the GPU BLOCKS_WANTED blocks otherwise (a MoE router's 128 rows)."""
+    to give the GPU BLOCKS_WANTED blocks otherwise (an output of 128 rows gets 128 one-warp blocks)."""
     r = rows_per_warp or (ROWS_PER_WARP if out_dim >= BLOCKS_WANTED * WARPS * ROWS_PER_WARP else 1)
     nw = warps or (WARPS if out_dim >= BLOCKS_WANTED * WARPS * r else 1)
     return nw, r

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Checks and times the torch backend's Triton decode kernels (`ferrum_mac/backends/torch/triton_ops.py`)
-on a CUDA GPU, against the torch code they replace, at Qwen3-0.6B's and Qwen3-8B's shapes in
+"""Checks and times the torch backend's Triton decode kernels (`ferrum_mac/backends/torch/triton_ops.py`
+and `triton_gemv.py`) on a CUDA GPU, against the torch code they replace, at Qwen3-0.6B's and Qwen3-8B's shapes in
 bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, checked only):
 
 - norm + rope + write: `pointwise.norm_and_rope` and DecodePlan's KV index_put vs `norm_rope_write`
@@ -13,7 +13,7 @@ bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, che
   on CUDA, vs `norm_swiglu`), o_proj/down+residual (`torch.addmm` vs `matmul_residual`). Their
   calls cycle through copies of the weight that together outgrow the L2 cache, as a step's
   layers do. Then the three GEMVs a layer runs by default with K unsplit against the split
-  `triton_ops.gemv_splits` chooses (marked *), with each one's weight bytes per second
+  `triton_gemv.gemv_splits` chooses (marked *), with each one's weight bytes per second
   (`--sweep`: other split counts too).
 - RMSNorm of a step's row at Qwen3-0.6B's, Qwen3-30B-A3B's and Qwen3-8B's hidden sizes:
   F.rms_norm vs `triton_ops.rms_norm`, with the bytes per second each moves (row, weight, output).
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_check import can_check, compare, cycling, graph_us, verdict  # noqa: E402  (this folder)
 
-from ferrum_mac.backends.torch import pointwise, triton_ops  # noqa: E402
+from ferrum_mac.backends.torch import pointwise, triton_gemv, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import Rope  # noqa: E402
@@ -168,13 +168,13 @@ def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
     weights = {part: weight_copies(shape, timed) for part, shape in shapes.items()}
     ops = {  # op -> torch, triton (each of a weight; triton's also of a split count), the weights
         "norm+qkv": (lambda w: F.linear(F.rms_norm(x, (hidden,), norm, EPS), w),
-                     lambda w, splits=None: triton_ops.norm_matmul(x, norm, EPS, w, splits=splits), weights["qkv"]),
+                     lambda w, splits=None: triton_gemv.norm_matmul(x, norm, EPS, w, splits=splits), weights["qkv"]),
         "norm+gate_up+swiglu": (lambda w: pointwise.swiglu(F.linear(F.rms_norm(x, (hidden,), norm, EPS), w)),
-                                lambda w, splits=None: triton_ops.norm_swiglu(x, norm, EPS, w, splits=splits), weights["gate_up"]),
+                                lambda w, splits=None: triton_gemv.norm_swiglu(x, norm, EPS, w, splits=splits), weights["gate_up"]),
         "o_proj+residual": (lambda w: torch.addmm(x, attn_out, w.t()),
-                            lambda w, splits=None: triton_ops.matmul_residual(attn_out, w, x, splits=splits), weights["o_proj"]),
+                            lambda w, splits=None: triton_gemv.matmul_residual(attn_out, w, x, splits=splits), weights["o_proj"]),
         "down+residual": (lambda w: torch.addmm(x, inter, w.t()),
-                          lambda w, splits=None: triton_ops.matmul_residual(inter, w, x, splits=splits), weights["down"]),
+                          lambda w, splits=None: triton_gemv.matmul_residual(inter, w, x, splits=splits), weights["down"]),
     }  # fmt: skip
     for op, (torch_op, triton_op, copies) in ops.items():
         want = torch_op(copies[0])
@@ -198,11 +198,11 @@ def time_splits(where: str, triton_op, torch_op, copies: list, swiglu: bool, cho
     split `gemv_splits` chooses (timed already: `chosen_us`) and, with --sweep, other counts."""
     weight = copies[0]
     n, k = weight.shape[0] // 2 if swiglu else weight.shape[0], weight.shape[1]
-    block_n, block_k = triton_ops.gemv_blocks(n, k, weight.device, weight.element_size())
+    block_n, block_k = triton_gemv.gemv_blocks(n, k, weight.device, weight.element_size())
     blocks = -(-n // block_n)
-    chosen = triton_ops.gemv_splits(blocks, k, block_k, weight.device)[0]
+    chosen = triton_gemv.gemv_splits(blocks, k, block_k, weight.device)[0]
     wanted = {1, chosen} | (set(SWEEP_SPLITS) if "--sweep" in sys.argv else set())
-    splits = sorted({triton_ops.gemv_splits(blocks, k, block_k, weight.device, count)[0] for count in wanted})
+    splits = sorted({triton_gemv.gemv_splits(blocks, k, block_k, weight.device, count)[0] for count in wanted})
     times = {chosen: chosen_us}
     for count in splits:
         if count not in times:

@@ -18,7 +18,7 @@ from triton_interpreter import DEVICE, like_a_gpu  # noqa: E402  (before triton:
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import attention, layers, pointwise, triton_ops  # noqa: E402
+from ferrum_mac.backends.torch import attention, layers, pointwise, triton_gemv, triton_ops  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope  # noqa: E402
@@ -169,7 +169,7 @@ def gemv_inputs(rows: int, k: int, n: int, dtype: torch.dtype, bias: bool):
 @pytest.mark.parametrize("bias", [False, True])
 def test_norm_matmul_matches_torch(dtype, rows, k, n, bias):
     x, norm, weight, b = gemv_inputs(rows, k, n, dtype, bias)
-    got = triton_ops.norm_matmul(x, norm.weight, norm.eps, weight, b)
+    got = triton_gemv.norm_matmul(x, norm.weight, norm.eps, weight, b)
     torch.testing.assert_close(got, F.linear(norm(x), weight, b), rtol=ulps(dtype), atol=ulps(dtype))
 
 
@@ -178,7 +178,7 @@ def test_norm_matmul_matches_torch(dtype, rows, k, n, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_norm_swiglu_matches_torch(dtype, rows, k, n, bias):
     x, norm, gate_up, b = gemv_inputs(rows, k, 2 * n, dtype, bias)
-    got = triton_ops.norm_swiglu(x, norm.weight, norm.eps, gate_up, b)
+    got = triton_gemv.norm_swiglu(x, norm.weight, norm.eps, gate_up, b)
     torch.testing.assert_close(got, torch_swiglu(F.linear(norm(x), gate_up, b)), rtol=ulps(dtype), atol=ulps(dtype))
 
 
@@ -187,7 +187,7 @@ def test_norm_swiglu_matches_torch(dtype, rows, k, n, bias):
 def test_matmul_residual_matches_addmm(dtype, rows, k, n):
     x, _, weight, _ = gemv_inputs(rows, k, n, dtype, bias=False)
     residual = torch.randn(rows, n, device=DEVICE).to(dtype)
-    got = triton_ops.matmul_residual(x, weight, residual)
+    got = triton_gemv.matmul_residual(x, weight, residual)
     torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), rtol=ulps(dtype), atol=ulps(dtype))
 
 
@@ -197,27 +197,27 @@ def test_gemvs_split_over_k_match_torch(dtype, splits):
     """Each split's sums are added up by the last program to finish, which leaves the arrival
     counters at zero for the next launch (a CUDA graph replays it with no memset)."""
     rows, n = 3, 70  # 16-column blocks
-    k = 4 * triton_ops.GEMV_TILE_BYTES // (16 * dtype.itemsize) + 100
+    k = 4 * triton_gemv.GEMV_TILE_BYTES // (16 * dtype.itemsize) + 100
     x, norm, weight, bias = gemv_inputs(rows, k, 2 * n, dtype, bias=True)
     residual = torch.randn(rows, 2 * n, device=DEVICE).to(dtype)
     tolerance = dict(rtol=ulps(dtype), atol=ulps(dtype))
-    got = triton_ops.norm_swiglu(x, norm.weight, norm.eps, weight, bias, splits=splits)
+    got = triton_gemv.norm_swiglu(x, norm.weight, norm.eps, weight, bias, splits=splits)
     torch.testing.assert_close(got, torch_swiglu(F.linear(norm(x), weight, bias)), **tolerance)
-    got = triton_ops.norm_matmul(x, norm.weight, norm.eps, weight, bias, splits=splits)
+    got = triton_gemv.norm_matmul(x, norm.weight, norm.eps, weight, bias, splits=splits)
     torch.testing.assert_close(got, F.linear(norm(x), weight, bias), **tolerance)
-    got = triton_ops.matmul_residual(x, weight, residual, splits=splits)
+    got = triton_gemv.matmul_residual(x, weight, residual, splits=splits)
     torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), **tolerance)
-    assert not triton_ops.split_counters(DEVICE).any()
+    assert not triton_gemv.split_counters(DEVICE).any()
 
 
 def test_gemv_splits_k_only_where_the_columns_leave_sms_idle():
     cpu = torch.device("cpu")  # 8 "SMs": up to 16 column blocks split
-    assert triton_ops.gemv_splits(16, 4096, 256, cpu) == (1, 4096)
-    assert triton_ops.gemv_splits(4, 4096, 256, cpu) == (4, 1024)
-    assert triton_ops.gemv_splits(5, 4096, 256, cpu) == (4, 1024)  # 4 splits, 16 chunks: 4 each
-    assert triton_ops.gemv_splits(1, 1100, 256, cpu) == (5, 256)  # no more splits than K has chunks
-    assert triton_ops.gemv_splits(5, 1280, 256, cpu, wanted=3) == (3, 512)  # 2 + 2 + 1 chunks
-    assert triton_ops.gemv_splits(1, 4096, 256, cpu, wanted=0) == (1, 4096)
+    assert triton_gemv.gemv_splits(16, 4096, 256, cpu) == (1, 4096)
+    assert triton_gemv.gemv_splits(4, 4096, 256, cpu) == (4, 1024)
+    assert triton_gemv.gemv_splits(5, 4096, 256, cpu) == (4, 1024)  # 4 splits, 16 chunks: 4 each
+    assert triton_gemv.gemv_splits(1, 1100, 256, cpu) == (5, 256)  # no more splits than K has chunks
+    assert triton_gemv.gemv_splits(5, 1280, 256, cpu, wanted=3) == (3, 512)  # 2 + 2 + 1 chunks
+    assert triton_gemv.gemv_splits(1, 4096, 256, cpu, wanted=0) == (1, 4096)
 
 
 def test_gemv_runs_for_a_few_rows_and_the_kernels_named(monkeypatch):
@@ -256,7 +256,8 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family):
     monkeypatch.setattr(pointwise, "GEMV", frozenset({"norm_matmul", "norm_swiglu", "matmul_residual"}))
     calls = {name: 0 for name in pointwise.GEMV | {"rms_norm"}}
     for name in calls:
-        monkeypatch.setattr(triton_ops, name, counted(getattr(triton_ops, name), name, calls))
+        module = triton_ops if name == "rms_norm" else triton_gemv
+        monkeypatch.setattr(module, name, counted(getattr(module, name), name, calls))
     for got, want in zip(decode_twice("triton"), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert all(calls.values()), calls  # a decode step's two rows went through every GEMV and the norm

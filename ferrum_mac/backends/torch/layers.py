@@ -27,17 +27,17 @@ class Linear:
         if self.bias is not None or x.dim() != 2:
             return residual + self(x)
         if gemv_runs("matmul_residual", x):
-            from ferrum_mac.backends.torch import triton_ops
+            from ferrum_mac.backends.torch import triton_gemv
 
-            return triton_ops.matmul_residual(x, self.weight, residual)
+            return triton_gemv.matmul_residual(x, self.weight, residual)
         return torch.addmm(residual, x, self.weight.t())
 
     def after_norm(self, x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
         """self(norm(x)); for a few rows on CUDA one Triton kernel (`pointwise.gemv_runs`)."""
         if gemv_runs("norm_matmul", x):
-            from ferrum_mac.backends.torch import triton_ops
+            from ferrum_mac.backends.torch import triton_gemv
 
-            return triton_ops.norm_matmul(x, norm.weight, norm.eps, self.weight, self.bias)
+            return triton_gemv.norm_matmul(x, norm.weight, norm.eps, self.weight, self.bias)
         return self(norm(x))
 
 

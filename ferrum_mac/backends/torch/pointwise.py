@@ -1,5 +1,6 @@
 """The elementwise work between a block's matmuls: q/k RMSNorm + RoPE, and SwiGLU; and the
-switches that hand it (and, for a few rows, the matmuls beside it) to `triton_ops` on CUDA.
+switches that hand it to `triton_ops` on CUDA (and, for a few rows, the matmuls beside it to
+`triton_gemv`).
 
 Eagerly each is a handful of small kernels. In a CUDA decode step at batch 1 the matmuls
 take microseconds, so those launches are a real share of the step. On CUDA, where triton

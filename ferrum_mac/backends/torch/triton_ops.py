@@ -1,6 +1,6 @@
 """Triton kernels for a CUDA decode step: the small work between the matmuls (what eager torch
-does in about a dozen launches per layer, in four), and for a step's few rows the matmuls
-with the RMSNorm before them or the SwiGLU after.
+does in about a dozen launches per layer, in four). The matmuls of a step's few rows, with
+the RMSNorm before them or the SwiGLU after, are `triton_gemv`'s.
 
 - `norm_rope_write`: q/k RMSNorm + RoPE on the fused qkv projection's output, q returned, k
   and v written straight into the KV pool at a `DecodePlan`'s places.
@@ -13,18 +13,9 @@ with the RMSNorm before them or the SwiGLU after.
 - `swiglu`: silu(gate) * up (* per-row weights) from the fused gate_up output.
 - `rms_norm`: F.rms_norm for a step's few rows (torch's kernel takes 3-6 us on one row of an
   H100): a program per row, the whole row in registers.
-- GEMVs for up to 16 rows, a weight read once for all of them (a block of output columns per
-  program, tl.dot over K in chunks, the rows padded to 16): `norm_matmul` (RMSNorm, then x W^T;
-  every program norms the few rows itself), `norm_swiglu` (RMSNorm, gate_up and SwiGLU: a
-  program takes matching gate and up columns), `matmul_residual` (x W^T + residual). Where
-  the column blocks would leave SMs idle (`gemv_splits`), their programs split K as well: each
-  stores its float32 sums, and the last of a block's programs to finish (`arrived_last`)
-  adds them up in split order and finishes the block. FERRUM_TORCH_SPLIT_K caps the splits.
-
 Results round where the torch path rounds (the q/k norm in float32, rounded before the
 weight; the block norms weighed in float32 and rounded once, as F.rms_norm; each product of
-RoPE and SwiGLU rounded to the activations' dtype; matmuls summed in float32 and rounded
-once), so they match it to the last bit or so. Attention keeps its softmax and sums in float32.
+RoPE and SwiGLU rounded to the activations' dtype), so they match it to the last bit or so. Attention keeps its softmax and sums in float32.
 
 The entry functions launch on whatever tensors they are given: on CUDA, or on CPU tensors
 under Triton's interpreter (`TRITON_INTERPRET=1`, for tests). Choosing to use them (CUDA
@@ -33,7 +24,6 @@ only) is the callers' business. The module loads without triton; `triton` is the
 
 import functools
 import math
-import os
 
 import torch
 
@@ -126,22 +116,6 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-# FERRUM_TORCH_SPLIT_K: the most programs a GEMV's column block splits its K over (default 8).
-# 0 (or 1) turns splitting a sum over several programs off, for A/B timing: in the GEMVs, and
-# in `triton_moe.down_sum_plus` (then a token's k pairs are one program's).
-SPLIT_K = int(os.environ.get("FERRUM_TORCH_SPLIT_K", "8"))
-SPLIT_COUNTERS = 1 << 16
-
-
-@functools.cache
-def split_counters(device: torch.device) -> torch.Tensor:
-    """Arrival counters for the kernels whose programs split a sum and whose last program to
-    finish adds up the parts (`arrived_last`). That program sets its counter back to 0, so
-    they are zero between launches and a CUDA graph replays those kernels with no memset.
-    One set per device: its kernels run one after another on one stream."""
-    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-
-
 SWIGLU_BLOCK = 1024
 
 
@@ -177,84 +151,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:  # fmt: skip
-    """rms_norm(x) W^T (+ bias) for a few rows: x `(M, K)`, W `(N, K)` -> `(M, N)`. (`splits`
-    of K, here and below: by default `gemv_splits`'.)"""
-    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, splits=splits)
-
-
-def norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
-                bias: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:  # fmt: skip
-    """silu(gate) * up from rms_norm(x) times the fused `gate_up` `(2 * width, K)` (gate rows
-    first) (+ bias) for a few rows -> `(M, width)`: gate_up's output is never stored."""
-    return _gemv(x, gate_up, bias, norm_weight=norm_weight, eps=eps, swiglu=True, splits=splits)
-
-
-def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """residual + x W^T for a few rows (what `torch.addmm(residual, x, W.t())` gives)."""
-    return _gemv(x, weight, None, residual=residual, splits=splits)
-
-
-def _gemv(x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=None, splits=None) -> torch.Tensor:
-    rows, k = x.shape
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    assert rows <= MIN_DOT_ROWS and weight.shape[1] == k and weight.is_contiguous()
-    x = x.contiguous()
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_n, block_k = gemv_blocks(n, k, x.device, weight.element_size())
-    blocks = triton.cdiv(n, block_n)
-    splits, k_per_split = gemv_splits(blocks, k, block_k, x.device, splits)
-    if splits > 1:
-        assert blocks <= SPLIT_COUNTERS
-        partials = torch.empty((splits, rows, weight.shape[0]), dtype=torch.float32, device=x.device)
-        counters = split_counters(x.device)
-    else:
-        partials = counters = x
-    _gemv_kernel[(blocks, splits)](
-        x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
-        x if residual is None else residual.contiguous(), out, partials, counters, rows, eps, splits,  # (x: any pointer, never read)
-        ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=GEMV_STAGES,
-    )  # fmt: skip
-    return out
-
-
-GEMV_TILE_BYTES = 8192  # of the weight (each of gate and up), per program and step of its loop over K
-GEMV_STAGES = 4  # tiles a program has in flight (software pipelining)
-
-
-def gemv_blocks(n: int, k: int, device: torch.device, element_size: int) -> tuple[int, int]:
-    """A program's output columns and K chunk: the widest column block (up to 64) that still
-    gives every SM a program, and a chunk of the weight GEMV_TILE_BYTES in size."""
-    block_n = 64
-    while block_n > 16 and triton.cdiv(n, block_n) < multiprocessors(device):
-        block_n //= 2
-    block_k = min(triton.next_power_of_2(k), GEMV_TILE_BYTES // (block_n * element_size))
-    return block_n, max(block_k, 16)
-
-
-# A GEMV with fewer column blocks than SMs splits K, into enough programs to give every SM
-# MIN_PROGRAMS_PER_SM. (Measured on the H100: Qwen3-0.6B's down, 64 blocks, 7.75 -> 6.40 us
-# split in 4; its norm+gate_up+swiglu, 192 blocks, 10.1 -> 11.8 us split in 2, and Qwen3-8B's
-# 256-block o_proj 14.7 -> 15.6: past one block an SM, splitting costs more than it gives.)
-MIN_PROGRAMS_PER_SM = 2
-
-
-def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted: int | None = None) -> tuple[int, int]:
-    """How many programs share each column block's K, and the K each takes (whole chunks):
-    `wanted`, by default none unless the blocks are fewer than the SMs, then as few as give
-    every SM MIN_PROGRAMS_PER_SM programs (at most SPLIT_K), and no more than K has chunks."""
-    if wanted is None:
-        sms = multiprocessors(device)
-        wanted = 1 if blocks >= sms else min(SPLIT_K, triton.cdiv(MIN_PROGRAMS_PER_SM * sms, blocks))
-    chunks = triton.cdiv(k, block_k)
-    chunks_per_split = triton.cdiv(chunks, max(1, min(wanted, chunks)))
-    return triton.cdiv(chunks, chunks_per_split), chunks_per_split * block_k
-
-
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
@@ -263,28 +159,6 @@ if triton is not None:
     def _round(x, like):
         """x (float32) rounded to `like`'s dtype and back: where eager torch stores an intermediate."""
         return x.to(like.dtype).to(tl.float32)
-
-    @triton.jit
-    def arrived_last(counter_ptr, arrivals):
-        """Whether this program is the last of `arrivals` to reach the counter (which it then
-        resets). Every program's stores before the call are visible to the last one's loads
-        after it: the barrier orders the program's threads before its atomic, whose acquire
-        and release order the programs (inductor's grid barrier does the same)."""
-        tl.debug_barrier()
-        last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
-        if last:
-            tl.store(counter_ptr, 0)
-        return last
-
-    @triton.jit
-    def sum_of_splits(partials_ptr, offsets, mask, splits, split_stride):
-        """The float32 partials of `splits` programs at `offsets`, `split_stride` apart, summed
-        in split order (the same rounding whichever program finished last). Read from L2 (.cg):
-        other SMs wrote them."""
-        total = tl.load(partials_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-        for split in range(1, splits):
-            total += tl.load(partials_ptr + split * split_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-        return total
 
     @triton.jit
     def _norm_rope_write_kernel(
@@ -423,93 +297,3 @@ if triton is not None:
         inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / WIDTH + eps)
         weight = tl.load(weight_ptr + columns, mask=inside, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * WIDTH + columns, (x * inv_rms * weight).to(out_ptr.dtype.element_ty), mask=inside)
-
-    @triton.jit
-    def _gemv_kernel(
-        x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, partials_ptr, counters_ptr, rows, eps, splits,
-        ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        # One program per (block of BLOCK_N output columns, split of K) (with SWIGLU: of gate,
-        # and the same columns of up, N rows further down the weight). x's few rows are padded
-        # to ROWS_PAD for tl.dot; the padding is masked, so never read or written. Every
-        # program norms x itself: x is a few KiB, the weight is what takes the time. Unsplit, a
-        # program takes all of K and finishes its columns; SPLIT, each stores its float32 sums
-        # in `partials` (splits, rows, N; up's N more), and the last to finish sums those.
-        row_ids = tl.arange(0, ROWS_PAD)
-        live = row_ids < rows
-        if HAS_NORM:
-            inv_rms = _inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK)
-        block, split = tl.program_id(0), tl.program_id(1)
-        columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        inside = columns < N
-        if SPLIT:  # K_PER_SPLIT: a multiple of BLOCK_K, and a constant, so the loads are known aligned
-            k_begin = split * K_PER_SPLIT
-            k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-        else:
-            k_begin, k_end = 0, K
-        tiles = weight_ptr + columns[:, None].to(tl.int64) * K
-        acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
-        up_acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)  # (SWIGLU only)
-        for start in range(k_begin, k_end, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            k_inside = ks < K
-            x = tl.load(x_ptr + row_ids[:, None] * K + ks[None, :], mask=live[:, None] & k_inside[None, :], other=0.0)
-            if HAS_NORM:  # F.rms_norm's rounding: scaled by 1/rms and the weight in float32, rounded once
-                norm = tl.load(norm_ptr + ks, mask=k_inside, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * inv_rms[:, None] * norm[None, :]).to(x.dtype)
-            both = inside[:, None] & k_inside[None, :]
-            w = tl.load(tiles + ks[None, :], mask=both, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-            if SWIGLU:
-                up = tl.load(tiles + N * K + ks[None, :], mask=both, other=0.0)
-                up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
-
-        if SPLIT:
-            width: tl.constexpr = 2 * N if SWIGLU else N
-            here = row_ids[:, None] * width + columns[None, :]
-            mine = live[:, None] & inside[None, :]
-            split_stride = rows * width
-            tl.store(partials_ptr + split * split_stride + here, acc, mask=mine)
-            if SWIGLU:
-                tl.store(partials_ptr + split * split_stride + N + here, up_acc, mask=mine)
-            if arrived_last(counters_ptr + block, splits):
-                acc = sum_of_splits(partials_ptr, here, mine, splits, split_stride)
-                if SWIGLU:
-                    up_acc = sum_of_splits(partials_ptr, N + here, mine, splits, split_stride)
-                _finish_gemv(acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU)
-        else:
-            _finish_gemv(acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU)
-
-    @triton.jit
-    def _finish_gemv(
-        acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
-        N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    ):  # fmt: skip
-        """The GEMV's float32 sums of a block of columns -> its output: bias, residual, SwiGLU."""
-        dtype = out_ptr.dtype.element_ty
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
-            if SWIGLU:
-                up_acc += tl.load(bias_ptr + N + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
-        if HAS_RESIDUAL:  # as addmm: added to the float32 sum, rounded once
-            acc += tl.load(residual_ptr + row_ids[:, None] * N + columns[None, :], mask=live[:, None] & inside[None, :], other=0.0).to(tl.float32)
-        if SWIGLU:  # rounded where the torch path stores: gate, up, silu(gate), the product
-            gate = acc.to(dtype).to(tl.float32)
-            up = up_acc.to(dtype).to(tl.float32)
-            acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-        tl.store(out_ptr + row_ids[:, None] * N + columns[None, :], acc.to(dtype), mask=live[:, None] & inside[None, :])
-
-    @triton.jit
-    def _inverse_rms(x_ptr, rows, row_ids, eps, K: tl.constexpr, BLOCK: tl.constexpr):
-        """1 / rms of each row of x `(rows, K)`, at its place in a vector like `row_ids` (0 past `rows`)."""
-        inv_rms = tl.zeros(row_ids.shape, dtype=tl.float32)
-        for row in range(rows):
-            squares = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, K, BLOCK):
-                ks = start + tl.arange(0, BLOCK)
-                v = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
-                squares += v * v
-            inv_rms = tl.where(row_ids == row, 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps), inv_rms)
-        return inv_rms

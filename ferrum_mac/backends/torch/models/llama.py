@@ -27,9 +27,9 @@ class Mlp:
     def __call__(self, h: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
         """h + mlp(norm(h)); for a few rows on CUDA, norm, gate_up and SwiGLU are one Triton GEMV."""
         if gemv_runs("norm_swiglu", h):
-            from ferrum_mac.backends.torch import triton_ops
+            from ferrum_mac.backends.torch import triton_gemv
 
-            a = triton_ops.norm_swiglu(h, norm.weight, norm.eps, self.gate_up.weight, self.gate_up.bias)
+            a = triton_gemv.norm_swiglu(h, norm.weight, norm.eps, self.gate_up.weight, self.gate_up.bias)
         else:
             a = swiglu(self.gate_up(norm(h)))
         return self.down.plus(a, h)

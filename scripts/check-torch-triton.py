@@ -6,7 +6,11 @@ bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, che
 - norm + rope + write: `pointwise.norm_and_rope` and DecodePlan's KV index_put vs `norm_rope_write`
 - attention: DecodePlan's SDPA under the additive bias vs `decode_attention` (a kv head's query
   group per program; split-K + merge where the batch is too small to fill the GPU)
-- attention block: both of the above, as `DecodePlan.attend` vs `DecodePlan.attend_fused`
+- attention block: the qkv projection and both of the above, as `DecodePlan.attend` vs
+  `DecodePlan.attend_fused` in a decode step (for a few rows, with `triton_qkv`)
+- norm+qkv+rope+write, for a few rows: F.rms_norm + F.linear + the torch norm + rope + write vs
+  `triton_qkv.norm_qkv_rope_write`; then the three kernels a step ran before it (Triton's RMSNorm,
+  cuBLAS, `norm_rope_write`) vs it; then it at other K chunks and splits
 - swiglu: `pointwise.torch_swiglu` vs `triton_ops.swiglu`
 - the GEMVs for a decode step's few rows (ctx "-"): norm+qkv (F.rms_norm + F.linear vs
   `norm_matmul`), norm+gate_up+swiglu (F.rms_norm + F.linear + `pointwise.swiglu`, Triton's
@@ -36,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_check import can_check, compare, cycling, graph_us, verdict  # noqa: E402  (this folder)
 
-from ferrum_mac.backends.torch import pointwise, triton_gemv, triton_ops  # noqa: E402
+from ferrum_mac.backends.torch import pointwise, triton_gemv, triton_ops, triton_qkv  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
-from ferrum_mac.backends.torch.layers import Rope  # noqa: E402
+from ferrum_mac.backends.torch.layers import Linear, RmsNorm, Rope  # noqa: E402
 
 # name -> hidden size, heads, kv_heads, head_dim, MLP width, q/k norm, interleaved RoPE
 LAYOUTS = {
@@ -52,6 +56,8 @@ CASES = [(1, 256), (1, 4096), (8, 1024), (16, 1024), (32, 1024)]  # (rows, conte
 GEMV_ROWS = (1, 4)
 SPLIT_OPS = ("norm+gate_up+swiglu", "o_proj+residual", "down+residual")  # the GEMVs a decode step runs by default
 SWEEP_SPLITS = (2, 3, 4, 6, 8)
+QKV_BLOCK_K, QKV_SPLITS = (32, 64, 128), (1, 2, 4, 8, 16)  # norm+qkv+rope+write's variants timed
+QKV_VARIANTS: list[str] = []
 NORM_WIDTHS = (1024, 2048, 4096)  # hidden sizes: Qwen3-0.6B, Qwen3-30B-A3B, Qwen3-8B
 EPS = 1e-6
 DTYPE = torch.bfloat16
@@ -80,6 +86,8 @@ def main() -> int:
         mark = "*" if chosen else " "
         print(f"{name:<11} {rows:>4}  {op:<19} {f'{n}x{k}':>11} {blocks:>6} {splits:>5}{mark} {us:>7.2f} "
               f"{weight_bytes / us / 1e3:>5.0f} {unsplit_us / us:>5.2f}x")  # fmt: skip
+    print(f"\nnorm+qkv+rope+write by K chunk and splits (default: {triton_qkv.TILE_BYTES} weight bytes a chunk, gemv_splits)")
+    print(f"{'layout':<11} {'rows':>4}  {'block_k':>7} {'splits':>6} {'us':>7} {'GB/s':>5}\n" + "\n".join(QKV_VARIANTS))
     print(f"\nRMSNorm, 1 row\n{'width':>5} {'F.rms_norm us':>13} {'triton us':>9} {'speedup':>7} {'GB/s torch':>10} {'GB/s triton':>11}")
     for width, torch_us, triton_us, moved in norms_out:
         print(f"{width:>5} {torch_us:>13.2f} {triton_us:>9.2f} {torch_us / triton_us:>6.2f}x {moved / torch_us / 1e3:>10.1f} {moved / triton_us / 1e3:>11.1f}")
@@ -87,7 +95,7 @@ def main() -> int:
 
 
 def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
-    _, heads, kv_heads, dim, width, qk_norm, interleaved = layout
+    hidden, heads, kv_heads, dim, width, qk_norm, interleaved = layout
     where = f"{name} rows={rows} ctx={context}"
     torch.manual_seed(rows * 10_000 + context)
     tokens = -(-(context + 1) // 256) * 256  # the pool grows in steps of 256 tokens
@@ -96,26 +104,34 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     columns = positions.clone()
     torch_pool, triton_pool = (pool(kv_heads, dim, FIRST + rows + 1, tokens) for _ in range(2))
     triton_pool.kv.copy_(torch_pool.kv)
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device="cuda", dtype=DTYPE)
+    x = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
+    norm = RmsNorm((1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE), EPS)
+    qkv_weights = weight_copies(((heads + 2 * kv_heads) * dim, hidden), timed)
+    qkv = F.linear(norm(x), qkv_weights[0])
     weight = (1 + 0.1 * torch.randn(heads + kv_heads, dim, device="cuda")).to(DTYPE) if qk_norm else None
     rope = Rope(SimpleNamespace(head_dim=dim, rope_theta=1e6, rope_scaling=None, rope_traditional=interleaved), "cuda")
     rope.build(tokens)
     cos, sin = rope.tables(positions, DTYPE)
-    attn = SimpleNamespace(layer=0, heads=heads, qk_norm=weight, eps=1e-6, rope=rope, scale=dim**-0.5)
+    attn = SimpleNamespace(layer=0, heads=heads, head_dim=dim, qkv=Linear(qkv_weights[0]), qk_norm=weight, eps=EPS, rope=rope, scale=dim**-0.5)
     torch_plan = decode_plan(torch_pool, positions, columns, fused=False)
     triton_plan = decode_plan(triton_pool, positions, columns, fused=True)
 
-    def torch_project():
+    def torch_project(qkv=qkv):
         qk = qkv[:, : (heads + kv_heads) * dim].unflatten(-1, (heads + kv_heads, dim))
         v = qkv[:, (heads + kv_heads) * dim :].unflatten(-1, (kv_heads, dim))
         qk = pointwise.norm_and_rope(qk, weight, cos, sin, attn.eps, interleaved)
         return qk[:, :heads], qk[:, heads:], v
 
     def torch_block():
-        return torch_plan.attend(0, *torch_project(), attn.scale)
+        return torch_plan.attend(0, *torch_project(F.linear(F.rms_norm(x, (hidden,), norm.weight, EPS), attn.qkv.weight)), attn.scale)
 
-    def triton_block():
-        return triton_plan.attend_fused(attn, qkv, cos, sin)
+    def triton_block():  # as a decode step runs it: the qkv projection in `triton_qkv` for a few rows
+        with pointwise.decode_step():
+            return triton_plan.attend_fused(attn, x, norm, cos, sin)
+
+    def fused_qkv(w=qkv_weights[0], **variant):
+        return triton_qkv.norm_qkv_rope_write(
+            x, norm.weight, EPS, w, None, heads, weight, EPS, cos, sin, interleaved, triton_pool.kv[0], triton_plan.places, **variant)
 
     # norm + rope + write, then attention, then both (the pools end up written the same)
     q, k, v = torch_project()
@@ -126,6 +142,10 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     compare(f"{where} attention", triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale), torch_out)
     compare(f"{where} attention, one split", triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale, splits=1), torch_out)
     compare(f"{where} attention block", triton_block(), torch_out)
+    if triton_qkv.fits(dim, rows):
+        compare(f"{where} norm+qkv+rope+write q", fused_qkv(), q)
+        compare(f"{where} norm+qkv+rope+write pool", triton_pool.kv, torch_pool.kv)
+        compare(f"{where} norm+qkv+rope+write q, K unsplit", fused_qkv(splits=1), q)
     gate_up = 2 * torch.randn(rows, 2 * width, device="cuda", dtype=DTYPE)
     compare(f"{where} swiglu", triton_ops.swiglu(gate_up), pointwise.torch_swiglu(gate_up))
     routing = torch.rand(rows, 1, device="cuda", dtype=DTYPE)
@@ -136,8 +156,8 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     kv, grouped_q = torch_pool.kv[0], q.reshape(rows, kv_heads, -1, dim)
     keys, values = kv[0, FIRST : FIRST + rows, :, :tokens], kv[1, FIRST : FIRST + rows, :, :tokens]
 
-    def torch_norm_rope_write():
-        q, k, v = torch_project()
+    def torch_norm_rope_write(qkv=qkv):
+        q, k, v = torch_project(qkv)
         kv.view(2, -1, dim)[:, torch_plan.places] = torch.stack((k, v)).view(2, -1, dim)
         return q
 
@@ -151,7 +171,24 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
         "attention block": (torch_block, triton_block),
         "swiglu": (lambda: pointwise.torch_swiglu(gate_up), lambda: triton_ops.swiglu(gate_up)),
     }  # fmt: skip
+    if triton_qkv.fits(dim, rows) and rows <= pointwise.GEMV_MAX_ROWS:  # weights past L2, as a step's layers
+        fused = cycling(fused_qkv, qkv_weights)
+        pairs["norm+qkv+rope+write"] = (cycling(lambda w: torch_norm_rope_write(F.linear(norm(x), w)), qkv_weights), fused)
+        pairs["  3 kernels vs 1"] = (cycling(lambda w: triton_ops.norm_rope_write(
+            F.linear(triton_ops.rms_norm(x, norm.weight, EPS), w), heads, weight, cos, sin, EPS, interleaved,
+            triton_pool.kv[0], triton_plan.places), qkv_weights), fused)  # fmt: skip
+        if context == CASES[0][1]:
+            time_qkv_variants(f"{name:<11} {rows:>4}", fused_qkv, qkv_weights)
     return [(name, rows, context, op, graph_us(a), graph_us(b)) for op, (a, b) in pairs.items()]
+
+
+def time_qkv_variants(where: str, fused_qkv, copies: list) -> None:
+    """norm+qkv+rope+write timed at other splits of K and K chunks (QKV_VARIANTS)."""
+    weight_bytes = copies[0].numel() * copies[0].element_size()
+    for block_k in QKV_BLOCK_K:
+        for splits in QKV_SPLITS:
+            us = graph_us(cycling(lambda w: fused_qkv(w, splits=splits, block_k=block_k), copies))
+            QKV_VARIANTS.append(f"{where}  {block_k:>7} {splits:>6} {us:>7.2f} {weight_bytes / us / 1e3:>5.0f}")
 
 
 def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:

@@ -16,7 +16,7 @@ from triton_interpreter import DEVICE, INTERPRET, like_a_gpu  # noqa: E402  (bef
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import triton_gemv, triton_moe  # noqa: E402
+from ferrum_mac.backends.torch import triton_moe, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.layers import Linear  # noqa: E402
 from ferrum_mac.backends.torch.models import qwen3_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import Router, SparseMoe  # noqa: E402
@@ -116,7 +116,7 @@ def test_gate_route_matches_router(dtype, experts, top_k, tokens, renormalise):
 
     assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=ulps(dtype), atol=ulps(dtype))
-    assert not triton_gemv.split_counters(DEVICE).any()
+    assert not triton_splits.split_counters(DEVICE).any()
 
 
 def test_route_breaks_ties_to_the_lower_index():
@@ -164,7 +164,7 @@ def test_down_sum_plus_is_one_rounding_of_the_exact_sum(dtype, experts, top_k, h
     torch.testing.assert_close(got.double(), exact, rtol=close, atol=1e-5)
     torch_path = residual + torch.bmm(down, activations[:, :, None])[..., 0].view(tokens, top_k, hidden).sum(dim=1)
     torch.testing.assert_close(got, torch_path, rtol=ulps(dtype), atol=ulps(dtype))
-    assert not triton_gemv.split_counters(DEVICE).any()
+    assert not triton_splits.split_counters(DEVICE).any()
 
 
 @pytest.mark.parametrize("dtype, route, renormalise", [

@@ -18,7 +18,7 @@ from triton_interpreter import DEVICE, like_a_gpu  # noqa: E402  (before triton:
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import attention, layers, pointwise, triton_gemv, triton_ops  # noqa: E402
+from ferrum_mac.backends.torch import attention, layers, pointwise, triton_gemv, triton_ops, triton_qkv, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope  # noqa: E402
@@ -81,6 +81,34 @@ def test_norm_rope_write_matches_torch(dtype, heads, kv_heads, dim, interleaved,
     torch.testing.assert_close(pool.kv, expected.kv, rtol=ulps(dtype), atol=ulps(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim", SHAPES[:3])
+@pytest.mark.parametrize("interleaved, qk_norm, bias", [(False, True, False), (True, False, True)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_norm_qkv_rope_write_matches_torch(dtype, heads, kv_heads, dim, interleaved, qk_norm, bias, splits):
+    """One kernel for the block's norm, the qkv projection and what norm_rope_write does; split
+    over K, the last program of a head finishes it and leaves its counter at zero."""
+    rows, first, tokens, hidden = 3, 1, 40, 80  # 80: K in 16-wide chunks, 5 of them
+    pool, expected = (random_pool(kv_heads, dim, 5, tokens, dtype, seed=3) for _ in range(2))
+    positions = torch.tensor([5, 0, 39], device=DEVICE)
+    columns = torch.tensor([5, tokens, 39], device=DEVICE)
+    plan = DecodePlan(pool, first, positions, columns, dtype)
+    x, norm, weight, b = gemv_inputs(rows, hidden, (heads + 2 * kv_heads) * dim, dtype, bias)
+    qk_weight = (1 + 0.3 * torch.randn(heads + kv_heads, dim, device=DEVICE)).to(dtype) if qk_norm else None
+    cos, sin = rope_tables(dim, interleaved, positions, dtype)
+
+    q = triton_qkv.norm_qkv_rope_write(
+        x, norm.weight, norm.eps, weight, b, heads, qk_weight, 1e-6, cos, sin, interleaved, pool.kv[0], plan.places,
+        splits=splits, block_k=16,
+    )  # fmt: skip
+
+    qkv = F.linear(norm(x), weight, b)
+    want_q = triton_ops.norm_rope_write(qkv, heads, qk_weight, cos, sin, 1e-6, interleaved, expected.kv[0], plan.places)
+    torch.testing.assert_close(q, want_q, rtol=ulps(dtype), atol=ulps(dtype))
+    torch.testing.assert_close(pool.kv, expected.kv, rtol=ulps(dtype), atol=ulps(dtype))
+    assert not triton_splits.split_counters(DEVICE).any()
+
+
 # -- attention over the pool --------------------------------------------------------------------
 
 
@@ -98,6 +126,8 @@ def attention_by_row(q, kv, first, positions, scale):
 @pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_heads, dim, splits):
+    """Split, the last program of each (row, kv head) to finish merges the splits and leaves
+    its arrival counter at zero for the next launch."""
     first, tokens = 1, 150
     pool = random_pool(kv_heads, dim, 5, tokens, dtype, seed=2)
     positions = torch.tensor([0, 149, 64], device=DEVICE)  # one key; three blocks, the last partial; one past a block
@@ -108,6 +138,7 @@ def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_hea
     out = triton_ops.decode_attention(q, pool.kv[0], first, positions, dim**-0.5, splits=splits)
 
     torch.testing.assert_close(out, attention_by_row(q, pool.kv[0], first, positions, dim**-0.5), rtol=ulps(dtype), atol=ulps(dtype))
+    assert not triton_splits.split_counters(DEVICE).any()
 
 
 def test_default_splits_fill_the_gpu_in_powers_of_two():
@@ -207,7 +238,7 @@ def test_gemvs_split_over_k_match_torch(dtype, splits):
     torch.testing.assert_close(got, F.linear(norm(x), weight, bias), **tolerance)
     got = triton_gemv.matmul_residual(x, weight, residual, splits=splits)
     torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), **tolerance)
-    assert not triton_gemv.split_counters(DEVICE).any()
+    assert not triton_splits.split_counters(DEVICE).any()
 
 
 def test_gemv_splits_k_only_where_the_columns_leave_sms_idle():
@@ -234,10 +265,21 @@ def test_gemv_runs_for_a_few_rows_and_the_kernels_named(monkeypatch):
 # -- a whole decode step ------------------------------------------------------------------------
 
 
+KERNELS = {  # a GEMV's name in pointwise.GEMV (or rms_norm) -> its module and function
+    "norm_matmul": (triton_gemv, "norm_matmul"),
+    "norm_swiglu": (triton_gemv, "norm_swiglu"),
+    "matmul_residual": (triton_gemv, "matmul_residual"),
+    "norm_qkv_rope": (triton_qkv, "norm_qkv_rope_write"),
+    "rms_norm": (triton_ops, "rms_norm"),
+}
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family):
+@pytest.mark.parametrize("qkv", ["norm_matmul", "norm_qkv_rope"])
+def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv):
     """Two sequences at different positions, two steps: the logits with every decode-step
-    kernel on Triton (forced on the CPU under the interpreter, every GEMV on) equal torch's."""
+    kernel on Triton (forced on the CPU under the interpreter, every GEMV on, the qkv
+    projection by `qkv`) equal torch's."""
     from helpers import decode_batch_steps, random_tokens
 
     model = zoo.ferrum(family, "torch")
@@ -253,11 +295,11 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family):
     on_triton(False)
     expected = decode_twice("torch")
     on_triton(True)
-    monkeypatch.setattr(pointwise, "GEMV", frozenset({"norm_matmul", "norm_swiglu", "matmul_residual"}))
+    monkeypatch.setattr(pointwise, "GEMV", frozenset({qkv, "norm_swiglu", "matmul_residual"}))
     calls = {name: 0 for name in pointwise.GEMV | {"rms_norm"}}
     for name in calls:
-        module = triton_ops if name == "rms_norm" else triton_gemv
-        monkeypatch.setattr(module, name, counted(getattr(module, name), name, calls))
+        module, function = KERNELS[name]
+        monkeypatch.setattr(module, function, counted(getattr(module, function), name, calls))
     for got, want in zip(decode_twice("triton"), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert all(calls.values()), calls  # a decode step's two rows went through every GEMV and the norm

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.kv import KvManager, SequenceCache
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope, fuse, linear
-from ferrum_mac.backends.torch.pointwise import norm_and_rope, triton_runs
+from ferrum_mac.backends.torch.pointwise import gemv_runs, norm_and_rope, triton_runs
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
@@ -61,11 +61,10 @@ class Attention:
 
     def __call__(self, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h + attention(norm(h)), h `(T, hidden)`."""
-        qkv = self.qkv.after_norm(h, norm)
         if plan.fused:
-            out = plan.attend_fused(self, qkv, cos, sin)
+            out = plan.attend_fused(self, h, norm, cos, sin)
         else:
-            q, k, v = self.project(qkv, cos, sin)
+            q, k, v = self.project(self.qkv.after_norm(h, norm), cos, sin)
             out = plan.attend(self.layer, q, k, v, self.scale)
         return self.o_proj.plus(out, h)
 
@@ -155,12 +154,22 @@ class DecodePlan:
         out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.bias, scale=scale)
         return out.reshape(self.total, -1)
 
-    def attend_fused(self, attn: Attention, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`attn`'s qkv projection output `(T, (heads + 2 * kv_heads) * dim)` -> `(T, heads * dim)`."""
-        from ferrum_mac.backends.torch import triton_ops
+    def attend_fused(self, attn: Attention, h: torch.Tensor, norm: RmsNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`attn` on the block's input `h` `(T, hidden)` -> `(T, heads * dim)`: for a few rows
+        norm, projection, q/k norm, RoPE and KV write in one kernel (`triton_qkv`), else the
+        projection, then those in one (`triton_ops.norm_rope_write`); then attention."""
+        from ferrum_mac.backends.torch import triton_ops, triton_qkv
 
         kv = self.pool.kv[attn.layer]  # (2, slots, kv_heads, tokens + 1, dim)
-        q = triton_ops.norm_rope_write(qkv, attn.heads, attn.qk_norm, cos, sin, attn.eps, attn.rope.interleaved, kv, self.places)
+        interleaved, places = attn.rope.interleaved, self.places
+        if gemv_runs("norm_qkv_rope", h) and triton_qkv.fits(attn.head_dim, h.shape[0]):
+            q = triton_qkv.norm_qkv_rope_write(
+                h, norm.weight, norm.eps, attn.qkv.weight, attn.qkv.bias, attn.heads, attn.qk_norm, attn.eps,
+                cos, sin, interleaved, kv, places,
+            )  # fmt: skip
+        else:
+            qkv = attn.qkv.after_norm(h, norm)
+            q = triton_ops.norm_rope_write(qkv, attn.heads, attn.qk_norm, cos, sin, attn.eps, interleaved, kv, places)
         return triton_ops.decode_attention(q, kv, self.first, self.positions, attn.scale)
 
 

@@ -26,10 +26,11 @@ import torch.nn.functional as F
 COMPILE = os.environ.get("FERRUM_TORCH_COMPILE", "0") == "1"
 TRITON = os.environ.get("FERRUM_TORCH_TRITON", "1") != "0"
 # The fused GEMV kernels in use, by name: "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
-# "matmul_residual" (o_proj and down plus the residual), "norm_matmul" (RMSNorm + qkv
-# projection; off unless named: on the H100 it lost to cuBLAS on Qwen3-8B's qkv at 1 row,
-# 31.9 against 29.0 us, and on both shapes at 4 rows). "" for none.
-GEMV = frozenset(os.environ.get("FERRUM_TORCH_GEMV", "norm_swiglu,matmul_residual").split(","))
+# "matmul_residual" (o_proj and down plus the residual), "norm_qkv_rope" (RMSNorm + qkv + q/k
+# norm + RoPE + KV write: `triton_qkv`), "norm_matmul" (RMSNorm + qkv projection, where
+# norm_qkv_rope is off; off unless named: on the H100 it lost to cuBLAS on Qwen3-8B's qkv at
+# 1 row, 31.9 against 29.0 us, and on both shapes at 4 rows). "" for none.
+GEMV = frozenset(os.environ.get("FERRUM_TORCH_GEMV", "norm_swiglu,matmul_residual,norm_qkv_rope").split(","))
 GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
 
 

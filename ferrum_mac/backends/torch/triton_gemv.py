@@ -5,45 +5,25 @@ them, a block of output columns per program, tl.dot over K in chunks, the rows p
 - `norm_swiglu`: RMSNorm, gate_up and SwiGLU (a program takes matching gate and up columns).
 - `matmul_residual`: x W^T + residual.
 
-Where the column blocks would leave SMs idle (`gemv_splits`), their programs split K as well:
-each stores its float32 sums, and the last of a block's programs to finish (`arrived_last`)
-adds them up in split order and finishes the block. `triton_moe`'s down projection splits its
-sum the same way. FERRUM_TORCH_SPLIT_K caps the splits.
+Where the column blocks would leave SMs idle (`gemv_splits`), their programs split K as well
+(`triton_splits`: the last of a block's programs to finish adds the parts up and finishes the
+block). FERRUM_TORCH_SPLIT_K caps the splits.
 
 Matmuls are summed in float32 and rounded once, the norm and SwiGLU rounded where the torch
 path rounds them (see `triton_ops`). Entry functions launch on whatever tensors they are given
 (CUDA, or CPU tensors under `TRITON_INTERPRET=1`); the module loads without triton.
 """
 
-import functools
-import os
-
 import torch
 
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
+from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, SPLIT_K, split_counters
 
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
-
-
-# FERRUM_TORCH_SPLIT_K: the most programs a GEMV's column block splits its K over (default 8).
-# 0 (or 1) turns splitting a sum over several programs off, for A/B timing: in the GEMVs, and
-# in `triton_moe.down_sum_plus` (then a token's k pairs are one program's).
-SPLIT_K = int(os.environ.get("FERRUM_TORCH_SPLIT_K", "8"))
-SPLIT_COUNTERS = 1 << 16
-
-
-@functools.cache
-def split_counters(device: torch.device) -> torch.Tensor:
-    """Arrival counters for the kernels whose programs split a sum and whose last program to
-    finish adds up the parts (`arrived_last`). That program sets its counter back to 0, so
-    they are zero between launches and a CUDA graph replays those kernels with no memset.
-    One set per device: its kernels run one after another on one stream."""
-    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-
 
 
 def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -127,28 +107,7 @@ def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted:
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-
-    @triton.jit
-    def arrived_last(counter_ptr, arrivals):
-        """Whether this program is the last of `arrivals` to reach the counter (which it then
-        resets). Every program's stores before the call are visible to the last one's loads
-        after it: the barrier orders the program's threads before its atomic, whose acquire
-        and release order the programs (inductor's grid barrier does the same)."""
-        tl.debug_barrier()
-        last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
-        if last:
-            tl.store(counter_ptr, 0)
-        return last
-
-    @triton.jit
-    def sum_of_splits(partials_ptr, offsets, mask, splits, split_stride):
-        """The float32 partials of `splits` programs at `offsets`, `split_stride` apart, summed
-        in split order (the same rounding whichever program finished last). Read from L2 (.cg):
-        other SMs wrote them."""
-        total = tl.load(partials_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-        for split in range(1, splits):
-            total += tl.load(partials_ptr + split * split_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-        return total
+    from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
 
     @triton.jit
     def _gemv_kernel(
@@ -165,8 +124,7 @@ if triton is not None:
         # in `partials` (splits, rows, N; up's N more), and the last to finish sums those.
         row_ids = tl.arange(0, ROWS_PAD)
         live = row_ids < rows
-        if HAS_NORM:
-            inv_rms = _inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK)
+        inv_rms = inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else None
         block, split = tl.program_id(0), tl.program_id(1)
         columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = columns < N
@@ -175,22 +133,10 @@ if triton is not None:
             k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
         else:
             k_begin, k_end = 0, K
-        tiles = weight_ptr + columns[:, None].to(tl.int64) * K
-        acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
-        up_acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)  # (SWIGLU only)
-        for start in range(k_begin, k_end, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            k_inside = ks < K
-            x = tl.load(x_ptr + row_ids[:, None] * K + ks[None, :], mask=live[:, None] & k_inside[None, :], other=0.0)
-            if HAS_NORM:  # F.rms_norm's rounding: scaled by 1/rms and the weight in float32, rounded once
-                norm = tl.load(norm_ptr + ks, mask=k_inside, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * inv_rms[:, None] * norm[None, :]).to(x.dtype)
-            both = inside[:, None] & k_inside[None, :]
-            w = tl.load(tiles + ks[None, :], mask=both, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-            if SWIGLU:
-                up = tl.load(tiles + N * K + ks[None, :], mask=both, other=0.0)
-                up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
+        acc, up_acc = matmul_columns(
+            x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, live, columns, inside, k_begin, k_end,
+            N, K, HAS_NORM, SWIGLU, BLOCK_K, PRECISION,
+        )  # fmt: skip
 
         if SPLIT:
             width: tl.constexpr = 2 * N if SWIGLU else N
@@ -207,6 +153,34 @@ if triton is not None:
                 _finish_gemv(acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU)
         else:
             _finish_gemv(acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU)
+
+    @triton.jit
+    def matmul_columns(
+        x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, live, columns, inside, k_begin, k_end,
+        N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """x `(rows, K)` (rows `row_ids` where `live`, padded for tl.dot) times the weight's
+        `columns` (where `inside`), summed over k_begin .. k_end in float32: `(rows, columns)`;
+        with SWIGLU, also up's (the same columns, N rows further down the weight), else zeros.
+        HAS_NORM: x normed first, by `inv_rms` and the norm weight, rounded as F.rms_norm."""
+        tiles = weight_ptr + columns[:, None].to(tl.int64) * K
+        acc = tl.zeros([row_ids.shape[0], columns.shape[0]], dtype=tl.float32)
+        up_acc = tl.zeros([row_ids.shape[0], columns.shape[0]], dtype=tl.float32)
+        for start in range(k_begin, k_end, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_inside = ks < K
+            x = tl.load(x_ptr + row_ids[:, None] * K + ks[None, :], mask=live[:, None] & k_inside[None, :], other=0.0)
+            if HAS_NORM:  # scaled by 1/rms and the weight in float32, rounded once
+                norm = tl.load(norm_ptr + ks, mask=k_inside, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * inv_rms[:, None] * norm[None, :]).to(x.dtype)
+            both = inside[:, None] & k_inside[None, :]
+            w = tl.load(tiles + ks[None, :], mask=both, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if SWIGLU:
+                up = tl.load(tiles + N * K + ks[None, :], mask=both, other=0.0)
+                up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
+        return acc, up_acc
 
     @triton.jit
     def _finish_gemv(
@@ -228,7 +202,7 @@ if triton is not None:
         tl.store(out_ptr + row_ids[:, None] * N + columns[None, :], acc.to(dtype), mask=live[:, None] & inside[None, :])
 
     @triton.jit
-    def _inverse_rms(x_ptr, rows, row_ids, eps, K: tl.constexpr, BLOCK: tl.constexpr):
+    def inverse_rms(x_ptr, rows, row_ids, eps, K: tl.constexpr, BLOCK: tl.constexpr):
         """1 / rms of each row of x `(rows, K)`, at its place in a vector like `row_ids` (0 past `rows`)."""
         inv_rms = tl.zeros(row_ids.shape, dtype=tl.float32)
         for row in range(rows):

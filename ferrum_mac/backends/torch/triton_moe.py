@@ -20,7 +20,7 @@ read on the device.
   programs for a block to finish adds them up in slot order with the residual and rounds
   once (torch rounds each pair's output first, then the sum, then the residual add). So a
   lone token still has k times as many programs as column blocks to fill the GPU with.
-  FERRUM_TORCH_SPLIT_K=0 (`triton_gemv.SPLIT_K`) keeps the unsplit kernel, for A/B timing:
+  FERRUM_TORCH_SPLIT_K=0 (`triton_splits.SPLIT_K`) keeps the unsplit kernel, for A/B timing:
   one program per (token, block), the k experts' rows as one long dot product.
 
 Products round where the torch path rounds them (each projection's output, silu, the product
@@ -33,7 +33,7 @@ without triton; `triton` is then None.
 
 import torch
 
-from ferrum_mac.backends.torch import triton_gemv
+from ferrum_mac.backends.torch import triton_splits
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS  # the tokens are padded to it
 
 try:
@@ -77,12 +77,12 @@ def gate_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalise: boo
     block_e, block_h = block_e or GATE_BLOCK_E, block_h or GATE_BLOCK_H
     (tokens, hidden), experts = x.shape, gate.shape[0]
     assert x.stride(1) == 1 and gate.is_contiguous() and gate.shape[1] == hidden and top_k <= experts
-    assert tokens <= triton_gemv.SPLIT_COUNTERS
+    assert tokens <= triton_splits.SPLIT_COUNTERS
     logits = torch.empty((tokens, experts), dtype=torch.float32, device=x.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=x.device)
     weights = torch.empty((tokens, top_k), dtype=x.dtype, device=x.device)
     _gate_route_kernel[(tokens, triton.cdiv(experts, block_e))](
-        x, x.stride(0), gate, logits, triton_gemv.split_counters(x.device), ids, weights,
+        x, x.stride(0), gate, logits, triton_splits.split_counters(x.device), ids, weights,
         HIDDEN=hidden, EXPERTS=experts, K=top_k, EXPERTS_PAD=triton.next_power_of_2(experts),
         K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
         RENORMALISE=renormalise, num_warps=4,
@@ -115,8 +115,8 @@ def down_sum_plus(activations: torch.Tensor, ids: torch.Tensor, down: torch.Tens
                   block_h: int | None = None, block_i: int | None = None, split: bool | None = None) -> torch.Tensor:  # fmt: skip
     """The pairs' activations `(T * k, I)`, ids `(T, k)`, down `(E, H, I)`, residual `(T, H)` ->
     residual + the sum over each token's k pairs of activation Wd^T, `(T, H)`. `split`: a
-    program per pair (by default, unless `triton_gemv.SPLIT_K` turns splitting off) or per token."""
-    split = triton_gemv.SPLIT_K > 1 if split is None else split
+    program per pair (by default, unless `triton_splits.SPLIT_K` turns splitting off) or per token."""
+    split = triton_splits.SPLIT_K > 1 if split is None else split
     (tokens, top_k), (_, hidden, inter) = ids.shape, down.shape
     assert activations.is_contiguous() and ids.is_contiguous() and down.is_contiguous() and residual.stride(1) == 1
     assert activations.shape == (tokens * top_k, inter) and down.dtype == residual.dtype
@@ -130,10 +130,10 @@ def down_sum_plus(activations: torch.Tensor, ids: torch.Tensor, down: torch.Tens
             K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=4, num_stages=3,
         )  # fmt: skip
         return out
-    assert tokens * blocks <= triton_gemv.SPLIT_COUNTERS
+    assert tokens * blocks <= triton_splits.SPLIT_COUNTERS
     products = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=residual.device)
     _down_split_sum_plus_kernel[(tokens * top_k, blocks)](
-        activations, ids, down, residual, residual.stride(0), products, triton_gemv.split_counters(residual.device), out,
+        activations, ids, down, residual, residual.stride(0), products, triton_splits.split_counters(residual.device), out,
         K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=4, num_stages=3,
     )  # fmt: skip
     return out
@@ -148,7 +148,7 @@ def experts_plus(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_gemv import arrived_last, sum_of_splits
+    from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
 
     @triton.jit
     def _swiglu_as_torch(gate, up, weight, dtype: tl.constexpr):

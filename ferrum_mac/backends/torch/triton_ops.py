@@ -8,8 +8,8 @@ the RMSNorm before them or the SwiGLU after, are `triton_gemv`'s.
   `positions[i] + 1` keys (lengths read on the device, so a CUDA graph replays it at any
   position). A program takes a kv head with all the query heads it serves (one `tl.dot`
   over the group), so a key is read once per row, not once per query head. Split-K: each
-  (row, kv head) spreads its keys over several programs, whose partial softmaxes a second
-  kernel merges, so a small batch still fills the GPU.
+  (row, kv head) spreads its keys over several programs, so a small batch still fills the
+  GPU; the last of them to finish merges their partial softmaxes (`triton_splits`).
 - `swiglu`: silu(gate) * up (* per-row weights) from the fused gate_up output.
 - `rms_norm`: F.rms_norm for a step's few rows (torch's kernel takes 3-6 us on one row of an
   H100): a program per row, the whole row in registers.
@@ -26,6 +26,8 @@ import functools
 import math
 
 import torch
+
+from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
 
 try:
     import triton
@@ -82,24 +84,21 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: t
     out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
     block_d = triton.next_power_of_2(dim)
     block_n = KEYS_PER_BLOCK if q.element_size() == 2 else KEYS_PER_BLOCK // 2  # float32 blocks that size spill registers
-    if splits == 1:  # the split kernel writes the output itself
-        partial_acc = partial_max = partial_sum = out
+    if splits == 1:
+        partial_acc = partial_max = partial_sum = counters = out  # (any pointer: never read)
     else:
+        assert rows * kv_heads <= SPLIT_COUNTERS
         partial_acc = torch.empty((rows * heads * splits, block_d), dtype=torch.float32, device=q.device)
         partial_max = torch.empty((rows * heads * splits,), dtype=torch.float32, device=q.device)
         partial_sum = torch.empty_like(partial_max)
+        counters = split_counters(q.device)
     _decode_attention_kernel[(rows * kv_heads, splits)](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        positions, scale * math.log2(math.e), out, partial_acc, partial_max, partial_sum,
+        positions, scale * math.log2(math.e), out, partial_acc, partial_max, partial_sum, counters,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         DIM=dim, SPLITS=splits, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
-    if splits > 1:
-        _merge_splits_kernel[(rows * heads,)](
-            partial_acc, partial_max, partial_sum, out,
-            HEADS=heads, DIM=dim, SPLITS=splits, BLOCK_D=block_d, num_warps=4,
-        )  # fmt: skip
     return out
 
 
@@ -154,6 +153,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
+    from ferrum_mac.backends.torch.triton_splits import arrived_last
 
     @triton.jit
     def _round(x, like):
@@ -202,7 +202,7 @@ if triton is not None:
     def _decode_attention_kernel(
         q_ptr, q_row_stride, q_head_stride,
         kv_ptr, kv_half_stride, kv_slot_stride, kv_head_stride, kv_token_stride,
-        positions_ptr, scale_log2, out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr,
+        positions_ptr, scale_log2, out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, counters_ptr,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
         SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -246,33 +246,37 @@ if triton is not None:
             running_sum = running_sum * rescale + tl.sum(p, axis=1)
             running_max = new_max
 
+        out_offsets = row * (KV_HEADS * GROUP * DIM) + heads[:, None] * DIM + dims[None, :]
+        out_mask = in_group[:, None] & inside[None, :]
         if SPLITS == 1:
-            out = acc / running_sum[:, None]
-            out_offsets = row * (KV_HEADS * GROUP * DIM) + heads[:, None] * DIM + dims[None, :]
-            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=in_group[:, None] & inside[None, :])
+            tl.store(out_ptr + out_offsets, (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
         else:  # an empty split leaves max -inf and sum 0, which the merge weighs as nothing
-            parts = (row * (KV_HEADS * GROUP) + heads) * SPLITS + split
+            first_part = (row * (KV_HEADS * GROUP) + heads) * SPLITS
+            parts = first_part + split
             tl.store(partial_acc_ptr + parts[:, None] * BLOCK_D + dims[None, :], acc, mask=in_group[:, None])
             tl.store(partial_max_ptr + parts, running_max, mask=in_group)
             tl.store(partial_sum_ptr + parts, running_sum, mask=in_group)
+            if arrived_last(counters_ptr + row_kv_head, SPLITS):
+                out = _merge_splits(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims, SPLITS, BLOCK_D)
+                tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
-    def _merge_splits_kernel(
-        partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptr,
-        HEADS: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        # One program per (row, head): the splits' partial sums, each rescaled to the top max.
-        row_head = tl.program_id(0)
-        row, head = row_head // HEADS, row_head % HEADS
-        splits = tl.arange(0, SPLITS)
-        dims = tl.arange(0, BLOCK_D)
-        parts = row_head * SPLITS + splits
-        maxes = tl.load(partial_max_ptr + parts)
-        weights = tl.exp2(maxes - tl.max(maxes, axis=0))
-        total = tl.sum(tl.load(partial_sum_ptr + parts) * weights, axis=0)
-        acc = tl.load(partial_acc_ptr + parts[:, None] * BLOCK_D + dims[None, :])
-        out = tl.sum(acc * weights[:, None], axis=0) / total
-        tl.store(out_ptr + row * (HEADS * DIM) + head * DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dims < DIM)
+    def _merge_splits(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims,
+                      SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+        """A query group's attention from its splits' partial softmaxes (`first_part`: each head's
+        first split), each split's sums rescaled to the heads' top max, in split order."""
+        top = tl.full(first_part.shape, -float("inf"), dtype=tl.float32)
+        for split in range(SPLITS):
+            top = tl.maximum(top, tl.load(partial_max_ptr + first_part + split, mask=in_group, other=0.0, cache_modifier=".cg"))
+        total = tl.zeros(first_part.shape, dtype=tl.float32)
+        acc = tl.zeros([first_part.shape[0], BLOCK_D], dtype=tl.float32)
+        for split in range(SPLITS):
+            parts = first_part + split
+            weight = tl.exp2(tl.load(partial_max_ptr + parts, mask=in_group, other=0.0, cache_modifier=".cg") - top)
+            total += tl.load(partial_sum_ptr + parts, mask=in_group, other=0.0, cache_modifier=".cg") * weight
+            part = tl.load(partial_acc_ptr + parts[:, None] * BLOCK_D + dims[None, :], mask=in_group[:, None], other=0.0, cache_modifier=".cg")
+            acc += part * weight[:, None]
+        return acc / tl.where(in_group, total, 1.0)[:, None]
 
     @triton.jit
     def _swiglu_kernel(gate_up_ptr, row_stride, weights_ptr, out_ptr, width, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):

@@ -17,6 +17,7 @@ path rounds them (see `triton_ops`). Entry functions launch on whatever tensors 
 import torch
 
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
+from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_runs, prefetch_lines
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, SPLIT_K, split_counters
 
 try:
@@ -60,13 +61,15 @@ def _gemv(x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=Non
         counters = split_counters(x.device)
     else:
         partials = counters = x
+    lines = prefetch_lines(block_n, k_per_split, weight.element_size())
     _gemv_kernel[(blocks, splits)](
         x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
         x if residual is None else residual.contiguous(), out, partials, counters, rows, eps, splits,  # (x: any pointer, never read)
         ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
         NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=GEMV_STAGES,
+        PDL=pdl_runs(x.device), PREFETCH_LINES=lines, LINE_ELEMENTS=LINE_BYTES // weight.element_size(),
+        num_warps=4, num_stages=GEMV_STAGES, **launch_options(x.device),
     )  # fmt: skip
     return out
 
@@ -92,13 +95,14 @@ def gemv_blocks(n: int, k: int, device: torch.device, element_size: int) -> tupl
 MIN_PROGRAMS_PER_SM = 2
 
 
-def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted: int | None = None) -> tuple[int, int]:
+def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted: int | None = None,
+                per_sm: int = MIN_PROGRAMS_PER_SM) -> tuple[int, int]:  # fmt: skip
     """How many programs share each column block's K, and the K each takes (whole chunks):
     `wanted`, by default none unless the blocks are fewer than the SMs, then as few as give
-    every SM MIN_PROGRAMS_PER_SM programs (at most SPLIT_K), and no more than K has chunks."""
+    every SM `per_sm` programs (at most SPLIT_K), and no more than K has chunks."""
     if wanted is None:
         sms = multiprocessors(device)
-        wanted = 1 if blocks >= sms else min(SPLIT_K, triton.cdiv(MIN_PROGRAMS_PER_SM * sms, blocks))
+        wanted = 1 if blocks >= sms else min(SPLIT_K, triton.cdiv(per_sm * sms, blocks))
     chunks = triton.cdiv(k, block_k)
     chunks_per_split = triton.cdiv(chunks, max(1, min(wanted, chunks)))
     return triton.cdiv(chunks, chunks_per_split), chunks_per_split * block_k
@@ -107,6 +111,7 @@ def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted:
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
+    from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
     from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
 
     @triton.jit
@@ -115,6 +120,7 @@ if triton is not None:
         ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
     ):  # fmt: skip
         # One program per (block of BLOCK_N output columns, split of K) (with SWIGLU: of gate,
         # and the same columns of up, N rows further down the weight). x's few rows are padded
@@ -122,9 +128,6 @@ if triton is not None:
         # program norms x itself: x is a few KiB, the weight is what takes the time. Unsplit, a
         # program takes all of K and finishes its columns; SPLIT, each stores its float32 sums
         # in `partials` (splits, rows, N; up's N more), and the last to finish sums those.
-        row_ids = tl.arange(0, ROWS_PAD)
-        live = row_ids < rows
-        inv_rms = inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else None
         block, split = tl.program_id(0), tl.program_id(1)
         columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = columns < N
@@ -133,6 +136,15 @@ if triton is not None:
             k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
         else:
             k_begin, k_end = 0, K
+        if PDL and PREFETCH_LINES > 0:  # the weight: no kernel writes it, so before the wait
+            rows_ptr = weight_ptr + columns[:, None].to(tl.int64) * K
+            prefetch_rows(rows_ptr, inside, k_begin, k_end, PREFETCH_LINES, LINE_ELEMENTS)
+            if SWIGLU:
+                prefetch_rows(rows_ptr + N * K, inside, k_begin, k_end, PREFETCH_LINES, LINE_ELEMENTS)
+        wait_for_previous(PDL)
+        row_ids = tl.arange(0, ROWS_PAD)
+        live = row_ids < rows
+        inv_rms = inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else None
         acc, up_acc = matmul_columns(
             x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, live, columns, inside, k_begin, k_end,
             N, K, HAS_NORM, SWIGLU, BLOCK_K, PRECISION,

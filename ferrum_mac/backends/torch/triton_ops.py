@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from ferrum_mac.backends.torch.triton_pdl import launch_options, pdl_runs
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
 
 try:
@@ -56,7 +57,7 @@ def norm_rope_write(qkv: torch.Tensor, heads: int, weight: torch.Tensor | None, 
     _norm_rope_write_kernel[(rows, heads + 2 * kv_heads)](
         qkv, qkv.stride(0), weight, cos, sin, q, kv, places, kv.stride(0), eps,
         HEADS=heads, KV_HEADS=kv_heads, DIM=dim, BLOCK=triton.next_power_of_2(dim),
-        HAS_WEIGHT=has_weight, INTERLEAVED=interleaved, num_warps=1,
+        HAS_WEIGHT=has_weight, INTERLEAVED=interleaved, PDL=pdl_runs(qkv.device), num_warps=1, **launch_options(qkv.device),
     )  # fmt: skip
     return q
 
@@ -97,7 +98,8 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: t
         positions, scale * math.log2(math.e), out, partial_acc, partial_max, partial_sum, counters,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         DIM=dim, SPLITS=splits, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl_runs(q.device), num_warps=4,
+        **launch_options(q.device),
     )  # fmt: skip
     return out
 
@@ -145,14 +147,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(width)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, rows.stride(0), weight.contiguous(), out, eps, WIDTH=width, BLOCK=block, num_warps=min(16, max(1, block // 256))
-    )
+        rows, rows.stride(0), weight.contiguous(), out, eps, WIDTH=width, BLOCK=block, PDL=pdl_runs(x.device),
+        num_warps=min(16, max(1, block // 256)), **launch_options(x.device),
+    )  # fmt: skip
     return out.view(x.shape)
 
 
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
+    from ferrum_mac.backends.torch.triton_pdl import wait_for_previous
     from ferrum_mac.backends.torch.triton_splits import arrived_last
 
     @triton.jit
@@ -164,9 +168,10 @@ if triton is not None:
     def _norm_rope_write_kernel(
         qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, places_ptr, kv_half_stride, eps,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
-        HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr,
+        HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # One program per (row, head); heads run q heads, then k heads, then v heads.
+        wait_for_previous(PDL)
         row, head = tl.program_id(0), tl.program_id(1)
         dims = tl.arange(0, BLOCK)
         inside = dims < DIM
@@ -204,12 +209,13 @@ if triton is not None:
         kv_ptr, kv_half_stride, kv_slot_stride, kv_head_stride, kv_token_stride,
         positions_ptr, scale_log2, out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, counters_ptr,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-        SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+        SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # One program per (row, kv head, split): the kv head's query heads (padded to GROUP_PAD
         # rows, the padding masked) against the split's share of the row's keys, in blocks of
         # BLOCK_N, with an online softmax per query head. Scores are in log2 units (exp2 is the
         # fast one); both products accumulate in float32, as flash attention does.
+        wait_for_previous(PDL)
         row_kv_head, split = tl.program_id(0), tl.program_id(1)
         row, kv_head = row_kv_head // KV_HEADS, row_kv_head % KV_HEADS
         length = tl.load(positions_ptr + row) + 1
@@ -292,8 +298,9 @@ if triton is not None:
         tl.store(out_ptr + row * width + columns, out.to(raw.dtype), mask=inside)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, row_stride, weight_ptr, out_ptr, eps, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, row_stride, weight_ptr, out_ptr, eps, WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # F.rms_norm's rounding: normalised and weighed in float32, rounded once.
+        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         columns = tl.arange(0, BLOCK)
         inside = columns < WIDTH

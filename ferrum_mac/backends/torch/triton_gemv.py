@@ -17,7 +17,7 @@ path rounds them (see `triton_ops`). Entry functions launch on whatever tensors 
 import torch
 
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_runs, prefetch_lines
+from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, SPLIT_K, split_counters
 
 try:
@@ -61,6 +61,7 @@ def _gemv(x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=Non
         counters = split_counters(x.device)
     else:
         partials = counters = x
+    pdl = pdl_for(x.device, weight)
     lines = prefetch_lines(block_n, k_per_split, weight.element_size())
     _gemv_kernel[(blocks, splits)](
         x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
@@ -68,8 +69,8 @@ def _gemv(x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=Non
         ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
         NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PDL=pdl_runs(x.device), PREFETCH_LINES=lines, LINE_ELEMENTS=LINE_BYTES // weight.element_size(),
-        num_warps=4, num_stages=GEMV_STAGES, **launch_options(x.device),
+        PDL=pdl, PREFETCH_LINES=lines, LINE_ELEMENTS=LINE_BYTES // weight.element_size(),
+        num_warps=4, num_stages=GEMV_STAGES, **launch_options(pdl),
     )  # fmt: skip
     return out
 

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ferrum_mac.backends.torch.triton_pdl import launch_options, pdl_runs
+from ferrum_mac.backends.torch.triton_pdl import launch_options, pdl_for
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
 
 try:
@@ -54,10 +54,11 @@ def norm_rope_write(qkv: torch.Tensor, heads: int, weight: torch.Tensor | None, 
     q = torch.empty((rows, heads, dim), dtype=qkv.dtype, device=qkv.device)
     has_weight = weight is not None
     weight = weight.contiguous() if has_weight else qkv  # any pointer: never read
+    pdl = pdl_for(qkv.device)
     _norm_rope_write_kernel[(rows, heads + 2 * kv_heads)](
         qkv, qkv.stride(0), weight, cos, sin, q, kv, places, kv.stride(0), eps,
         HEADS=heads, KV_HEADS=kv_heads, DIM=dim, BLOCK=triton.next_power_of_2(dim),
-        HAS_WEIGHT=has_weight, INTERLEAVED=interleaved, PDL=pdl_runs(qkv.device), num_warps=1, **launch_options(qkv.device),
+        HAS_WEIGHT=has_weight, INTERLEAVED=interleaved, PDL=pdl, num_warps=1, **launch_options(pdl),
     )  # fmt: skip
     return q
 
@@ -83,6 +84,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: t
     splits = splits or default_splits(rows * kv_heads, tokens, q.device)
     assert splits & (splits - 1) == 0, "splits: a power of two"
     out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
+    pdl = pdl_for(q.device)
     block_d = triton.next_power_of_2(dim)
     block_n = KEYS_PER_BLOCK if q.element_size() == 2 else KEYS_PER_BLOCK // 2  # float32 blocks that size spill registers
     if splits == 1:
@@ -98,8 +100,8 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: t
         positions, scale * math.log2(math.e), out, partial_acc, partial_max, partial_sum, counters,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         DIM=dim, SPLITS=splits, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl_runs(q.device), num_warps=4,
-        **launch_options(q.device),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=4,
+        **launch_options(pdl),
     )  # fmt: skip
     return out
 
@@ -146,9 +148,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(width)
+    pdl = pdl_for(x.device)
     _rms_norm_kernel[(rows.shape[0],)](
-        rows, rows.stride(0), weight.contiguous(), out, eps, WIDTH=width, BLOCK=block, PDL=pdl_runs(x.device),
-        num_warps=min(16, max(1, block // 256)), **launch_options(x.device),
+        rows, rows.stride(0), weight.contiguous(), out, eps, WIDTH=width, BLOCK=block, PDL=pdl,
+        num_warps=min(16, max(1, block // 256)), **launch_options(pdl),
     )  # fmt: skip
     return out.view(x.shape)
 

@@ -16,7 +16,7 @@ import torch
 
 from ferrum_mac.backends.torch.triton_gemv import gemv_splits
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_runs, prefetch_lines
+from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
 
 try:
@@ -62,6 +62,7 @@ def norm_qkv_rope_write(
     assert all_heads <= SPLIT_COUNTERS
     partials = torch.empty((splits, rows, all_heads * dim), dtype=torch.float32, device=x.device)
     has_qk_weight = qk_weight is not None
+    pdl = pdl_for(x.device, weight)
     lines = prefetch_lines(dim, k_per_split, weight.element_size())
     _norm_qkv_rope_write_kernel[(all_heads, splits)](
         x, norm_weight, weight, x if bias is None else bias, qk_weight.contiguous() if has_qk_weight else x,
@@ -69,8 +70,8 @@ def norm_qkv_rope_write(
         ROWS_PAD=MIN_DOT_ROWS, HEADS=heads, KV_HEADS=kv_heads, DIM=dim, K=hidden, K_PER_SPLIT=k_per_split,
         BLOCK_K=block_k, NORM_BLOCK=min(4096, triton.next_power_of_2(hidden)), HAS_BIAS=bias is not None,
         HAS_QK_WEIGHT=has_qk_weight, INTERLEAVED=interleaved,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl_runs(x.device), PREFETCH_LINES=lines,
-        LINE_ELEMENTS=LINE_BYTES // weight.element_size(), num_warps=4, num_stages=STAGES, **launch_options(x.device),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, PREFETCH_LINES=lines,
+        LINE_ELEMENTS=LINE_BYTES // weight.element_size(), num_warps=4, num_stages=STAGES, **launch_options(pdl),
     )  # fmt: skip
     return q
 

@@ -11,7 +11,9 @@ the plan writes each sequence's keys/values to its cache and attends.
   the step can be captured once as a CUDA graph and replayed at any position; the batch
   writes its keys/values with one kernel and attends with one. On CUDA with triton
   (`pointwise.triton_runs`) it is `fused`: one Triton kernel norms and ropes q/k and writes
-  k/v into the pool, and attention reads each row's keys up to its position, no further.
+  k/v into the pool (for a few rows the same kernel also norms the block's input and runs
+  the qkv projection: `triton_qkv`), and attention reads each row's keys up to its
+  position, no further.
 
 Grouped-query attention: a kv head serves `heads / kv_heads` consecutive query heads. A
 decode step folds those into the query length, `(kv_heads, group, dim)`, so it attends as
@@ -126,8 +128,9 @@ class DecodePlan:
     column for a slot outside the batch). Every shape is fixed by the pool and the run of
     slots; positions and columns are device tensors the host never reads.
 
-    `fused` (CUDA with triton): `attend_fused` takes the qkv projection's output and does the
-    rest in Triton kernels; otherwise `attend` takes roped q, k, v and runs torch."""
+    `fused` (CUDA with triton): `attend_fused` takes the block's input and does the rest in
+    Triton kernels (the qkv projection too, for a few rows); otherwise `attend` takes roped
+    q, k, v and runs torch."""
 
     def __init__(self, pool: KvManager, first: int, positions: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype,
                  base_places: torch.Tensor | None = None):  # fmt: skip

@@ -17,6 +17,7 @@ Results round where the torch path rounds (the q/k norm in float32, rounded befo
 weight; the block norms weighed in float32 and rounded once, as F.rms_norm; each product of
 RoPE and SwiGLU rounded to the activations' dtype), so they match it to the last bit or so. Attention keeps its softmax and sums in float32.
 
+On Hopper they launch early, each waiting for the kernel before (`triton_pdl`).
 The entry functions launch on whatever tensors they are given: on CUDA, or on CPU tensors
 under Triton's interpreter (`TRITON_INTERPRET=1`, for tests). Choosing to use them (CUDA
 only) is the callers' business. The module loads without triton; `triton` is then None.

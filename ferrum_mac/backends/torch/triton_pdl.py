@@ -11,7 +11,7 @@ after the wait, which returns once the kernel before has finished and its writes
 so a kernel never sees, nor overwrites, what the one before is still using (its buffers may
 be the same memory, reused by torch's allocator in stream order).
 
-Only kernels that stream a small weight (PDL_MAX_BYTES) launch early. On the H100 it turned
+Kernels with no weight, and those streaming at most PDL_MAX_BYTES of one, launch early. On the H100 it turned
 Qwen3-0.6B's decode (GEMVs of 4-13 MB) from 840 into 896 tok/s, and Qwen3-8B's (33-200 MB)
 from 162 into 146: prefetched lines are evicted before use by the kernel still streaming, and
 programs placed while another kernel fills the SMs may sit unevenly.

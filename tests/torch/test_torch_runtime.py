@@ -89,7 +89,7 @@ def test_model_tensors_are_shared_not_copied(zoo):
     state = reference.state_dict()
     tensors = {canonical_name(k): v for k, v in state.items()}
     config = config_from_dict({**reference.config.to_dict(), "dtype": "float32"})
-    model = TorchLLM(Checkpoint(config, tensors, zoo.path("qwen3_moe"), "safetensors"))
+    model = TorchLLM(Checkpoint(config, tensors, zoo.path("qwen3_moe"), "safetensors"), device="cpu")  # the reference's
     assert model.model.embed.data_ptr() == state["model.embed_tokens.weight"].data_ptr()
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up.data_ptr() == state["model.layers.0.mlp.experts.gate_up_proj"].data_ptr()
@@ -156,7 +156,8 @@ TOP, SECOND, VOCAB = 5, 9, 320
 
 
 def made_up(top: float = 4.0, second: float = 3.0) -> torch.Tensor:
-    values = torch.full((VOCAB,), -10.0)
+    """Logits on the device `torch_model`'s models take by default (on a GPU machine, its GPU)."""
+    values = torch.full((VOCAB,), -10.0, device="cuda" if torch.cuda.is_available() else "cpu")
     values[TOP], values[SECOND] = top, second
     return values
 

@@ -2,19 +2,20 @@
 kernel may start while the one before it finishes, so the GPU is not idle between them.
 
 A step is a chain of small kernels, each a few microseconds, and each pays a ramp at its start
-(launch, the first loads' trip to memory) and a tail at its end (the last programs, the
-split sums). Launched with `launch_pdl`, a kernel's programs start as soon as every program of
-the kernel before has passed `wait_for_previous`. Until its own `wait_for_previous` a program
-may only read what no kernel before it writes: the GEMVs prefetch their first weight tiles into
-L2 there (`prefetch_rows`). Everything else, every store and every read of an activation, comes
-after the wait, which returns once the kernel before has finished and its writes are visible;
-so a kernel never sees, nor overwrites, what the one before is still using (its buffers may
-be the same memory, reused by torch's allocator in stream order).
+(launch, the first loads' trip to memory) and a tail at its end (the last programs, the split
+sums). Launched with `launch_pdl`, a kernel's programs start as soon as every program of the
+kernel before has passed `wait_for_previous`. Until its own `wait_for_previous` a program may
+only read what no kernel before it writes: the GEMVs (and `triton_qkv`) prefetch their first
+weight lines into L2 there (`prefetch_rows`). Everything else, every store and every read of
+an activation, comes after the wait, which returns once the kernel before has finished and
+its writes are visible; so a kernel never sees, nor overwrites, what the one before is still
+using (its buffers may be the same memory, reused by torch's allocator in stream order).
 
-Kernels with no weight, and those streaming at most PDL_MAX_BYTES of one, launch early. On the H100 it turned
-Qwen3-0.6B's decode (GEMVs of 4-13 MB) from 840 into 896 tok/s, and Qwen3-8B's (33-200 MB)
-from 162 into 146: prefetched lines are evicted before use by the kernel still streaming, and
-programs placed while another kernel fills the SMs may sit unevenly.
+Kernels with no weight, and those streaming at most PDL_MAX_BYTES of one, launch early. On
+the H100, early launch turned Qwen3-0.6B's decode (GEMVs of 4-13 MB) from 840 into 896 tok/s,
+but Qwen3-8B's (33-200 MB) from 162 into 146: prefetched lines are evicted before use by the
+kernel still streaming, and programs placed while another kernel fills the SMs may sit
+unevenly.
 
 FERRUM_TORCH_PDL=0 turns it off (for A/B timing); FERRUM_TORCH_PREFETCH sets the bytes of
 weight each GEMV program prefetches before its wait (0: none); FERRUM_TORCH_PDL_MAX_MB the

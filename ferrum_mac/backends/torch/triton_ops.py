@@ -191,21 +191,30 @@ if triton is not None:
                 partner_dims = (dims + DIM // 2) % DIM
             raw = tl.load(src + dims, mask=inside, other=0.0)
             partner = tl.load(src + partner_dims, mask=inside, other=0.0).to(tl.float32)
-            x = raw.to(tl.float32)
+            w, partner_w = None, None
             if HAS_WEIGHT:
-                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / DIM + eps)
                 w = tl.load(weight_ptr + head * DIM + dims, mask=inside, other=0.0).to(tl.float32)
                 partner_w = tl.load(weight_ptr + head * DIM + partner_dims, mask=inside, other=0.0).to(tl.float32)
-                x = _round(_round(x * inv_rms, raw) * w, raw)
-                partner = _round(_round(partner * inv_rms, raw) * partner_w, raw)
             cos = tl.load(cos_ptr + row * DIM + dims, mask=inside, other=0.0).to(tl.float32)
             sin = tl.load(sin_ptr + row * DIM + dims, mask=inside, other=0.0).to(tl.float32)
-            roped = (_round(x * cos, raw) + _round(partner * sin, raw)).to(raw.dtype)
+            roped = qk_norm_rope(raw, partner, w, partner_w, cos, sin, eps, DIM, HAS_WEIGHT)
             if head < HEADS:
                 tl.store(q_ptr + (row * HEADS + head) * DIM + dims, roped, mask=inside)
             else:
                 place = tl.load(places_ptr + row * KV_HEADS + head - HEADS)
                 tl.store(kv_ptr + place * DIM + dims, roped, mask=inside)
+
+    @triton.jit
+    def qk_norm_rope(raw, partner, w, partner_w, cos, sin, eps, DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+        """q or k heads along the last axis of `raw` (padding 0): RMSNorm by `w` (if HAS_WEIGHT),
+        then RoPE, each dimension turned with its `partner` (float32; `partner_w` its weight) by
+        cos and signed sin -> raw's dtype, rounded where the torch path rounds."""
+        x = raw.to(tl.float32)
+        if HAS_WEIGHT:
+            inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / DIM + eps)
+            x = _round(_round(x * inv_rms, raw) * w, raw)
+            partner = _round(_round(partner * inv_rms, raw) * partner_w, raw)
+        return (_round(x * cos, raw) + _round(partner * sin, raw)).to(raw.dtype)
 
     @triton.jit
     def _decode_attention_kernel(

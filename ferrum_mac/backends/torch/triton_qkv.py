@@ -78,7 +78,7 @@ def norm_qkv_rope_write(
 
 if triton is not None:
     from ferrum_mac.backends.torch.triton_gemv import inverse_rms, matmul_columns
-    from ferrum_mac.backends.torch.triton_ops import _round
+    from ferrum_mac.backends.torch.triton_ops import qk_norm_rope
     from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
     from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
 
@@ -136,17 +136,14 @@ if triton is not None:
             places = tl.load(places_ptr + row_ids * KV_HEADS + head - HEADS - KV_HEADS, mask=live, other=0)
             tl.store(kv_ptr + kv_half_stride + places[:, None] * DIM + dims[None, :], raw, mask=live[:, None])
         else:
-            x = raw.to(tl.float32)
-            partner = _partners(x, INTERLEAVED)
+            w, partner_w = None, None
             if HAS_QK_WEIGHT:
-                inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / DIM + eps)
-                w = tl.load(qk_weight_ptr + head * DIM + dims).to(tl.float32)
-                x = _round(_round(x * inv_rms[:, None], raw) * w[None, :], raw)
-                partner = _round(_round(partner * inv_rms[:, None], raw) * _partners(w[None, :], INTERLEAVED), raw)
+                w = tl.load(qk_weight_ptr + head * DIM + dims).to(tl.float32)[None, :]
+                partner_w = _partners(w, INTERLEAVED)
             table = row_ids[:, None] * DIM + dims[None, :]
             cos = tl.load(cos_ptr + table, mask=live[:, None], other=0.0).to(tl.float32)
             sin = tl.load(sin_ptr + table, mask=live[:, None], other=0.0).to(tl.float32)
-            roped = (_round(x * cos, raw) + _round(partner * sin, raw)).to(raw.dtype)
+            roped = qk_norm_rope(raw, _partners(raw.to(tl.float32), INTERLEAVED), w, partner_w, cos, sin, eps, DIM, HAS_QK_WEIGHT)
             if head < HEADS:
                 tl.store(q_ptr + (row_ids[:, None] * HEADS + head) * DIM + dims[None, :], roped, mask=live[:, None])
             else:

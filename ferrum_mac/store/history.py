@@ -8,6 +8,10 @@
 Every message is committed when it is added (WAL mode), so a killed process loses nothing
 already written. The schema carries its version (`PRAGMA user_version`); `MIGRATIONS[n]`
 takes a database from version n to n + 1, and opening a database runs whatever is missing.
+
+Several ferrum processes may share the file (a chat app, a REPL, a server): migrations run in
+one write transaction, and a writer waits up to `timeout` seconds for another's lock, then
+says so in one line rather than failing with sqlite's bare "database is locked".
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferrum_mac.errors import FerrumError
 
 DB_NAME = "history.sqlite3"
+LOCK_TIMEOUT = 10.0  # seconds a writer waits for another process's write to finish
 
 MIGRATIONS: list[str] = [
     # 0 -> 1: conversations and messages
@@ -76,22 +82,33 @@ class StoredMessage:
 
 
 class History:
-    def __init__(self, db: sqlite3.Connection, path: Path):
+    def __init__(self, db: sqlite3.Connection, path: Path, timeout: float = LOCK_TIMEOUT):
         self.db = db
         self.path = path
+        self.timeout = timeout
 
     @classmethod
-    def open(cls, path: str | Path | None = None) -> "History":
+    def open(cls, path: str | Path | None = None, timeout: float = LOCK_TIMEOUT) -> "History":
+        """The history at `path` (default: the platform data folder), created or migrated as needed;
+        `timeout`: seconds to wait for another process's write before giving up with a FerrumError."""
         path = Path(path).expanduser() if path else default_path()
+        db = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA foreign_keys=ON")
-            migrate(db)
+            db = sqlite3.connect(path, timeout=timeout, check_same_thread=False, isolation_level=None)
+            with _locked_is_clear(path, timeout):
+                _use_wal(db, timeout)
+                db.execute("PRAGMA foreign_keys=ON")
+                migrate(db)
         except sqlite3.Error as e:
-            raise FerrumError(f"cannot open the chat history {path}: {e}") from e
-        return cls(db, path)
+            if db is not None:
+                db.close()
+            raise FerrumError(f"cannot open the chat history {path}: {e}") from None
+        except FerrumError:
+            if db is not None:
+                db.close()
+            raise
+        return cls(db, path, timeout)
 
     def close(self) -> None:
         self.db.close()
@@ -100,7 +117,7 @@ class History:
 
     def new_conversation(self, title: str, settings: dict | None = None) -> StoredConversation:
         now = time.time()
-        cur = self.db.execute(
+        cur = self._execute(
             "INSERT INTO conversations (title, settings, created, updated) VALUES (?, ?, ?, ?)",
             (title, json.dumps(settings or {}), now, now),
         )
@@ -116,11 +133,11 @@ class History:
                 " WHERE title LIKE ? OR id IN (SELECT conversation_id FROM messages WHERE content LIKE ?)"
             )
             args = (like, like)
-        rows = self.db.execute(query + " ORDER BY updated DESC, id DESC", args).fetchall()
+        rows = self._execute(query + " ORDER BY updated DESC, id DESC", args).fetchall()
         return [StoredConversation(i, t, json.loads(s), c, u) for i, t, s, c, u in rows]
 
     def conversation(self, conversation_id: int) -> StoredConversation:
-        row = self.db.execute(
+        row = self._execute(
             "SELECT id, title, settings, created, updated FROM conversations WHERE id = ?", (conversation_id,)
         ).fetchone()
         if row is None:
@@ -135,10 +152,10 @@ class History:
         self._update(conversation_id, "settings = ?", json.dumps(settings))
 
     def delete(self, conversation_id: int) -> None:
-        self.db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+        self._execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
 
     def _update(self, conversation_id: int, assignment: str, value) -> None:
-        self.db.execute(
+        self._execute(
             f"UPDATE conversations SET {assignment}, updated = ? WHERE id = ?", (value, time.time(), conversation_id)
         )
 
@@ -148,8 +165,10 @@ class History:
         self, conversation_id: int, role: str, content: str, reasoning: str = "", stats: dict | None = None
     ) -> StoredMessage:
         now = time.time()
-        with self.db:  # one transaction: the message and the conversation's new time
-            self.db.execute("BEGIN")
+        # One transaction: the message and the conversation's new time. IMMEDIATE takes the write
+        # lock up front, where sqlite waits for it; a deferred transaction's upgrade fails at once.
+        with _locked_is_clear(self.path, self.timeout), self.db:
+            self.db.execute("BEGIN IMMEDIATE")
             cur = self.db.execute(
                 "INSERT INTO messages (conversation_id, role, content, reasoning, stats, created)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
@@ -159,7 +178,7 @@ class History:
         return StoredMessage(cur.lastrowid, conversation_id, role, content, reasoning, stats or {})
 
     def messages(self, conversation_id: int) -> list[StoredMessage]:
-        rows = self.db.execute(
+        rows = self._execute(
             "SELECT id, conversation_id, role, content, reasoning, stats FROM messages"
             " WHERE conversation_id = ? ORDER BY id",
             (conversation_id,),
@@ -168,14 +187,76 @@ class History:
 
     def delete_from(self, conversation_id: int, message_id: int) -> None:
         """Forget message `message_id` and every later one (edit and resend, regenerate)."""
-        self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
+        self._execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
+
+    def _execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        with _locked_is_clear(self.path, self.timeout):
+            return self.db.execute(sql, args)
 
 
 def migrate(db: sqlite3.Connection) -> None:
+    """Bring the schema to SCHEMA_VERSION in one write transaction. The version is read again
+    once the lock is held: another process may have migrated the file while this one waited."""
+    if _schema_version(db) == SCHEMA_VERSION:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        version = _schema_version(db)
+        for step in range(version, SCHEMA_VERSION):
+            for statement in _statements(MIGRATIONS[step]):
+                db.execute(statement)
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+
+
+def _use_wal(db: sqlite3.Connection, timeout: float) -> None:
+    """Switch the file to WAL mode (it stays so). sqlite answers "locked" at once, without its busy
+    wait, when two connections switch a new file together; the loser retries until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _schema_version(db: sqlite3.Connection) -> int:
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
         raise FerrumError(
             f"the chat history has schema version {version}, newer than this ferrum's {SCHEMA_VERSION}; upgrade ferrum"
         )
-    for step in range(version, SCHEMA_VERSION):
-        db.executescript(f"BEGIN; {MIGRATIONS[step]} PRAGMA user_version = {step + 1}; COMMIT;")
+    return version
+
+
+def _statements(script: str) -> list[str]:
+    """A migration script's statements, one by one (executescript would commit the open transaction)."""
+    statements, pending = [], ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            statements.append(pending.strip())
+            pending = ""
+    if pending.strip():
+        statements.append(pending.strip())
+    return statements
+
+
+@contextmanager
+def _locked_is_clear(path: Path, timeout: float):
+    """sqlite's "database is locked" (busy past `timeout`) -> a FerrumError that says who holds it."""
+    try:
+        yield
+    except sqlite3.OperationalError as e:
+        if "locked" not in str(e) and "busy" not in str(e):
+            raise
+        raise FerrumError(
+            f"the chat history {path} is locked by another ferrum process (waited {timeout:g} s for its write); "
+            "close the other ferrum or try again"
+        ) from None

@@ -93,7 +93,7 @@ class Server:
         events: asyncio.Queue = asyncio.Queue()
         request = GenerationRequest(
             ids, sampling=opts.sampling, max_tokens=opts.max_tokens, stop=opts.stop, opens_reasoning=opens_reasoning,
-            ignore_eos=opts.ignore_eos,
+            raw=not chat, ignore_eos=opts.ignore_eos,
             emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
         )
         try:

@@ -33,6 +33,7 @@ class GenerationRequest:
     max_tokens: int | None = None  # None: until EOS, a stop string or the end of the context
     stop: tuple[str, ...] = ()
     opens_reasoning: bool = False  # the prompt leaves a <think> open
+    raw: bool = False  # a completion: the text exactly as generated (no reasoning split, nothing trimmed)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (for load tests)
     emit: Callable[[object], None] | None = None  # called on the scheduler thread with each event
 

@@ -200,7 +200,7 @@ class Scheduler:
             except FerrumError as e:
                 self._fail_one(handle, str(e))
                 continue
-            text = AnswerText(self.tokenizer, request.stop, request.opens_reasoning)
+            text = AnswerText(self.tokenizer, request.stop, request.opens_reasoning, raw=request.raw)
             self._running.append(Sequence(handle, sampler, text, need, timing))
             self.stats.prompt_tokens += len(request.prompt_ids)
 

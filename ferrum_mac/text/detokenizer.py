@@ -16,15 +16,16 @@ from ferrum_mac.text.tokenizer import Tokenizer
 class StreamingDetokenizer:
     """Feed `add(token_id)` for each generated token, then `finish()` once; join the results."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, keep_start: bool = False):
         self._tokenizer = tokenizer
+        self._keep_start = keep_start  # the text continues a prompt: its first space is the model's
         self.reset()
 
     def reset(self) -> None:
         """Start a new text."""
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors=self._tokenizer.utf8_errors)
         self._start = self._tokenizer.text_start()
-        self._settled = False
+        self._settled = self._keep_start
         self.token_count = 0
 
     def add(self, token_id: int) -> str:

@@ -3,7 +3,9 @@
 Tags may arrive cut across deltas: a tail that could still grow into a tag is held back
 until the next delta settles it. Each section (reasoning, answer) comes out stripped of the
 whitespace around it, whatever the delta boundaries, so `feed` in any pieces gives the same
-text as `feed` of the whole.
+text as `feed` of the whole. This is for chat, where the whitespace around a section is
+layout (the template's newlines after `</think>`); a reply that is nothing but whitespace is
+still a reply and comes out as it is. Raw completions do not go through a splitter at all.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class ReasoningSplitter:
         self._pending = ""  # text that may be the start of the next tag
         self._space = ""  # whitespace held until we know it is not the end of a section
         self._section_start = True
+        self._lead = ""  # whitespace before anything was emitted, while no tag has been seen
+        self._said_anything = False  # a delta was emitted or a tag was seen
 
     def feed(self, text: str) -> list[Delta]:
         out: list[Delta] = []
@@ -50,23 +54,32 @@ class ReasoningSplitter:
                 return out
             self._emit(self._pending[:found], out)
             self._pending = self._pending[found + len(tag) :]
+            self._said_anything = True
             self._end_section()
             self.in_reasoning = not self.in_reasoning
 
     def finish(self) -> list[Delta]:
-        """Flush what was held back (a tag that never completed is plain text)."""
+        """Flush what was held back (a tag that never completed is plain text). A reply that
+        was only whitespace comes out whole rather than as nothing."""
         out: list[Delta] = []
         self._emit(self._pending, out)
         self._pending = ""
+        if not self._said_anything and self._lead:
+            out.append(Delta(REASONING if self.in_reasoning else ANSWER, self._lead))
+            self._said_anything = True
         self._end_section()
         return out
 
     def _emit(self, text: str, out: list[Delta]) -> None:
         if self._section_start:
-            text = text.lstrip()
+            body = text.lstrip()
+            if not self._said_anything:
+                self._lead += text[: len(text) - len(body)]
+            text = body
         if not text:
             return
         self._section_start = False
+        self._said_anything = True
         body = text.rstrip()
         if not body:
             self._space += text

@@ -40,6 +40,13 @@ REASONING_CASES = [
     ("<think></think>", False, "", ""),
     ("  <think> x </think> y <think> z </think> w ", False, "xz", "yw"),
     ("<think>\n\n  spaced  \n\n out \n</think>\n\n  answer \n\n more\n", False, "spaced  \n\n out", "answer \n\n more"),
+    # a reply that is only whitespace is still the reply, not nothing
+    ("\n", False, "", "\n"),
+    (" \n\t ", False, "", " \n\t "),
+    # ...but the whitespace around a tag is layout, whichever side of it
+    ("\n\n</think>\n\n", True, "", ""),
+    ("<think>\n</think>\n", False, "", ""),
+    ("<think>x</think>\n\n", False, "x", ""),
 ]
 
 
@@ -150,3 +157,29 @@ def test_stop_matcher_holds_back_only_a_possible_start():
     assert matcher.feed("wer> ignored") == ""
     assert matcher.stopped and matcher.matched == "</answer>"
     assert matcher.feed("more") == "" and matcher.finish() == ""
+
+
+# (what the model writes, what a raw completion returns, what a chat answer shows)
+ANSWER_TEXTS = [
+    ("\n    a +=", "\n    a +=", "a +="),
+    (" Paris.", " Paris.", "Paris."),
+    ("\n", "\n", "\n"),
+    (" <think> x </think>\n y ", " <think> x </think>\n y ", "y"),
+]
+
+
+@pytest.mark.parametrize(("written", "raw", "chat"), ANSWER_TEXTS)
+def test_raw_answer_text_keeps_every_character(qwen3_dir, written, raw, chat):
+    """A completion continues its prompt: the newline and indent after `def add(a, b):`, the
+    space before ` Paris` and `<think>` tags are the model's text. A chat answer is trimmed for
+    display, but never to nothing."""
+    from ferrum_mac.engine import TextDelta
+    from ferrum_mac.engine.answer_text import AnswerText
+    from ferrum_mac.text import load_tokenizer
+
+    tokenizer = load_tokenizer(qwen3_dir)
+    ids = tokenizer.encode(written, add_special_tokens=False)
+    for is_raw, expected in ((True, raw), (False, chat)):
+        text = AnswerText(tokenizer, (), opens_reasoning=False, raw=is_raw)
+        events = [e for i in ids for e in text.add(i)] + text.finish()
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == text.answer == expected

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ferrum_mac.bench.shapes import SHAPES  # the names for `bench --help`; it imports nothing heavy
 from ferrum_mac.errors import FerrumError
 
 app = typer.Typer(
@@ -16,11 +17,28 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help: Rich markup would eat "[@revision]" in the texts and print "<bool>" after every flag.
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"ferrum {version('ferrum-mac')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            print("ferrum (version unknown: not installed)")
+        raise typer.Exit()
+
+
 @app.callback()
-def _group() -> None:
+def _group(
+    _version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
+                                  help="Print the version and exit."),
+) -> None:
     """Local LLM chat, Apple-Silicon-first."""
 
 
@@ -29,8 +47,8 @@ DEVICE_HELP = "cpu or gpu (cuda, cuda:N, metal); default: the backend's GPU wher
 
 @app.command()
 def bench(
-    model: Optional[str] = typer.Argument(None, help="Model folder, .gguf file or name (omit with --shape)."),
-    shape: Optional[str] = typer.Option(None, help="Random weights of a real shape, e.g. qwen3-0.6b."),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", help="Model folder, .gguf file or name (omit with --shape)."),
+    shape: Optional[str] = typer.Option(None, help=f"Random weights of a real shape: {', '.join(SHAPES)}."),
     quant: str = typer.Option("bf16", help="With --shape: bf16 or 4bit."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length for prefill."),
     new_tokens: int = typer.Option(128, "--new-tokens", help="Tokens to decode."),
@@ -56,7 +74,7 @@ BACKEND_HELP = "Which backend's repository an alias maps to: mlx (4-bit conversi
 
 @app.command()
 def pull(
-    name: str = typer.Argument(..., help=NAME_HELP),
+    name: str = typer.Argument(..., metavar="NAME", help=NAME_HELP),
     backend: str = typer.Option("mlx", help=BACKEND_HELP),
 ) -> None:
     """Download a model (only the files it needs; an interrupted pull resumes)."""
@@ -78,7 +96,7 @@ def list_(
 
 @app.command()
 def rm(
-    name: str = typer.Argument(..., help=NAME_HELP),
+    name: str = typer.Argument(..., metavar="NAME", help=NAME_HELP),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask first."),
     backend: str = typer.Option("mlx", help=BACKEND_HELP),
 ) -> None:
@@ -90,7 +108,7 @@ def rm(
 
 @app.command()
 def show(
-    name: str = typer.Argument(..., help=NAME_HELP),
+    name: str = typer.Argument(..., metavar="NAME", help=NAME_HELP),
     backend: str = typer.Option("mlx", help=BACKEND_HELP),
 ) -> None:
     """Architecture, parameters, context length, quantization, chat template and license of a model."""
@@ -102,7 +120,7 @@ def show(
 @app.command(context_settings={"allow_interspersed_args": True})
 def run(
     words: Optional[list[str]] = typer.Argument(
-        None, metavar="[MODEL] [PROMPT]...",
+        None, metavar="[MODEL] PROMPT",
         help="Model (alias, repo id, folder or .gguf; default $FERRUM_MODEL or smollm2:135m) and prompt. "
         "No prompt: stdin when piped, else the REPL.",
     ),
@@ -157,13 +175,13 @@ def serve(
 
 @app.command()
 def chat(
-    model: Optional[str] = typer.Argument(None, help="Model to open (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", help="Model to open (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
     backend: str = typer.Option("auto", help="auto, mlx or torch."),
     device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
     db: Optional[str] = typer.Option(None, "--db", help="Chat history file (default: in the platform's data folder)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Most tokens per answer in new conversations."),
     remote: Optional[str] = typer.Option(None, "--remote", help="Chat with an OpenAI-compatible server at this URL instead."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="With --remote: the server's API key."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="With --remote: the server's API key."),
 ) -> None:
     """The chat application: conversations kept as they happen, streaming Markdown, a model picker."""
     from ferrum_mac.tui.app import main as chat_app

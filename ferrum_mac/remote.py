@@ -125,7 +125,7 @@ class RemoteEngine:
             with self.http.stream("POST", self.base + "/chat/completions", json=body) as response:
                 if response.status_code != 200:
                     response.read()
-                    raise FerrumError(f"{self.base} answered {response.status_code}: {error_message(response)}")
+                    raise self._refusal(response)
                 for line in response.iter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -147,8 +147,14 @@ class RemoteEngine:
         except httpx.HTTPError as e:
             raise FerrumError(f"cannot reach {self.base} ({e or type(e).__name__}); is the server running?") from None
         if response.status_code != 200:
-            raise FerrumError(f"{self.base} answered {response.status_code}: {error_message(response)}")
+            raise self._refusal(response)
         return response.json()
+
+    def _refusal(self, response) -> FerrumError:
+        message = f"{self.base} answered {response.status_code}: {error_message(response)}"
+        if response.status_code in (401, 403):
+            message += "; give the server's key with --api-key KEY or $FERRUM_API_KEY"
+        return FerrumError(message)
 
 
 class RemoteTurn:

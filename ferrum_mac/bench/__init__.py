@@ -36,6 +36,22 @@ def _ferrum_from_path(model: str):
     return llm, peer, str(model)
 
 
+def fit_to_context(prompt_tokens: int, new_tokens: int, capacity: int) -> tuple[int, int]:
+    """The prompt and new tokens, shortened to fit a small model's context (with a notice on stderr):
+    a bench of such a model still measures it rather than failing on the default lengths."""
+    if prompt_tokens < 1 or new_tokens < 1:
+        raise FerrumError("--prompt-tokens and --new-tokens must be at least 1")
+    if prompt_tokens + new_tokens <= capacity:
+        return prompt_tokens, new_tokens
+    if capacity < 2:
+        raise FerrumError(f"the model's context holds {capacity} token(s); a bench needs at least 2")
+    new = min(new_tokens, max(1, capacity // 4))
+    prompt = min(prompt_tokens, capacity - new)
+    print(f"ferrum bench: the context holds {capacity} tokens; timing a {prompt}-token prompt and {new} new tokens "
+          f"instead of {prompt_tokens} + {new_tokens}", file=sys.stderr)
+    return prompt, new
+
+
 def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, backend="mlx", device=None) -> dict:
     from ferrum_mac.backends import check_device, choose
 
@@ -56,8 +72,7 @@ def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, jso
     log = (lambda msg: print(msg, file=sys.stderr)) if json_out else print
     log("ferrum bench: preparing weights ...")
     llm, peer_model, label = _ferrum_from_random(shape, quant) if shape else _ferrum_from_path(model)
-    if prompt_tokens + new_tokens > llm.kv_capacity():
-        raise FerrumError(f"prompt + new tokens ({prompt_tokens + new_tokens}) exceed the KV capacity {llm.kv_capacity()}")
+    prompt_tokens, new_tokens = fit_to_context(prompt_tokens, new_tokens, llm.kv_capacity())
     rng = random.Random(0)
     prompt = [rng.randrange(llm.config.vocab_size) for _ in range(prompt_tokens)]
     llm.prepare("bench", prompt_tokens + new_tokens)

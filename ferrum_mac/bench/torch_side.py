@@ -24,6 +24,7 @@ from typing import Iterator
 
 import torch
 
+from ferrum_mac.bench import fit_to_context
 from ferrum_mac.bench.report import Timing, interleaved, side_by_side, timed
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import DecodeItem
@@ -46,8 +47,7 @@ def run_torch_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, pee
     bandwidth = copy_bandwidth(device)
     log("ferrum bench: preparing weights ...")
     llm, reference, label = random_pair(shape, device) if shape else pair_from_path(model, device)
-    if prompt_tokens + new_tokens > llm.kv_capacity():
-        raise FerrumError(f"prompt + new tokens ({prompt_tokens + new_tokens}) exceed the KV capacity {llm.kv_capacity()}")
+    prompt_tokens, new_tokens = fit_to_context(prompt_tokens, new_tokens, llm.kv_capacity())
     rng = random.Random(0)
     prompt = [rng.randrange(llm.config.vocab_size) for _ in range(prompt_tokens)]
 

@@ -1,15 +1,15 @@
 """`ferrum run [MODEL] [PROMPT...]`: one answer streamed to stdout, or a REPL.
 
-The first word is the model when it looks like one (an existing path, or a name with ':' or
-'/', no spaces); otherwise every word is the prompt and the default model answers
-($FERRUM_MODEL, else the bundled smollm2:135m). With no prompt, piped stdin is the prompt;
-on a terminal (or with --interactive) the REPL starts.
+The first word is the model when it names one (see `looks_like_model`); otherwise every word
+is the prompt and the default model answers ($FERRUM_MODEL, else the bundled smollm2:135m).
+With no prompt, piped stdin is the prompt; on a terminal (or with --interactive) the REPL starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,9 +98,26 @@ def split_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:
 
 
 def looks_like_model(word: str) -> bool:
+    """Whether the first word names the model: a model folder or .gguf file, a path (a missing one is
+    an error, not a prompt), an alias (`qwen3:8b`; an unknown one is an error) or a repo id. A word
+    that is a folder but no model, or that ends in ':' ("docs", "Translate:"), starts the prompt."""
     if not word or any(c.isspace() for c in word):
         return False
-    return ":" in word or "/" in word or word.endswith(".gguf") or Path(word).expanduser().exists()
+    path = Path(word).expanduser()
+    if path.exists():
+        return path.suffix == ".gguf" or (path / "config.json").is_file() or any(path.glob("*.gguf"))
+    if word.endswith(".gguf") or word.startswith(("./", "../", "~", "/")):
+        return True
+    from ferrum_mac.errors import ModelNotFoundError
+    from ferrum_mac.store.aliases import is_alias_like, parse_repo_id
+
+    if is_alias_like(word):
+        return re.fullmatch(r"[\w.-]+:[\w.-]+", word) is not None
+    try:
+        parse_repo_id(word)
+    except ModelNotFoundError:
+        return False
+    return True
 
 
 def check_options(options: RunOptions) -> None:

@@ -234,3 +234,19 @@ def test_repl_on_a_terminal_ctrl_c_stops_the_answer_not_the_program(bundled_env)
         if term.proc.poll() is None:
             term.proc.kill()
             term.proc.wait()
+
+
+# -- which word is the model ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("words", [["Translate:", "a", "story"], ["docs", "please", "tell", "a", "story"]])
+def test_a_prompt_word_that_is_not_a_model_stays_in_the_prompt(words, stories_path, env, tmp_path):
+    """An unquoted prompt whose first word ends in ':' or is a folder without a model in it is all prompt."""
+    (tmp_path / "docs").mkdir()
+    env = {**env, "FERRUM_MODEL": str(stories_path)}
+    command = [str(FERRUM)] if FERRUM.exists() else [sys.executable, "-m", "ferrum_mac.cli"]
+    run = subprocess.run(command + ["run", *words, "--max-tokens", "4", "--json"], input="", capture_output=True,
+                         text=True, env=env, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    answer = json.loads(run.stdout)
+    assert answer["model"] == str(stories_path) and answer["stats"]["prompt_tokens"] > len(words)

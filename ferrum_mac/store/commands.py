@@ -30,11 +30,19 @@ def list_command(available: bool, backend: str) -> None:
         print("no models yet; `ferrum pull qwen3:0.6b` fetches one (`ferrum list --available` shows more)")
     else:
         _table(["NAME", "SIZE", "QUANT", "FORMAT", "MODIFIED"],
-               [(m.name, human_bytes(m.size), m.quant, m.format, human_age(m.modified)) for m in complete])
+               [(m.name, _size_with_copies(m), m.quant, m.format, human_age(m.modified)) for m in complete])
     for m in models:
         if not m.complete:
             print(f"unfinished: {m.name} ({human_bytes(m.size)}); `ferrum pull {m.name}` finishes it, "
                   f"`ferrum rm {m.name}` deletes it", file=sys.stderr)
+
+
+def _size_with_copies(model) -> str:
+    """The model's size, and beside it that of the dense copy MLX's CPU build keeps of it, if any."""
+    from ferrum_mac.store.derived import copies_of
+
+    copies = sum(p.stat().st_size for p in copies_of(model.path))
+    return human_bytes(model.size) + (f" + {human_bytes(copies)} dense copy" if copies else "")
 
 
 def rm_command(name: str, yes: bool, backend: str) -> None:
@@ -43,12 +51,10 @@ def rm_command(name: str, yes: bool, backend: str) -> None:
     from ferrum_mac.store.remove import plan_removal
 
     removal = plan_removal(name, backend)
-    question = f"Remove {removal.what}, {human_bytes(removal.size)}?"
-    if not yes and not typer.confirm(question, default=False):
+    if not yes and not typer.confirm(removal.question(), default=False):
         print("nothing removed")
         raise typer.Exit(1)
-    derived = removal.execute()
-    print(f"removed {name} ({human_bytes(removal.size + derived)} freed)")
+    print(f"removed {name} ({human_bytes(removal.execute())} freed)")
 
 
 def show_command(name: str, backend: str) -> None:

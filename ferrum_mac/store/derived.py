@@ -35,6 +35,16 @@ def recorded_source(entry: Path) -> str | None:
     return (header.get("__metadata__") or {}).get(SOURCE_KEY)
 
 
+def copies_of(model: Path, folder: Path | None = None) -> list[Path]:
+    """The copies made from a file of `model` (a model file, or a folder searched through its links)."""
+    folder = dense_dir() if folder is None else folder
+    if not folder.is_dir():
+        return []
+    files = model.rglob("*") if model.is_dir() else [model]
+    sources = {str(f.resolve()) for f in files if f.is_file()}
+    return sorted(entry for entry in folder.glob("*.safetensors") if recorded_source(entry) in sources)
+
+
 def sweep_orphans(folder: Path | None = None) -> int:
     """Delete the copies whose model file no longer exists; returns the bytes freed."""
     folder = dense_dir() if folder is None else folder

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,8 @@ from pathlib import Path
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.store import bundled, hub_cache
 from ferrum_mac.store.aliases import BundledRef, RepoRef, parse_name
-from ferrum_mac.store.derived import sweep_orphans
+from ferrum_mac.store.derived import copies_of, sweep_orphans
+from ferrum_mac.store.units import human_bytes
 
 
 @dataclass(frozen=True)
@@ -19,32 +21,56 @@ class Removal:
     size: int
     folder: Path
     commit: str | None = None  # remove only this snapshot, not the whole repository
+    copies: tuple[Path, ...] = ()  # the dense copies made from it (store/derived.py), removed with it
+
+    @property
+    def copies_size(self) -> int:
+        return sum(p.stat().st_size for p in self.copies if p.is_file())
+
+    def question(self) -> str:
+        copies = f" and its dense copy, {human_bytes(self.copies_size)}" if self.copies else ""
+        return f"Remove {self.what}, {human_bytes(self.size)}{copies}?"
 
     def execute(self) -> int:
-        """Delete the model; returns the bytes of derived files (dense copies) that went with it."""
+        """Delete the model and its dense copies; returns the bytes freed."""
+        freed = self.size + self.copies_size
         if self.commit is not None:
             _delete_revisions(self.folder, [self.commit])
         else:
             _delete_revisions(self.folder, None)
             shutil.rmtree(self.folder, ignore_errors=True)  # partial downloads, refs, what hf left
             shutil.rmtree(self.folder.parent / ".locks" / self.folder.name, ignore_errors=True)
-        return sweep_orphans()
+        for copy in self.copies:
+            copy.unlink(missing_ok=True)
+        return freed + sweep_orphans()
 
 
 def plan_removal(name: str, backend: str = "mlx") -> Removal:
     if Path(name).expanduser().exists():
         raise FerrumError(f"{name} is a path of yours, not a downloaded model; ferrum rm leaves it alone")
-    ref = parse_name(name, backend)
-    if isinstance(ref, BundledRef):
-        return _plan_bundled(name)
-    return _plan_repo(name, ref)
+    try:
+        ref = parse_name(name, backend)
+        return _plan_bundled(name) if isinstance(ref, BundledRef) else _plan_repo(name, ref)
+    except ModelNotFoundError as e:
+        close = _closest_local_name(name)
+        if close is None:
+            raise
+        raise ModelNotFoundError(f"{name} is not downloaded; did you mean {close}? (`ferrum list` shows what is)") from e
+
+
+def _closest_local_name(name: str) -> str | None:
+    from ferrum_mac.store.catalog import list_models
+
+    names = {m.name.lower(): m.name for m in list_models()}
+    close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.6)
+    return names[close[0]] if close else None
 
 
 def _plan_bundled(name: str) -> Removal:
     folder = bundled.models_dir() / bundled.SMOLLM2.name
     if not folder.is_dir():
         raise ModelNotFoundError(f"{name} is not downloaded")
-    return Removal(name, f"{name} ({folder})", _size(folder), folder)
+    return Removal(name, f"{name} ({folder})", _size(folder), folder, copies=tuple(copies_of(folder)))
 
 
 def _plan_repo(name: str, ref: RepoRef) -> Removal:
@@ -57,8 +83,10 @@ def _plan_repo(name: str, ref: RepoRef) -> Removal:
         if snapshot is None or not snapshot.is_dir():
             raise ModelNotFoundError(f"{name} is not downloaded (`ferrum list` shows what is)")
         size = sum(p.stat().st_size for p in snapshot.rglob("*") if p.is_file())  # through the links
-        return Removal(name, f"{ref.repo_id} at {ref.revision}", size, folder, commit)
-    return Removal(name, f"{ref.repo_id} (all its cached files)", _size(folder), folder)
+        kept = {c for other in (folder / "snapshots").iterdir() if other != snapshot for c in copies_of(other)}
+        copies = tuple(c for c in copies_of(snapshot) if c not in kept)  # a blob another snapshot shares stays
+        return Removal(name, f"{ref.repo_id} at {ref.revision}", size, folder, commit, copies)
+    return Removal(name, f"{ref.repo_id} (all its cached files)", _size(folder), folder, copies=tuple(copies_of(folder)))
 
 
 def _size(folder: Path) -> int:

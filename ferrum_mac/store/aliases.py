@@ -11,10 +11,10 @@ A name is one of:
 from __future__ import annotations
 
 import difflib
-import re
 from dataclasses import dataclass
 
 from ferrum_mac.errors import ModelNotFoundError, UnsupportedModelError
+from ferrum_mac.store.paths import check_revision, is_repo_id, shown
 
 QUANTS = ("4bit", "8bit", "bf16")
 DEFAULT_QUANT = {"mlx": "4bit", "torch": "bf16"}
@@ -46,8 +46,6 @@ ALIASES = (
     Alias("smollm2:135m", "HuggingFaceTB/SmolLM2-135M-Instruct", None, bundled=True),
 )
 _BY_NAME = {a.name: a for a in ALIASES}
-
-_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 @dataclass(frozen=True)
@@ -90,12 +88,14 @@ def parse_name(name: str, backend: str = "mlx") -> RepoRef | BundledRef:
 
 def parse_repo_id(name: str) -> RepoRef:
     rest, _, quant = name.partition(":")
-    repo_id, _, revision = rest.partition("@")
-    if not _REPO_ID.match(repo_id) or (name.count("@") > 1):
+    repo_id, at, revision = rest.partition("@")
+    if not is_repo_id(repo_id) or name.count("@") > 1:
         raise ModelNotFoundError(
-            f"{name!r} is not a model name: give an alias (`ferrum list --available`), a Hugging Face repo id "
+            f"{shown(name)} is not a model name: give an alias (`ferrum list --available`), a Hugging Face repo id "
             "(org/name[@revision]), a model folder or a .gguf file"
         )
+    if at:
+        check_revision(revision, name)  # it becomes a file name under the cache's refs/
     return RepoRef(repo_id, revision or "main", quant or None)
 
 

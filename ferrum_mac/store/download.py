@@ -16,6 +16,7 @@ from typing import Callable
 
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.store import hub_cache
+from ferrum_mac.store.paths import inside
 
 CHUNK = 1 << 20
 
@@ -50,7 +51,7 @@ def fetch(
     """Download `file` into its blob unless it is already there; `on_bytes(n)` per chunk received."""
     from huggingface_hub.utils import WeakFileLock
 
-    lock = hub_cache.lock_path(repo_id, file.etag)
+    lock = inside(hub_cache.cache_dir(), hub_cache.lock_path(repo_id, file.etag))
     lock.parent.mkdir(parents=True, exist_ok=True)
     with WeakFileLock(lock):
         if not is_cached(repo_id, file):
@@ -61,7 +62,9 @@ def _fetch_unlocked(repo_id: str, commit: str, file: RemoteFile, endpoint: str, 
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    partial = hub_cache.partial_path(repo_id, file.etag)
+    blobs = hub_cache.repo_dir(repo_id) / "blobs"
+    partial = inside(blobs, hub_cache.partial_path(repo_id, file.etag))
+    blob = inside(blobs, hub_cache.blob_path(repo_id, file.etag))
     partial.parent.mkdir(parents=True, exist_ok=True)
     if partial_size(repo_id, file) > file.size:
         partial.unlink()
@@ -77,7 +80,7 @@ def _fetch_unlocked(repo_id: str, commit: str, file: RemoteFile, endpoint: str, 
         partial.unlink()
         raise CorruptModelError(f"{file.path} from {repo_id} does not match its checksum")
     os.chmod(partial, 0o644)
-    os.replace(partial, hub_cache.blob_path(repo_id, file.etag))
+    os.replace(partial, blob)
 
 
 def matches(path, file: RemoteFile) -> bool:

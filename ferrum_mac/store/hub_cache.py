@@ -7,15 +7,17 @@
     <cache>/models--org--name/refs/<revision>              the commit a branch or tag pointed to
 
 Paths are read from `huggingface_hub.constants` at call time: HF_HOME / HF_HUB_CACHE decide them.
+Commits and revisions come from outside (the Hub, the user): every path written here is checked
+to stay inside the repository's folder (`paths.inside`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+from ferrum_mac.errors import FerrumError
+from ferrum_mac.store.paths import check_relative, check_revision, inside, is_hash
 
 
 def cache_dir() -> Path:
@@ -50,21 +52,25 @@ def snapshot_dir(repo_id: str, commit: str) -> Path:
 
 
 def commit_for(repo_id: str, revision: str) -> str | None:
-    """The cached commit of `revision` (a commit hash is its own answer)."""
-    if _COMMIT.match(revision):
+    """The cached commit of `revision` (a commit hash is its own answer); None when unknown."""
+    if is_hash(revision):
         return revision
-    ref = repo_dir(repo_id) / "refs" / revision
+    refs = repo_dir(repo_id) / "refs"
     try:
-        return ref.read_text().strip() or None
-    except OSError:
+        commit = inside(refs, refs / revision).read_text().strip()
+    except (OSError, FerrumError):
         return None
+    return commit if is_hash(commit) else None  # a damaged ref names no snapshot
 
 
 def link_snapshot(repo_id: str, commit: str, files: dict[str, str]) -> Path:
     """Point snapshots/<commit>/<path> at blobs/<etag> for each `path: etag`; returns the snapshot."""
+    if not is_hash(commit):
+        raise FerrumError(f"refusing to make a snapshot for {commit!r}, which is not a commit hash")
     snapshot = snapshot_dir(repo_id, commit)
     for path, etag in files.items():
-        link = snapshot / path
+        link = snapshot / check_relative(path, f"in {repo_id}")
+        inside(snapshot.parent, link.parent)  # the link itself is replaced, never written through
         link.parent.mkdir(parents=True, exist_ok=True)
         target = os.path.relpath(blob_path(repo_id, etag), link.parent)
         if link.is_symlink() or link.exists():
@@ -78,9 +84,10 @@ def link_snapshot(repo_id: str, commit: str, files: dict[str, str]) -> Path:
 def write_ref(repo_id: str, revision: str, commit: str) -> None:
     if revision == commit:
         return
-    ref = repo_dir(repo_id) / "refs" / revision
+    refs = repo_dir(repo_id) / "refs"
+    ref = inside(refs, refs / check_revision(revision, f"{repo_id}@{revision}"))
+    tmp = inside(refs, ref.with_name(ref.name + ".tmp"))
     ref.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ref.with_name(ref.name + ".tmp")
     tmp.write_text(commit)
     os.replace(tmp, ref)
 

@@ -8,7 +8,6 @@ leaves blobs and partial files, never a snapshot that looks like a whole model.
 
 from __future__ import annotations
 
-import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,12 +17,12 @@ from ferrum_mac.store import bundled, download, hub_cache
 from ferrum_mac.store.aliases import BundledRef, RepoRef, parse_name
 from ferrum_mac.store.download import RemoteFile
 from ferrum_mac.store.local import cached_model
+from ferrum_mac.store.paths import check_commit, check_relative, is_hash, shown
 from ferrum_mac.store.progress import PullProgress
 from ferrum_mac.store.select import needed_files
 from ferrum_mac.store.units import human_bytes
 
 DISK_RESERVE = 100 * 1000 * 1000  # leave the system some room after the download
-_HASH = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")  # git sha1 or sha256
 
 
 def pull(name: str, backend: str = "mlx", progress: PullProgress | None = None) -> Path:
@@ -41,15 +40,16 @@ def pull_repo(ref: RepoRef, name: str, progress: PullProgress) -> Path:
     endpoint = _endpoint()
     with hub_errors(name, ref, endpoint):
         info = _model_info(ref, endpoint)
+    commit = check_commit(info.sha, endpoint)  # it names the snapshot folder
     files = remote_files(info, ref)
     todo = [f for f in files if not download.is_cached(ref.repo_id, f)]
     check_disk_space(ref.repo_id, todo, name)
     if todo:
-        _download_all(ref, name, info.sha, todo, endpoint, progress)
+        _download_all(ref, name, commit, todo, endpoint, progress)
     else:
         progress.note(f"{name} is up to date")
-    snapshot = hub_cache.link_snapshot(ref.repo_id, info.sha, {f.path: f.etag for f in files})
-    hub_cache.write_ref(ref.repo_id, ref.revision, info.sha)
+    snapshot = hub_cache.link_snapshot(ref.repo_id, commit, {f.path: f.etag for f in files})
+    hub_cache.write_ref(ref.repo_id, ref.revision, commit)
     gguf = [f.path for f in files if f.path.endswith(".gguf")]
     return snapshot / gguf[0] if gguf else snapshot
 
@@ -63,11 +63,12 @@ def remote_files(info, ref: RepoRef) -> list[RemoteFile]:
 
 def _remote_file(sibling) -> RemoteFile:
     lfs = sibling.lfs
-    if not _HASH.match(sibling.blob_id or "") or (lfs and not _HASH.match(lfs.sha256 or "")):
+    path = check_relative(sibling.rfilename, "the Hub sent")
+    if not is_hash(sibling.blob_id) or (lfs and not is_hash(lfs.sha256)):
         # the ids become file names in the cache: never let a server choose a path
-        raise FerrumError(f"the Hub sent no valid hash for {sibling.rfilename}; is HF_ENDPOINT a Hugging Face Hub?")
+        raise FerrumError(f"the Hub sent no valid hash for {shown(path)}; is HF_ENDPOINT a Hugging Face Hub?")
     return RemoteFile(
-        path=sibling.rfilename,
+        path=path,
         size=lfs.size if lfs else (sibling.size or 0),
         blob_id=sibling.blob_id,
         sha256=lfs.sha256 if lfs else None,

@@ -11,6 +11,7 @@ from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.store import bundled, hub_cache
 from ferrum_mac.store.aliases import BundledRef, RepoRef, parse_name
 from ferrum_mac.store.derived import copies_of, sweep_orphans
+from ferrum_mac.store.paths import exists
 from ferrum_mac.store.units import human_bytes
 
 
@@ -46,7 +47,7 @@ class Removal:
 
 
 def plan_removal(name: str, backend: str = "mlx") -> Removal:
-    if Path(name).expanduser().exists():
+    if exists(Path(name).expanduser()):
         raise FerrumError(f"{name} is a path of yours, not a downloaded model; ferrum rm leaves it alone")
     try:
         ref = parse_name(name, backend)

@@ -7,6 +7,7 @@ from pathlib import Path
 from ferrum_mac.errors import ModelNotFoundError
 from ferrum_mac.store.aliases import BundledRef, parse_name
 from ferrum_mac.store.local import bundled_model, cached_model
+from ferrum_mac.store.paths import exists, shown
 from ferrum_mac.store.progress import PullProgress
 
 
@@ -19,10 +20,10 @@ def resolve_model(name: str | Path, backend: str = "mlx", pull: bool = True, pro
     """
     text = str(name)
     path = Path(text).expanduser()
-    if path.exists():
+    if exists(path):
         return path
     if _looks_like_path(text):
-        raise ModelNotFoundError(f"{text} does not exist; give a model folder, a .gguf file or a model name")
+        raise ModelNotFoundError(f"{shown(text)} does not exist; give a model folder, a .gguf file or a model name")
     ref = parse_name(text, backend)
     local = bundled_model() if isinstance(ref, BundledRef) else cached_model(ref)
     if local is not None:

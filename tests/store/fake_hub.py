@@ -10,7 +10,8 @@ It answers the requests huggingface_hub 1.x/2.x makes, with the same shapes:
   GET  {cdn}/lfs/{repo}/{sha256}               the LFS content, honouring Range (206 + Content-Range)
 No X-Xet-* headers and no `xetHash` fields, so clients take the plain HTTP path.
 
-Faults a test can switch on: `deny[repo] = (status, X-Error-Code or None)`, `corrupt.add((repo, path))`
+A hostile Hub is one whose FakeRepo has a `sha` that is no commit hash, `revisions` it answers
+to, or `files` with odd names. Faults a test can switch on: `deny[repo] = (status, X-Error-Code or None)`, `corrupt.add((repo, path))`
 (same length, wrong bytes), `cut[(repo, path)] = n` (send n bytes of the body, drop the connection,
 then answer 503 for that file until `heal()`). Every request is logged in `requests`.
 """
@@ -37,6 +38,7 @@ class FakeRepo:
     files: dict[str, bytes]
     sha: str = ""
     card: dict = field(default_factory=lambda: {"license": "mit"})
+    revisions: set = field(default_factory=set)  # names besides "main" and `sha` the Hub answers to
 
     def __post_init__(self):
         if not self.sha:
@@ -68,7 +70,7 @@ class FakeRepo:
         return entry
 
     def info(self) -> dict:
-        return {"_id": self.sha[:24], "id": self.repo_id, "modelId": self.repo_id, "sha": self.sha, "private": False,
+        return {"_id": str(self.sha)[:24], "id": self.repo_id, "modelId": self.repo_id, "sha": self.sha, "private": False,
                 "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": ["safetensors"],
                 "lastModified": "2025-01-01T00:00:00.000Z", "createdAt": "2025-01-01T00:00:00.000Z",
                 "cardData": self.card, "siblings": [self.sibling(p) for p in sorted(self.files)]}
@@ -169,7 +171,7 @@ def _handler_for(hub: FakeHub):
             return repo
 
         def _revision_ok(self, repo: FakeRepo, revision: str) -> bool:
-            if revision in ("main", repo.sha):
+            if revision in ("main", repo.sha) or revision in repo.revisions:
                 return True
             self._error(404, "RevisionNotFound", "Invalid rev id")
             return False
@@ -180,7 +182,7 @@ def _handler_for(hub: FakeHub):
             if repo is None:
                 return
             if not rest or rest[0] == "revision":
-                if rest and not self._revision_ok(repo, unquote(rest[1])):
+                if rest and not self._revision_ok(repo, "/".join(rest[1:])):  # a revision may hold slashes
                     return
                 return self._json(repo.info())
             if rest[0] == "tree":

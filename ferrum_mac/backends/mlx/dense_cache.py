@@ -30,6 +30,7 @@ from ferrum_mac.backends.mlx.layers import dequantized
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.store.derived import SOURCE_KEY, sweep_orphans
 from ferrum_mac.store.derived import dense_dir as cache_dir
+from ferrum_mac.store.paths import inside
 from ferrum_mac.weights import Checkpoint
 
 FORMAT = "1"  # bump when what an entry holds changes
@@ -111,6 +112,7 @@ def store(entry: Path, tensors: dict, source: Path) -> bool:
     size = sum(a.nbytes for a in tensors.values())
     folder = entry.parent
     temp = folder / f".{entry.stem}-{os.getpid()}.tmp.safetensors"  # mx.save_safetensors wants the suffix
+    inside(folder, temp)  # written through: a link planted under that name must not lead elsewhere
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if shutil.disk_usage(folder).free - size < MIN_FREE_BYTES:

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Iterable
 
 from textual.app import App, SystemCommand
+from textual.binding import Binding
 from textual.screen import Screen
 
 from ferrum_mac.tui.engine_thread import EngineThread
+from ferrum_mac.tui.export import default_export_dir
 from ferrum_mac.tui.messages import EngineFailed, EngineOpened
 from ferrum_mac.tui.resident import ResidentConversations
 from ferrum_mac.tui.screens.chat_screen import ChatScreen
@@ -21,6 +23,7 @@ MEMORY_REFRESH_SECONDS = 2.0
 class ChatApp(App):
     TITLE = "ferrum-chat"
     ENABLE_COMMAND_PALETTE = True
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]  # Textual's own, shown in the footer
 
     def __init__(self, services, history, model: str | None = None, default_settings: dict | None = None,
                  export_dir: Path | None = None):
@@ -29,7 +32,7 @@ class ChatApp(App):
         self.history = history
         self.model_name = model or services.default_model()
         self.default_settings = default_settings or {}
-        self.export_dir = export_dir or Path.cwd()
+        self.export_dir = export_dir or default_export_dir()
         self.engine = None
         self.resident: ResidentConversations | None = None
         self.device_text = "loading…"

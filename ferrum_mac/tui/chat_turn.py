@@ -24,6 +24,8 @@ class Batcher:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.last = 0.0
+        self.pieces = 0  # deltas so far, for the live speed in the status bar
+        self.first = 0.0  # when the first came
         self.lock = threading.Lock()
         self.timer: threading.Timer | None = None
 
@@ -31,6 +33,8 @@ class Batcher:
         with self.lock:
             self.text.append(text)
             self.reasoning.append(reasoning)
+            self.pieces += 1
+            self.first = self.first or time.monotonic()
             wait = self.last + BATCH_SECONDS - time.monotonic()
             if wait > 0:
                 if self.timer is None:
@@ -49,7 +53,12 @@ class Batcher:
             self.text, self.reasoning = [], []
             self.last = time.monotonic()
             if text or reasoning:
-                self.post(AnswerChunk(text, reasoning))
+                self.post(AnswerChunk(text, reasoning, self.pieces, self.rate()))
+
+    def rate(self) -> float:
+        """Pieces a second after the first (which waited for the prompt), as the engine counts decode speed."""
+        elapsed = time.monotonic() - self.first
+        return (self.pieces - 1) / elapsed if self.pieces > 1 and elapsed > 0 else 0.0
 
 
 def run_turn(conv, history: list[dict], text: str, cancel: threading.Event, post) -> None:

@@ -21,6 +21,14 @@ def conversation_markdown(title: str, messages) -> str:
     return "\n".join(parts)
 
 
+def default_export_dir() -> Path:
+    """Where exports go unless the app is told otherwise: a folder of the user's documents, not
+    whatever folder the app was started in."""
+    import platformdirs
+
+    return Path(platformdirs.user_documents_dir()) / "ferrum-chat"
+
+
 def export_path(folder: Path, title: str) -> Path:
     """A new file in `folder` named after the title (never overwrites)."""
     stem = re.sub(r"[^A-Za-z0-9]+", "-", title).strip("-").lower()[:60] or "conversation"

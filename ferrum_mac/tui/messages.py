@@ -14,12 +14,15 @@ class PromptSubmitted(Message):
 
 
 class AnswerChunk(Message):
-    """A batch of answer and reasoning text (at most ~20 a second)."""
+    """A batch of answer and reasoning text (at most ~20 a second), with the pieces streamed so far
+    (a piece is a token's text, near enough) and their rate."""
 
-    def __init__(self, text: str, reasoning: str):
+    def __init__(self, text: str, reasoning: str, pieces: int = 0, pieces_per_second: float = 0.0):
         super().__init__()
         self.text = text
         self.reasoning = reasoning
+        self.pieces = pieces
+        self.pieces_per_second = pieces_per_second
 
 
 class AnswerNotice(Message):

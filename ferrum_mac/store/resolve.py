@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ferrum_mac.errors import ModelNotFoundError
+from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.store.aliases import BundledRef, parse_name
 from ferrum_mac.store.local import bundled_model, cached_model
 from ferrum_mac.store.paths import exists, shown
@@ -24,16 +24,33 @@ def resolve_model(name: str | Path, backend: str = "mlx", pull: bool = True, pro
         return path
     if _looks_like_path(text):
         raise ModelNotFoundError(f"{shown(text)} does not exist; give a model folder, a .gguf file or a model name")
+    if _bundled_on_torch(text, backend):
+        backend = "mlx"  # the same file on both backends
     ref = parse_name(text, backend)
     local = bundled_model() if isinstance(ref, BundledRef) else cached_model(ref)
     if local is not None:
         return local
     if not pull:
-        raise ModelNotFoundError(f"{text} is not downloaded; run `ferrum pull {text}`")
+        flag = " --backend torch" if backend == "torch" else ""
+        raise ModelNotFoundError(f"{text} is not downloaded; run `ferrum pull {text}{flag}`")
     from ferrum_mac.store.progress import TerminalProgress
     from ferrum_mac.store.pull import pull as pull_model
 
     return pull_model(text, backend, progress or TerminalProgress())
+
+
+def _bundled_on_torch(text: str, backend: str) -> bool:
+    """Whether `text` is the bundled model's alias and torch can read its GGUF (dequantized at
+    load, through MLX's GGUF reader): then torch runs the bundled file, offline too, instead
+    of fetching the original weights from the Hub."""
+    from ferrum_mac.backends import available
+
+    if backend != "torch" or not available("mlx"):
+        return False
+    try:
+        return isinstance(parse_name(text, "mlx"), BundledRef)
+    except FerrumError:
+        return False
 
 
 def _looks_like_path(text: str) -> bool:

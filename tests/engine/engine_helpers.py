@@ -25,8 +25,8 @@ def done(events) -> Done:
 
 
 def greedy(engine, **changes):
-    """A conversation that decodes greedily (no warm-up: tests open many)."""
-    sampling = engine.default_sampling.replace(temperature=0.0)
+    """A conversation that decodes greedily, a plain argmax (no warm-up: tests open many)."""
+    sampling = engine.default_sampling.replace(temperature=0.0, repetition_penalty=1.0)
     return engine.conversation(sampling=sampling, prepare=False, **changes)
 
 

@@ -91,6 +91,47 @@ def test_json_output(stories_path, env):
     assert {"ttft_s", "prefill_tps", "decode_tps"} <= set(stats)
 
 
+# -- an answer cut short says so: one line on stderr -----------------------------------------
+
+
+def test_an_answer_cut_by_max_tokens_says_so(stories_path, env):
+    run = ferrum("run", str(stories_path), STORY, "--max-tokens", "8", env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() and run.stderr == "ferrum: the answer was cut at 8 tokens (--max-tokens)\n"
+
+
+def test_the_models_own_limit_stops_a_runaway_answer(stories_path, tmp_path, env):
+    """No --max-tokens: the model's generation_config `max_new_tokens` (else a few thousand
+    tokens) ends the answer, and the user is told how to change it."""
+    model = tmp_path / "stories"
+    model.mkdir()
+    for file in stories_path.iterdir():
+        if file.name != "generation_config.json":
+            (model / file.name).symlink_to(file)
+    (model / "generation_config.json").write_text(json.dumps({"do_sample": False, "max_new_tokens": 6}))
+    run = ferrum("run", str(model), STORY, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == "ferrum: the answer was cut at 6 tokens (--max-tokens)\n"
+
+
+def test_an_answer_cut_by_a_full_context_says_so(stories_path, env):
+    run = ferrum("run", str(stories_path), STORY, "--kv-capacity", "40", "--context", "error", env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip()
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ferrum: the answer was cut at "), run.stderr
+    assert lines[0].endswith(" tokens: the context is full")
+
+
+def test_torch_runs_the_bundled_model_offline(bundled_env):
+    """torch reads the bundled GGUF: no trip to the Hub for the default model."""
+    pytest.importorskip("torch")
+    env = {**bundled_env, "HF_HUB_OFFLINE": "1"}
+    run = ferrum("run", "--backend", "torch", "--no-pull", "Hi", "--max-tokens", "8", env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() and "Traceback" not in run.stderr
+
+
 # -- bad input: one line on stderr, non-zero exit, no traceback -------------------------------
 
 
@@ -152,6 +193,12 @@ def test_repl_through_a_pipe(stories_path, env):
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant", "user", "assistant"]
     assert saved["messages"][2]["content"] == "Once upon\na time"
     assert saved["settings"]["system"] == "You tell stories." and saved["settings"]["max_tokens"] == 8
+
+
+def test_repl_says_when_the_limit_cut_an_answer(stories_path, env):
+    run = ferrum("run", str(stories_path), "-i", env=env, stdin=f"/set num_predict 5\n{STORY}\n")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == "ferrum: the answer was cut at 5 tokens (/set num_predict)\n"
 
 
 def test_repl_ends_at_end_of_input(stories_path, env):

@@ -212,7 +212,8 @@ def main(prog_name: str | None = None) -> None:
 
 def chat_main() -> None:
     """`ferrum-chat [MODEL] [--backend ...] [--db PATH]`: the same as `ferrum chat`."""
-    sys.argv = [sys.argv[0], "chat", *sys.argv[1:]]
+    if sys.argv[1:] not in (["--version"], ["-V"]):  # the version is the group's option, not chat's
+        sys.argv = [sys.argv[0], "chat", *sys.argv[1:]]
     main(prog_name="ferrum")  # its help then reads "ferrum chat", a command that exists
 
 

@@ -49,6 +49,12 @@ def test_version_through_the_entry_point():
     assert proc.returncode == 0 and proc.stdout.strip() == f"ferrum {version('ferrum-mac')}" and proc.stderr == ""
 
 
+def test_chat_command_prints_the_version():
+    proc = subprocess.run([sys.executable, "-c", "from ferrum_mac.cli import chat_main; chat_main()", "--version"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"ferrum {version('ferrum-mac')}"
+
+
 def test_bench_help_lists_the_shapes():
     from ferrum_mac.bench.shapes import SHAPES
 

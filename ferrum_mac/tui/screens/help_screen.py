@@ -22,7 +22,7 @@ HELP = """\
 | Ctrl+F | search the conversations |
 | F2 | rename the conversation |
 | Delete (in the sidebar) | delete the conversation |
-| F3 | export the conversation to Markdown |
+| F3 | export the conversation to Markdown (into Documents/ferrum-chat) |
 | F4 | choose or pull a model |
 | Ctrl+S | this conversation's settings |
 | Tab | move between the sidebar, the messages and the prompt |

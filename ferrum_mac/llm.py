@@ -10,6 +10,16 @@ It keeps every method of Ferrum's `DecoderOnlyLLM` trait, made Pythonic:
   cross to the host. A backend may accept a lazy device scalar as `token` so step n+1
   can be queued before step n is read.
 
+Inputs: host token ids are whole numbers (`int` or numpy's integers, not `bool`) inside the
+vocabulary, positions are whole numbers; anything else raises `FerrumError` before any state
+changes. A device token (one of the backend's `device_array_types`) is not read, which would
+wait for it: the backend clips it into the vocabulary instead, so an id outside it never
+reads past the embedding (it reads the last or first row).
+
+Memory: `kv_allocated_tokens()` / `kv_used_tokens()` say what the KV buffers hold against
+what the sequences have cached; `kv_tokens_for(lengths)` what they would hold with sequences
+of those lengths at once, which is what a scheduler admits against.
+
 Positions: a cache holds `kv_len(cache_id)` tokens; `decode(..., pos)` and
 `ForwardItem.pos_offset` must equal that length (the token goes right after what is
 cached). To rewrite history, `truncate_kv` first.
@@ -21,7 +31,7 @@ import abc
 import numbers
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from ferrum_mac.errors import (  # noqa: F401  (re-exported: the contract's errors)
     CacheStateError,
@@ -94,6 +104,26 @@ class ForwardItem:
     tokens: Sequence[int]
     pos_offset: int
     is_final: bool = True
+
+
+def is_token_id(value) -> bool:
+    """A whole number (int or a numpy integer); `True` and `False` are not token ids."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def host_tokens(cache_id: str, tokens) -> list:
+    """The ids a prompt-like argument (`prefill`, `forward_verify`, a `ForwardItem`) passes,
+    as a list; `check_call` checks each. A string or a single value is refused here, before
+    `list()` would split it into characters or fail with a `TypeError`."""
+    if not isinstance(tokens, (str, bytes)) and isinstance(tokens, Iterable):
+        try:
+            return list(tokens)
+        except TypeError:  # iterable in type only (a 0-d numpy array)
+            pass
+    raise FerrumError(
+        f"the tokens of sequence {cache_id!r} must be a list of token ids, not {type(tokens).__name__}; "
+        "encode the text with this model's tokenizer"
+    )
 
 
 def token_count(tokens) -> int:
@@ -171,8 +201,23 @@ class DecoderOnlyLLM(abc.ABC):
         """How many more KV tokens, over all sequences together, free memory holds; None when unknown."""
         return None
 
+    def kv_allocated_tokens(self) -> int | None:
+        """Token positions the KV buffers hold now, used or not; None when unknown."""
+        return None
+
+    def kv_used_tokens(self) -> int | None:
+        """Tokens the live caches hold now (every `kv_len` together); None when unknown."""
+        return None
+
+    def kv_tokens_for(self, lengths: Sequence[int]) -> int:
+        """Token positions the KV buffers would hold with sequences of `lengths` live at once:
+        what admitting them costs. The default is their sum (a cache per sequence, sized to
+        it); a pool whose buffers are shared (every slot as long as the longest) says more."""
+        return sum(lengths)
+
     def decode_batch(self, items: Sequence[DecodeItem]) -> Logits:
-        """One decode step for each item; returns `[len(items), vocab]` logits in item order."""
+        """One decode step for each item; returns `[len(items), vocab]` logits in item order.
+        An empty `items` raises `FerrumError` (there is no empty logits array to return)."""
         raise UnsupportedError(f"{type(self).__name__} has no batched decode; call decode() per sequence")
 
     def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> Logits:
@@ -180,7 +225,8 @@ class DecoderOnlyLLM(abc.ABC):
         raise UnsupportedError(f"{type(self).__name__} has no multi-token verify; call decode() per token")
 
     def unified_forward(self, items: Sequence[ForwardItem]) -> list[Logits | None]:
-        """One forward over decode steps and prefill chunks; `[vocab]` logits for final items, else None."""
+        """One forward over decode steps and prefill chunks; `[vocab]` logits for final items, else None.
+        An empty `items` raises `FerrumError`."""
         raise UnsupportedError(f"{type(self).__name__} has no unified forward; use prefill() and decode_batch()")
 
     def truncate_kv(self, cache_id: str, new_len: int) -> None:
@@ -199,20 +245,26 @@ class DecoderOnlyLLM(abc.ABC):
 
     # -- helpers for implementations --------------------------------------------------
 
+    device_array_types: tuple[type, ...] = ()  # the backend's device arrays, taken as lazy tokens
+
     def check_call(self, segments: Sequence[tuple[str, Any, int]]) -> None:
         """Validate the (cache_id, tokens, offset) parts of one call before any state changes:
-        the segments themselves (`check_segments`) and each one's host token ids."""
-        self.check_segments([(cache_id, token_count(tokens), offset) for cache_id, tokens, offset in segments])
+        each one's host token ids (`check_token_ids`), then the segments (`check_segments`)."""
         for cache_id, tokens, _ in segments:
             self.check_token_ids(cache_id, tokens)
+        self.check_segments([(cache_id, token_count(tokens), offset) for cache_id, tokens, offset in segments])
 
     def check_segments(self, segments: Sequence[tuple[str, int, int]]) -> None:
         """Validate the (cache_id, n_tokens, offset) parts of one call before any state changes:
-        tokens given, each sequence once, positions that continue its cache, room in it."""
+        at least one, tokens given, each sequence once, positions that continue its cache, room in it."""
+        if not segments:
+            raise FerrumError("the call names no sequence; pass at least one item")
         seen = set()
         for cache_id, n, offset in segments:
             if n < 1:
                 raise FerrumError(f"no tokens given for sequence {cache_id!r}; pass at least one token")
+            if not is_token_id(offset):
+                raise FerrumError(f"the position {offset!r} of sequence {cache_id!r} is not a whole number; pass kv_len()")
             if cache_id in seen:
                 raise CacheStateError(f"sequence {cache_id!r} appears twice in one batch; give each sequence one item")
             seen.add(cache_id)
@@ -225,11 +277,18 @@ class DecoderOnlyLLM(abc.ABC):
             self.check_capacity(cache_id, offset + n)
 
     def check_token_ids(self, cache_id: str, tokens) -> None:
-        """Refuse host ids outside the vocabulary (an embedding lookup past its end may crash).
-        A device array (a sampled token) is trusted: checking it would wait for it."""
-        if not isinstance(tokens, (numbers.Integral, Sequence)):
+        """Refuse host ids that are not whole numbers or lie outside the vocabulary (an
+        embedding lookup past its end may crash). A device array (`device_array_types`, a
+        sampled token) is not read, which would wait for it: the backend clips it instead."""
+        if isinstance(tokens, self.device_array_types):
             return
-        ids = [tokens] if isinstance(tokens, numbers.Integral) else tokens
+        ids = [tokens] if is_token_id(tokens) else host_tokens(cache_id, tokens)
+        if not all(map(is_token_id, ids)):
+            wrong = next(t for t in ids if not is_token_id(t))
+            raise FerrumError(
+                f"token {wrong!r:.40} of sequence {cache_id!r} is not a token id (a whole number); "
+                "encode the text with this model's tokenizer"
+            )
         vocab = self.config.vocab_size
         if ids and not (0 <= min(ids) and max(ids) < vocab):
             bad = next(int(t) for t in ids if not 0 <= t < vocab)

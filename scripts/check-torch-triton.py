@@ -103,7 +103,7 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     positions[-1] = context - 1
     columns = positions.clone()
     torch_pool, triton_pool = (pool(kv_heads, dim, FIRST + rows + 1, tokens) for _ in range(2))
-    triton_pool.kv.copy_(torch_pool.kv)
+    triton_pool.kv[0].copy_(torch_pool.kv[0])
     x = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
     norm = RmsNorm((1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE), EPS)
     qkv_weights = weight_copies(((heads + 2 * kv_heads) * dim, hidden), timed)
@@ -138,13 +138,13 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     triton_q = triton_ops.norm_rope_write(qkv, heads, weight, cos, sin, attn.eps, interleaved, triton_pool.kv[0], triton_plan.places)
     compare(f"{where} q", triton_q, q)
     torch_out = torch_block()
-    compare(f"{where} pool", triton_pool.kv, torch_pool.kv)
+    compare(f"{where} pool", triton_pool.kv[0], torch_pool.kv[0])
     compare(f"{where} attention", triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale), torch_out)
     compare(f"{where} attention, one split", triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale, splits=1), torch_out)
     compare(f"{where} attention block", triton_block(), torch_out)
     if triton_qkv.fits(dim, rows):
         compare(f"{where} norm+qkv+rope+write q", fused_qkv(), q)
-        compare(f"{where} norm+qkv+rope+write pool", triton_pool.kv, torch_pool.kv)
+        compare(f"{where} norm+qkv+rope+write pool", triton_pool.kv[0], torch_pool.kv[0])
         compare(f"{where} norm+qkv+rope+write q, K unsplit", fused_qkv(splits=1), q)
     gate_up = 2 * torch.randn(rows, 2 * width, device="cuda", dtype=DTYPE)
     compare(f"{where} swiglu", triton_ops.swiglu(gate_up), pointwise.torch_swiglu(gate_up))
@@ -272,7 +272,7 @@ def weight_copies(shape: tuple[int, int], timed: bool) -> list[torch.Tensor]:
 def pool(kv_heads: int, dim: int, slots: int, tokens: int) -> KvManager:
     kv = KvManager(1, kv_heads, dim, DTYPE, torch.device("cuda"), capacity=slots * tokens)
     kv._grow(slots, tokens)
-    kv.kv.normal_()
+    kv.kv[0].normal_()
     return kv
 
 

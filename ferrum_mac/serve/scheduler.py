@@ -4,8 +4,9 @@ Each step runs every decoding sequence's next token plus prefill chunks of newly
 ones under a token budget, as one `unified_forward` where the backend has it (else whole
 prefills, then one `decode_batch`, else one `decode` per sequence). A step with nothing to
 prefill is one `decode_batch`: the backends' fastest path (a replayed CUDA graph on torch). Requests are admitted
-first come, first served, while the batch has room and their KV (prompt plus max_tokens)
-fits what free memory held at start; a decoding sequence gets a token every step, so a
+first come, first served, while the batch has room and the KV the model would hold with
+them all at their full length (prompt plus max_tokens; the pool's whole shape) fits what
+free memory held at start; a decoding sequence gets a token every step, so a
 long prompt never stalls the others for more than one chunk.
 
 The thread owns the model. Clients talk to it only through `submit` (a queue) and
@@ -48,6 +49,8 @@ class SchedulerStats:
     active: int = 0
     waiting: int = 0
     kv_tokens: int = 0  # held by active sequences
+    kv_tokens_allocated: int = 0  # positions the model's KV buffers hold, used or not
+    kv_tokens_used: int = 0  # tokens every cache of the model holds (active sequences and any other)
     steps: int = 0
 
 
@@ -191,7 +194,7 @@ class Scheduler:
         while self._waiting and len(self._running) < self.max_batch:
             handle, timing = self._waiting[0]
             need = self._kv_need(handle.request)
-            if self._running and self.kv_budget is not None and self._reserved() + need > self.kv_budget:
+            if self._running and self.kv_budget is not None and self._kv_with(need) > self.kv_budget:
                 return  # first come, first served: later requests wait behind this one
             self._waiting.pop(0)
             request = handle.request
@@ -208,8 +211,11 @@ class Scheduler:
         answer = request.max_tokens or self.capacity
         return min(len(request.prompt_ids) + answer, self.capacity)
 
-    def _reserved(self) -> int:
-        return sum(seq.need for seq in self._running)
+    def _kv_with(self, need: int) -> int:
+        """KV positions the model would hold once a sequence of `need` tokens runs beside the
+        running ones, each at its full need: for a pool of equal slots that is every slot as
+        long as the longest, not the sum of the needs."""
+        return self.model.kv_tokens_for([seq.need for seq in self._running] + [need])
 
     def _step_or_fail(self) -> None:
         try:
@@ -349,3 +355,5 @@ class Scheduler:
         self.stats.active = len(self._running)
         self.stats.waiting = len(self._waiting) + self._inbox.qsize()
         self.stats.kv_tokens = sum(self.model.kv_len(s.cache_id) for s in self._running)
+        self.stats.kv_tokens_allocated = self.model.kv_allocated_tokens() or 0
+        self.stats.kv_tokens_used = self.model.kv_used_tokens() or 0

@@ -40,7 +40,7 @@ def random_pool(kv_heads: int, dim: int, slots: int, tokens: int, dtype: torch.d
     torch.manual_seed(seed)
     pool = KvManager(1, kv_heads, dim, dtype, DEVICE, capacity=slots * tokens)
     pool._grow(slots, tokens)
-    pool.kv.normal_()
+    pool.kv[0].normal_()
     return pool
 
 
@@ -132,7 +132,7 @@ def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_hea
     pool = random_pool(kv_heads, dim, 5, tokens, dtype, seed=2)
     positions = torch.tensor([0, 149, 64], device=DEVICE)  # one key; three blocks, the last partial; one past a block
     for i, pos in enumerate(positions.tolist()):  # what a row must not read: NaN would spread
-        pool.kv[0, :, first + i, :, pos + 1 :] = float("nan")
+        pool.kv[0][:, first + i, :, pos + 1 :] = float("nan")
     q = torch.randn(len(positions), heads, dim, device=DEVICE).to(dtype)
 
     out = triton_ops.decode_attention(q, pool.kv[0], first, positions, dim**-0.5, splits=splits)

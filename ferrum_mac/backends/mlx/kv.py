@@ -2,11 +2,11 @@
 buffer and one value buffer per layer, with a slot for each `cache_id` (the bookkeeping is
 `SlotPool`'s).
 
-Writes are in-place slice updates. The pool grows in steps of `GROW_STEP` tokens (unless
-`prepare` sized it up front) and doubles its slots when every one is taken; a released
-sequence's slot goes back to a free list that new sequences take first. Keeping every
-sequence in one buffer lets a batched decode write and attend all of them with one
-operation each, instead of one per sequence.
+Writes are in-place slice updates. The pool grows and shrinks as `SlotPool` says; a
+reallocation goes layer by layer, each new buffer computed and the old one freed (MLX's
+buffer cache cleared) before the next, so it holds the old and the new pool at once only
+for one layer. Keeping every sequence in one buffer lets a batched decode write and
+attend all of them with one operation each, instead of one per sequence.
 """
 
 from __future__ import annotations
@@ -38,15 +38,20 @@ class KvManager(SlotPool):
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
 
-    def _resize(self, slots: int, tokens: int) -> None:
+    def _resize(self, slots: int, tokens: int, keep: list[int]) -> None:
         shape = (slots, self.kv_heads, tokens, self.head_dim)
+        n, copied = len(keep), min(tokens, self.tokens)
+        rows = slice(0, n) if keep == list(range(n)) else mx.array(keep)
         for buffers in (self.keys, self.values):
-            for layer, old in enumerate(buffers):
+            for layer in range(self.num_layers):
                 fresh = mx.zeros(shape, dtype=self.dtype)
-                if old is not None and self.slots and self.tokens:
-                    fresh[: self.slots, :, : self.tokens, :] = old
+                old = buffers[layer]
+                if old is not None and n and copied:
+                    fresh[:n, :, :copied, :] = old[rows, :, :copied, :]
+                mx.eval(fresh)
                 buffers[layer] = fresh
-        mx.eval(self.arrays())
+                del old
+                mx.clear_cache()  # MLX keeps freed buffers for reuse; the old layer's must go now
 
     def batch_index(self, slots: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Where a batched write puts sequence b's key: slot `slots[b]`, every head, token
@@ -67,3 +72,4 @@ class KvManager(SlotPool):
     def _drop(self) -> None:
         self.keys = [None] * self.num_layers
         self.values = [None] * self.num_layers
+        mx.clear_cache()

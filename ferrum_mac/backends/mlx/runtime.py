@@ -2,7 +2,9 @@
 
 Every method is one call of `_forward` over a list of (cache, tokens, offset) segments:
 prefill and decode are one segment, `decode_batch` many one-token segments,
-`unified_forward` a mix. All checks run before any cache changes.
+`unified_forward` a mix. All checks run before any cache changes; device tokens (not
+checked: that would wait for them) are clipped into the vocabulary before the embedding
+lookup, which would read out of bounds and crash the process otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
 from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
-from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_within
+from ferrum_mac.llm import (
+    KV_MEMORY_SHARE,
+    DecodeItem,
+    DecoderOnlyLLM,
+    ForwardItem,
+    LlmRuntimeConfig,
+    Token,
+    host_tokens,
+    kv_capacity_within,
+)
 from ferrum_mac.weights import Checkpoint
 
 PREFILL_CHUNK = 2048  # longer prompts run in chunks so activations stay bounded
@@ -57,6 +68,8 @@ def dequantize_on_cpu(checkpoint: Checkpoint, dtype: mx.Dtype) -> bool:
 
 
 class MlxLLM(DecoderOnlyLLM):
+    device_array_types = (mx.array,)
+
     def __init__(self, checkpoint: Checkpoint, dtype: str | None = None):
         c = checkpoint.config
         family = FAMILIES.get(c.model_type)
@@ -97,8 +110,17 @@ class MlxLLM(DecoderOnlyLLM):
     def kv_len(self, cache_id: str) -> int:
         return self.kv.length(cache_id)
 
+    def kv_allocated_tokens(self) -> int:
+        return self.kv.allocated_tokens
+
+    def kv_used_tokens(self) -> int:
+        return self.kv.used_tokens
+
+    def kv_tokens_for(self, lengths: Sequence[int]) -> int:
+        return self.kv.allocation_for(lengths)
+
     def prefill(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
-        tokens = list(tokens)
+        tokens = host_tokens(cache_id, tokens)
         offset = self.kv.length(cache_id)
         self.check_call([(cache_id, tokens, offset)])
         for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
@@ -119,13 +141,13 @@ class MlxLLM(DecoderOnlyLLM):
         return self.model.logits(self._forward(segments))[0]
 
     def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
-        tokens = list(tokens)
+        tokens = host_tokens(cache_id, tokens)
         offset = self.kv.length(cache_id)
         self.check_call([(cache_id, tokens, offset)])
         return self.model.logits(self._forward([(cache_id, tokens, offset)]))[0]
 
     def unified_forward(self, items: Sequence[ForwardItem]) -> list[mx.array | None]:
-        segments = [(it.cache_id, list(it.tokens), it.pos_offset) for it in items]
+        segments = [(it.cache_id, host_tokens(it.cache_id, it.tokens), it.pos_offset) for it in items]
         self.check_call(segments)
         h = self._forward(segments)
         ends, row = [], 0
@@ -139,7 +161,7 @@ class MlxLLM(DecoderOnlyLLM):
         return [next(logits) if it.is_final else None for it in items]
 
     def prepare(self, cache_id: str, max_tokens: int) -> None:
-        self.kv.reserve(self.kv.acquire(cache_id), min(max(1, max_tokens), self._capacity))
+        self.kv.prepare(cache_id, min(max(1, max_tokens), self._capacity))
         warm = min(8, self._capacity - 1)
         if warm >= 1:
             logits = self.prefill(WARMUP_ID, [0] * warm)
@@ -170,7 +192,7 @@ class MlxLLM(DecoderOnlyLLM):
     def _forward(self, segments: list[tuple[str, object, int]]) -> mx.array:
         plan_segments, token_parts, start = [], [], 0
         for cache_id, tokens, offset in segments:
-            ids = as_token_array(tokens)
+            ids = as_token_array(tokens, self._config.vocab_size)
             cache = self.kv.acquire(cache_id)
             self.kv.reserve(cache, offset + ids.size)
             plan_segments.append(Segment(cache, start, ids.size, offset))
@@ -183,13 +205,16 @@ class MlxLLM(DecoderOnlyLLM):
         return h
 
 
-def as_token_array(tokens) -> mx.array:
+def as_token_array(tokens, vocab_size: int) -> mx.array:
+    """Checked host ids, or a device array clipped into the vocabulary (negative ids wrap
+    to large ones as uint32, so they clip to the last id)."""
     if isinstance(tokens, mx.array):
         tokens = tokens if tokens.ndim == 1 else tokens.reshape(-1)
-        return tokens if tokens.dtype == mx.uint32 else tokens.astype(mx.uint32)
+        tokens = tokens if tokens.dtype == mx.uint32 else tokens.astype(mx.uint32)
+        return mx.minimum(tokens, vocab_size - 1)
     if isinstance(tokens, numbers.Integral):  # int or a numpy integer
         return mx.array([int(tokens)], dtype=mx.uint32)
-    return mx.array(list(tokens), dtype=mx.uint32)
+    return mx.array([int(t) for t in tokens], dtype=mx.uint32)  # int(): MLX takes no numpy scalars in a list
 
 
 def model_arrays(obj, seen: set | None = None) -> list[mx.array]:

@@ -2,7 +2,9 @@
 
 Prefill, verify and mixed batches are one eager forward over a `Plan` of segments. Decode
 steps (`decode`, `decode_batch`) run as a `DecodeStep` of fixed shapes, captured as a CUDA
-graph on a GPU. All checks run before any cache changes.
+graph on a GPU. All checks run before any cache changes; device tokens (not checked: that
+would wait for them) are clipped into the vocabulary inside the decode step (`steps.py`), as
+an embedding lookup past its end is a device assert that ends the CUDA context.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from ferrum_mac.backends.torch.models import FAMILIES
 from ferrum_mac.backends.torch.steps import DecodeSteps
 from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
 from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
-from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Token, kv_capacity_within
+from ferrum_mac.llm import (
+    DecodeItem,
+    DecoderOnlyLLM,
+    ForwardItem,
+    LlmRuntimeConfig,
+    Token,
+    host_tokens,
+    kv_capacity_within,
+)
 from ferrum_mac.weights import Checkpoint
 
 PREFILL_CHUNK = 2048  # longer prompts run in chunks so activations stay bounded
@@ -47,6 +57,8 @@ def run_of_slots(slots: list[int], pool_slots: int) -> tuple[int, int]:
 
 
 class TorchLLM(DecoderOnlyLLM):
+    device_array_types = (torch.Tensor,)
+
     def __init__(self, checkpoint: Checkpoint, dtype: str | None = None, device: str | torch.device | None = None):
         c = checkpoint.config
         family = FAMILIES.get(c.model_type)
@@ -82,12 +94,20 @@ class TorchLLM(DecoderOnlyLLM):
     def kv_len(self, cache_id: str) -> int:
         return self.kv.length(cache_id)
 
+    def kv_allocated_tokens(self) -> int:
+        return self.kv.allocated_tokens
+
+    def kv_used_tokens(self) -> int:
+        return self.kv.used_tokens
+
+    def kv_tokens_for(self, lengths: Sequence[int]) -> int:
+        return self.kv.allocation_for(lengths)
+
     @torch.inference_mode()
     def prefill(self, cache_id: str, tokens: Sequence[int]) -> torch.Tensor:
-        tokens = list(tokens)
+        tokens = host_tokens(cache_id, tokens)
         offset = self.kv.length(cache_id)
-        self.check_segments([(cache_id, len(tokens), offset)])
-        self.check_token_ids(cache_id, tokens)
+        self.check_call([(cache_id, tokens, offset)])
         for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
             self._forward([(cache_id, tokens[start : start + PREFILL_CHUNK], offset + start)])
         last = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
@@ -99,9 +119,7 @@ class TorchLLM(DecoderOnlyLLM):
 
     @torch.inference_mode()
     def decode_batch(self, items: Sequence[DecodeItem]) -> torch.Tensor:
-        self.check_segments([(it.cache_id, 1, it.pos) for it in items])
-        for it in items:
-            self.check_token_ids(it.cache_id, it.token)
+        self.check_call([(it.cache_id, it.token, it.pos) for it in items])
         caches = [self.kv.acquire(it.cache_id) for it in items]
         for cache, it in zip(caches, items):
             self.kv.reserve(cache, it.pos + 1)
@@ -118,18 +136,15 @@ class TorchLLM(DecoderOnlyLLM):
 
     @torch.inference_mode()
     def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> torch.Tensor:
-        tokens = list(tokens)
+        tokens = host_tokens(cache_id, tokens)
         offset = self.kv.length(cache_id)
-        self.check_segments([(cache_id, len(tokens), offset)])
-        self.check_token_ids(cache_id, tokens)
+        self.check_call([(cache_id, tokens, offset)])
         return self.model.logits(self._forward([(cache_id, tokens, offset)]))
 
     @torch.inference_mode()
     def unified_forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor | None]:
-        segments = [(it.cache_id, list(it.tokens), it.pos_offset) for it in items]
-        self.check_segments([(cid, len(toks), pos) for cid, toks, pos in segments])
-        for cid, toks, _ in segments:
-            self.check_token_ids(cid, toks)
+        segments = [(it.cache_id, host_tokens(it.cache_id, it.tokens), it.pos_offset) for it in items]
+        self.check_call(segments)
         h = self._forward(segments)
         ends, row = [], 0
         for it in items:
@@ -146,8 +161,7 @@ class TorchLLM(DecoderOnlyLLM):
         """Size `cache_id`'s buffer, then warm up on it: a short prefill and one decode step past
         what it holds (captured as its CUDA graph), cut off again. Graphs belong to a cache's
         buffer, so a throw-away cache would warm up nothing the sequence uses."""
-        cache = self.kv.acquire(cache_id)
-        self.kv.reserve(cache, min(max(1, max_tokens), self._capacity))
+        cache = self.kv.prepare(cache_id, min(max(1, max_tokens), self._capacity))
         held = cache.length
         warm = min(WARMUP_TOKENS, cache.allocated - held - 1)
         if warm >= 1:

@@ -78,7 +78,10 @@ class DecodeStep:
     def forward(self) -> torch.Tensor:
         with decode_step():
             plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype, self.base_places)
-            return self.model.logits(self.model.hidden(self.tokens, plan))
+            # device tokens are never read on the host: clip them so an id past the vocabulary
+            # cannot index past the embedding (a device assert that ends the CUDA context)
+            tokens = self.tokens.clamp(0, self.model.config.vocab_size - 1)
+            return self.model.logits(self.model.hidden(tokens, plan))
 
     def capture(self) -> None:
         try:

@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ferrum_mac.errors import CorruptModelError
+from ferrum_mac.weights.config import read_json_object
 from ferrum_mac.weights.gguf_header import read_gguf_info
 from ferrum_mac.weights.safetensors import read_header
 
@@ -41,8 +43,8 @@ def format_and_quant(path: Path) -> tuple[str, str]:
 def describe(path: Path) -> ModelFacts:
     if path.suffix == ".gguf":
         return _describe_gguf(path)
-    config = read_config(path)
-    text_config = config.get("text_config") or config
+    config = read_config(path, strict=True)
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     return ModelFacts(
         format=_format(config),
         quantization=_quantization(config),
@@ -54,17 +56,29 @@ def describe(path: Path) -> ModelFacts:
     )
 
 
-def read_config(folder: Path) -> dict:
+def read_config(folder: Path, strict: bool = False) -> dict:
+    """The folder's config.json ({} when there is none); a damaged one is {} too, or with
+    `strict` a one-line CorruptModelError (`ferrum show` says what is wrong, `ferrum list` moves on)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return {}
     try:
-        return json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+        return read_json_object(path)
+    except CorruptModelError:
+        if strict:
+            raise
         return {}
 
 
 def is_language_model(config: dict) -> bool:
     """True for the configs of text generators (decoder LMs), not encoders or vision models."""
-    architectures = config.get("architectures") or []
-    return any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in architectures)
+    return any(isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+               for a in _architectures(config))
+
+
+def _architectures(config: dict) -> list:
+    architectures = config.get("architectures")
+    return architectures if isinstance(architectures, list) else []
 
 
 def _format(config: dict) -> str:
@@ -84,7 +98,7 @@ def _quantization(config: dict) -> str:
 
 
 def _architecture(config: dict) -> str | None:
-    architectures = config.get("architectures") or []
+    architectures = _architectures(config)
     model_type = config.get("model_type")
     if architectures and model_type:
         return f"{architectures[0]} ({model_type})"

@@ -53,8 +53,8 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         try:
             self._template = _compile(source)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the model's chat template does not compile ({e}); fix or replace it") from None
+        except (jinja2.TemplateError, RecursionError, TypeError, ValueError) as e:
+            raise ChatTemplateError(f"the model's chat template does not compile ({_one_line(e)}); fix or replace it") from None
 
     def render(
         self,
@@ -77,7 +77,16 @@ class ChatTemplate:
                 **variables,
             )
         except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template refused this conversation: {e}") from None
+            raise ChatTemplateError(f"the chat template refused this conversation: {_one_line(e)}") from None
+        except Exception as e:  # noqa: BLE001  the template is the model's code: whatever it raises fails this render
+            raise ChatTemplateError(
+                f"the chat template failed on this conversation ({type(e).__name__}: {_one_line(e)})"
+            ) from None
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__
 
 
 def _template_message(message: Mapping[str, Any]) -> dict:

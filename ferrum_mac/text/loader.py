@@ -9,7 +9,6 @@ all of it in its metadata.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import tokenizers
@@ -20,6 +19,7 @@ from ferrum_mac.text.gguf_vocab import read_gguf_metadata, tokenizer_from_gguf
 from ferrum_mac.text.hf_tokenizer import HfTokenizer
 from ferrum_mac.text.spm_tokenizer import SentencePieceTokenizer
 from ferrum_mac.text.tokenizer import Tokenizer
+from ferrum_mac.weights.config import read_json_object
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _GGUF_TEMPLATE = "tokenizer.chat_template"
@@ -50,8 +50,11 @@ def chat_templates(path: str | Path) -> dict[str, str]:
     path = _existing(path)
     if path.is_file():
         meta = _gguf_metadata(path)
-        templates = {k[len(_GGUF_TEMPLATE) + 1 :]: v for k, v in meta.items() if k.startswith(_GGUF_TEMPLATE + ".")}
-        if _GGUF_TEMPLATE in meta:
+        templates = {
+            k[len(_GGUF_TEMPLATE) + 1 :]: v
+            for k, v in meta.items() if k.startswith(_GGUF_TEMPLATE + ".") and isinstance(v, str)
+        }
+        if isinstance(meta.get(_GGUF_TEMPLATE), str):
             templates["default"] = meta[_GGUF_TEMPLATE]
         return templates
     templates = _named_templates(_read_json(path / "tokenizer_config.json").get("chat_template"))
@@ -59,9 +62,9 @@ def chat_templates(path: str | Path) -> dict[str, str]:
         templates = _named_templates(_read_json(path / "chat_template.json").get("chat_template"))
     extra = path / "additional_chat_templates"
     if extra.is_dir():
-        templates.update({f.stem: f.read_text(encoding="utf-8") for f in sorted(extra.glob("*.jinja"))})
+        templates.update({f.stem: _read_template(f) for f in sorted(extra.glob("*.jinja"))})
     if (path / "chat_template.jinja").is_file():
-        templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        templates["default"] = _read_template(path / "chat_template.jinja")
     return templates
 
 
@@ -109,7 +112,7 @@ def _generation_eos_ids(folder: Path) -> list[int]:
     ids = []
     for name in ("generation_config.json", "config.json"):
         value = _read_json(folder / name).get("eos_token_id")
-        ids += value if isinstance(value, list) else [value] if isinstance(value, int) else []
+        ids += [v for v in (value if isinstance(value, list) else [value]) if type(v) is int]
     return ids
 
 
@@ -117,18 +120,24 @@ def _named_templates(value) -> dict[str, str]:
     if isinstance(value, str):
         return {"default": value}
     if isinstance(value, list):
-        return {t["name"]: t["template"] for t in value if isinstance(t, dict) and "name" in t and "template" in t}
+        return {
+            t["name"]: t["template"]
+            for t in value if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+        }
     return {}
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
+    return read_json_object(path) if path.is_file() else {}
+
+
+def _read_template(path: Path) -> str:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CorruptModelError(f"{path} is not valid JSON ({e}); download it again") from None
-    return value if isinstance(value, dict) else {}
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CorruptModelError(f"{path} is not UTF-8 text; download it again") from None
+    except OSError as e:
+        raise CorruptModelError(f"{path} cannot be read ({e.strerror or e}); download it again") from None
 
 
 def _existing(path: str | Path) -> Path:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,11 +56,24 @@ class ModelConfig:
         return {"group_size": q["group_size"], "bits": q["bits"]}
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A model's JSON file (config.json and the like), which must hold an object; otherwise a
+    one-line CorruptModelError that says what is wrong with it."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CorruptModelError(f"{path} is not UTF-8 text; re-download the model") from None
     except json.JSONDecodeError as e:
         raise CorruptModelError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-download the model") from None
+    except RecursionError:
+        raise CorruptModelError(f"{path} is nested too deeply to be a model's JSON; re-download the model") from None
+    except OSError as e:  # a dangling or looping symlink, no permission
+        raise CorruptModelError(f"{path} cannot be read ({e.strerror or e}); re-download the model") from None
+    if not isinstance(value, dict):
+        raise CorruptModelError(
+            f"{path} holds a JSON {type(value).__name__}, not an object; re-download the model or fix the file"
+        )
+    return value
 
 
 def _rope_settings(raw: dict) -> tuple[float, dict | None]:
@@ -124,13 +139,51 @@ def config_from_hf(folder: Path) -> ModelConfig:
     if not path.is_file():
         raise ModelNotFoundError(f"{folder} has no config.json; point at a model folder or a .gguf file")
     generation_path = folder / "generation_config.json"
-    generation = _read_json(generation_path) if generation_path.is_file() else {}
-    return config_from_dict(_read_json(path), generation, str(path))
+    generation = read_json_object(generation_path) if generation_path.is_file() else {}
+    return config_from_dict(read_json_object(path), generation, str(path))
 
 
 def config_from_dict(raw: dict, generation: dict | None = None, where: str = "config.json") -> ModelConfig:
     """A `ModelConfig` from a Hugging Face config dict (and its generation config)."""
-    generation = generation or {}
+    with wrong_types_are_corrupt(where):
+        return check_sizes(_config_from_dict(raw, generation or {}, where), where)
+
+
+@contextmanager
+def wrong_types_are_corrupt(where: str):
+    """A config value of the wrong type (a list where a number belongs, an object where a list
+    does) fails wherever it is first used; say which file is at fault, in one line."""
+    try:
+        yield
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as e:
+        raise CorruptModelError(f"{where} has a value of the wrong type ({e}); re-download the model or fix it") from None
+
+
+def check_sizes(config: ModelConfig, where: str) -> ModelConfig:
+    """Refuse sizes no model has (missing, zero, negative, not integers) before a backend builds from them."""
+    sizes = {
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "num_layers": config.num_layers,
+        "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+    for name, value in sizes.items():
+        if type(value) is not int or value <= 0:
+            raise _impossible(where, name, value)
+    if type(config.intermediate_size) is not int or config.intermediate_size < 0:  # 0: none given (MoE)
+        raise _impossible(where, "intermediate_size", config.intermediate_size)
+    if config.num_heads % config.num_kv_heads:
+        raise CorruptModelError(f"{where}: {config.num_heads} attention heads cannot share {config.num_kv_heads} kv heads")
+    for name in ("rope_theta", "rms_norm_eps"):
+        if not math.isfinite(getattr(config, name)) or getattr(config, name) < 0:
+            raise _impossible(where, name, getattr(config, name))
+    return config
+
+
+def _impossible(where: str, name: str, value) -> CorruptModelError:
+    return CorruptModelError(f"{where} gives {name} = {str(value)[:40]}, which no model has; re-download the model")
+
+
+def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
     model_type = raw.get("model_type", "")
     check_model_type(model_type, where)
     theta, scaling = _rope_settings(raw)
@@ -146,7 +199,7 @@ def config_from_dict(raw: dict, generation: dict | None = None, where: str = "co
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=_exact_context(raw),

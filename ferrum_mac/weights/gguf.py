@@ -12,7 +12,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
-from ferrum_mac.weights.config import ModelConfig, check_model_type
+from ferrum_mac.weights.config import ModelConfig, check_model_type, check_sizes, wrong_types_are_corrupt
 from ferrum_mac.weights.gguf_header import GgufInfo, cached_gguf_info
 
 # ggml type -> MLX quantization (None: dense)
@@ -57,6 +57,11 @@ def _scalar(meta: dict, key: str, default=None):
 
 
 def config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bool, token_count: int = 0) -> ModelConfig:
+    with wrong_types_are_corrupt(str(path)):
+        return check_sizes(_config_from_gguf(path, meta, quantization, has_output, token_count), str(path))
+
+
+def _config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bool, token_count: int) -> ModelConfig:
     arch_name = _scalar(meta, "general.architecture", "")
     model_type = ARCHITECTURES.get(arch_name, arch_name)
     check_model_type(model_type, str(path))

@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ferrum_mac.errors import CorruptModelError
+from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
 
 # ggml tensor type ids -> names (the ones seen in published files)
 TYPES = {
@@ -39,6 +39,10 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 DEFAULT_ALIGNMENT = 32
+VERSIONS = (2, 3)  # 1 had 32-bit counts and lengths: another layout
+MAX_DIMS = 4  # GGML_MAX_DIMS
+# The fewest bytes a metadata entry, a tensor entry and a string or array item take.
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES, _MIN_ITEM_BYTES = 8 + 4, 8 + 4 + 4 + 8, 8
 
 
 @dataclass(frozen=True)
@@ -98,8 +102,11 @@ class _Parser:
         self.pos = 4
 
     def info(self) -> GgufInfo:
-        self.u32()  # version
+        self.check_version(self.u32())
         tensor_count, kv_count = self.u64(), self.u64()
+        # A damaged count would send the loops below through the whole file, one field at a time.
+        self.check_fits(kv_count, _MIN_KV_BYTES)
+        self.check_fits(tensor_count, _MIN_TENSOR_BYTES)
         metadata, lengths = {}, {}
         for _ in range(kv_count):
             key = self.string()
@@ -113,7 +120,10 @@ class _Parser:
         tensors, relative = [], {}
         for _ in range(tensor_count):
             name = self.string()
-            shape = tuple(self.u64() for _ in range(self.u32()))[::-1]
+            dims = self.u32()
+            if dims > MAX_DIMS:
+                raise CorruptModelError(f"{self.path}: tensor {name[:80]!r} claims {dims} dimensions; the file is damaged")
+            shape = tuple(self.u64() for _ in range(dims))[::-1]
             type_id = self.u32()
             kind = TYPES.get(type_id, f"type {type_id}")
             relative[name] = self.u64()
@@ -128,6 +138,23 @@ class _Parser:
                 per_block, block_bytes = BLOCKS[kind]
                 data_end = max(data_end, offsets[name] + -(-math.prod(shape) // per_block) * block_bytes)
         return GgufInfo(metadata, tensors, offsets, lengths, data_end)
+
+    def check_version(self, version: int) -> None:
+        if version in VERSIONS:
+            return
+        if int.from_bytes(version.to_bytes(4, "little"), "big") in VERSIONS:
+            raise UnsupportedModelError(f"{self.path} is a big-endian GGUF; ferrum reads little-endian GGUF files")
+        if not 0 < version < 256:  # no GGUF was ever written so; the header is damaged
+            raise CorruptModelError(f"{self.path} has GGUF version {version}, which no GGUF file has; download it again")
+        raise UnsupportedModelError(
+            f"{self.path} is GGUF version {version}; ferrum reads versions {' and '.join(map(str, VERSIONS))} "
+            "(convert the model again with a current llama.cpp)"
+        )
+
+    def check_fits(self, count: int, item_bytes: int) -> None:
+        """`count` items of at least `item_bytes` each must fit in what is left of the file."""
+        if count * item_bytes > self.size - self.pos:
+            raise _truncated(self.path)
 
     def u32(self) -> int:
         value = _U32.unpack_from(self.buf, self.pos)[0]
@@ -163,11 +190,11 @@ class _Parser:
         item_kind, count = self.u32(), self.u64()
         if item_kind in _SCALARS:
             width = struct.calcsize("<" + _SCALARS[item_kind])
-            if self.pos + width * count > self.size:
-                raise _truncated(self.path)
+            self.check_fits(count, width)
             value = list(struct.unpack_from(f"<{count}{_SCALARS[item_kind]}", self.buf, self.pos)) if self.arrays else None
             self.pos += width * count
             return value, count
+        self.check_fits(count, _MIN_ITEM_BYTES)
         if item_kind == _STRING:
             return self.strings(count), count
         items = [self.array()[0] if item_kind == _ARRAY else self.value(item_kind) for _ in range(count)]
@@ -178,6 +205,8 @@ class _Parser:
         if not self.arrays:
             for _ in range(count):
                 pos += 8 + unpack(buf, pos)[0]
+                if pos > self.size:  # a damaged length: stop before it points past what an offset can hold
+                    raise _truncated(self.path)
             value = None
         else:
             raw = []
@@ -185,6 +214,8 @@ class _Parser:
             for _ in range(count):
                 start = pos + 8
                 pos = start + unpack(buf, pos)[0]
+                if pos > self.size:
+                    raise _truncated(self.path)
                 append(buf[start:pos])
             # One decode for all of them: joined by newlines when none contains one.
             joined = b"\n".join(raw)

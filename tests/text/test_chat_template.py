@@ -68,6 +68,19 @@ def test_sandbox_refuses_attribute_escapes():
         ChatTemplate("{{ messages.append(1) }}").render([])  # immutable sandbox
 
 
+@pytest.mark.parametrize("source, error", [
+    ("{% for i in range(10 ** 9) %}{% endfor %}", "OverflowError: Range too big"),  # the sandbox's range limit
+    ("{{ messages.append(1) }}", "is unsafe"),  # the sandbox's SecurityError
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    ("{{ messages[0].content + 5 }}", "TypeError"),
+])
+def test_whatever_a_template_raises_is_a_one_line_error(source, error):
+    with pytest.raises(ChatTemplateError, match="the chat template") as info:
+        ChatTemplate(source).render(MESSAGES)
+    assert error in str(info.value) and "\n" not in str(info.value)
+
+
 def test_a_template_that_does_not_compile_is_a_clear_error():
     with pytest.raises(ChatTemplateError, match="does not compile"):
         ChatTemplate("{% for m in messages %}")

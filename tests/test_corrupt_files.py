@@ -200,6 +200,22 @@ def test_weights_behind_a_looping_link(tiny_copy):
     refused(CorruptModelError, tiny_copy)
 
 
+def test_a_gguf_behind_a_dangling_or_looping_link(tiny_gguf, tmp_path):
+    folder = tmp_path / "gguf-model"
+    folder.mkdir()
+    link = folder / "model.gguf"
+    os.symlink(tmp_path / "gone.gguf", link)
+    for path in (link, folder):
+        assert "link to a file that is missing" in refused(CorruptModelError, path)
+    link.unlink()
+    os.symlink(link, link)  # a link to itself
+    for path in (link, folder):
+        assert "loop of links" in refused(CorruptModelError, path)
+    with pytest.raises(CorruptModelError, match="cannot be read") as err:
+        describe(link)  # what `ferrum show` prints
+    one_line(err.value)
+
+
 def test_a_dangling_index_shard(tiny_copy):
     weights = tiny_copy / "model.safetensors"
     index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in split_safetensors(weights)[0]}}

@@ -73,6 +73,14 @@ def exists(path: Path) -> bool:
         return False
 
 
+def is_broken_link(path: Path) -> bool:
+    """A symlink whose target is missing, or a loop of links."""
+    try:
+        return path.is_symlink() and not path.exists()
+    except OSError:
+        return False
+
+
 def inside(root: Path, path: Path) -> Path:
     """`path`, once sure it resolves (symlinks followed, `..` applied) to `root` or a path under it;
     else FerrumError. Check a path before anything writes to it or through it."""

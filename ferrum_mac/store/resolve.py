@@ -7,7 +7,7 @@ from pathlib import Path
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.store.aliases import BundledRef, parse_name
 from ferrum_mac.store.local import bundled_model, cached_model
-from ferrum_mac.store.paths import exists, shown
+from ferrum_mac.store.paths import exists, is_broken_link, shown
 from ferrum_mac.store.progress import PullProgress
 
 
@@ -20,7 +20,7 @@ def resolve_model(name: str | Path, backend: str = "mlx", pull: bool = True, pro
     """
     text = str(name)
     path = Path(text).expanduser()
-    if exists(path):
+    if exists(path) or is_broken_link(path):  # the loader says what is wrong with a broken one
         return path
     if _looks_like_path(text):
         raise ModelNotFoundError(f"{shown(text)} does not exist; give a model folder, a .gguf file or a model name")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ferrum_mac.errors import ModelNotFoundError
+from ferrum_mac.errors import CorruptModelError, ModelNotFoundError
 from ferrum_mac.weights.config import SUPPORTED_TYPES, ModelConfig, config_from_dict, config_from_hf
 
 __all__ = ["Checkpoint", "ModelConfig", "SUPPORTED_TYPES", "config_from_dict", "load_checkpoint"]
@@ -31,10 +31,12 @@ def find_gguf(folder: Path) -> Path | None:
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"{path} does not exist; give a model folder, a .gguf file or a model name")
     if path.is_dir() and not (path / "config.json").is_file() and find_gguf(path):
         path = find_gguf(path)
+    if path.is_symlink() and not path.exists():
+        raise CorruptModelError(f"{path} is a link to a file that is missing (or a loop of links); fix the link or download it again")
+    if not path.exists():
+        raise ModelNotFoundError(f"{path} does not exist; give a model folder, a .gguf file or a model name")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(f"{path} is not a model; give a model folder (with config.json) or a .gguf file")

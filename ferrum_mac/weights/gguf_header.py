@@ -68,7 +68,11 @@ class GgufInfo:
 
 def read_gguf_info(path: str | Path, arrays: bool = False) -> GgufInfo:
     """The header of the GGUF file at `path`; `arrays`: decode metadata arrays too (as lists)."""
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:  # a dangling or looping link, no permission
+        raise CorruptModelError(f"{path} cannot be read ({e.strerror or e}); fix the link or download it again") from None
+    with f:
         size = os.fstat(f.fileno()).st_size
         if size < 4 or f.read(4) != b"GGUF":
             raise CorruptModelError(f"{path} is not a GGUF file; download it again")

@@ -184,13 +184,13 @@ def test_fallback_defaults_hold_back_repetition_and_runaway_answers(stories, tmp
 
 
 def test_the_bundled_model_names_paris_at_its_default_sampling(smollm2):
-    """The README's first question, at the bundled model's default sampling, over 8 seeds.
-    At the old default (temperature 0.7) a third of the answers were about something else;
-    at its card's temperature 0.2 one seed in eight or so still starts "L'Étoile ..." (the
-    Q4_1 file puts nearly as much weight on "L" as on "The"), so one miss is allowed."""
+    """The README's first question, at the bundled model's default sampling, over 16 seeds.
+    At the old default (temperature 0.7) 6 of these 16 answers missed Paris; at its card's
+    temperature 0.2 about one in eight still starts "L'Étoile ..." (the Q4_1 file puts nearly
+    as much weight on "L" as on "The"), so a few misses are allowed."""
     answers = []
-    for seed in range(8):
+    for seed in range(16):
         conv = smollm2.conversation(sampling=smollm2.default_sampling.replace(seed=seed), max_tokens=24, prepare=False)
         answers.append("".join(e.text for e in conv.send("What is the capital of France?") if isinstance(e, TextDelta)))
         conv.close()
-    assert sum("Paris" in a for a in answers) >= 7, answers
+    assert sum("Paris" in a for a in answers) >= 12, answers

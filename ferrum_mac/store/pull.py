@@ -56,7 +56,7 @@ def pull_repo(ref: RepoRef, name: str, progress: PullProgress) -> Path:
 
 def remote_files(info, ref: RepoRef) -> list[RemoteFile]:
     """The repository files the model needs, with the sizes and hashes the Hub reports."""
-    siblings = {s.rfilename: s for s in info.siblings or []}
+    siblings = {s.rfilename: s for s in info.siblings or [] if isinstance(s.rfilename, str)}
     chosen = needed_files(sorted(siblings), ref.gguf_quant, str(ref))
     return [_remote_file(siblings[path]) for path in chosen]
 
@@ -67,9 +67,12 @@ def _remote_file(sibling) -> RemoteFile:
     if not is_hash(sibling.blob_id) or (lfs and not is_hash(lfs.sha256)):
         # the ids become file names in the cache: never let a server choose a path
         raise FerrumError(f"the Hub sent no valid hash for {shown(path)}; is HF_ENDPOINT a Hugging Face Hub?")
+    size = lfs.size if lfs else (sibling.size or 0)
+    if type(size) is not int or size < 0:
+        raise FerrumError(f"the Hub sent no valid size for {shown(path)}; is HF_ENDPOINT a Hugging Face Hub?")
     return RemoteFile(
         path=path,
-        size=lfs.size if lfs else (sibling.size or 0),
+        size=size,
         blob_id=sibling.blob_id,
         sha256=lfs.sha256 if lfs else None,
     )

@@ -90,6 +90,24 @@ def test_file_names_with_dot_dot_from_the_hub_are_never_written(hub, hf_home, tm
     assert not list(tmp_path.rglob("escape*"))
 
 
+@pytest.mark.parametrize("size", [-1, "100", 1.5])
+def test_a_file_size_from_the_hub_that_is_no_size_is_refused(hub, size, monkeypatch):
+    import fake_hub
+
+    sibling = fake_hub.FakeRepo.sibling
+
+    def odd_size(repo, path):
+        entry = sibling(repo, path)
+        if path == "config.json":
+            entry["size"] = size
+        return entry
+
+    monkeypatch.setattr(fake_hub.FakeRepo, "sibling", odd_size)
+    with pytest.raises(FerrumError, match="no valid size for 'config.json'") as e:
+        pull(REPO_ID)
+    one_line(e)
+
+
 def test_a_snapshot_path_that_leaves_the_snapshot_is_refused(hf_home, tmp_path):
     commit = "a" * 40
     for name in ("../../../../escape", "sub/../../x", "/abs/x", "a/./b", ".."):

@@ -8,7 +8,6 @@ import os
 
 import pytest
 
-from fake_hub import git_blob_id
 from tiny_repo import REPO_ID
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.store import hub_cache, plan_removal, resolve_model
@@ -149,10 +148,6 @@ def test_a_ref_that_is_not_a_commit_names_no_snapshot(hub, hf_home):
     assert hub_cache.commit_for(REPO_ID, "main") is None
     with pytest.raises(ModelNotFoundError, match="not downloaded"):
         resolve_model(REPO_ID, pull=False)
-
-
-def test_git_blob_ids_from_the_fake_hub_are_hashes():
-    assert len(git_blob_id(b"x")) == 40
 
 
 def test_the_dense_copy_is_not_written_through_a_planted_link(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tokenizers
 
-from ferrum_mac.errors import CorruptModelError, ModelFileError, ModelNotFoundError
+from ferrum_mac.errors import CorruptModelError, FerrumError, ModelFileError, ModelNotFoundError
 from ferrum_mac.text.chat_template import ChatTemplate, fallback_template
 from ferrum_mac.text.gguf_vocab import read_gguf_metadata, tokenizer_from_gguf
 from ferrum_mac.text.hf_tokenizer import HfTokenizer
@@ -29,7 +29,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of the model at `path` (a folder or a .gguf file)."""
     path = _existing(path)
     if path.is_file():
-        return tokenizer_from_gguf(_gguf_metadata(path), source=str(path))
+        return _gguf_tokenizer(path)
     config = _read_json(path / "tokenizer_config.json")
     extra_eos = _generation_eos_ids(path)
     if (path / "tokenizer.json").is_file():
@@ -83,6 +83,18 @@ def load_chat_template(path: str | Path, tokenizer: Tokenizer, name: str | None 
         return ChatTemplate(source, tokenizer.template_tokens(), only_name)
     has_chatml = tokenizer.piece_to_id("<|im_start|>") is not None and tokenizer.piece_to_id("<|im_end|>") is not None
     return ChatTemplate(fallback_template(has_chatml), tokenizer.template_tokens(), "fallback")
+
+
+def _gguf_tokenizer(path: Path) -> Tokenizer:
+    meta = _gguf_metadata(path)
+    try:
+        return tokenizer_from_gguf(meta, source=str(path))
+    except FerrumError:
+        raise
+    except Exception as e:  # the tokenizers library raises a plain Exception for a vocabulary it cannot build
+        raise CorruptModelError(
+            f"{path} holds a vocabulary no tokenizer can be built from ({str(e).splitlines()[0][:200]}); download it again"
+        ) from None
 
 
 def _hf_tokenizer(folder: Path, config: dict, extra_eos: list[int]) -> HfTokenizer:

@@ -174,6 +174,7 @@ class TorchLLM(DecoderOnlyLLM):
             raise CacheStateError(f"cannot truncate {cache_id!r} to a negative length ({new_len})")
         self.kv.truncate(cache_id, new_len)
 
+    @torch.inference_mode()  # a release may shrink the pool: new buffers like those the forwards make
     def release(self, cache_id: str) -> None:
         self.kv.release(cache_id)
 

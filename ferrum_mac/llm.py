@@ -115,6 +115,8 @@ def host_tokens(cache_id: str, tokens) -> list:
     """The ids a prompt-like argument (`prefill`, `forward_verify`, a `ForwardItem`) passes,
     as a list; `check_call` checks each. A string or a single value is refused here, before
     `list()` would split it into characters or fail with a `TypeError`."""
+    if isinstance(tokens, list):
+        return tokens
     if not isinstance(tokens, (str, bytes)) and isinstance(tokens, Iterable):
         try:
             return list(tokens)

@@ -18,6 +18,8 @@ top-k, top-p, min-p and a draw from a generator seeded with `seed`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
@@ -57,8 +59,16 @@ class SamplingParams:
         """A copy with the given fields changed; None values are left out (unset options)."""
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None}).checked()
 
+    def __post_init__(self) -> None:
+        self.checked()
+
     def checked(self) -> "SamplingParams":
-        """Self, or a SamplingError naming the first setting out of range."""
+        """Self, or a SamplingError naming the first setting out of range (NaN and infinities
+        included: a NaN temperature or penalty turns every logit into NaN)."""
+        for name in _REAL_FIELDS:
+            _require_finite(name, getattr(self, name))
+        for name in ("top_k", "penalty_window"):
+            _require_integer(name, getattr(self, name))
         problems = [
             (self.temperature < 0, f"temperature {self.temperature} must be 0 (greedy) or more"),
             (self.top_k < 0, f"top_k {self.top_k} must be 0 (off) or more"),
@@ -70,10 +80,43 @@ class SamplingParams:
         for bad, message in problems:
             if bad:
                 raise SamplingError(message)
+        _check_seed(self.seed)
+        _check_logit_bias(self.logit_bias)
         return self
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "logit_bias": {str(k): v for k, v in self.logit_bias.items()}}
+
+
+_REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers on every backend
+
+
+def _require_finite(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise SamplingError(f"{name} {value!r} must be a finite number")
+
+
+def _require_integer(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SamplingError(f"{name} {value!r} must be a whole number")
+
+
+def _check_seed(seed) -> None:
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_LIMIT:
+        raise SamplingError(f"seed {seed!r} must be a whole number from 0 to 2**64 - 1")
+
+
+def _check_logit_bias(bias: Mapping[int, float]) -> None:
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise SamplingError(f"logit_bias names token {token!r}; token ids are whole numbers from 0")
+        if value == -math.inf:  # bans the token; NaN and +inf would poison every logit
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise SamplingError(f"logit_bias[{token}] {value!r} must be a finite number (or -inf to ban the token)")
 
 
 class Sampler(Protocol):

@@ -5,8 +5,10 @@ from __future__ import annotations
 from ferrum_mac.serve.scheduler import SchedulerStats
 
 
-def prometheus_text(stats: SchedulerStats) -> str:
+def prometheus_text(stats: SchedulerStats, up: bool = True) -> str:
+    """`up`: whether the scheduler's loop runs (0 means nothing will be generated: restart)."""
     lines = [
+        *metric("ferrum_scheduler_up", "gauge", "1 while the scheduler loop runs, 0 once it has stopped.", int(up)),
         "# HELP ferrum_requests_total Requests finished, by how they ended.",
         "# TYPE ferrum_requests_total counter",
     ]

@@ -16,6 +16,7 @@ imports MLX or torch: it asks the model for a sampler per request, as the engine
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -32,6 +33,8 @@ from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
 
 if TYPE_CHECKING:
     from ferrum_mac.engine import Engine
+
+log = logging.getLogger("ferrum.serve")
 
 MAX_BATCH = 32  # sequences decoding together
 STEP_TOKENS = 512  # tokens one forward may carry (decode tokens plus prefill chunks)
@@ -99,6 +102,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stopped = threading.Event()
+        self._looping = False  # set while the loop runs; False before start, after stop and if it died
+        self.death: str | None = None  # why the loop ended, when it ended by an error no guard caught
 
     # -- the client side ------------------------------------------------------------------
 
@@ -109,6 +114,11 @@ class Scheduler:
         self._thread.start()
         opened.result()
         return self
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop is running and will answer what `submit` queues."""
+        return self._looping and not self._stopping
 
     def stop(self) -> None:
         self._stopping = True
@@ -131,11 +141,17 @@ class Scheduler:
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in request.prompt_ids):
             raise FerrumError(f"the prompt holds token ids outside the vocabulary (0 to {vocab - 1})")
-        if self._stopping:
-            raise FerrumError("the scheduler is stopping; send the request again after a restart")
+        self._refuse_unless_alive()
         handle = RequestHandle(request)
         self._inbox.put((handle, Timing()))
+        self._refuse_unless_alive()  # the loop may have ended while this was queued: nobody would answer it
         return handle
+
+    def _refuse_unless_alive(self) -> None:
+        if self.death is not None:
+            raise FerrumError(f"the server's scheduler stopped after an internal error ({self.death}); restart the server")
+        if not self.alive:
+            raise FerrumError("the scheduler is stopping; send the request again after a restart")
 
     # -- the scheduler thread -------------------------------------------------------------
 
@@ -146,21 +162,65 @@ class Scheduler:
             self._stopping = True
             opened.set_exception(e)
         else:
+            self._looping = True
             opened.set_result(None)
-            self._loop()
+            self._loop_until_stopped()
         self._stopped.set()
         threading.Event().wait()  # park: MLX aborts the process at exit when a thread that used it has ended
 
+    def _loop_until_stopped(self) -> None:
+        """The loop, and what is left to say to clients once it ends, however it ends."""
+        try:
+            self._loop()
+        except BaseException as e:  # a bug no guard caught: clients must hear of it rather than wait forever
+            self.death = _one_line(e)
+            log.exception("the scheduler loop died")
+        finally:
+            self._looping = False
+            try:
+                if self.death is None:
+                    self._cancel_running()
+                message = "the server is stopping" if self.death is None else f"the server failed ({self.death})"
+                self._fail_everyone(message, queued=True)
+            except BaseException:  # the thread must still park (see _run)
+                log.exception("failing the requests left failed")
+
     def _loop(self) -> None:
         while not self._stopping:
-            self._take_new(block=not self._running and not self._waiting)
-            self._drop_cancelled()
-            self._admit()
-            if self._running:
-                self._step_or_fail()
-            self._update_gauges()
+            try:
+                self._take_new(block=not self._running and not self._waiting)
+                self._drop_cancelled()
+                self._admit()
+                if self._running:
+                    self._step_or_fail()
+                self._update_gauges()
+            except Exception as e:  # outside any one request: fail what is in flight, keep serving
+                log.exception("scheduler step failed")
+                self._fail_everyone(_one_line(e))
+
+    def _cancel_running(self) -> None:
         for seq in list(self._running):
-            self._finish(seq, CANCELLED)
+            try:
+                self._finish(seq, CANCELLED)
+            except Exception:  # _fail_everyone then fails it
+                log.exception("finishing %s failed", seq.cache_id)
+
+    def _fail_everyone(self, message: str, queued: bool = False) -> None:
+        """Fail every running and waiting request (their KV released) and, with `queued`,
+        those still in the inbox (when no loop will read it again)."""
+        for seq in list(self._running):
+            seq.emit(Failed(message))
+            self._release(seq, "error")
+        while queued:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._waiting.append(item)
+        for handle, _ in self._waiting:
+            self._fail_one(handle, message)
+        self._waiting.clear()
 
     def _load(self) -> None:
         self.engine = self._open_engine()
@@ -200,10 +260,12 @@ class Scheduler:
             request = handle.request
             try:
                 sampler = self.model.sampler(request.sampling, request.prompt_ids)
-            except FerrumError as e:
-                self._fail_one(handle, str(e))
+                text = AnswerText(self.tokenizer, request.stop, request.opens_reasoning, raw=request.raw)
+            except Exception as e:  # this request's settings or a bug: only this request fails
+                if not isinstance(e, FerrumError):
+                    log.exception("admitting a request failed")
+                self._fail_one(handle, _one_line(e))
                 continue
-            text = AnswerText(self.tokenizer, request.stop, request.opens_reasoning, raw=request.raw)
             self._running.append(Sequence(handle, sampler, text, need, timing))
             self.stats.prompt_tokens += len(request.prompt_ids)
 
@@ -221,7 +283,8 @@ class Scheduler:
         try:
             self._step()
         except Exception as e:  # one bad step fails the sequences in it, not the server
-            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.exception("a forward step failed")
+            message = _one_line(e)
             for seq in list(self._running):
                 seq.emit(Failed(message))
                 self._release(seq, "error")
@@ -296,7 +359,13 @@ class Scheduler:
 
     def _accept_all(self, finals: list[tuple[Sequence, object]]) -> None:
         for (seq, _), token in zip(finals, self._sample_all(finals)):
-            self._accept(seq, token)
+            try:
+                self._accept(seq, token)
+            except Exception as e:  # e.g. its detokenizer: fail this sequence, not the others in the step
+                log.exception("accepting a token failed")
+                if seq in self._running:
+                    seq.emit(Failed(_one_line(e)))
+                    self._release(seq, "error")
 
     @staticmethod
     def _sample_all(finals: list[tuple[Sequence, object]]) -> list[int]:
@@ -336,9 +405,12 @@ class Scheduler:
         self._release(seq, reason)
 
     def _release(self, seq: Sequence, reason: str) -> None:
-        self.model.release(seq.cache_id)
-        self._running.remove(seq)
+        self._running.remove(seq)  # first: a release that fails must not leave it running
         self._count(reason)
+        try:
+            self.model.release(seq.cache_id)
+        except Exception:  # release is idempotent; a broken one must not stop the loop
+            log.exception("releasing %s failed", seq.cache_id)
 
     def _fail_one(self, handle: RequestHandle, message: str) -> None:
         if handle.request.emit is not None:
@@ -357,3 +429,9 @@ class Scheduler:
         self.stats.kv_tokens = sum(self.model.kv_len(s.cache_id) for s in self._running)
         self.stats.kv_tokens_allocated = self.model.kv_allocated_tokens() or 0
         self.stats.kv_tokens_used = self.model.kv_used_tokens() or 0
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line for an error event: its message's first line, or its type."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

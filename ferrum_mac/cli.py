@@ -162,15 +162,19 @@ def run(
 def serve(
     model: Optional[str] = typer.Argument(None, help="Model to serve (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
-    port: int = typer.Option(8000, help="Port to listen on."),
+    port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
     backend: str = typer.Option("auto", help="auto, mlx or torch."),
     device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    max_body: int = typer.Option(4 * 1024 * 1024, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."),
+    allow_origin: Optional[list[str]] = typer.Option(
+        None, "--allow-origin", help="A web origin (https://app.example) whose pages may call the server; repeatable. "
+        "Loopback origins always may; others get 403."),
 ) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from ferrum_mac.serve.command import serve_command
 
-    serve_command(model, host, port, api_key, backend, device)
+    serve_command(model, host, port, api_key, backend, device, max_body=max_body, allow_origins=tuple(allow_origin or ()))
 
 
 @app.command()

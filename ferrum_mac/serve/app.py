@@ -1,6 +1,12 @@
 """The HTTP API of `ferrum serve` (starlette): OpenAI's /v1/chat/completions, /v1/completions
 and /v1/models, plus /health and /metrics. Every request becomes one scheduler request;
-its events come back to the event loop through an asyncio queue."""
+its events come back to the event loop through an asyncio queue.
+
+What a client sends is never trusted: bodies are capped (`max_body`, checked before they are
+read) and must be JSON; browsers' requests from origins other than loopback (or those given
+in `allow_origins`) are refused, so a web page cannot drive the model; parsing, template
+rendering and tokenizing run on worker threads, so one big prompt never stalls the others.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,10 @@ import json
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -24,69 +32,115 @@ from ferrum_mac.serve.scheduler import Scheduler
 from ferrum_mac.text import prompt_opens_reasoning
 
 OPEN_PATHS = ("/health",)
+MAX_BODY = 4 * 1024 * 1024  # bytes; a long prompt of a large context is well under it
+BODY_TIMEOUT_S = 30  # a client that takes longer to send its body is refused (408)
+# A text longer than this many characters per token of context is first tested on its head:
+# when the head alone overflows the context, the rest need not be tokenized.
+CHARS_PER_TOKEN_CHECKED = 8
 
 
-def build_app(scheduler: Scheduler, model_name: str, api_key: str | None = None) -> Starlette:
-    server = Server(scheduler, model_name)
-    app = Starlette(
+def build_app(
+    scheduler: Scheduler, model_name: str, api_key: str | None = None, *, max_body: int = MAX_BODY,
+    allow_origins: tuple[str, ...] = (),
+) -> Starlette:
+    """The ASGI app; `allow_origins`: web origins besides loopback ones that may call it."""
+    server = Server(scheduler, model_name, max_body)
+    middleware = [Middleware(OriginCheck, allowed=allow_origins)]
+    if api_key:
+        middleware.append(Middleware(ApiKeyCheck, api_key=api_key))
+    return Starlette(
         routes=[
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
             Route("/health", server.health, methods=["GET"]),
             Route("/metrics", server.metrics, methods=["GET"]),
         ],
-        exception_handlers={HTTPException: http_error, api.ApiError: api_error},
+        middleware=middleware,
+        exception_handlers={HTTPException: http_error, api.ApiError: api_error, Exception: internal_error},
     )
-    if api_key:
-        app.add_middleware(ApiKeyCheck, api_key=api_key)
-    return app
 
 
 class Server:
-    def __init__(self, scheduler: Scheduler, model_name: str):
+    def __init__(self, scheduler: Scheduler, model_name: str, max_body: int = MAX_BODY):
         self.scheduler = scheduler
         self.engine = scheduler.engine
         self.model_name = model_name
+        self.max_body = max_body
+        template = self.engine.template
+        self.template_names = frozenset(getattr(template, "special_tokens", {}))
 
     # -- routes ----------------------------------------------------------------------------
 
     async def chat(self, request: Request) -> Response:
-        body = api.check_body(await json_body(request))
+        body = await self._json_body(request)
         messages = api.chat_messages(body)
         opts = self._options(body)
-        try:
-            text = self.engine.template.render(messages, add_generation_prompt=True, **opts.template_kwargs)
-        except FerrumError as e:
-            raise api.ApiError(400, str(e), param="messages") from None
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=False)
+        text, ids = await run_in_threadpool(self._chat_prompt, messages, opts.template_kwargs)
         return await self._answer(request, ids, opts, prompt_opens_reasoning(text), chat=True)
 
     async def completions(self, request: Request) -> Response:
-        body = api.check_body(await json_body(request))
+        body = await self._json_body(request)
         prompt = api.completion_prompt(body)
         opts = self._options(body)
-        ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
+        ids = prompt if isinstance(prompt, list) else await run_in_threadpool(self._encode, prompt, True, "prompt")
         return await self._answer(request, ids, opts, False, chat=False)
 
     async def models(self, request: Request) -> Response:
-        entry = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "ferrum",
-                 "max_model_len": self.scheduler.capacity}
-        return JSONResponse({"object": "list", "data": [entry]})
+        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise api.ApiError(404, f"the model '{model_id[:200]}' does not exist; this server has '{self.model_name}'",
+                               param="model", code="model_not_found")
+        return JSONResponse(self._model_entry())
 
     async def health(self, request: Request) -> Response:
+        if not self.scheduler.alive:
+            return JSONResponse({"status": "error", "model": self.model_name,
+                                 "error": self.scheduler.death or "the scheduler is not running"}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.model_name})
 
     async def metrics(self, request: Request) -> Response:
-        return PlainTextResponse(prometheus_text(self.scheduler.stats), media_type="text/plain; version=0.0.4")
+        text = prometheus_text(self.scheduler.stats, up=self.scheduler.alive)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # -- one answer ------------------------------------------------------------------------
 
+    def _model_entry(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "ferrum",
+                "max_model_len": self.scheduler.capacity}
+
+    async def _json_body(self, request: Request) -> dict:
+        raw = await read_json_body(request, self.max_body)
+        return api.check_body(await run_in_threadpool(api.parse_json, raw))
+
     def _options(self, body: dict) -> api.Options:
+        return api.options(body, self.engine.default_sampling, self.engine.model.config.vocab_size, self.template_names)
+
+    def _chat_prompt(self, messages: list[dict], template_kwargs: dict) -> tuple[str, list[int]]:
+        """The rendered prompt and its ids (on a worker thread: both take long on long prompts)."""
         try:
-            return api.options(body, self.engine.default_sampling)
-        except FerrumError as e:  # a sampling value out of range
-            raise api.ApiError(400, str(e), code="invalid_value") from None
+            text = self.engine.template.render(messages, add_generation_prompt=True, **template_kwargs)
+        except FerrumError as e:
+            raise api.ApiError(400, str(e), param="messages") from None
+        except Exception as e:  # templates index and compare what clients send: a dict where a string goes...
+            raise api.ApiError(400, f"the chat template cannot render these messages ({type(e).__name__}: "
+                               f"{str(e)[:200]})", param="messages") from None
+        return text, self._encode(text, False, "messages")
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Token ids of `text`, or a 400 as soon as it is clear they cannot fit the context."""
+        capacity = self.scheduler.capacity
+        head = text[: capacity * CHARS_PER_TOKEN_CHECKED]
+        if len(head) < len(text):
+            n = len(self.engine.tokenizer.encode(head, add_special_tokens=add_special_tokens))
+            if n > capacity:
+                raise api.ApiError(400, f"the prompt has over {n} tokens but the context holds {capacity} "
+                                   "(prompt and answer); shorten it", param=param, code="context_length_exceeded")
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def _answer(self, http: Request, ids: list[int], opts: api.Options, opens_reasoning: bool, chat: bool) -> Response:
         loop = asyncio.get_running_loop()
@@ -100,7 +154,9 @@ class Server:
             handle = self.scheduler.submit(request)
         except KvCapacityError as e:
             raise api.ApiError(400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded") from None
-        except FerrumError as e:
+        except FerrumError as e:  # the request's (token ids, settings), or a scheduler that stopped
+            if not self.scheduler.alive:
+                raise api.ApiError(503, str(e), kind="server_error", code="unavailable") from None
             raise api.ApiError(400, str(e)) from None
         kind = "chat.completion" if chat else "text_completion"
         envelope = api.envelope(kind, api.new_id("chatcmpl" if chat else "cmpl"), self.model_name)
@@ -194,12 +250,39 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def json_body(request: Request):
-    raw = await request.body()
+async def read_json_body(request: Request, limit: int) -> bytes:
+    """The body of a JSON request: 415 unless it says it is JSON, 413 past `limit` bytes (from
+    Content-Length before reading anything, else counted as it arrives), 408 when it is slow."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise api.ApiError(415, "send the body as JSON with 'Content-Type: application/json'",
+                           code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
     try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise api.ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        return await asyncio.wait_for(read_at_most(request, limit), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise api.ApiError(408, f"the request body took over {BODY_TIMEOUT_S} s to arrive",
+                           code="request_timeout") from None
+
+
+async def read_at_most(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise api.ApiError(400, "the client went away before sending the whole body", code="incomplete_body") from None
+    return b"".join(chunks)
+
+
+def body_too_large(limit: int) -> api.ApiError:
+    return api.ApiError(413, f"the request body is over {limit} bytes; send a shorter one or start the server "
+                        "with a larger --max-body", code="request_too_large")
 
 
 # -- errors and the API key --------------------------------------------------------------------
@@ -211,21 +294,85 @@ async def api_error(request: Request, exc: api.ApiError) -> Response:
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return JSONResponse(api.ApiError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code)
+    return JSONResponse(api.ApiError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A bug: the usual error body rather than a bare text 500 (the traceback goes to the log)."""
+    error = api.ApiError(500, f"internal error ({type(exc).__name__}); see the server's log", kind="server_error",
+                         code="internal_error")
+    return JSONResponse(error.body(), status_code=500)
 
 
 class ApiKeyCheck:
-    """401 for any path but /health without `Authorization: Bearer <key>`."""
+    """401 for any path but /health without `Authorization: Bearer <key>` (the scheme in any case)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
                 error = api.ApiError(401, "incorrect or missing API key; send 'Authorization: Bearer <key>'",
                                      code="invalid_api_key")
                 return await JSONResponse(error.body(), status_code=401)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_MAX_AGE = "600"
+
+
+class OriginCheck:
+    """Browsers name the page's origin on cross-site requests: refuse (403) every origin but
+    loopback ones and those allowed, so a web page the user visits cannot use the model, and
+    answer CORS preflights for the accepted ones. Clients that send no Origin are not browsers."""
+
+    def __init__(self, app, allowed: tuple[str, ...] = ()):
+        self.app = app
+        self.allowed = frozenset(o.rstrip("/").lower() for o in allowed)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        if not origin:
+            return await self.app(scope, receive, send)
+        if not self.accepts(origin):
+            error = api.ApiError(403, f"requests from the web page at {origin[:200]} are refused; start the server "
+                                 f"with --allow-origin {origin[:200]} to allow them", code="origin_not_allowed")
+            return await JSONResponse(error.body(), status_code=403)(scope, receive, send)
+        cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+        if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
+            asked = headers.get(b"access-control-request-headers", b"").decode("latin-1")
+            preflight = {**cors, "Access-Control-Allow-Methods": CORS_METHODS,
+                         "Access-Control-Allow-Headers": asked or "Authorization, Content-Type",
+                         "Access-Control-Max-Age": CORS_MAX_AGE}
+            return await Response(status_code=204, headers=preflight)(scope, receive, send)
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  *((k.lower().encode(), v.encode("latin-1")) for k, v in cors.items())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+    def accepts(self, origin: str) -> bool:
+        origin = origin.rstrip("/").lower()
+        return origin in self.allowed or is_loopback_origin(origin)
+
+
+def is_loopback_origin(origin: str) -> bool:
+    """http(s)://localhost, 127.0.0.1 or [::1], on any port."""
+    scheme, sep, rest = origin.partition("://")
+    if scheme not in ("http", "https") or not sep:
+        return False
+    host = rest.rsplit(":", 1)[0] if not rest.endswith("]") else rest
+    port = rest[len(host) + 1:]
+    return host in LOOPBACK_HOSTS and (port == "" or port.isdigit())

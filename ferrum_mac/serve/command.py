@@ -1,15 +1,20 @@
-"""`ferrum serve`: open the model on the scheduler's thread, then serve the API with uvicorn."""
+"""`ferrum serve`: bind the port, open the model on the scheduler's thread, then serve the API
+with uvicorn on the bound socket (so "serving ... on" is printed only once the port is ours)."""
 
 from __future__ import annotations
 
 import ipaddress
 import sys
 
+from ferrum_mac.serve.app import MAX_BODY
+from ferrum_mac.serve.listener import MAX_CONNECTIONS, bind_socket, uvicorn_config
+
 LOOPBACK = "127.0.0.1"
 
 
 def serve_command(
-    model: str | None, host: str, port: int, api_key: str | None, backend: str = "auto", device: str | None = None
+    model: str | None, host: str, port: int, api_key: str | None, backend: str = "auto", device: str | None = None,
+    *, max_body: int = MAX_BODY, allow_origins: tuple[str, ...] = (), max_connections: int = MAX_CONNECTIONS,
 ) -> None:
     import uvicorn
 
@@ -20,13 +25,21 @@ def serve_command(
     if not is_loopback(host) and not api_key:
         print(f"ferrum: serving on {host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr)
-    scheduler = Scheduler(lambda: Engine.open(model, backend=backend, device=device)).start()
-    name = scheduler.engine.name
-    print(f"ferrum: serving {name} on http://{host}:{port}/v1 (context {scheduler.capacity} tokens)", file=sys.stderr)
+    sock = bind_socket(host, port)  # first: a taken port fails before the model loads
     try:
-        uvicorn.run(build_app(scheduler, name, api_key), host=host, port=port, log_level="warning")
+        scheduler = Scheduler(lambda: Engine.open(model, backend=backend, device=device)).start()
+        try:
+            name = scheduler.engine.name
+            app = build_app(scheduler, name, api_key, max_body=max_body, allow_origins=allow_origins)
+            server = uvicorn.Server(uvicorn_config(app, host=host, port=port, max_connections=max_connections))
+            sock.listen(max_connections)
+            print(f"ferrum: serving {name} on http://{url_host(host)}:{port}/v1 (context {scheduler.capacity} tokens)",
+                  file=sys.stderr)
+            server.run(sockets=[sock])
+        finally:
+            scheduler.stop()
     finally:
-        scheduler.stop()
+        sock.close()
 
 
 def is_loopback(host: str) -> bool:
@@ -36,3 +49,8 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def url_host(host: str) -> str:
+    """`host` as it goes in a URL (IPv6 addresses in brackets)."""
+    return f"[{host}]" if ":" in host else host

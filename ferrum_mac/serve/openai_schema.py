@@ -1,21 +1,32 @@
 """OpenAI request bodies -> checked options, and engine events -> OpenAI response bodies.
 
 Checks follow the OpenAI API: a wrong field answers 400 with `{"error": {message, type,
-param, code}}`. Fields ferrum cannot honour (n > 1, tools, logprobs, ...) are refused rather
+param, code}}`. Everything a client sends is checked here, at the edge: JSON nested at most
+`MAX_DEPTH` deep, no NaN or infinities, strings that are valid Unicode (no lone surrogates),
+every number finite and in its range. Fields ferrum cannot honour (n > 1, tools, logprobs, ...) are refused rather
 than ignored; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos` and `chat_template_kwargs` are accepted.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import numbers
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, SamplingParams
+from ferrum_mac.engine.sampling import SEED_LIMIT
+from ferrum_mac.errors import FerrumError
 
 MAX_STOPS = 4
+MAX_DEPTH = 32  # JSON nesting a request may have; real requests nest under ten deep
+LOGIT_BIAS_RANGE = 100  # OpenAI's: biases from -100 (ban) to 100 (force)
+# The variables ChatTemplate.render passes itself; chat_template_kwargs may not replace them.
+TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception",
+                                "strftime_now"})
 # field -> the value ferrum can honour (None: absent only)
 UNSUPPORTED = {
     "tools": None, "functions": None, "function_call": None, "tool_choice": "none", "logprobs": False,
@@ -44,13 +55,25 @@ class Options:
     template_kwargs: dict = field(default_factory=dict)
 
 
+def parse_json(raw: bytes):
+    """The request body as JSON, or a 400 for anything that is not strict JSON of sane depth."""
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
+        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    _check_values(body)
+    return body
+
+
 def check_body(body) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     for name, allowed in UNSUPPORTED.items():
         if body.get(name) not in (None, allowed):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
-    if body.get("n", 1) != 1:
+    if _integer(body, "n", 1) not in (None, 1):
         raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
@@ -59,8 +82,24 @@ def check_body(body) -> dict:
     return body
 
 
-def options(body: dict, defaults: SamplingParams) -> Options:
-    sampling = defaults.replace(
+def options(body: dict, defaults: SamplingParams, vocab_size: int, template_names=frozenset()) -> Options:
+    """The request's settings over the model's defaults. `template_names`: the variables the
+    chat template gets besides TEMPLATE_ARGUMENTS (its special tokens)."""
+    sampling = _sampling(body, defaults, vocab_size)
+    max_tokens = _integer(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1)
+    stream_options = _typed(body, "stream_options", dict) or {}
+    return Options(
+        sampling=sampling, max_tokens=max_tokens, stop=_stops(body), stream=bool(_typed(body, "stream", bool)),
+        include_usage=bool(_typed(stream_options, "include_usage", bool)),
+        template_kwargs=_template_kwargs(body, TEMPLATE_ARGUMENTS | frozenset(template_names)),
+        ignore_eos=bool(_typed(body, "ignore_eos", bool)),
+    )
+
+
+def _sampling(body: dict, defaults: SamplingParams, vocab_size: int) -> SamplingParams:
+    changes = dict(
         temperature=_number(body, "temperature", 0, 2),
         top_p=_number(body, "top_p", 0, 1, low_open=True),
         top_k=_integer(body, "top_k", 0),
@@ -68,19 +107,13 @@ def options(body: dict, defaults: SamplingParams) -> Options:
         repetition_penalty=_number(body, "repetition_penalty", 0, None, low_open=True),
         presence_penalty=_number(body, "presence_penalty", -2, 2),
         frequency_penalty=_number(body, "frequency_penalty", -2, 2),
-        seed=_integer(body, "seed", None),
-        logit_bias=_logit_bias(body),
+        seed=_integer(body, "seed", 0, SEED_LIMIT - 1),
+        logit_bias=_logit_bias(body, vocab_size),
     )
-    max_tokens = _integer(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1)
-    stream_options = _typed(body, "stream_options", dict) or {}
-    kwargs = _typed(body, "chat_template_kwargs", dict) or {}
-    return Options(
-        sampling=sampling, max_tokens=max_tokens, stop=_stops(body), stream=bool(_typed(body, "stream", bool)),
-        include_usage=bool(stream_options.get("include_usage")), template_kwargs=kwargs,
-        ignore_eos=bool(_typed(body, "ignore_eos", bool)),
-    )
+    try:
+        return defaults.replace(**changes)
+    except FerrumError as e:  # a combination the engine refuses (its own checks)
+        raise ApiError(400, str(e), code="invalid_value") from None
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -141,27 +174,31 @@ def _typed(body: dict, name: str, kind: type):
     return value
 
 
-def _number(body: dict, name: str, low, high, low_open: bool = False) -> float | None:
+def _number(body: dict, name: str, low, high, low_open: bool = False, param: str | None = None) -> float | None:
     value = body.get(name)
+    param = param or name
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ApiError(400, f"'{name}' must be a number", param=name, code="invalid_type")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ApiError(400, f"'{name}' must be a finite number", param=param, code="invalid_type")
     if (value <= low if low_open else value < low) or (high is not None and value > high):
         bound = f"above {low}" if low_open else f"at least {low}"
         raise ApiError(400, f"'{name}' is {value}; it must be {bound}" + (f" and at most {high}" if high is not None else ""),
-                       param=name, code="invalid_value")
+                       param=param, code="invalid_value")
     return float(value)
 
 
-def _integer(body: dict, name: str, low: int | None) -> int | None:
+def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 1.0 is an integer to JSON
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, f"'{name}' must be an integer", param=name, code="invalid_type")
-    if low is not None and value < low:
-        raise ApiError(400, f"'{name}' is {value}; it must be at least {low}", param=name, code="invalid_value")
+    if value < low or (high is not None and value > high):
+        bound = f"at least {low}" + (f" and at most {high}" if high is not None else "")
+        raise ApiError(400, f"'{name}' is {value}; it must be {bound}", param=name, code="invalid_value")
     return value
 
 
@@ -176,14 +213,70 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _logit_bias(body: dict) -> dict[int, float] | None:
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     bias = _typed(body, "logit_bias", dict)
     if not bias:
         return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise ApiError(400, f"'logit_bias' keys must be token ids; {key[:40]!r} is not", param="logit_bias",
+                           code="invalid_type")
+        if int(key) >= vocab_size:
+            raise ApiError(400, f"'logit_bias' names token {key}, outside the vocabulary (0 to {vocab_size - 1})",
+                           param="logit_bias", code="invalid_value")
+        out[int(key)] = _number(bias, key, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE, param="logit_bias")
+    return out
+
+
+def _template_kwargs(body: dict, reserved: frozenset) -> dict:
+    kwargs = _typed(body, "chat_template_kwargs", dict) or {}
+    taken = sorted(reserved.intersection(kwargs))
+    if taken:
+        raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(taken)}: the server sets them",
+                       param="chat_template_kwargs", code="invalid_value")
+    return kwargs
+
+
+def _refuse_constant(name: str):
+    raise ApiError(400, f"the request body holds {name}, which JSON does not allow; send finite numbers",
+                   code="invalid_json")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ApiError(400, f"the number {text[:40]} is too large", code="invalid_json")
+    return value
+
+
+def _too_deep() -> ApiError:
+    return ApiError(400, f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+
+
+def _check_values(body) -> None:
+    """No nesting past MAX_DEPTH and no string that is not valid Unicode (JSON's \\ud800
+    escapes make lone surrogates, which tokenizers and templates cannot take)."""
+    pending = [(body, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise _too_deep()
+            if isinstance(value, dict):
+                pending.extend((k, depth) for k in value)
+            items = value.values() if isinstance(value, dict) else value
+            pending.extend((v, depth + 1) for v in items)
+
+
+def _check_text(text: str) -> None:
     try:
-        return {int(k): float(v) for k, v in bias.items()}
-    except (TypeError, ValueError):
-        raise ApiError(400, "'logit_bias' must map token ids to numbers", param="logit_bias", code="invalid_type") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the request holds a string that is not valid Unicode ({e.reason} at index {e.start}); "
+                       "send UTF-8 text", code="invalid_text") from None
 
 
 def _content_text(content, i: int) -> str:

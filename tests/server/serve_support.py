@@ -1,4 +1,55 @@
-"""Constants shared by the server tests and their fixtures (not in conftest: several test
+"""Constants and helpers shared by the server tests and their fixtures (not in conftest: several test
 folders have one, and `from conftest import` would pick the wrong one)."""
 
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from ferrum_mac.serve.listener import uvicorn_config
+
 API_KEY = "test-key"
+
+
+def open_stories(path: Path, kv_capacity: int | None = None):
+    """An opener for the scheduler's thread (the env var is read when the model loads)."""
+
+    def open_engine():
+        from ferrum_mac.engine import Engine
+
+        if kv_capacity is None:
+            return Engine.open(path)
+        os.environ["FERRUM_KV_CAPACITY"] = str(kv_capacity)
+        try:
+            return Engine.open(path)
+        finally:
+            del os.environ["FERRUM_KV_CAPACITY"]
+
+    return open_engine
+
+
+class LiveServer:
+    """`build_app` under uvicorn on a thread, on 127.0.0.1 and a free port, with the settings
+    `ferrum serve` uses (`limits`: header_timeout, max_connections)."""
+
+    def __init__(self, app, **limits):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=self.port, **limits))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.server.started, "the server did not start"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

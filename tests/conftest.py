@@ -15,6 +15,32 @@ import helpers
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Test tiers (`scripts/test --fast` leaves out the slow ones; CI runs every tier).
+TIERS = {
+    "interpreter": "Triton kernels run under Triton's CPU interpreter (on a GPU: compiled)",
+    "real_model": "runs the bundled SmolLM2-135M GGUF (fetched once into the user cache)",
+    "slow": "takes several seconds on this project's 2-core machines",
+    "gpu": "needs a CUDA GPU; skips without one",
+}
+INTERPRETER_FILES = ("test_triton_ops.py", "test_triton_moe.py")
+REAL_MODEL_FIXTURES = ("smollm2_gguf",)
+
+
+def pytest_configure(config):
+    for name, doc in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers by where a test lives and what it uses, so a new test lands in the right tier
+    without remembering a decorator."""
+    for item in items:
+        if item.path.name in INTERPRETER_FILES:
+            item.add_marker(pytest.mark.interpreter)
+        if any(name in REAL_MODEL_FIXTURES for name in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache_dir(tmp_path_factory):
     """ferrum's cache (the MLX CPU build's dense weight copies) in a folder of this session,

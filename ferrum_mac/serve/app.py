@@ -355,10 +355,11 @@ class OriginCheck:
                          "Access-Control-Max-Age": CORS_MAX_AGE}
             return await Response(status_code=204, headers=preflight)(scope, receive, send)
 
+        extra = [(name.lower().encode(), value.encode("latin-1")) for name, value in cors.items()]
+
         async def send_with_cors(message):
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  *((k.lower().encode(), v.encode("latin-1")) for k, v in cors.items())]}
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
         await self.app(scope, receive, send_with_cors)

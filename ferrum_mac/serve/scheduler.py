@@ -149,7 +149,8 @@ class Scheduler:
 
     def _refuse_unless_alive(self) -> None:
         if self.death is not None:
-            raise FerrumError(f"the server's scheduler stopped after an internal error ({self.death}); restart the server")
+            raise FerrumError(f"the server's scheduler stopped after an internal error ({self.death}); "
+                              "restart the server")
         if not self.alive:
             raise FerrumError("the scheduler is stopping; send the request again after a restart")
 

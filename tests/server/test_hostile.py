@@ -312,7 +312,8 @@ def origin_server(scheduler):
     live.stop()
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          None])
 def test_json_endpoints_require_a_json_content_type(server, content_type):
     headers = {"content-type": content_type} if content_type else {}
     body = json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode()
@@ -467,8 +468,8 @@ def test_serving_is_printed_once_the_port_answers(stories_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "ferrum_mac.cli", "serve", str(stories_path), "--port", str(port)],
-                               stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "ferrum_mac.cli", "serve", str(stories_path), "--port", str(port)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         line = process.stderr.readline()
         assert line.startswith("ferrum: serving ") and f":{port}/v1" in line, line

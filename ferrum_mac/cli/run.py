@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ferrum_mac.cli.printer import EventPrinter
 from ferrum_mac.engine import ChatSettings, Conversation, Engine, Notice, SamplingParams
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import KV_CAPACITY_ENV
-from ferrum_mac.printer import EventPrinter
 
 
 @dataclass
@@ -69,7 +69,7 @@ def run(words: list[str], options: RunOptions) -> None:
     )
     printer = EventPrinter(show_reasoning=not options.hide_thinking, verbose=options.verbose)
     if prompt is None:
-        from ferrum_mac.repl import Repl
+        from ferrum_mac.cli.repl import Repl
 
         Repl(engine, engine.conversation(settings), printer).run()
     elif options.json:

@@ -78,7 +78,7 @@ def pull(
     backend: str = typer.Option("mlx", help=BACKEND_HELP),
 ) -> None:
     """Download a model (only the files it needs; an interrupted pull resumes)."""
-    from ferrum_mac.store.commands import pull_command
+    from ferrum_mac.cli.store_commands import pull_command
 
     pull_command(name, backend)
 
@@ -89,7 +89,7 @@ def list_(
     backend: str = typer.Option("mlx", help=BACKEND_HELP),
 ) -> None:
     """Models on this machine (the Hugging Face cache and the bundled model)."""
-    from ferrum_mac.store.commands import list_command
+    from ferrum_mac.cli.store_commands import list_command
 
     list_command(available, backend)
 
@@ -101,7 +101,7 @@ def rm(
     backend: str = typer.Option("mlx", help=BACKEND_HELP),
 ) -> None:
     """Delete a downloaded model."""
-    from ferrum_mac.store.commands import rm_command
+    from ferrum_mac.cli.store_commands import rm_command
 
     rm_command(name, yes, backend)
 
@@ -112,7 +112,7 @@ def show(
     backend: str = typer.Option("mlx", help=BACKEND_HELP),
 ) -> None:
     """Architecture, parameters, context length, quantization, chat template and license of a model."""
-    from ferrum_mac.store.commands import show_command
+    from ferrum_mac.cli.store_commands import show_command
 
     show_command(name, backend)
 
@@ -147,8 +147,8 @@ def run(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="With --remote: the server's API key."),
 ) -> None:
     """Chat with a model: one answer to a prompt, or a REPL (/? for its commands)."""
-    from ferrum_mac.run_command import RunOptions
-    from ferrum_mac.run_command import run as run_chat
+    from ferrum_mac.cli.run import RunOptions
+    from ferrum_mac.cli.run import run as run_chat
 
     run_chat(words or [], RunOptions(
         system=system, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -220,6 +220,3 @@ def chat_main() -> None:
         sys.argv = [sys.argv[0], "chat", *sys.argv[1:]]
     main(prog_name="ferrum")  # its help then reads "ferrum chat", a command that exists
 
-
-if __name__ == "__main__":
-    main()

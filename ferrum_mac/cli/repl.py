@@ -1,7 +1,7 @@
 """The line REPL of `ferrum run`, in Ollama's manner.
 
 `>>> ` prompt; `\"\"\"` opens and closes a multi-line message; slash commands (`/?` lists
-them, see repl_commands.py). Ctrl-C stops the answer and returns to the prompt (a second one
+them, see cli/repl_commands.py). Ctrl-C stops the answer and returns to the prompt (a second one
 during the same answer interrupts at once); at the prompt, Ctrl-C twice in a row or Ctrl-D
 exits. On a terminal, lines are edited with readline and kept in a history file.
 """
@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
+from ferrum_mac.cli.printer import EventPrinter
+from ferrum_mac.cli.repl_commands import Commands
 from ferrum_mac.engine import Conversation, Engine
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.printer import EventPrinter
-from ferrum_mac.repl_commands import Commands
 
 PROMPT, MORE = ">>> ", "... "
 FENCE = '"""'

@@ -14,7 +14,7 @@ from ferrum_mac.engine import CONTEXT_POLICIES, ChatSettings, SamplingParams
 from ferrum_mac.errors import FerrumError
 
 if TYPE_CHECKING:
-    from ferrum_mac.repl import Repl
+    from ferrum_mac.cli.repl import Repl
 
 HELP = """Available commands:
   /set parameter NAME VALUE   set a sampling parameter (/set NAME VALUE works too):

@@ -138,30 +138,38 @@ def token_count(tokens) -> int:
     return len(tokens)
 
 
-KV_CAPACITY_ENV = "FERRUM_KV_CAPACITY"
+KV_CAPACITY_ENV = "FERRUM_KV_CAPACITY"  # named in messages: where a user raises the capacity
 
 
-def kv_capacity_from_env(model_max: int) -> int:
-    """`FERRUM_KV_CAPACITY` clamped to the model's maximum, or the model's maximum."""
+def kv_capacity_from_env() -> int | None:
+    """The whole number `FERRUM_KV_CAPACITY` holds, or None when it is unset (the caller's
+    `kv_capacity` argument then stays None: the model's maximum)."""
     raw = os.environ.get(KV_CAPACITY_ENV, "").strip()
     if not raw:
-        return model_max
+        return None
     try:
-        wanted = int(raw)
+        return int(raw)
     except ValueError:
         raise FerrumError(f"{KV_CAPACITY_ENV}={raw!r} is not a whole number; set it to a token count like 8192") from None
-    if wanted <= 0:
-        raise FerrumError(f"{KV_CAPACITY_ENV}={wanted} must be positive; set it to a token count like 8192")
-    return min(wanted, model_max)
+
+
+def clamp_kv_capacity(wanted: int | None, model_max: int) -> int:
+    """The KV capacity a caller asked for (None: no cap) clamped to the model's maximum."""
+    if wanted is None:
+        return model_max
+    if not is_token_id(wanted) or wanted <= 0:
+        raise FerrumError(f"a KV capacity of {wanted!r} tokens is not positive; set {KV_CAPACITY_ENV} to a token count like 8192")
+    return min(int(wanted), model_max)
 
 
 KV_MEMORY_SHARE = 0.8  # of the memory free after loading that one sequence's cache may plan on
 
 
-def kv_capacity_within(config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int) -> int:
-    """`kv_capacity()`: the environment's cap, the model's maximum and what free memory allows."""
+def kv_capacity_within(config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int, wanted: int | None = None) -> int:
+    """`kv_capacity()`: the capacity asked for (`wanted`, None: no cap), the model's maximum and
+    what free memory allows."""
     by_memory = int(free_bytes * KV_MEMORY_SHARE) // config.kv_bytes_per_token(bytes_per_element)
-    return max(1, min(kv_capacity_from_env(config.max_seq_len), by_memory))
+    return max(1, min(clamp_kv_capacity(wanted, config.max_seq_len), by_memory))
 
 
 class DecoderOnlyLLM(abc.ABC):
@@ -197,7 +205,7 @@ class DecoderOnlyLLM(abc.ABC):
 
     def kv_capacity(self) -> int:
         """Most tokens any one cache may hold; callers check it before they extend a sequence."""
-        return kv_capacity_from_env(self.config.max_seq_len)
+        return self.config.max_seq_len
 
     def kv_free_tokens(self) -> int | None:
         """How many more KV tokens, over all sequences together, free memory holds; None when unknown."""

@@ -190,12 +190,13 @@ def test_truncate_then_redecode_reproduces_logits(model):
     model.release(cid)
 
 
-def test_kv_capacity_overflow_changes_nothing(zoo, family, backend, monkeypatch):
-    monkeypatch.setenv(KV_CAPACITY_ENV, "16")
-    model = ferrum_mac.open_model(zoo.path(family), backend=backend, dtype="float32")
-    assert model.kv_capacity() == 16
+def test_kv_capacity_overflow_changes_nothing(zoo, family, backend):
+    from ferrum_mac.backends import open_path
+
     prompt = random_tokens(17, seed=8)
     ref = reference(zoo.ferrum(family, backend), prompt)  # an uncapped model's logits
+    model = open_path(zoo.path(family), backend=backend, dtype="float32", kv_capacity=16)
+    assert model.kv_capacity() == 16
 
     with pytest.raises(KvCapacityError) as err:
         model.prefill("a", prompt)  # 17 > 16
@@ -232,6 +233,20 @@ def test_kv_capacity_env_is_validated(zoo, backend, monkeypatch):
     assert KV_CAPACITY_ENV in str(err.value) and "\n" not in str(err.value)
     monkeypatch.setenv(KV_CAPACITY_ENV, "100000000")  # clamped to the model's maximum
     assert ferrum_mac.open_model(zoo.path("llama"), backend=backend, dtype="float32").kv_capacity() == 1024
+
+
+def test_kv_capacity_parameter_is_clamped_and_checked(zoo, backend, monkeypatch):
+    from ferrum_mac.backends import open_path
+
+    monkeypatch.delenv(KV_CAPACITY_ENV, raising=False)
+    path = zoo.path("llama")
+    assert open_path(path, backend=backend, dtype="float32", kv_capacity=16).kv_capacity() == 16
+    assert open_path(path, backend=backend, dtype="float32", kv_capacity=100_000_000).kv_capacity() == 1024
+    assert open_path(path, backend=backend, dtype="float32").kv_capacity() == 1024
+    for bad in (0, -5):
+        with pytest.raises(FerrumError) as err:
+            open_path(path, backend=backend, dtype="float32", kv_capacity=bad)
+        assert "positive" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_release_then_reuse_starts_clean(model):

@@ -76,10 +76,16 @@ def recommended_dtype(backend: str = "auto", device: str | None = None) -> str |
     return "float32" if resolve_device(device).type == "cpu" else None  # torch's CPU half-precision matmuls are slow
 
 
-def open_path(path: Path, backend: str = "auto", dtype: str | None = None, device: str | None = None) -> DecoderOnlyLLM:
+def open_path(
+    path: Path, backend: str = "auto", dtype: str | None = None, device: str | None = None, kv_capacity: int | None = None
+) -> DecoderOnlyLLM:
     """Open a checkpoint with `backend` on `device` (cpu, gpu, cuda[:N], metal; None: the
-    backend's default: its GPU where it has one)."""
+    backend's default: its GPU where it has one), holding at most `kv_capacity` tokens per
+    sequence (None: the model's maximum, as memory allows)."""
+    from ferrum_mac.llm import kv_capacity_from_env
     from ferrum_mac.weights import load_checkpoint
+
+    kv_capacity = kv_capacity_from_env() if kv_capacity is None else kv_capacity  # until the callers pass it
 
     chosen, device = choose(backend), check_device(device)
     if chosen == "mlx":
@@ -87,8 +93,8 @@ def open_path(path: Path, backend: str = "auto", dtype: str | None = None, devic
         from ferrum_mac.backends.mlx.runtime import MlxLLM
 
         use_device(device)
-        return MlxLLM(load_checkpoint(path), dtype=dtype)
+        return MlxLLM(load_checkpoint(path), dtype=dtype, kv_capacity=kv_capacity)
     from ferrum_mac.backends.torch.memory import resolve_device
     from ferrum_mac.backends.torch.runtime import TorchLLM
 
-    return TorchLLM(load_checkpoint(path), dtype=dtype, device=resolve_device(device))
+    return TorchLLM(load_checkpoint(path), dtype=dtype, device=resolve_device(device), kv_capacity=kv_capacity)

@@ -70,7 +70,7 @@ def dequantize_on_cpu(checkpoint: Checkpoint, dtype: mx.Dtype) -> bool:
 class MlxLLM(DecoderOnlyLLM):
     device_array_types = (mx.array,)
 
-    def __init__(self, checkpoint: Checkpoint, dtype: str | None = None):
+    def __init__(self, checkpoint: Checkpoint, dtype: str | None = None, kv_capacity: int | None = None):
         c = checkpoint.config
         family = FAMILIES.get(c.model_type)
         if family is None:
@@ -92,7 +92,7 @@ class MlxLLM(DecoderOnlyLLM):
         self.model_config = c
         self.source = checkpoint
         self._config = LlmRuntimeConfig.of_model(c, str(self.dtype).split(".")[-1])
-        self._capacity = kv_capacity_within(self._config, free_memory_bytes(), self.dtype.size)
+        self._capacity = kv_capacity_within(self._config, free_memory_bytes(), self.dtype.size, kv_capacity)
         self.kv = KvManager(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity)
 
     # -- contract -------------------------------------------------------------------

@@ -59,7 +59,13 @@ def run_of_slots(slots: list[int], pool_slots: int) -> tuple[int, int]:
 class TorchLLM(DecoderOnlyLLM):
     device_array_types = (torch.Tensor,)
 
-    def __init__(self, checkpoint: Checkpoint, dtype: str | None = None, device: str | torch.device | None = None):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        dtype: str | None = None,
+        device: str | torch.device | None = None,
+        kv_capacity: int | None = None,
+    ):
         c = checkpoint.config
         family = FAMILIES.get(c.model_type)
         if family is None:
@@ -76,7 +82,7 @@ class TorchLLM(DecoderOnlyLLM):
         self.source = checkpoint
         self._config = LlmRuntimeConfig.of_model(c, str(self.dtype).removeprefix("torch."))
         element = torch.tensor([], dtype=self.dtype).element_size()
-        self._capacity = kv_capacity_within(self._config, free_memory_bytes(self.device), element)
+        self._capacity = kv_capacity_within(self._config, free_memory_bytes(self.device), element, kv_capacity)
         with torch.inference_mode():
             self.model.rope.build(self._capacity)
         self.kv = KvManager(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity)

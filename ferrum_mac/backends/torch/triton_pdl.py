@@ -11,11 +11,11 @@ an activation, comes after the wait, which returns once the kernel before has fi
 its writes are visible; so a kernel never sees, nor overwrites, what the one before is still
 using (its buffers may be the same memory, reused by torch's allocator in stream order).
 
-Kernels with no weight, and those streaming at most PDL_MAX_BYTES of one, launch early. On
-the H100, early launch turned Qwen3-0.6B's decode (GEMVs of 4-13 MB) from 840 into 896 tok/s,
-but Qwen3-8B's (33-200 MB) from 162 into 146: prefetched lines are evicted before use by the
-kernel still streaming, and programs placed while another kernel fills the SMs may sit
-unevenly.
+Kernels with no weight, and those streaming at most PDL_MAX_BYTES of one, launch early: it
+speeds up a step of small GEMVs (Qwen3-0.6B's) and slows one of large GEMVs (Qwen3-8B's),
+whose prefetched lines are evicted before use by the kernel still streaming, and whose
+programs, placed while another kernel fills the SMs, may sit unevenly (docs/BENCHMARKS.md,
+torch session 5).
 
 FERRUM_TORCH_PDL=0 turns it off (for A/B timing); FERRUM_TORCH_PREFETCH sets the bytes of
 weight each GEMV program prefetches before its wait (0: none); FERRUM_TORCH_PDL_MAX_MB the
@@ -35,7 +35,8 @@ except ImportError:
     triton = None
 
 PDL = os.environ.get("FERRUM_TORCH_PDL", "1") != "0"
-PREFETCH_BYTES = int(os.environ.get("FERRUM_TORCH_PREFETCH", "65536"))  # (H100, Qwen3-0.6B: 16K 887 tok/s, 64K-1M 896)
+# 64 KB a program: the least that runs at full speed (docs/BENCHMARKS.md, torch session 5).
+PREFETCH_BYTES = int(os.environ.get("FERRUM_TORCH_PREFETCH", "65536"))
 PDL_MAX_BYTES = int(float(os.environ.get("FERRUM_TORCH_PDL_MAX_MB", "16")) * (1 << 20))
 LINE_BYTES = 128  # an L2 line: what one prefetch brings
 

@@ -3,15 +3,16 @@ switches that hand it to `triton_ops` on CUDA (and, for a few rows, the matmuls 
 `triton_gemv`).
 
 Eagerly each is a handful of small kernels. In a CUDA decode step at batch 1 the matmuls
-take microseconds, so those launches are a real share of the step. On CUDA, where triton
-imports, SwiGLU is one `triton_ops` kernel (and a decode step's q/k norm and RoPE one more,
-fused with its KV write: see `DecodePlan`); FERRUM_TORCH_TRITON=0 keeps torch, for A/B timing.
-With a few rows (a decode step's), the matmuls after an RMSNorm take their norm into a Triton
-GEMV too (`gemv_runs`: qkv, and gate_up with SwiGLU), each kernel on or off by name in
-FERRUM_TORCH_GEMV.
+take microseconds, so those launches are a real share of the step. Inside a decode step on
+CUDA (`decode_step`), where triton imports, SwiGLU is one `triton_ops` kernel (and the q/k
+norm and RoPE one more, fused with the KV write: see `DecodePlan`); FERRUM_TORCH_TRITON=0
+keeps torch, for A/B timing. For a few rows the matmul beside each joins it in one Triton
+kernel (`gemv_runs`: gate_up with SwiGLU; qkv with the block's norm, q/k norm, RoPE and KV
+write), each kernel on or off by name in FERRUM_TORCH_GEMV.
 FERRUM_TORCH_COMPILE=1 turns each torch function into one fused kernel with torch.compile
-(shapes dynamic: compiled once for every token count). Off by default: it is an A/B knob
-until measured on the GPU.
+(shapes dynamic: compiled once for every token count). Off by default: measured on the H100
+before the Triton kernels, it sped decode up but slowed prefill (docs/BENCHMARKS.md, the
+first torch table); a decode step's Triton kernels now do this work.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ TRITON = os.environ.get("FERRUM_TORCH_TRITON", "1") != "0"
 # The fused GEMV kernels in use, by name: "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
 # "matmul_residual" (o_proj and down plus the residual), "norm_qkv_rope" (RMSNorm + qkv + q/k
 # norm + RoPE + KV write: `triton_qkv`), "norm_matmul" (RMSNorm + qkv projection, where
-# norm_qkv_rope is off; off unless named: on the H100 it lost to cuBLAS on Qwen3-8B's qkv at
-# 1 row, 31.9 against 29.0 us, and on both shapes at 4 rows). "" for none.
+# norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS, docs/BENCHMARKS.md,
+# torch session 3). "" for none.
 GEMV = frozenset(os.environ.get("FERRUM_TORCH_GEMV", "norm_swiglu,matmul_residual,norm_qkv_rope").split(","))
 GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
 

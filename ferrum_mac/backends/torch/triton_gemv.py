@@ -90,9 +90,8 @@ def gemv_blocks(n: int, k: int, device: torch.device, element_size: int) -> tupl
 
 
 # A GEMV with fewer column blocks than SMs splits K, into enough programs to give every SM
-# MIN_PROGRAMS_PER_SM. (Measured on the H100: Qwen3-0.6B's down, 64 blocks, 7.75 -> 6.40 us
-# split in 4; its norm+gate_up+swiglu, 192 blocks, 10.1 -> 11.8 us split in 2, and Qwen3-8B's
-# 256-block o_proj 14.7 -> 15.6: past one block an SM, splitting costs more than it gives.)
+# MIN_PROGRAMS_PER_SM: below one block an SM splitting pays, past it the split sums cost more
+# than they give (docs/BENCHMARKS.md, torch session 4).
 MIN_PROGRAMS_PER_SM = 2
 
 

@@ -11,8 +11,8 @@ the RMSNorm before them or the SwiGLU after, are `triton_gemv`'s.
   (row, kv head) spreads its keys over several programs, so a small batch still fills the
   GPU; the last of them to finish merges their partial softmaxes (`triton_splits`).
 - `swiglu`: silu(gate) * up (* per-row weights) from the fused gate_up output.
-- `rms_norm`: F.rms_norm for a step's few rows (torch's kernel takes 3-6 us on one row of an
-  H100): a program per row, the whole row in registers.
+- `rms_norm`: F.rms_norm for a step's few rows, where torch's kernel is slow for what it
+  does (docs/BENCHMARKS.md, torch session 4): a program per row, the whole row in registers.
 Results round where the torch path rounds (the q/k norm in float32, rounded before the
 weight; the block norms weighed in float32 and rounded once, as F.rms_norm; each product of
 RoPE and SwiGLU rounded to the activations' dtype), so they match it to the last bit or so. Attention keeps its softmax and sums in float32.

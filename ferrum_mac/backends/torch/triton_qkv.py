@@ -27,8 +27,8 @@ except ImportError:
 
 TILE_BYTES = 16384  # of the weight, per program and step of its loop over K (a head's 128 columns x 64)
 STAGES = 4
-# Splits of K: enough to give every SM one program. (H100, one row: Qwen3-0.6B's 32 heads split
-# in 4 took 7.31 us, in 8 7.78; Qwen3-8B's 48 heads in 2, 4 or 8: 23.3, 23.1, 23.7 us.)
+# Splits of K: enough to give every SM one program, about the fastest split timed on both
+# Qwen3 shapes (docs/BENCHMARKS.md, torch session 5).
 PROGRAMS_PER_SM = 1
 
 

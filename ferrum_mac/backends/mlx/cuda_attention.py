@@ -2,10 +2,10 @@
 sequence's keys and values straight from the KV pool, up to that sequence's own length.
 
 MLX's fused `scaled_dot_product_attention` takes no per-sequence lengths, and with an array
-mask its CUDA build leaves the fused kernel for a general path several times slower (a
-Qwen3-8B layer at batch 4: 316 us masked against 74 us unmasked, `scripts/probe-mlx-batch.py`);
-the batch's keys also had to be gathered out of the pool first. Metal's fused kernel takes
-masks, so this module is used on CUDA only.
+mask its CUDA build leaves the fused kernel for a general path several times slower
+(`scripts/probe-mlx-batch.py`; docs/BENCHMARKS.md, serving session 2); the batch's keys also
+had to be gathered out of the pool first. Metal's fused kernel takes masks, so this module is
+used on CUDA only.
 
 One thread block serves one (sequence, kv head, split of its keys): its `group` query heads
 share every key read. Each warp walks a strided share of the split's keys with an online

@@ -2,11 +2,11 @@
 
 MLX's `quantized_matmul` runs one row as a matrix-vector kernel, but from two rows on it
 switches to a tiled matrix-matrix kernel that, at decode sizes, reads the weight slower than
-the vector kernel reads it for one row: on an H100, Qwen3-30B-A3B's projections took 44 us a
-call at 8 rows against 9 us at one, so a batch of 8 spent 4 of its 15 ms there. This kernel
-reads each packed weight word once for all rows: a warp takes one or two output rows
-(`launch_shape`), its lanes walk the rows' packed words (coalesced, eight words a lane loaded
-before any is used), dequantize each word once and multiply it with every input row.
+the vector kernel reads it for one row, so a batch of 8 spent much of its step there
+(docs/BENCHMARKS.md, MLX CUDA session 4). This kernel reads each packed weight word once for
+all rows: a warp takes one or two output rows (`launch_shape`), its lanes walk the rows'
+packed words (coalesced, eight words a lane loaded before any is used), dequantize each word
+once and multiply it with every input row.
 
 MLX-quantized (affine, 4- or 8-bit) weights only; x `(M, K)` with M up to MAX_ROWS.
 """
@@ -26,7 +26,7 @@ WARPS = 4  # per block, when the output has rows enough to fill the GPU so
 ROWS_PER_WARP = 2  # output rows a warp computes from one read of its inputs, likewise
 BLOCKS_WANTED = 264  # two per SM of an H100: narrower outputs get smaller blocks
 # From this many input rows on, MLX's tiled kernel wins where the output is wide enough to
-# fill the GPU with its tiles (measured: the lm_head at 8 rows).
+# fill the GPU with its tiles (the lm_head at 8 rows: docs/BENCHMARKS.md, MLX CUDA session 4).
 TILED_ROWS, TILED_MIN_OUT = 8, 16384
 # FERRUM_MLX_CUDA_QMM=0 keeps MLX's quantized_matmul for every row count (A/B timing).
 ENABLED = os.environ.get("FERRUM_MLX_CUDA_QMM", "1") != "0"

@@ -1,12 +1,12 @@
 """MLX's CPU matmuls on numpy's OpenBLAS instead of the reference BLAS the Linux wheel bundles.
 
 The Linux `mlx[cpu]` wheel ships the reference (netlib) BLAS, and libmlx takes every float32
-matmul from its `cblas_sgemm`: a (31x576)@(576x1536) product takes 44 ms there against 1.2 ms
-in OpenBLAS, and the 31-token prompt of `ferrum run "hi"` on SmolLM2-135M prefilled in 4.2 s
-against 0.27 s. numpy, already a dependency, ships OpenBLAS. `activate()` loads the small
-`_cpu_blas` extension (built from `_cpu_blas.c` at install) with RTLD_GLOBAL before libmlx
-is loaded, so the dynamic linker binds libmlx's `cblas_sgemm` to the extension's, which calls
-OpenBLAS's sgemm (or its sgemv for a product with one row or column: a decode step's).
+matmul from its `cblas_sgemm`, many times slower than OpenBLAS at a prompt's products
+(docs/BENCHMARKS.md, MLX on this repository's CPU). numpy, already a dependency, ships
+OpenBLAS. `activate()` loads the small `_cpu_blas` extension (built from `_cpu_blas.c` at
+install) with RTLD_GLOBAL before libmlx is loaded, so the dynamic linker binds libmlx's
+`cblas_sgemm` to the extension's, which calls OpenBLAS's sgemm (or its sgemv for a product
+with one row or column: a decode step's).
 
 It has to run before the process first imports `mlx.core`: `ferrum_mac/__init__.py` calls it
 just before anything imports MLX. It does nothing (MLX keeps its own BLAS) on macOS (MLX

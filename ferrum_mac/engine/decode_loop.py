@@ -1,5 +1,19 @@
 """The decode loop: sampled token ids, each next step queued on the device before the
-current token is read (the overlap mlx-lm gets with async_eval)."""
+current token is read (the overlap mlx-lm gets with async_eval).
+
+One answer in time (`sample` and `decode` only queue work; `read` waits for a token):
+
+    host                                   device
+    t1 = sample(prompt logits)             samples t1 after the prefill
+    yield read(t1)                         the first token goes out before step 1 is built
+    t2 = sample(decode(t1))                step 1: t1 into the cache, samples t2
+    t3 = sample(decode(t2))                step 2 queued behind step 1
+    yield read(t2)                         step 1 done; step 2 runs while the host yields t2
+    t4 = sample(decode(t3))                step 3 queued behind step 2
+    yield read(t3)                         step 2 done; step 3 runs
+    ...
+    yield read(tn)                         the last: nothing queued after it
+"""
 
 from __future__ import annotations
 
@@ -12,14 +26,13 @@ from ferrum_mac.llm import DecoderOnlyLLM
 def sampled_tokens(
     model: DecoderOnlyLLM, sampler: Sampler, cache_id: str, logits: Any, limit: int | None
 ) -> Iterator[int]:
-    """Token ids of one answer, starting from the prompt's `logits`; at most `limit` of them
-    (None: no limit), and no more than the KV capacity leaves room for.
+    """Token ids of one answer, starting from the prompt's `logits`, in the module's timeline;
+    at most `limit` of them (None: no limit), and no more than the KV capacity leaves room for.
 
-    Each id is in the cache when it is yielded, except the first (given out before the step
-    after it is queued: building that step, and on MLX's CPU build running most of it, would
-    delay the answer's first text) and the last one the loop can give (the caller tells
-    `limit` from a full cache by counting). A caller that stops early leaves at most one
-    unread token in the cache, after the last one it was given.
+    Each id is in the cache when it is yielded except the first (building step 1, and on MLX's
+    CPU build running most of it, would delay the answer's first text) and the last (the
+    caller tells `limit` from a full cache by counting). A caller that stops early leaves at
+    most one unread token in the cache, after the last one it was given.
     """
     capacity = model.kv_capacity()
     pos = model.kv_len(cache_id)

@@ -31,7 +31,18 @@ class Segment:
 
 
 class Plan:
-    """`positions` is a scalar offset for one segment, else one position per token. When two or
+    """Which rows of the flat batch belong to which sequence. A unified step that prefills
+    three tokens of A at cache position 10 and decodes one token each of B and C:
+
+        row         0    1    2    3    4
+        sequence    A    A    A    B    C
+        positions   10   11   12   7    41
+        segments    '---- A ----'  B    C     (start, length, offset): A (0, 3, 10), B (3, 1, 7),
+                                              C (4, 1, 41); A attends alone, causal over its cache
+        decoding                   '-B,C-'    B and C: one KV write, one attention from the pool
+                                              (`decode_rows`: the slice 3:5 of the batch)
+
+    `positions` is a scalar offset for one segment, else one position per token. When two or
     more segments are one token long (a batched decode, or the decode rows of a unified step)
     they attend together: `decoding` lists them, with what attending them together needs."""
 

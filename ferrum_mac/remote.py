@@ -22,10 +22,9 @@ import time
 from typing import Iterator
 
 from ferrum_mac.engine import (
-    CANCELLED, EOS, MAX_TOKENS, ChatSettings, Conversation, Done, Event, ReasoningDelta, TextDelta,
+    CANCELLED, EOS, FALLBACK_SAMPLING, MAX_TOKENS, ChatSettings, Conversation, Done, Event, ReasoningDelta, TextDelta,
+    Timing,
 )
-from ferrum_mac.engine.defaults import FALLBACK_SAMPLING
-from ferrum_mac.engine.turn import Timing
 from ferrum_mac.errors import FerrumError
 
 TIMEOUT_S = 600.0  # a long answer from a slow server is still an answer

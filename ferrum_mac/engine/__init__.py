@@ -12,20 +12,28 @@ context policy "error" or "truncate-oldest"). A turn that does not fit under "er
 `ContextLimitError` and leaves the conversation as it was.
 
 The engine never imports MLX or torch: it asks the model for a sampler (`model.sampler`).
+
+`ChatEngine` declares the surface the chat interfaces use (a local `Engine`, a `RemoteEngine`);
+`LocalEngine` adds the model, tokenizer and template the server batches on. `AnswerText`,
+`Timing` and `done_event` are the pieces of a turn that the server and the remote client reuse.
 """
 
+from ferrum_mac.engine.answer_text import AnswerText
 from ferrum_mac.engine.context import ContextLimitError
 from ferrum_mac.engine.conversation import CONTEXT_POLICIES, ERROR, TRUNCATE_OLDEST, ChatSettings, Conversation
-from ferrum_mac.engine.defaults import DEFAULT_MODEL, MODEL_ENV, default_model_name, sampling_defaults
+from ferrum_mac.engine.defaults import DEFAULT_MODEL, FALLBACK_SAMPLING, MODEL_ENV, default_model_name, sampling_defaults
 from ferrum_mac.engine.engine import Engine
 from ferrum_mac.engine.events import (
     CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, Event, Notice, ReasoningDelta, TextDelta,
 )
-from ferrum_mac.engine.sampling import Sampler, SamplingError, SamplingParams
+from ferrum_mac.engine.sampling import SEED_LIMIT, Sampler, SamplingError, SamplingParams
+from ferrum_mac.engine.surface import ChatEngine, LocalEngine
+from ferrum_mac.engine.turn import Timing, done_event
 
 __all__ = [
-    "CANCELLED", "CONTEXT", "CONTEXT_POLICIES", "DEFAULT_MODEL", "EOS", "ERROR", "MAX_TOKENS", "MODEL_ENV",
-    "STOP_STRING", "TRUNCATE_OLDEST", "ChatSettings", "ContextLimitError", "Conversation", "Done", "Engine", "Event",
-    "Notice", "ReasoningDelta", "Sampler", "SamplingError", "SamplingParams", "TextDelta", "default_model_name",
+    "CANCELLED", "CONTEXT", "CONTEXT_POLICIES", "DEFAULT_MODEL", "EOS", "ERROR", "FALLBACK_SAMPLING", "MAX_TOKENS",
+    "MODEL_ENV", "SEED_LIMIT", "STOP_STRING", "TRUNCATE_OLDEST", "AnswerText", "ChatEngine", "ChatSettings",
+    "ContextLimitError", "Conversation", "Done", "Engine", "Event", "LocalEngine", "Notice", "ReasoningDelta",
+    "Sampler", "SamplingError", "SamplingParams", "TextDelta", "Timing", "default_model_name", "done_event",
     "sampling_defaults",
 ]

@@ -12,7 +12,7 @@ from ferrum_mac.errors import FerrumError
 if TYPE_CHECKING:
     import threading
 
-    from ferrum_mac.engine.engine import Engine
+    from ferrum_mac.engine.surface import ChatEngine
     from ferrum_mac.engine.events import Event
 
 ERROR = "error"  # a turn that does not fit raises ContextLimitError
@@ -48,7 +48,7 @@ class Conversation:
     Open one with `Engine.conversation()`; `send` a message to get its answer as events.
     """
 
-    def __init__(self, engine: "Engine", cache_id: str, settings: ChatSettings):
+    def __init__(self, engine: "ChatEngine", cache_id: str, settings: ChatSettings):
         self.engine = engine
         self.cache_id = cache_id
         self.settings = settings.checked()

@@ -17,8 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, SamplingParams
-from ferrum_mac.engine.sampling import SEED_LIMIT
+from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, SEED_LIMIT, Done, SamplingParams
 from ferrum_mac.errors import FerrumError
 
 MAX_STOPS = 4

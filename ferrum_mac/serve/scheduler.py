@@ -21,18 +21,14 @@ import queue
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from ferrum_mac.engine import CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING
-from ferrum_mac.engine.answer_text import AnswerText
-from ferrum_mac.engine.turn import Timing
-from ferrum_mac.engine.turn import done_event
+from ferrum_mac.engine import (
+    CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING, AnswerText, LocalEngine, Timing, done_event,
+)
 from ferrum_mac.errors import FerrumError, UnsupportedError
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, KV_CAPACITY_ENV, KvCapacityError
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
-
-if TYPE_CHECKING:
-    from ferrum_mac.engine import Engine
 
 log = logging.getLogger("ferrum.serve")
 
@@ -84,13 +80,13 @@ class Sequence:
 
 class Scheduler:
     def __init__(
-        self, open_engine: Callable[[], "Engine"], *, max_batch: int = MAX_BATCH, step_tokens: int = STEP_TOKENS,
+        self, open_engine: Callable[[], LocalEngine], *, max_batch: int = MAX_BATCH, step_tokens: int = STEP_TOKENS,
         kv_budget: int | None = None,
     ):
         """`open_engine` runs on the scheduler's thread: MLX arrays belong to the thread that
         made them (another thread's lazy arrays fail to evaluate), so the model is opened there."""
         self._open_engine = open_engine
-        self.engine: "Engine | None" = None
+        self.engine: LocalEngine | None = None
         self.max_batch = max_batch
         self.step_tokens = step_tokens
         self.kv_budget = kv_budget

@@ -10,7 +10,8 @@
     screens/            one screen per file, each with its own .tcss
     widgets/            one widget per file
 
-The UI never touches a model. From an engine it uses only: `name`, `default_sampling`,
+The UI never touches a model. From an engine it uses only the surface `ChatEngine` declares
+(ferrum_mac/engine/surface.py): `name`, `default_sampling`,
 `settings(**changes)`, `conversation(settings, prepare=False)`, `kv_capacity()`, `cancel()`,
 `close()`; from a conversation: `messages`, `ledger`, `settings`, `send(text, cancel)`, `close()`.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -16,6 +16,9 @@ from ferrum_mac.tui.export import default_export_dir
 from ferrum_mac.tui.messages import EngineFailed, EngineOpened
 from ferrum_mac.tui.resident import ResidentConversations
 from ferrum_mac.tui.screens.chat_screen import ChatScreen
+
+if TYPE_CHECKING:
+    from ferrum_mac.engine import ChatEngine
 
 MEMORY_REFRESH_SECONDS = 2.0
 
@@ -33,7 +36,7 @@ class ChatApp(App):
         self.model_name = model or services.default_model()
         self.default_settings = default_settings or {}
         self.export_dir = export_dir or default_export_dir()
-        self.engine = None
+        self.engine: ChatEngine | None = None
         self.resident: ResidentConversations | None = None
         self.device_text = "loading…"
         self.engine_thread = EngineThread()

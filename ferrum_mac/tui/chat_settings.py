@@ -6,7 +6,7 @@ means the model's default.
 
 from __future__ import annotations
 
-from ferrum_mac.engine import TRUNCATE_OLDEST
+from ferrum_mac.engine import TRUNCATE_OLDEST, ChatEngine, ChatSettings
 
 KEYS = ("system", "temperature", "top_p", "max_tokens", "think", "context_policy")
 DEFAULTS = {"context_policy": TRUNCATE_OLDEST}  # a chat app keeps going when the context fills
@@ -18,7 +18,7 @@ def stored_settings(base: dict | None = None, **changes) -> dict:
     return {k: merged[k] for k in KEYS if merged.get(k) is not None}
 
 
-def engine_settings(engine, stored: dict):
+def engine_settings(engine: ChatEngine, stored: dict) -> ChatSettings:
     """The engine's ChatSettings for a stored settings dict (raises FerrumError on a bad value)."""
     sampling = engine.default_sampling.replace(temperature=stored.get("temperature"), top_p=stored.get("top_p"))
     return engine.settings(

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from textual.message import Message
+
+if TYPE_CHECKING:
+    from ferrum_mac.engine import ChatEngine
 
 
 class PromptSubmitted(Message):
@@ -96,7 +101,7 @@ class PullFinished(Message):
 
 
 class EngineOpened(Message):
-    def __init__(self, engine, device: str):
+    def __init__(self, engine: ChatEngine, device: str):
         super().__init__()
         self.engine = engine
         self.device = device

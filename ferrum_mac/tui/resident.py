@@ -8,13 +8,17 @@ conversations or `token_budget` tokens of cache in all, the least recently used 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ferrum_mac.engine import ChatEngine
 
 MAX_RESIDENT = 3
 TOKEN_BUDGET = 16_384
 
 
 class ResidentConversations:
-    def __init__(self, engine, max_resident: int = MAX_RESIDENT, token_budget: int = TOKEN_BUDGET):
+    def __init__(self, engine: ChatEngine, max_resident: int = MAX_RESIDENT, token_budget: int = TOKEN_BUDGET):
         self.engine = engine
         self.max_resident = max_resident
         self.token_budget = token_budget

@@ -1,4 +1,4 @@
-"""A scripted engine with the public surface the chat UI uses, and services that hand it out.
+"""A scripted engine with the surface the chat UI uses (`ChatEngine`), and services that hand it out.
 
 A reply is a list of steps: ("text", "..."), ("reasoning", "..."), ("notice", "..."),
 ("hang",) waits for the stop, ("fail", "message") raises. Text streams word by word.
@@ -21,6 +21,7 @@ HANG_LIMIT_S = 20
 class FakeEngine:
     def __init__(self, replies=(), capacity: int = 2048, name: str = "fake-model:1b", delay: float = 0.0):
         self.name = name
+        self.path = None  # no model file behind it
         self.capacity = capacity
         self.delay = delay  # seconds per streamed piece
         self.default_sampling = SamplingParams(temperature=0.0)

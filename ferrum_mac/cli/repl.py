@@ -17,7 +17,8 @@ from typing import TextIO
 
 from ferrum_mac.cli.printer import EventPrinter
 from ferrum_mac.cli.repl_commands import Commands
-from ferrum_mac.engine import Conversation, Engine
+from ferrum_mac.cli.session import ChatSession
+from ferrum_mac.engine import ChatEngine, Conversation
 from ferrum_mac.errors import FerrumError
 
 PROMPT, MORE = ">>> ", "... "
@@ -77,13 +78,11 @@ def read_message(reader: LineReader) -> str:
 
 
 class Repl:
-    def __init__(self, engine: Engine, conv: Conversation, printer: EventPrinter, reader: LineReader | None = None):
-        self.engine = engine
-        self.conv = conv
-        self.printer = printer
-        self.printer.limit_setting = "/set num_predict"
+    def __init__(self, engine: ChatEngine, conv: Conversation, printer: EventPrinter, reader: LineReader | None = None):
+        printer.limit_setting = "/set num_predict"
+        self.session = ChatSession(engine, conv, printer)
         self.reader = reader or LineReader(history=history_file())
-        self.commands = Commands(self)
+        self.commands = Commands(self.session)
 
     def run(self) -> None:
         try:
@@ -94,7 +93,7 @@ class Repl:
             self.reader.close()
             if self.reader.tty:
                 print()
-            self.conv.close()
+            self.session.conv.close()
 
     def _loop(self) -> None:
         interrupted = False  # the last line ended in Ctrl-C
@@ -117,19 +116,20 @@ class Repl:
                 self.ask(text)
 
     def ask(self, text: str) -> None:
+        printer = self.session.printer
         try:
-            with ctrl_c_cancels(self.engine):
-                for event in self.conv.send(text):
-                    self.printer.print(event)
+            with ctrl_c_cancels(self.session.engine):
+                for event in self.session.conv.send(text):
+                    printer.print(event)
         except KeyboardInterrupt:
-            self.printer.end_line()
+            printer.end_line()
         except FerrumError as e:
-            self.printer.end_line()
+            printer.end_line()
             print(f"ferrum: {e}", file=sys.stderr)
 
 
 @contextmanager
-def ctrl_c_cancels(engine: Engine):
+def ctrl_c_cancels(engine: ChatEngine):
     """While an answer streams, the first Ctrl-C asks the engine to stop after the current
     token; a second raises KeyboardInterrupt (the engine keeps the conversation consistent)."""
     if threading.current_thread() is not threading.main_thread():

@@ -8,13 +8,11 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from ferrum_mac.cli.session import ChatSession
 from ferrum_mac.engine import CONTEXT_POLICIES, ChatSettings, SamplingParams
 from ferrum_mac.errors import FerrumError
-
-if TYPE_CHECKING:
-    from ferrum_mac.cli.repl import Repl
 
 HELP = """Available commands:
   /set parameter NAME VALUE   set a sampling parameter (/set NAME VALUE works too):
@@ -49,12 +47,12 @@ SAVE_NAME = re.compile(r"^[\w.-]+$")
 
 
 class Commands:
-    def __init__(self, repl: "Repl"):
-        self.repl = repl
+    def __init__(self, session: ChatSession):
+        self.session = session
 
     @property
     def conv(self):
-        return self.repl.conv
+        return self.session.conv
 
     def run(self, line: str) -> bool:
         """Carry out one slash command; False when the REPL should end."""
@@ -88,7 +86,7 @@ class Commands:
             self._change(think=on)
             say(f"Set thinking mode {'on' if on else 'off'}.")
         elif what in ("verbose", "quiet"):
-            self.repl.printer.verbose = what == "verbose"
+            self.session.printer.verbose = what == "verbose"
             say(f"Set {what} mode.")
         elif what == "context":
             if value not in CONTEXT_POLICIES:
@@ -118,7 +116,7 @@ class Commands:
 
     def _cmd_show(self, rest: str) -> None:
         what = rest.strip().lower()
-        engine, settings = self.repl.engine, self.conv.settings
+        engine, settings = self.session.engine, self.conv.settings
         if what == "info" and not hasattr(engine, "model"):  # a RemoteEngine: only what the server says
             say(f"  model        {engine.name}\n  server       {engine.path}\n"
                 f"  context      {engine.kv_capacity() or 'unknown'} tokens")
@@ -145,7 +143,7 @@ class Commands:
     def _cmd_save(self, rest: str) -> None:
         path = saved_path(rest)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"model": self.repl.engine.name, "settings": settings_to_dict(self.conv.settings), "messages": self.conv.messages}
+        data = {"model": self.session.engine.name, "settings": settings_to_dict(self.conv.settings), "messages": self.conv.messages}
         path.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
         say(f"Saved the conversation as '{rest.strip()}'.")
 

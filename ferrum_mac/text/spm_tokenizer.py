@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.text.tokenizer import REPLACE_EACH_BYTE, KeepStart, TextStart, Tokenizer
 
-if TYPE_CHECKING:  # sentencepiece and protobuf load on first use (~35 ms most models never need)
+if TYPE_CHECKING:  # sentencepiece and protobuf load on first use (an import most models never need)
     from sentencepiece import sentencepiece_model_pb2
 
 SPACE = "▁"

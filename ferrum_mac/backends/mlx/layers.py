@@ -66,7 +66,7 @@ def dequantized(tensors, config: ModelConfig, dtype: mx.Dtype) -> dict:
         quant = config.quant_for(module)
         if suffix != "weight" or quant is None or weight.ndim != 2 or ".experts." in name or f"{module}.scales" not in tensors:
             continue
-        # in float32, where scale * q + bias is exact (and MLX's CPU build runs float16 ~5x slower)
+        # in float32, where scale * q + bias is exact (MLX's CPU build emulates float16, slowly)
         scales, biases = (out.pop(f"{module}.{part}").astype(mx.float32) for part in ("scales", "biases"))
         dense = mx.dequantize(weight, scales, biases, group_size=quant["group_size"], bits=quant["bits"])
         out[name] = dense.astype(dtype)

@@ -7,7 +7,7 @@ the given batch. On the GPU machine (torch only):
     python3 scripts/profile-torch-step.py --shape qwen3-0.6b [--batch 1] [--steps 20]
 
 It profiles the steps as replayed from their CUDA graph (the GPU's busy time beside the
-wall time shows the gaps between kernels), then eagerly (FERRUM_CUDA_GRAPHS=0).
+wall time shows the gaps between kernels), then eagerly (FERRUM_TORCH_CUDA_GRAPHS=0).
 """
 
 import argparse

@@ -152,6 +152,6 @@ def ctrl_c_cancels(engine: ChatEngine):
 
 
 def history_file() -> Path:
-    import platformdirs
+    from ferrum_mac.settings import repl_history_path
 
-    return Path(platformdirs.user_data_dir("ferrum_mac")) / "repl_history"
+    return repl_history_path()

@@ -194,12 +194,12 @@ def parameters_text(settings: ChatSettings) -> str:
 
 
 def saved_path(name: str) -> Path:
-    import platformdirs
+    from ferrum_mac.settings import saved_conversations_dir
 
     name = name.strip()
     if not SAVE_NAME.match(name):
         raise FerrumError("give a name of letters, digits, '.', '-' or '_', e.g. /save trip-plans")
-    return Path(platformdirs.user_data_dir("ferrum_mac")) / "conversations" / f"{name}.json"
+    return saved_conversations_dir() / f"{name}.json"
 
 
 def settings_to_dict(settings: ChatSettings) -> dict:

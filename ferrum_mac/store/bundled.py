@@ -61,9 +61,9 @@ def bundled_sampling(path: str | Path) -> Mapping[str, float]:
 
 def models_dir() -> Path:
     """Where the store keeps models: the user data dir's `models/`."""
-    import platformdirs
+    from ferrum_mac.settings import bundled_models_dir
 
-    return Path(platformdirs.user_data_dir("ferrum_mac")) / "models"
+    return bundled_models_dir()
 
 
 def ensure_smollm2(dest_dir: str | Path | None = None, progress: bool = True) -> Path:

@@ -2,28 +2,22 @@
 quantized checkpoints that MLX's CPU build loads (`backends/mlx/dense_cache.py` writes them).
 
 Each copy records the model file it was made from (safetensors metadata `ferrum_source`), so
-copies whose model is gone, removed by `ferrum rm` or by hand, can be swept. FERRUM_CACHE_DIR
-moves the folder.
+copies whose model is gone, removed by `ferrum rm` or by hand, can be swept. The folder is
+`settings.dense_weights_dir()` (FERRUM_CACHE_DIR moves it).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from ferrum_mac import settings
 from ferrum_mac.weights.safetensors import read_header
 
-CACHE_DIR_ENV = "FERRUM_CACHE_DIR"
 SOURCE_KEY = "ferrum_source"
 
 
 def dense_dir() -> Path:
-    root = os.environ.get(CACHE_DIR_ENV, "").strip()
-    if not root:
-        import platformdirs
-
-        root = platformdirs.user_cache_dir("ferrum_mac")
-    return Path(root).expanduser() / "dense-weights"
+    return settings.dense_weights_dir()
 
 
 def recorded_source(entry: Path) -> str | None:

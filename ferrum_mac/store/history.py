@@ -25,7 +25,6 @@ from pathlib import Path
 
 from ferrum_mac.errors import FerrumError
 
-DB_NAME = "history.sqlite3"
 LOCK_TIMEOUT = 10.0  # seconds a writer waits for another process's write to finish
 
 MIGRATIONS: list[str] = [
@@ -57,9 +56,9 @@ SCHEMA_VERSION = len(MIGRATIONS)
 
 
 def default_path() -> Path:
-    import platformdirs
+    from ferrum_mac.settings import history_db_path
 
-    return Path(platformdirs.user_data_dir("ferrum_mac")) / DB_NAME
+    return history_db_path()
 
 
 @dataclass

@@ -24,9 +24,9 @@ def conversation_markdown(title: str, messages) -> str:
 def default_export_dir() -> Path:
     """Where exports go unless the app is told otherwise: a folder of the user's documents, not
     whatever folder the app was started in."""
-    import platformdirs
+    from ferrum_mac.settings import export_dir
 
-    return Path(platformdirs.user_documents_dir()) / "ferrum-chat"
+    return export_dir()
 
 
 def export_path(folder: Path, title: str) -> Path:

@@ -9,12 +9,12 @@ With a single segment (the usual prefill or decode) nothing is sliced.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 
 import mlx.core as mx
 
+from ferrum_mac import settings
 from ferrum_mac.backends.mlx import cuda_attention
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
@@ -79,7 +79,7 @@ def decode_rows(singles: list[Segment]) -> slice | mx.array:
 
 
 # FERRUM_MLX_CUDA_ATTENTION=0 keeps the masked fused attention on CUDA too (A/B timing).
-USE_CUDA_KERNEL = os.environ.get("FERRUM_MLX_CUDA_ATTENTION", "1") != "0"
+USE_CUDA_KERNEL = settings.value("FERRUM_MLX_CUDA_ATTENTION")
 
 
 class Attention:

@@ -24,6 +24,8 @@ import os
 import sys
 from typing import NamedTuple
 
+from ferrum_mac import settings
+
 ENV = "FERRUM_CPU_BLAS"  # "reference": leave MLX on the BLAS its wheel bundles
 EXTENSION = "ferrum_mac.backends.mlx._cpu_blas"
 # Name patterns of the CBLAS entry points of numpy's OpenBLAS builds ({} is sgemm or sgemv),
@@ -63,8 +65,8 @@ def _activate() -> str:
     global _module
     if not sys.platform.startswith("linux"):
         return "reference: only Linux MLX builds bundle the reference BLAS"
-    if os.environ.get(ENV, "").strip().lower() in ("reference", "off", "0"):
-        return f"reference: {ENV}={os.environ[ENV]}"
+    if settings.value(ENV) != "openblas":
+        return f"reference: {ENV}={settings.raw(ENV)}"
     if "mlx.core" in sys.modules:
         return "reference: MLX was loaded before ferrum could route its BLAS"
     try:

@@ -13,12 +13,12 @@ MLX-quantized (affine, 4- or 8-bit) weights only; x `(M, K)` with M up to MAX_RO
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import mlx.core as mx
 
 from ferrum_mac.backends.mlx.memory import on_cuda_gpu
+from ferrum_mac import settings
 
 MAX_ROWS = 8  # the input rows of one call are held in registers: up to this many
 MIN_ROWS = 2  # one row: MLX's own vector kernel
@@ -29,7 +29,7 @@ BLOCKS_WANTED = 264  # two per SM of an H100: narrower outputs get smaller block
 # fill the GPU with its tiles (the lm_head at 8 rows: docs/BENCHMARKS.md, MLX CUDA session 4).
 TILED_ROWS, TILED_MIN_OUT = 8, 16384
 # FERRUM_MLX_CUDA_QMM=0 keeps MLX's quantized_matmul for every row count (A/B timing).
-ENABLED = os.environ.get("FERRUM_MLX_CUDA_QMM", "1") != "0"
+ENABLED = settings.value("FERRUM_MLX_CUDA_QMM")
 
 WARP_SUM = """
 __device__ __forceinline__ float ferrum_warp_sum(float x) {

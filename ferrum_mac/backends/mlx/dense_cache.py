@@ -26,6 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ferrum_mac import settings
 from ferrum_mac.backends.mlx.layers import dequantized
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.store.derived import SOURCE_KEY, sweep_orphans
@@ -55,7 +56,7 @@ def dense_tensors(checkpoint: Checkpoint, dtype: mx.Dtype) -> dict:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENABLE_ENV, "").strip().lower() not in ("0", "off", "no", "false")
+    return settings.value(ENABLE_ENV)
 
 
 def entry_path(checkpoint: Checkpoint, dtype: mx.Dtype) -> Path | None:

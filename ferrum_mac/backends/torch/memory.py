@@ -7,12 +7,13 @@ import os
 import torch
 
 from ferrum_mac.errors import UnsupportedError
+from ferrum_mac import settings
 
 
 def default_device() -> torch.device:
     """`FERRUM_DEVICE` (cuda, cuda:1, cpu) when set, else CUDA when present, else the CPU."""
-    if os.environ.get("FERRUM_DEVICE"):
-        return torch.device(os.environ["FERRUM_DEVICE"])
+    if settings.value("FERRUM_DEVICE"):
+        return torch.device(settings.value("FERRUM_DEVICE"))
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

@@ -7,7 +7,7 @@ them, a block of output columns per program, tl.dot over K in chunks, the rows p
 
 Where the column blocks would leave SMs idle (`gemv_splits`), their programs split K as well
 (`triton_splits`: the last of a block's programs to finish adds the parts up and finishes the
-block). FERRUM_TORCH_SPLIT_K caps the splits.
+block). `triton_splits.SPLIT_K` caps the splits.
 
 Matmuls are summed in float32 and rounded once, the norm and SwiGLU rounded where the torch
 path rounds them (see `triton_ops`). Entry functions launch on whatever tensors they are given

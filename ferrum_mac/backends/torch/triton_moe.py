@@ -20,7 +20,7 @@ read on the device.
   programs for a block to finish adds them up in slot order with the residual and rounds
   once (torch rounds each pair's output first, then the sum, then the residual add). So a
   lone token still has k times as many programs as column blocks to fill the GPU with.
-  FERRUM_TORCH_SPLIT_K=0 (`triton_splits.SPLIT_K`) keeps the unsplit kernel, for A/B timing:
+  `triton_splits.SPLIT_K` = 0 keeps the unsplit kernel:
   one program per (token, block), the k experts' rows as one long dot product.
 
 Products round where the torch path rounds them (each projection's output, silu, the product

@@ -17,15 +17,17 @@ whose prefetched lines are evicted before use by the kernel still streaming, and
 programs, placed while another kernel fills the SMs, may sit unevenly (docs/BENCHMARKS.md,
 torch session 5).
 
-FERRUM_TORCH_PDL=0 turns it off (for A/B timing); FERRUM_TORCH_PREFETCH sets the bytes of
-weight each GEMV program prefetches before its wait (0: none); FERRUM_TORCH_PDL_MAX_MB the
-largest weight a kernel launching early streams.
+FERRUM_TORCH_PDL=0 turns it off (for A/B timing). PREFETCH_BYTES is the weight each GEMV
+program prefetches before its wait (0: none); PDL_MAX_BYTES the largest weight a kernel
+launching early streams.
 """
 
 import functools
 import os
 
 import torch
+
+from ferrum_mac import settings
 
 try:
     import triton
@@ -34,10 +36,10 @@ try:
 except ImportError:
     triton = None
 
-PDL = os.environ.get("FERRUM_TORCH_PDL", "1") != "0"
+PDL = settings.value("FERRUM_TORCH_PDL")
 # 64 KB a program: the least that runs at full speed (docs/BENCHMARKS.md, torch session 5).
-PREFETCH_BYTES = int(os.environ.get("FERRUM_TORCH_PREFETCH", "65536"))
-PDL_MAX_BYTES = int(float(os.environ.get("FERRUM_TORCH_PDL_MAX_MB", "16")) * (1 << 20))
+PREFETCH_BYTES = 64 << 10
+PDL_MAX_BYTES = 16 << 20
 LINE_BYTES = 128  # an L2 line: what one prefetch brings
 
 

@@ -3,18 +3,18 @@ Qwen3 (q/k RMSNorm). Embedding, blocks of attention + SwiGLU MLP, final norm, he
 
 from __future__ import annotations
 
-import os
 
 import mlx.core as mx
 
+from ferrum_mac import settings
 from ferrum_mac.backends.mlx.attention import Attention, Plan
 from ferrum_mac.backends.mlx.layers import Linear, TensorSource, swiglu
 from ferrum_mac.weights import ModelConfig
 
 # Steps of at most this many tokens (decode, small decode batches) run compiled; each
 # distinct count is traced once. Longer prefills run eagerly (their kernels dominate).
-# FERRUM_COMPILE_MAX_TOKENS=0 turns compiled steps off (for debugging and A/B timing).
-COMPILE_MAX_TOKENS = int(os.environ.get("FERRUM_COMPILE_MAX_TOKENS", "16"))
+# FERRUM_MLX_COMPILE_MAX_TOKENS=0 turns compiled steps off (for debugging and A/B timing).
+COMPILE_MAX_TOKENS = settings.value("FERRUM_MLX_COMPILE_MAX_TOKENS")
 
 
 class Mlp:

@@ -10,13 +10,13 @@ are fused along the out dim at load. Routing stays on the device: no host sync.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from ferrum_mac import settings
 from ferrum_mac.backends.mlx import cuda_moe
 from ferrum_mac.backends.mlx.layers import Linear, TensorSource
 from ferrum_mac.backends.mlx.memory import on_cuda_gpu
@@ -31,7 +31,7 @@ SORT_MIN_PAIRS = 64
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # On MLX's CUDA build, decode-sized steps route and run quantized experts with our own
 # kernels (cuda_moe.py); FERRUM_MLX_CUDA_MOE=0 keeps MLX's ops (A/B timing).
-USE_CUDA_KERNELS = os.environ.get("FERRUM_MLX_CUDA_MOE", "1") != "0"
+USE_CUDA_KERNELS = settings.value("FERRUM_MLX_CUDA_MOE")
 
 
 # -- loading: every checkpoint layout -> mlp.switch_mlp.{gate,up,down}_proj (E, out, in) ----

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import abc
 import numbers
-import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -139,18 +138,6 @@ def token_count(tokens) -> int:
 
 
 KV_CAPACITY_ENV = "FERRUM_KV_CAPACITY"  # named in messages: where a user raises the capacity
-
-
-def kv_capacity_from_env() -> int | None:
-    """The whole number `FERRUM_KV_CAPACITY` holds, or None when it is unset (the caller's
-    `kv_capacity` argument then stays None: the model's maximum)."""
-    raw = os.environ.get(KV_CAPACITY_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise FerrumError(f"{KV_CAPACITY_ENV}={raw!r} is not a whole number; set it to a token count like 8192") from None
 
 
 def clamp_kv_capacity(wanted: int | None, model_max: int) -> int:

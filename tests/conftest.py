@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import ferrum_mac  # noqa: F401  first: it routes MLX's CPU BLAS before any test module imports MLX
-import helpers
+from ferrum_mac.backends import route_cpu_blas
+
+route_cpu_blas()  # before any test module imports MLX, as the composition root does
+
+import helpers  # noqa: E402
 
 # The tokenizers library forks worker threads and warns when the process forks later on.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

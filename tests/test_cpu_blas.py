@@ -65,7 +65,7 @@ def run_python(code: str, **env) -> dict:
 
 
 PROBE = """
-import json, ferrum_mac, mlx.core as mx, numpy as np
+import json, ferrum_mac.backends; ferrum_mac.backends.route_cpu_blas(); import mlx.core as mx, numpy as np
 from ferrum_mac.backends.mlx import cpu_blas
 a = np.arange(12, dtype=np.float32).reshape(3, 4); b = np.ones((4, 2), dtype=np.float32)
 ok = bool(np.allclose(np.array(mx.array(a) @ mx.array(b)), a @ b))
@@ -74,7 +74,7 @@ print(json.dumps({"status": cpu_blas.status(), "calls": cpu_blas.routed_calls(),
 
 
 @linux_cpu
-def test_importing_ferrum_first_routes_a_fresh_process_and_the_env_switch_turns_it_off():
+def test_routing_first_routes_a_fresh_process_and_the_env_switch_turns_it_off():
     if not expected_active():
         pytest.skip(f"not routable here: {cpu_blas.status()}")
     routed = run_python(PROBE)
@@ -84,7 +84,7 @@ def test_importing_ferrum_first_routes_a_fresh_process_and_the_env_switch_turns_
 
 
 def test_mlx_loaded_before_ferrum_is_left_alone():
-    late = run_python(PROBE.replace("import json, ferrum_mac, mlx.core as mx", "import json, mlx.core as mx, ferrum_mac"))
+    late = run_python("import mlx.core\n" + PROBE)
     assert late["calls"] == 0 and late["ok"]
     assert late["status"].startswith("reference")
 
@@ -134,3 +134,14 @@ def test_the_shim_computes_sgemm_for_every_layout(order, trans_a, trans_b):
         got = sc[:, :n] if order == ROW_MAJOR else sc[:, :m].T
         np.testing.assert_allclose(got, 1.5 * op_a @ op_b + 0.5 * c, rtol=1e-5, atol=1e-5, err_msg=str((m, n, k)))
         assert np.isnan(sc[:, -2:]).all()  # nothing written past the matrix
+
+
+def test_importing_ferrum_alone_leaves_mlx_alone_and_opening_a_model_routes_it():
+    """No import hook: `import ferrum_mac` changes nothing; the composition root routes the
+    BLAS when it opens a model (here: `choose`, which every MLX path goes through)."""
+    probe = PROBE.replace("ferrum_mac.backends.route_cpu_blas()", "import ferrum_mac")
+    plain = run_python(probe)
+    assert plain["calls"] == 0 and plain["status"].startswith("reference: not activated")
+    if expected_active() and sys.platform.startswith("linux") and mx.default_device() == mx.cpu:
+        chosen = run_python(PROBE.replace("ferrum_mac.backends.route_cpu_blas()", "ferrum_mac.backends.choose('mlx')"))
+        assert chosen["status"].startswith("openblas") and chosen["calls"] >= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from ferrum_mac.errors import UnsupportedError
@@ -21,8 +22,15 @@ def available(backend: str) -> bool:
 
 
 def choose(backend: str) -> str:
-    if backend == "auto":
-        return automatic()
+    """The backend to use for `backend` (auto, mlx, torch); for MLX, with its CPU BLAS routed
+    (`route_cpu_blas`) before anything imports it."""
+    chosen = automatic() if backend == "auto" else checked(backend)
+    if chosen == "mlx":
+        route_cpu_blas()
+    return chosen
+
+
+def checked(backend: str) -> str:
     if backend not in BACKENDS:
         raise UnsupportedError(f"unknown backend {backend!r}; choose one of: auto, {', '.join(BACKENDS)}")
     if not available(backend):
@@ -82,19 +90,40 @@ def open_path(
     """Open a checkpoint with `backend` on `device` (cpu, gpu, cuda[:N], metal; None: the
     backend's default: its GPU where it has one), holding at most `kv_capacity` tokens per
     sequence (None: the model's maximum, as memory allows)."""
-    from ferrum_mac.llm import kv_capacity_from_env
-    from ferrum_mac.weights import load_checkpoint
-
-    kv_capacity = kv_capacity_from_env() if kv_capacity is None else kv_capacity  # until the callers pass it
-
     chosen, device = choose(backend), check_device(device)
     if chosen == "mlx":
         from ferrum_mac.backends.mlx.memory import use_device
         from ferrum_mac.backends.mlx.runtime import MlxLLM
+        from ferrum_mac.weights import load_checkpoint
 
         use_device(device)
         return MlxLLM(load_checkpoint(path), dtype=dtype, kv_capacity=kv_capacity)
     from ferrum_mac.backends.torch.memory import resolve_device
     from ferrum_mac.backends.torch.runtime import TorchLLM
+    from ferrum_mac.backends.torch.weights import load_onto
 
-    return TorchLLM(load_checkpoint(path), dtype=dtype, device=resolve_device(device), kv_capacity=kv_capacity)
+    place = resolve_device(device)
+    return TorchLLM(load_onto(path, place), dtype=dtype, device=place, kv_capacity=kv_capacity)
+
+
+def describe_device(backend: str, model: DecoderOnlyLLM) -> str:
+    """Where `model` (opened with `backend`, as `choose` names it) runs, for people: 'mlx · cpu',
+    'torch · cuda (NVIDIA H100 80GB HBM3)'."""
+    if backend == "mlx":
+        from ferrum_mac.backends.mlx.memory import device_name
+
+        return f"mlx · {device_name()}"
+    from ferrum_mac.backends.torch.memory import device_name
+
+    return f"torch · {device_name(model.device)}"
+
+
+def route_cpu_blas() -> None:
+    """Route the float32 matmuls of MLX's Linux CPU build to numpy's OpenBLAS (see
+    backends/mlx/cpu_blas.py). It works only before the process first imports MLX, so the
+    composition root calls it before opening anything, and `choose` before handing out MLX;
+    once MLX is loaded it does nothing."""
+    if sys.platform.startswith("linux"):
+        from ferrum_mac.backends.mlx.cpu_blas import activate
+
+        activate()

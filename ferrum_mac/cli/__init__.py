@@ -43,6 +43,7 @@ def _group(
 
 
 DEVICE_HELP = "cpu or gpu (cuda, cuda:N, metal); default: the backend's GPU where it has one."
+KV_CAPACITY_HELP = "Most tokens in one context (default $FERRUM_KV_CAPACITY, else the model's maximum)."
 
 
 @app.command()
@@ -139,7 +140,7 @@ def run(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, reasoning, stats."),
     backend: str = typer.Option("auto", help="auto, mlx or torch."),
     device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
-    kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", help="Most tokens in the context."),
+    kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", help=KV_CAPACITY_HELP),
     context: str = typer.Option("error", help="When the context is full: error or truncate-oldest."),
     pull: bool = typer.Option(True, "--pull/--no-pull", help="Download the model when it is not on disk."),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="The REPL, even with stdin piped."),
@@ -166,6 +167,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
     backend: str = typer.Option("auto", help="auto, mlx or torch."),
     device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", min=2, help=KV_CAPACITY_HELP),
     max_body: int = typer.Option(4 * 1024 * 1024, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."),
     allow_origin: Optional[list[str]] = typer.Option(
         None, "--allow-origin", help="A web origin (https://app.example) whose pages may call the server; repeatable. "
@@ -174,7 +176,10 @@ def serve(
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from ferrum_mac.serve.command import serve_command
 
-    serve_command(model, host, port, api_key, backend, device, max_body=max_body, allow_origins=tuple(allow_origin or ()))
+    serve_command(
+        model, host, port, api_key, backend, device,
+        kv_capacity=kv_capacity, max_body=max_body, allow_origins=tuple(allow_origin or ()),
+    )
 
 
 @app.command()
@@ -219,4 +224,3 @@ def chat_main() -> None:
     if sys.argv[1:] not in (["--version"], ["-V"]):  # the version is the group's option, not chat's
         sys.argv = [sys.argv[0], "chat", *sys.argv[1:]]
     main(prog_name="ferrum")  # its help then reads "ferrum chat", a command that exists
-

@@ -8,7 +8,6 @@ With no prompt, piped stdin is the prompt; on a terminal (or with --interactive)
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -17,7 +16,6 @@ from pathlib import Path
 from ferrum_mac.cli.printer import EventPrinter
 from ferrum_mac.engine import ChatSettings, Conversation, Engine, Notice, SamplingParams
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.llm import KV_CAPACITY_ENV
 
 
 @dataclass
@@ -86,7 +84,9 @@ def open_engine(model: str | None, options: RunOptions):
         from ferrum_mac.remote import RemoteEngine
 
         return RemoteEngine(options.remote, api_key=options.api_key, model=model)
-    return Engine.open(model, backend=options.backend, device=options.device, pull=options.pull)
+    from ferrum_mac.compose import open_engine as open_local
+
+    return open_local(model, backend=options.backend, device=options.device, pull=options.pull, kv_capacity=options.kv_capacity)
 
 
 def split_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:
@@ -121,13 +121,12 @@ def looks_like_model(word: str) -> bool:
 
 
 def check_options(options: RunOptions) -> None:
-    """Refuse bad values before the model loads; set the KV capacity the model will read."""
+    """Refuse bad values before the model loads."""
     SamplingParams().replace(**options.sampling_changes())
     ChatSettings(max_tokens=options.max_tokens, context_policy=options.context).checked()
     if options.kv_capacity is not None:
         if options.kv_capacity < 2:
             raise FerrumError(f"--kv-capacity {options.kv_capacity} is too small; give at least 2 tokens")
-        os.environ[KV_CAPACITY_ENV] = str(options.kv_capacity)
 
 
 def answer_as_json(engine: Engine, conv: Conversation, prompt: str) -> dict:

@@ -9,14 +9,14 @@ tokens (or the end of the context) instead of running for minutes."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+from typing import Mapping
 
+from ferrum_mac import settings
 from ferrum_mac.engine.sampling import SamplingError, SamplingParams
-from ferrum_mac.store.bundled import bundled_sampling
 
-DEFAULT_MODEL = "smollm2:135m"  # the bundled SmolLM2-135M-Instruct, fetched on first use
 MODEL_ENV = "FERRUM_MODEL"
+DEFAULT_MODEL = settings.setting(MODEL_ENV).default  # the bundled SmolLM2-135M-Instruct, fetched on first use
 FALLBACK_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, repetition_penalty=1.1, penalty_window=64)
 DEFAULT_MAX_TOKENS = 4096  # an answer's default limit, where the model's generation_config sets none
 
@@ -32,14 +32,15 @@ _GENERATION_KEYS = {
 
 def default_model_name() -> str:
     """$FERRUM_MODEL, else the bundled model."""
-    return os.environ.get(MODEL_ENV, "").strip() or DEFAULT_MODEL
+    return settings.value(MODEL_ENV)
 
 
-def sampling_defaults(model_path: str | Path) -> SamplingParams:
-    """FALLBACK_SAMPLING with what the model's generation_config.json sets (for the bundled
-    GGUF, which carries none, its authors' recommendation); plain greedy when it says
-    `do_sample: false` (as transformers' generate would be)."""
-    config = _read_generation_config(Path(model_path)) or dict(bundled_sampling(model_path))
+def sampling_defaults(model_path: str | Path, recommended: Mapping[str, float] | None = None) -> SamplingParams:
+    """FALLBACK_SAMPLING with what the model's generation_config.json sets (where it has none,
+    `recommended`: for the bundled GGUF, its authors' recommendation, which the composition
+    root looks up); plain greedy when it says `do_sample: false` (as transformers' generate
+    would be)."""
+    config = _read_generation_config(Path(model_path)) or dict(recommended or {})
     if config.get("do_sample") is False:
         return FALLBACK_SAMPLING.replace(temperature=0.0, repetition_penalty=1.0)
     found = {field: config[key] for key, field in _GENERATION_KEYS.items() if isinstance(config.get(key), (int, float))}

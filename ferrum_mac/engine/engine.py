@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ferrum_mac.engine.conversation import ChatSettings, Conversation
-from ferrum_mac.engine.defaults import DEFAULT_MAX_TOKENS, default_model_name, max_tokens_default, sampling_defaults
+from ferrum_mac.engine.defaults import DEFAULT_MAX_TOKENS
 from ferrum_mac.engine.events import Event
 from ferrum_mac.engine.sampling import SamplingParams
 from ferrum_mac.engine.turn import run_turn
@@ -35,12 +35,14 @@ class Engine:
         path: Path | None = None,
         sampling: SamplingParams | None = None,
         max_tokens: int | None = DEFAULT_MAX_TOKENS,
+        device: str = "",
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
         self.name = name
         self.path = path
+        self.device = device  # where the model runs, for people ("mlx · cpu"); "" when unknown
         self.default_sampling = sampling or SamplingParams()
         # an answer's limit unless the user sets one (None: the end of the context)
         self.default_max_tokens = min(max_tokens, model.kv_capacity()) if max_tokens else None
@@ -60,22 +62,14 @@ class Engine:
         dtype: str | None = None,
         pull: bool = True,
         template: str | None = None,
+        kv_capacity: int | None = None,
     ) -> "Engine":
-        """The model called `name` (a path, alias or repo id; default: $FERRUM_MODEL, else the
-        bundled smollm2:135m), downloaded first if needed and `pull` allows."""
-        from ferrum_mac import open_model
-        from ferrum_mac.backends import choose, recommended_dtype
-        from ferrum_mac.store import resolve_model
-        from ferrum_mac.text import load_chat_template, load_tokenizer
+        """`ferrum_mac.compose.open_engine`: the model called `name` (default: $FERRUM_MODEL,
+        else the bundled smollm2:135m) as an engine. Kept here for `Engine.open()` in scripts;
+        the composition root is imported only when called, so the engine depends on no backend."""
+        from ferrum_mac.compose import open_engine
 
-        name = str(name or default_model_name())
-        path = resolve_model(name, backend=choose(backend), pull=pull)
-        model = open_model(path, backend=backend, dtype=dtype or recommended_dtype(backend, device), device=device)
-        tokenizer = load_tokenizer(path)
-        return cls(
-            model, tokenizer, load_chat_template(path, tokenizer, template),
-            name=name, path=path, sampling=sampling_defaults(path), max_tokens=max_tokens_default(path),
-        )
+        return open_engine(name, backend=backend, device=device, dtype=dtype, pull=pull, template=template, kv_capacity=kv_capacity)
 
     # -- conversations ------------------------------------------------------------------
 

@@ -14,11 +14,11 @@ LOOPBACK = "127.0.0.1"
 
 def serve_command(
     model: str | None, host: str, port: int, api_key: str | None, backend: str = "auto", device: str | None = None,
-    *, max_body: int = MAX_BODY, allow_origins: tuple[str, ...] = (), max_connections: int = MAX_CONNECTIONS,
+    *, kv_capacity: int | None = None, max_body: int = MAX_BODY, allow_origins: tuple[str, ...] = (), max_connections: int = MAX_CONNECTIONS,
 ) -> None:
     import uvicorn
 
-    from ferrum_mac.engine import Engine
+    from ferrum_mac.compose import open_engine
     from ferrum_mac.serve.app import build_app
     from ferrum_mac.serve.scheduler import Scheduler
 
@@ -27,7 +27,7 @@ def serve_command(
               file=sys.stderr)
     sock = bind_socket(host, port)  # first: a taken port fails before the model loads
     try:
-        scheduler = Scheduler(lambda: Engine.open(model, backend=backend, device=device)).start()
+        scheduler = Scheduler(lambda: open_engine(model, backend=backend, device=device, kv_capacity=kv_capacity)).start()
         try:
             name = scheduler.engine.name
             app = build_app(scheduler, name, api_key, max_body=max_body, allow_origins=allow_origins)

@@ -17,6 +17,7 @@ class ModelEntry:
 class Services:
     def __init__(self, backend: str = "auto", device: str | None = None):
         self.backend, self.device = backend, device
+        self.opened_on = ""  # the last engine's description of its device
 
     def default_model(self) -> str:
         from ferrum_mac.engine import default_model_name
@@ -24,9 +25,11 @@ class Services:
         return default_model_name()
 
     def open_engine(self, name: str | None):
-        from ferrum_mac.engine import Engine
+        from ferrum_mac.compose import open_engine
 
-        return Engine.open(name, backend=self.backend, device=self.device)
+        engine = open_engine(name, backend=self.backend, device=self.device)
+        self.opened_on = engine.device
+        return engine
 
     def local_models(self) -> list[ModelEntry]:
         from ferrum_mac.store import list_models
@@ -44,14 +47,7 @@ class Services:
         pull_model(name, backend=choose(self.backend), progress=progress)
 
     def backend_and_device(self) -> str:
-        from ferrum_mac.backends import choose
-
-        backend = choose(self.backend)
-        if backend == "mlx":
-            from ferrum_mac.backends.mlx.memory import device_name
-
-            return f"mlx · {device_name()}"
-        return backend
+        return self.opened_on
 
     def memory_bytes(self) -> int:
         """This process's resident memory (on Apple Silicon it includes the GPU's share)."""

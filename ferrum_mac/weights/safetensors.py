@@ -134,8 +134,10 @@ def _reader():
         return load_file
 
 
-def load_safetensors(folder: Path) -> dict:
-    read = _reader()
+def load_safetensors(folder: Path, read=None) -> dict:
+    """The folder's tensors by canonical name, each file read by `read` (path -> tensors by
+    name; default `_reader()`)."""
+    read = read or _reader()
     tensors = {}
     for path in shard_files(folder):
         check_complete(path)

@@ -31,13 +31,12 @@ def smollm2(smollm2_gguf):
 
 
 @pytest.fixture
-def small_context(monkeypatch, stories_path):
-    """A stories260K engine whose KV capacity is `tokens` (FERRUM_KV_CAPACITY is read at load)."""
-    from ferrum_mac.engine import Engine
+def small_context(stories_path):
+    """A stories260K engine whose KV capacity is `tokens`."""
+    from ferrum_mac.compose import open_engine
 
     def open_with(tokens: int):
-        monkeypatch.setenv("FERRUM_KV_CAPACITY", str(tokens))
-        engine = Engine.open(stories_path)
+        engine = open_engine(stories_path, kv_capacity=tokens)
         assert engine.model.kv_capacity() == tokens
         return engine
 

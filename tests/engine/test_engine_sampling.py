@@ -10,6 +10,7 @@ import pytest
 from engine_helpers import STORY, answer, done, greedy
 from ferrum_mac.engine import MAX_TOKENS, SamplingError, SamplingParams, TextDelta, sampling_defaults
 from ferrum_mac.engine.defaults import DEFAULT_MAX_TOKENS, FALLBACK_SAMPLING, max_tokens_default
+from ferrum_mac.store.bundled import bundled_sampling
 from ferrum_mac.errors import FerrumError
 from helpers import ferrum_greedy
 
@@ -164,7 +165,7 @@ def test_defaults_come_from_generation_config(stories, tmp_path, smollm2_gguf):
     )
     defaults = sampling_defaults(tmp_path)
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.repetition_penalty) == (0.6, 0.95, 20, 1.1)
-    bundled = sampling_defaults(smollm2_gguf)  # a GGUF carries none: the bundled model's card says
+    bundled = sampling_defaults(smollm2_gguf, bundled_sampling(smollm2_gguf))  # a GGUF carries none: its card says
     assert (bundled.temperature, bundled.top_p) == (0.2, 0.9)
     assert bundled.replace(temperature=0.7, top_p=0.9) == FALLBACK_SAMPLING
     assert sampling_defaults(tmp_path / "elsewhere") == FALLBACK_SAMPLING

@@ -3,7 +3,6 @@ folders have one, and `from conftest import` would pick the wrong one)."""
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -17,18 +16,12 @@ API_KEY = "test-key"
 
 
 def open_stories(path: Path, kv_capacity: int | None = None):
-    """An opener for the scheduler's thread (the env var is read when the model loads)."""
+    """An opener for the scheduler's thread."""
 
     def open_engine():
-        from ferrum_mac.engine import Engine
+        from ferrum_mac.compose import open_engine
 
-        if kv_capacity is None:
-            return Engine.open(path)
-        os.environ["FERRUM_KV_CAPACITY"] = str(kv_capacity)
-        try:
-            return Engine.open(path)
-        finally:
-            del os.environ["FERRUM_KV_CAPACITY"]
+        return open_engine(path, kv_capacity=kv_capacity)
 
     return open_engine
 

@@ -1,20 +1,42 @@
 """A checkpoint's tensors as torch tensors on the model's device, in its compute dtype.
 
-`ferrum_mac.weights` hands out `mx.array`s (it reads files with MLX); random-weight
-benchmarks hand out `torch.Tensor`s directly, so this path needs no MLX. MLX
-affine-quantized and GGUF weights are dequantized at load with `mx.dequantize`: the torch
-backend runs them as dense matmuls, in the memory of a 16-bit model.
+Dense safetensors checkpoints are read by safetensors' torch loader straight onto the
+device (`load_onto`), so this path needs no MLX; so do random-weight benchmarks, which hand
+out `torch.Tensor`s. MLX affine-quantized and GGUF weights come from `ferrum_mac.weights` as
+`mx.array`s and are dequantized at load with `mx.dequantize`: the torch backend runs them as
+dense matmuls, in the memory of a 16-bit model.
 """
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
-from ferrum_mac.weights import ModelConfig
+from ferrum_mac.weights import Checkpoint, ModelConfig, load_checkpoint
+from ferrum_mac.weights.config import config_from_hf
+from ferrum_mac.weights.safetensors import load_safetensors
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_onto(path: str | Path, device: torch.device) -> Checkpoint:
+    """The checkpoint at `path` for the torch backend: a dense safetensors folder read onto
+    `device` without MLX; MLX-quantized and GGUF checkpoints through `load_checkpoint` (MLX
+    reads and dequantizes them)."""
+    folder = Path(path).expanduser()
+    if not (folder.is_dir() and (folder / "config.json").is_file()):
+        return load_checkpoint(folder)
+    config = config_from_hf(folder)
+    if config.quantization:
+        return load_checkpoint(folder)
+    from safetensors.torch import load_file
+
+    tensors = load_safetensors(folder, read=functools.partial(load_file, device=str(device)))
+    return Checkpoint(config, tensors, folder, "safetensors")
 
 
 def to_torch(array) -> torch.Tensor:

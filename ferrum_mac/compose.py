@@ -1,0 +1,81 @@
+"""The composition root: where a model name becomes a model, and a model a chat engine.
+
+The interfaces (CLI, REPL, chat app, server, bench) open models only through here; this is
+the one module that puts the store (names -> files), the backends (files -> a
+`DecoderOnlyLLM`), the text layer and the settings together. The engine itself depends only
+on the contract, the text layer and the errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ferrum_mac import settings
+from ferrum_mac.backends import choose, describe_device, open_path, recommended_dtype, route_cpu_blas
+from ferrum_mac.llm import DecoderOnlyLLM
+
+if TYPE_CHECKING:
+    from ferrum_mac.engine import Engine
+
+
+def open_model(
+    name_or_path: str | Path, backend: str = "auto", dtype: str | None = None, pull: bool = True,
+    device: str | None = None, kv_capacity: int | None = None,
+) -> DecoderOnlyLLM:
+    """Open a model folder (config.json + safetensors) or a .gguf file with a backend.
+
+    Any other name (an alias such as "qwen3:0.6b", a Hugging Face repo id) goes through the
+    model store: a cached copy is used, a missing one is downloaded unless `pull` is false.
+    `dtype` ("float32", "float16", "bfloat16") overrides the compute dtype; `device` (cpu, gpu,
+    cuda[:N], metal) the backend's default device; `kv_capacity` caps the tokens one sequence
+    holds (default: FERRUM_KV_CAPACITY, else the model's maximum as memory allows).
+    """
+    route_cpu_blas()
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        from ferrum_mac.store import resolve_model
+
+        path = resolve_model(str(name_or_path), backend=choose(backend), pull=pull)
+    return open_path(path, backend=backend, dtype=dtype, device=device, kv_capacity=kv_capacity_or_setting(kv_capacity))
+
+
+def open_engine(
+    name: str | Path | None = None,
+    *,
+    backend: str = "auto",
+    device: str | None = None,
+    dtype: str | None = None,
+    pull: bool = True,
+    template: str | None = None,
+    kv_capacity: int | None = None,
+) -> "Engine":
+    """A chat engine on the model called `name` (a path, alias or repo id; default:
+    FERRUM_MODEL, else the bundled smollm2:135m), downloaded first if needed and `pull`
+    allows; its tokenizer, chat template, sampling defaults and answer limit from the model's
+    files. `kv_capacity` as for `open_model`."""
+    route_cpu_blas()
+    from ferrum_mac.engine import Engine
+    from ferrum_mac.engine.defaults import default_model_name, max_tokens_default, sampling_defaults
+    from ferrum_mac.store import resolve_model
+    from ferrum_mac.store.bundled import bundled_sampling
+    from ferrum_mac.text import load_chat_template, load_tokenizer
+
+    name = str(name or default_model_name())
+    chosen = choose(backend)
+    path = resolve_model(name, backend=chosen, pull=pull)
+    model = open_path(
+        path, backend=chosen, dtype=dtype or recommended_dtype(chosen, device), device=device,
+        kv_capacity=kv_capacity_or_setting(kv_capacity),
+    )
+    tokenizer = load_tokenizer(path)
+    return Engine(
+        model, tokenizer, load_chat_template(path, tokenizer, template),
+        name=name, path=path, sampling=sampling_defaults(path, bundled_sampling(path)),
+        max_tokens=max_tokens_default(path), device=describe_device(chosen, model),
+    )
+
+
+def kv_capacity_or_setting(kv_capacity: int | None) -> int | None:
+    """The KV capacity asked for, else FERRUM_KV_CAPACITY's (None: the model's maximum)."""
+    return kv_capacity if kv_capacity is not None else settings.value("FERRUM_KV_CAPACITY")

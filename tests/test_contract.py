@@ -81,12 +81,21 @@ def test_prefill_whole_equals_prefix_then_decodes(model):
         model.release(cid)
 
 
+def test_backends_share_one_bookkeeping(model):
+    """The slot bookkeeping, chunked prefill, rows of a mixed batch and input checks are
+    `PooledLLM`'s alone: a backend that wrote its own would drift from the other."""
+    from ferrum_mac.backends.pooled_llm import PooledLLM
+
+    assert isinstance(model, PooledLLM)
+    shared = ("prefill", "decode", "decode_batch", "forward_verify", "unified_forward", "_forward", "release", "truncate_kv")
+    assert not [name for name in shared if name in vars(type(model))]
+
+
 def test_long_prefill_in_chunks_equals_one_forward(model, monkeypatch):
-    runtime = backend_module(model, "runtime")
     tokens = random_tokens(23, seed=2)
     ref = reference(model, tokens)
     for chunk in (4, 11, 22, 23):
-        monkeypatch.setattr(runtime, "PREFILL_CHUNK", chunk)
+        monkeypatch.setattr(model, "prefill_chunk", chunk)
         cid = fresh_id()
         assert_close(model.prefill(cid, tokens), ref[-1], REL, f"chunk {chunk}")
         assert model.kv_len(cid) == 23

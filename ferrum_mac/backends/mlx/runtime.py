@@ -1,40 +1,31 @@
 """`MlxLLM`: the `DecoderOnlyLLM` contract on MLX.
 
-Every method is one call of `_forward` over a list of (cache, tokens, offset) segments:
-prefill and decode are one segment, `decode_batch` many one-token segments,
-`unified_forward` a mix. All checks run before any cache changes; device tokens (not
-checked: that would wait for them) are clipped into the vocabulary before the embedding
-lookup, which would read out of bounds and crash the process otherwise.
+Every method is one forward over a list of (cache, tokens, offset) segments (`PooledLLM`
+keeps the bookkeeping and checks): prefill and decode are one segment, `decode_batch`
+many one-token segments, `unified_forward` a mix. Device tokens (not checked: that would
+wait for them) are clipped into the vocabulary before the embedding lookup, which would
+read out of bounds and crash the process otherwise.
 """
 
 from __future__ import annotations
 
 import numbers
-import os
 from typing import Sequence
 
 import mlx.core as mx
 
+from ferrum_mac import settings
 from ferrum_mac.backends.mlx.attention import Plan, Segment
 from ferrum_mac.backends.mlx.dense_cache import dense_tensors
 from ferrum_mac.backends.mlx.kv import KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
-from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
-from ferrum_mac.llm import (
-    KV_MEMORY_SHARE,
-    DecodeItem,
-    DecoderOnlyLLM,
-    ForwardItem,
-    LlmRuntimeConfig,
-    Token,
-    host_tokens,
-    kv_capacity_within,
-)
+from ferrum_mac.backends.pooled_llm import PooledLLM
+from ferrum_mac.errors import UnsupportedError, UnsupportedModelError
+from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
-PREFILL_CHUNK = 2048  # longer prompts run in chunks so activations stay bounded
 WARMUP_ID = "__ferrum_warmup__"
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -59,7 +50,7 @@ def dequantize_on_cpu(checkpoint: Checkpoint, dtype: mx.Dtype) -> bool:
     (dense_cache.py), so only the first open pays for dequantizing (~1 s for that model on
     2 cores). FERRUM_DEQUANTIZE_ON_CPU=0 keeps them quantized (the tests use it to run the
     quantized kernels)."""
-    if not on_cpu() or not checkpoint.config.quantization or os.environ.get("FERRUM_DEQUANTIZE_ON_CPU") == "0":
+    if not on_cpu() or not checkpoint.config.quantization or not settings.value("FERRUM_DEQUANTIZE_ON_CPU"):
         return False
     weights = checkpoint.quantized_weights
     if weights is None:  # at most 8 weights per uint32 (4-bit)
@@ -67,8 +58,9 @@ def dequantize_on_cpu(checkpoint: Checkpoint, dtype: mx.Dtype) -> bool:
     return weights * dtype.size < free_memory_bytes() // 3
 
 
-class MlxLLM(DecoderOnlyLLM):
+class MlxLLM(PooledLLM):
     device_array_types = (mx.array,)
+    segment_type = Segment
 
     def __init__(self, checkpoint: Checkpoint, dtype: str | None = None, kv_capacity: int | None = None):
         c = checkpoint.config
@@ -97,68 +89,8 @@ class MlxLLM(DecoderOnlyLLM):
 
     # -- contract -------------------------------------------------------------------
 
-    @property
-    def config(self) -> LlmRuntimeConfig:
-        return self._config
-
-    def kv_capacity(self) -> int:
-        return self._capacity
-
     def kv_free_tokens(self) -> int:
         return int(free_memory_bytes() * KV_MEMORY_SHARE) // self._config.kv_bytes_per_token(self.dtype.size)
-
-    def kv_len(self, cache_id: str) -> int:
-        return self.kv.length(cache_id)
-
-    def kv_allocated_tokens(self) -> int:
-        return self.kv.allocated_tokens
-
-    def kv_used_tokens(self) -> int:
-        return self.kv.used_tokens
-
-    def kv_tokens_for(self, lengths: Sequence[int]) -> int:
-        return self.kv.allocation_for(lengths)
-
-    def prefill(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
-        tokens = host_tokens(cache_id, tokens)
-        offset = self.kv.length(cache_id)
-        self.check_call([(cache_id, tokens, offset)])
-        for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
-            self._forward([(cache_id, tokens[start : start + PREFILL_CHUNK], offset + start)])
-            mx.eval(self.kv.arrays())
-        last = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
-        h = self._forward([(cache_id, tokens[last:], offset + last)])
-        return self.model.logits(h[:, -1:, :])[0, 0]
-
-    def decode(self, cache_id: str, token: Token, pos: int) -> mx.array:
-        self.check_call([(cache_id, token, pos)])
-        h = self._forward([(cache_id, token, pos)])
-        return self.model.logits(h)[0, 0]
-
-    def decode_batch(self, items: Sequence[DecodeItem]) -> mx.array:
-        segments = [(it.cache_id, it.token, it.pos) for it in items]
-        self.check_call(segments)
-        return self.model.logits(self._forward(segments))[0]
-
-    def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> mx.array:
-        tokens = host_tokens(cache_id, tokens)
-        offset = self.kv.length(cache_id)
-        self.check_call([(cache_id, tokens, offset)])
-        return self.model.logits(self._forward([(cache_id, tokens, offset)]))[0]
-
-    def unified_forward(self, items: Sequence[ForwardItem]) -> list[mx.array | None]:
-        segments = [(it.cache_id, host_tokens(it.cache_id, it.tokens), it.pos_offset) for it in items]
-        self.check_call(segments)
-        h = self._forward(segments)
-        ends, row = [], 0
-        for it in items:
-            row += len(it.tokens)
-            ends.append(row - 1)
-        final_rows = [end for end, it in zip(ends, items) if it.is_final]
-        if not final_rows:
-            return [None] * len(items)
-        logits = iter(self.model.logits(h[:, mx.array(final_rows), :])[0])
-        return [next(logits) if it.is_final else None for it in items]
 
     def prepare(self, cache_id: str, max_tokens: int) -> None:
         self.kv.prepare(cache_id, min(max(1, max_tokens), self._capacity))
@@ -170,14 +102,6 @@ class MlxLLM(DecoderOnlyLLM):
         self.release(WARMUP_ID)
         self.model.layers[0].attn.warm_up_kernels(self.dtype)  # the batched decode's, on CUDA
 
-    def truncate_kv(self, cache_id: str, new_len: int) -> None:
-        if new_len < 0:
-            raise CacheStateError(f"cannot truncate {cache_id!r} to a negative length ({new_len})")
-        self.kv.truncate(cache_id, new_len)
-
-    def release(self, cache_id: str) -> None:
-        self.kv.release(cache_id)
-
     def reset(self) -> None:
         self.kv.reset()
         mx.clear_cache()
@@ -187,22 +111,25 @@ class MlxLLM(DecoderOnlyLLM):
 
         return MlxSampler(params, context, self._config.vocab_size)
 
-    # -- one forward over segments ----------------------------------------------------
+    # -- the forward (PooledLLM keeps the bookkeeping around it) ------------------------
 
-    def _forward(self, segments: list[tuple[str, object, int]]) -> mx.array:
-        plan_segments, token_parts, start = [], [], 0
-        for cache_id, tokens, offset in segments:
-            ids = as_token_array(tokens, self._config.vocab_size)
-            cache = self.kv.acquire(cache_id)
-            self.kv.reserve(cache, offset + ids.size)
-            plan_segments.append(Segment(cache, start, ids.size, offset))
-            token_parts.append(ids)
-            start += ids.size
+    def _token_ids(self, tokens) -> mx.array:
+        return as_token_array(tokens, self._config.vocab_size)
+
+    def _hidden(self, token_parts: list[mx.array], segments: list[Segment]) -> mx.array:
         tokens = token_parts[0] if len(token_parts) == 1 else mx.concatenate(token_parts)
-        h = self.model.hidden(tokens, Plan(plan_segments))
-        for seg in plan_segments:
-            seg.cache.length = seg.offset + seg.length
-        return h
+        return self.model.hidden(tokens, Plan(segments))
+
+    def _logits_at(self, h: mx.array, rows) -> mx.array:
+        if rows == slice(None):
+            return self.model.logits(h)[0]
+        return self.model.logits(h[:, mx.array(rows) if isinstance(rows, list) else rows, :])[0]
+
+    def _decode_batch(self, items: Sequence[DecodeItem]) -> mx.array:
+        return self._logits_at(self._forward([(it.cache_id, it.token, it.pos) for it in items]), slice(None))
+
+    def _after_chunk(self) -> None:
+        mx.eval(self.kv.arrays())  # the chunk's work, before the next one queues more
 
 
 def as_token_array(tokens, vocab_size: int) -> mx.array:

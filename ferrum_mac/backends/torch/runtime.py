@@ -1,10 +1,11 @@
 """`TorchLLM`: the `DecoderOnlyLLM` contract on PyTorch (CUDA or the CPU).
 
-Prefill, verify and mixed batches are one eager forward over a `Plan` of segments. Decode
-steps (`decode`, `decode_batch`) run as a `DecodeStep` of fixed shapes, captured as a CUDA
-graph on a GPU. All checks run before any cache changes; device tokens (not checked: that
-would wait for them) are clipped into the vocabulary inside the decode step (`steps.py`), as
-an embedding lookup past its end is a device assert that ends the CUDA context.
+Prefill, verify and mixed batches are one eager forward over a `Plan` of segments
+(`PooledLLM` keeps the bookkeeping and checks). Decode steps (`decode`, `decode_batch`) run
+as a `DecodeStep` of fixed shapes, captured as a CUDA graph on a GPU. Device tokens (not
+checked: that would wait for them) are clipped into the vocabulary inside the decode step
+(`steps.py`), as an embedding lookup past its end is a device assert that ends the CUDA
+context.
 """
 
 from __future__ import annotations
@@ -13,25 +14,17 @@ from typing import Sequence
 
 import torch
 
+from ferrum_mac.backends.pooled_llm import PooledLLM
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
 from ferrum_mac.backends.torch.models import FAMILIES
 from ferrum_mac.backends.torch.steps import DecodeSteps
 from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
-from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
-from ferrum_mac.llm import (
-    DecodeItem,
-    DecoderOnlyLLM,
-    ForwardItem,
-    LlmRuntimeConfig,
-    Token,
-    host_tokens,
-    kv_capacity_within,
-)
+from ferrum_mac.errors import UnsupportedError, UnsupportedModelError
+from ferrum_mac.llm import DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
-PREFILL_CHUNK = 2048  # longer prompts run in chunks so activations stay bounded
 WARMUP_TOKENS = 8
 
 
@@ -56,8 +49,9 @@ def run_of_slots(slots: list[int], pool_slots: int) -> tuple[int, int]:
     return min(first, pool_slots - size), size
 
 
-class TorchLLM(DecoderOnlyLLM):
+class TorchLLM(PooledLLM):
     device_array_types = (torch.Tensor,)
+    segment_type = Segment
 
     def __init__(
         self,
@@ -90,78 +84,6 @@ class TorchLLM(DecoderOnlyLLM):
 
     # -- contract -------------------------------------------------------------------
 
-    @property
-    def config(self) -> LlmRuntimeConfig:
-        return self._config
-
-    def kv_capacity(self) -> int:
-        return self._capacity
-
-    def kv_len(self, cache_id: str) -> int:
-        return self.kv.length(cache_id)
-
-    def kv_allocated_tokens(self) -> int:
-        return self.kv.allocated_tokens
-
-    def kv_used_tokens(self) -> int:
-        return self.kv.used_tokens
-
-    def kv_tokens_for(self, lengths: Sequence[int]) -> int:
-        return self.kv.allocation_for(lengths)
-
-    @torch.inference_mode()
-    def prefill(self, cache_id: str, tokens: Sequence[int]) -> torch.Tensor:
-        tokens = host_tokens(cache_id, tokens)
-        offset = self.kv.length(cache_id)
-        self.check_call([(cache_id, tokens, offset)])
-        for start in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
-            self._forward([(cache_id, tokens[start : start + PREFILL_CHUNK], offset + start)])
-        last = (len(tokens) - 1) // PREFILL_CHUNK * PREFILL_CHUNK
-        h = self._forward([(cache_id, tokens[last:], offset + last)])
-        return self.model.logits(h[-1])
-
-    def decode(self, cache_id: str, token: Token, pos: int) -> torch.Tensor:
-        return self.decode_batch([DecodeItem(cache_id, token, pos)])[0]
-
-    @torch.inference_mode()
-    def decode_batch(self, items: Sequence[DecodeItem]) -> torch.Tensor:
-        self.check_call([(it.cache_id, it.token, it.pos) for it in items])
-        caches = [self.kv.acquire(it.cache_id) for it in items]
-        for cache, it in zip(caches, items):
-            self.kv.reserve(cache, it.pos + 1)
-        first, size = run_of_slots([c.slot for c in caches], self.kv.slots)
-        rows = [c.slot - first for c in caches]
-        step = self.steps.get(first, size)
-        step.load({row: (it.token, it.pos) for row, it in zip(rows, items)})
-        logits = step.run()
-        for cache, it in zip(caches, items):
-            cache.length = it.pos + 1
-        if rows == list(range(step.rows)):
-            return logits
-        return logits[torch.tensor(rows, device=logits.device)]
-
-    @torch.inference_mode()
-    def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> torch.Tensor:
-        tokens = host_tokens(cache_id, tokens)
-        offset = self.kv.length(cache_id)
-        self.check_call([(cache_id, tokens, offset)])
-        return self.model.logits(self._forward([(cache_id, tokens, offset)]))
-
-    @torch.inference_mode()
-    def unified_forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor | None]:
-        segments = [(it.cache_id, host_tokens(it.cache_id, it.tokens), it.pos_offset) for it in items]
-        self.check_call(segments)
-        h = self._forward(segments)
-        ends, row = [], 0
-        for it in items:
-            row += len(it.tokens)
-            ends.append(row - 1)
-        final_rows = [end for end, it in zip(ends, items) if it.is_final]
-        if not final_rows:
-            return [None] * len(items)
-        logits = iter(self.model.logits(h[final_rows]))
-        return [next(logits) if it.is_final else None for it in items]
-
     @torch.inference_mode()
     def prepare(self, cache_id: str, max_tokens: int) -> None:
         """Size `cache_id`'s buffer, then warm up on it: a short prefill and one decode step past
@@ -175,15 +97,6 @@ class TorchLLM(DecoderOnlyLLM):
             self.decode(cache_id, 0, held + warm)
         self.kv.truncate(cache_id, held)
 
-    def truncate_kv(self, cache_id: str, new_len: int) -> None:
-        if new_len < 0:
-            raise CacheStateError(f"cannot truncate {cache_id!r} to a negative length ({new_len})")
-        self.kv.truncate(cache_id, new_len)
-
-    @torch.inference_mode()  # a release may shrink the pool: new buffers like those the forwards make
-    def release(self, cache_id: str) -> None:
-        self.kv.release(cache_id)
-
     def reset(self) -> None:
         self.kv.reset()
         self.steps.clear()
@@ -195,17 +108,30 @@ class TorchLLM(DecoderOnlyLLM):
 
         return TorchSampler(params, context, self._config.vocab_size, self.device)
 
-    # -- one forward over segments ----------------------------------------------------
+    # -- the forwards (PooledLLM keeps the bookkeeping around them) ----------------------
 
-    def _forward(self, segments: list[tuple[str, list[int], int]]) -> torch.Tensor:
-        plan_segments, ids, start = [], [], 0
-        for cache_id, tokens, offset in segments:
-            cache = self.kv.acquire(cache_id)
-            self.kv.reserve(cache, offset + len(tokens))
-            plan_segments.append(Segment(cache, start, len(tokens), offset))
-            ids.extend(tokens)
-            start += len(tokens)
-        h = self.model.hidden(torch.tensor(ids, device=self.device), Plan(plan_segments, self.device))
-        for seg in plan_segments:
-            seg.cache.length = seg.offset + seg.length
-        return h
+    def _computing(self):
+        return torch.inference_mode()
+
+    def _hidden(self, token_parts: list[list[int]], segments: list[Segment]) -> torch.Tensor:
+        ids = torch.tensor([t for part in token_parts for t in part], device=self.device)
+        return self.model.hidden(ids, Plan(segments, self.device))
+
+    def _logits_at(self, h: torch.Tensor, rows) -> torch.Tensor:
+        return self.model.logits(h if rows == slice(None) else h[rows])
+
+    def _decode_batch(self, items: Sequence[DecodeItem]) -> torch.Tensor:
+        """One `DecodeStep` over the run of slots that holds the batch's sequences."""
+        caches = [self.kv.acquire(it.cache_id) for it in items]
+        for cache, it in zip(caches, items):
+            self.kv.reserve(cache, it.pos + 1)
+        first, size = run_of_slots([c.slot for c in caches], self.kv.slots)
+        rows = [c.slot - first for c in caches]
+        step = self.steps.get(first, size)
+        step.load({row: (it.token, it.pos) for row, it in zip(rows, items)})
+        logits = step.run()
+        for cache, it in zip(caches, items):
+            cache.length = it.pos + 1
+        if rows == list(range(step.rows)):
+            return logits
+        return logits[torch.tensor(rows, device=logits.device)]

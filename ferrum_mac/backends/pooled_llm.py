@@ -1,0 +1,150 @@
+"""`PooledLLM`: the half of a runtime both backends share, on top of their `SlotPool`.
+
+Every call is checked (`DecoderOnlyLLM.check_call`) before any cache changes, then runs as
+one forward over a list of (cache_id, tokens, offset) segments: `prefill` one segment (in
+chunks, so activations stay bounded), `forward_verify` one, `unified_forward` a mix of
+decode steps and prefill chunks. This class keeps the slots' bookkeeping around that
+forward (acquire a slot, make room, record what each sequence now holds) and the rows of
+the result each call returns; a backend adds only what runs on its device:
+
+- `_hidden(token_parts, segments)`: the model over the segments' tokens -> hidden states;
+- `_token_ids(tokens)`: one segment's tokens as the backend's ids (device tokens clipped);
+- `_logits_at(h, rows)`: logits of the token rows `rows` (an index, a slice or a list) of `h`;
+- `_decode_batch(items)`: a batched decode step (checked already);
+- `_computing()`: the context the forwards run in (torch's inference mode);
+- `prepare`, `reset`, `sampler` and its buffers (`kv`, the pool; `segment_type`, its plan's segment).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+from ferrum_mac.backends.slot_pool import SlotPool
+from ferrum_mac.errors import CacheStateError
+from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Logits, Token, host_tokens, token_count
+
+class PooledLLM(DecoderOnlyLLM):
+    kv: SlotPool
+    _config: LlmRuntimeConfig
+    _capacity: int
+    segment_type: type  # the backend plan's segment: (cache, start, length, offset)
+    prefill_chunk = 2048  # longer prompts run in chunks of this many tokens, so activations stay bounded
+
+    # -- what a backend provides -------------------------------------------------------
+
+    def _hidden(self, token_parts: list, segments: list) -> Any:
+        """Hidden states of every token of `segments` (the backend's `segment_type`), whose
+        ids are `token_parts` (one part per segment, from `_token_ids`)."""
+        raise NotImplementedError
+
+    def _token_ids(self, tokens) -> Any:
+        """One segment's tokens (checked host ids or a device array) as the backend's ids."""
+        return tokens
+
+    def _logits_at(self, h, rows: int | slice | list[int]) -> Logits:
+        """Logits of the token rows `rows` of `h`, indexed as a 1-d array is: `(vocab,)` for an
+        index, `(rows, vocab)` for a slice or a list."""
+        raise NotImplementedError
+
+    def _decode_batch(self, items: Sequence[DecodeItem]) -> Logits:
+        """`decode_batch` after its checks."""
+        raise NotImplementedError
+
+    def _computing(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def _after_chunk(self) -> None:
+        """Between two chunks of a long prefill (MLX runs the queued work there)."""
+
+    # -- the contract ---------------------------------------------------------------
+
+    @property
+    def config(self) -> LlmRuntimeConfig:
+        return self._config
+
+    def kv_capacity(self) -> int:
+        return self._capacity
+
+    def kv_len(self, cache_id: str) -> int:
+        return self.kv.length(cache_id)
+
+    def kv_allocated_tokens(self) -> int:
+        return self.kv.allocated_tokens
+
+    def kv_used_tokens(self) -> int:
+        return self.kv.used_tokens
+
+    def kv_tokens_for(self, lengths: Sequence[int]) -> int:
+        return self.kv.allocation_for(lengths)
+
+    def prefill(self, cache_id: str, tokens: Sequence[int]) -> Logits:
+        tokens = host_tokens(cache_id, tokens)
+        offset = self.kv.length(cache_id)
+        self.check_call([(cache_id, tokens, offset)])
+        with self._computing():
+            chunk = self.prefill_chunk
+            for start in range(0, len(tokens) - chunk, chunk):
+                self._forward([(cache_id, tokens[start : start + chunk], offset + start)])
+                self._after_chunk()
+            last = (len(tokens) - 1) // chunk * chunk
+            h = self._forward([(cache_id, tokens[last:], offset + last)])
+            return self._logits_at(h, -1)
+
+    def decode(self, cache_id: str, token: Token, pos: int) -> Logits:
+        return self.decode_batch([DecodeItem(cache_id, token, pos)])[0]
+
+    def decode_batch(self, items: Sequence[DecodeItem]) -> Logits:
+        self.check_call([(it.cache_id, it.token, it.pos) for it in items])
+        with self._computing():
+            return self._decode_batch(items)
+
+    def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> Logits:
+        tokens = host_tokens(cache_id, tokens)
+        offset = self.kv.length(cache_id)
+        self.check_call([(cache_id, tokens, offset)])
+        with self._computing():
+            return self._logits_at(self._forward([(cache_id, tokens, offset)]), slice(None))
+
+    def unified_forward(self, items: Sequence[ForwardItem]) -> list[Logits | None]:
+        segments = [(it.cache_id, host_tokens(it.cache_id, it.tokens), it.pos_offset) for it in items]
+        self.check_call(segments)
+        with self._computing():
+            h = self._forward(segments)
+            final_rows, row = [], 0
+            for _, tokens, _ in segments:
+                row += len(tokens)
+                final_rows.append(row - 1)
+            final_rows = [end for end, it in zip(final_rows, items) if it.is_final]
+            if not final_rows:
+                return [None] * len(items)
+            logits = iter(self._logits_at(h, final_rows))
+            return [next(logits) if it.is_final else None for it in items]
+
+    def truncate_kv(self, cache_id: str, new_len: int) -> None:
+        if new_len < 0:
+            raise CacheStateError(f"cannot truncate {cache_id!r} to a negative length ({new_len})")
+        self.kv.truncate(cache_id, new_len)
+
+    def release(self, cache_id: str) -> None:
+        with self._computing():  # a release may shrink the pool: new buffers like those the forwards make
+            self.kv.release(cache_id)
+
+    # -- one forward over segments ----------------------------------------------------
+
+    def _forward(self, segments: Sequence[tuple[str, Any, int]]) -> Any:
+        """Run `segments` (checked) as one forward: each sequence's slot gets room for its
+        tokens, and holds them afterwards."""
+        placed, token_parts, start = [], [], 0
+        for cache_id, tokens, offset in segments:
+            ids = self._token_ids(tokens)
+            n = token_count(ids)
+            cache = self.kv.acquire(cache_id)
+            self.kv.reserve(cache, offset + n)
+            placed.append(self.segment_type(cache, start, n, offset))
+            token_parts.append(ids)
+            start += n
+        h = self._hidden(token_parts, placed)
+        for seg in placed:
+            seg.cache.length = seg.offset + seg.length
+        return h

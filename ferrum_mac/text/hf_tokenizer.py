@@ -106,7 +106,9 @@ class HfTokenizer(Tokenizer):
         self.utf8_errors = "replace" if self._pieces.byte_level else REPLACE_EACH_BYTE
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the interpreter while it works and encode does not: with it a
+        # long text tokenized on a worker thread does not stall the others (the server's event loop).
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

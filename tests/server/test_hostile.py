@@ -275,7 +275,7 @@ def test_health_answers_while_a_long_prompt_is_tokenized(small_server, monkeypat
     from ferrum_mac.serve import app
 
     monkeypatch.setattr(app, "CHARS_PER_TOKEN_CHECKED", 10**9)  # tokenize all of it, not just its head
-    prompt = "Once upon a time there was a little girl named Lily. " * 70_000  # 3.7 MB, under the limit
+    prompt = "Once upon a time there was a little girl named Lily. " * 50_000  # 2.7 MB, under the limit
     answers = {}
 
     def big():
@@ -291,7 +291,7 @@ def test_health_answers_while_a_long_prompt_is_tokenized(small_server, monkeypat
         time.sleep(0.02)
     thread.join()
     assert error_of(answers["big"], 400)["code"] == "context_length_exceeded"
-    assert answers["big"].elapsed.total_seconds() > 1.0 > slowest
+    assert answers["big"].elapsed.total_seconds() > 1.0 and slowest < 0.5
 
 
 def test_a_prompt_far_past_the_context_is_refused_without_tokenizing_all_of_it(small_server):

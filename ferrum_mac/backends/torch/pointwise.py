@@ -9,29 +9,25 @@ norm and RoPE one more, fused with the KV write: see `DecodePlan`); FERRUM_TORCH
 keeps torch, for A/B timing. For a few rows the matmul beside each joins it in one Triton
 kernel (`gemv_runs`: gate_up with SwiGLU; qkv with the block's norm, q/k norm, RoPE and KV
 write), each kernel on or off by name in FERRUM_TORCH_GEMV.
-FERRUM_TORCH_COMPILE=1 turns each torch function into one fused kernel with torch.compile
-(shapes dynamic: compiled once for every token count). Off by default: measured on the H100
-before the Triton kernels, it sped decode up but slowed prefill (docs/BENCHMARKS.md, the
-first torch table); a decode step's Triton kernels now do this work.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-COMPILE = os.environ.get("FERRUM_TORCH_COMPILE", "0") == "1"
-TRITON = os.environ.get("FERRUM_TORCH_TRITON", "1") != "0"
+from ferrum_mac import settings
+
+TRITON = settings.value("FERRUM_TORCH_TRITON")
 # The fused GEMV kernels in use, by name: "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
 # "matmul_residual" (o_proj and down plus the residual), "norm_qkv_rope" (RMSNorm + qkv + q/k
 # norm + RoPE + KV write: `triton_qkv`), "norm_matmul" (RMSNorm + qkv projection, where
 # norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS, docs/BENCHMARKS.md,
-# torch session 3). "" for none.
-GEMV = frozenset(os.environ.get("FERRUM_TORCH_GEMV", "norm_swiglu,matmul_residual,norm_qkv_rope").split(","))
+# torch session 3).
+GEMV = settings.value("FERRUM_TORCH_GEMV")
 GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
 
 
@@ -71,11 +67,6 @@ def triton_imports() -> bool:
     return triton_ops.triton is not None
 
 
-def maybe_compiled(fn):
-    return torch.compile(fn, dynamic=True, fullgraph=True) if COMPILE else fn
-
-
-@maybe_compiled
 def norm_and_rope(qk: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                   eps: float, interleaved: bool) -> torch.Tensor:  # fmt: skip
     """q and k heads `(T, heads, dim)`: RMSNorm with per-head weights (when given), then each
@@ -110,7 +101,6 @@ def one_per_row(weights: torch.Tensor | None, gate_up: torch.Tensor) -> bool:
     return weights.dtype == gate_up.dtype and weights.numel() * gate_up.shape[-1] == gate_up.numel()
 
 
-@maybe_compiled
 def torch_swiglu(gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     out = F.silu(gate) * up

@@ -18,17 +18,17 @@ decode step with experts can be captured as a CUDA graph.
 
 At decode sizes on CUDA (up to TRITON_MAX_PAIRS pairs, where `pointwise.triton_runs`) the
 whole block is three `triton_moe` kernels instead: gate projection with the router, gate_up
-with SwiGLU, down with the sum over k and the residual add. A forced route (FERRUM_MOE_ROUTE)
+with SwiGLU, down with the sum over k and the residual add. A forced route (FERRUM_TORCH_MOE_ROUTE)
 or FERRUM_TORCH_TRITON=0 keeps torch.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
+from ferrum_mac import settings
 from ferrum_mac.backends.torch.layers import Linear, linear
 from ferrum_mac.backends.torch.models import llama
 from ferrum_mac.backends.torch.pointwise import swiglu, triton_runs
@@ -39,7 +39,7 @@ from ferrum_mac.weights.moe import MoeConfig, moe_config
 # At most this many token-expert pairs use gathered weights when grouped_mm is unavailable.
 GATHER_MAX_PAIRS = 64
 # Force a route ("grouped", "gathered" or "dense") for A/B timing and tests; "" chooses.
-ROUTE = os.environ.get("FERRUM_MOE_ROUTE", "")
+ROUTE = settings.value("FERRUM_TORCH_MOE_ROUTE")
 # At most this many token-expert pairs take the Triton kernels (a pair is a GEMV there; a
 # prefill's many pairs are better served by grouped GEMMs).
 TRITON_MAX_PAIRS = 256

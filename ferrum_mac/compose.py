@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ferrum_mac import settings
-from ferrum_mac.backends import choose, describe_device, open_path, recommended_dtype, route_cpu_blas
+from ferrum_mac.backends import choose, describe_device, open_path, recommended_dtype
 from ferrum_mac.llm import DecoderOnlyLLM
 
 if TYPE_CHECKING:
@@ -31,13 +31,13 @@ def open_model(
     cuda[:N], metal) the backend's default device; `kv_capacity` caps the tokens one sequence
     holds (default: FERRUM_KV_CAPACITY, else the model's maximum as memory allows).
     """
-    route_cpu_blas()
+    chosen = choose(backend)  # first: on MLX, `route_cpu_blas` runs before anything imports it
     path = Path(name_or_path).expanduser()
     if not path.exists():
         from ferrum_mac.store import resolve_model
 
-        path = resolve_model(str(name_or_path), backend=choose(backend), pull=pull)
-    return open_path(path, backend=backend, dtype=dtype, device=device, kv_capacity=kv_capacity_or_setting(kv_capacity))
+        path = resolve_model(str(name_or_path), backend=chosen, pull=pull)
+    return open_path(path, backend=chosen, dtype=dtype, device=device, kv_capacity=kv_capacity_or_setting(kv_capacity))
 
 
 def open_engine(
@@ -54,7 +54,7 @@ def open_engine(
     FERRUM_MODEL, else the bundled smollm2:135m), downloaded first if needed and `pull`
     allows; its tokenizer, chat template, sampling defaults and answer limit from the model's
     files. `kv_capacity` as for `open_model`."""
-    route_cpu_blas()
+    chosen = choose(backend)  # first: on MLX, `route_cpu_blas` runs before anything imports it
     from ferrum_mac.engine import Engine
     from ferrum_mac.engine.defaults import default_model_name, max_tokens_default, sampling_defaults
     from ferrum_mac.store import resolve_model
@@ -62,7 +62,6 @@ def open_engine(
     from ferrum_mac.text import load_chat_template, load_tokenizer
 
     name = str(name or default_model_name())
-    chosen = choose(backend)
     path = resolve_model(name, backend=chosen, pull=pull)
     model = open_path(
         path, backend=chosen, dtype=dtype or recommended_dtype(chosen, device), device=device,

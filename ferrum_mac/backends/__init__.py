@@ -34,7 +34,7 @@ def checked(backend: str) -> str:
     if backend not in BACKENDS:
         raise UnsupportedError(f"unknown backend {backend!r}; choose one of: auto, {', '.join(BACKENDS)}")
     if not available(backend):
-        install = {"mlx": "pip install mlx", "torch": "pip install 'ferrum-mac[cuda]' (or a torch build for your GPU)"}
+        install = {"mlx": "pip install mlx", "torch": "pip install 'ferrum-mac[torch]' (or a torch build for your GPU)"}
         raise UnsupportedError(f"the {backend} backend is not installed; {install[backend]}")
     return backend
 
@@ -50,7 +50,7 @@ def automatic() -> str:
     for candidate in BACKENDS:
         if available(candidate):
             return candidate
-    raise UnsupportedError("no backend is installed; install ferrum-mac with MLX (or 'ferrum-mac[cuda]' for torch)")
+    raise UnsupportedError("no backend is installed; install ferrum-mac with MLX (or 'ferrum-mac[torch]' for torch)")
 
 
 def nvidia_gpu_present() -> bool:
@@ -120,9 +120,10 @@ def describe_device(backend: str, model: DecoderOnlyLLM) -> str:
 
 def route_cpu_blas() -> None:
     """Route the float32 matmuls of MLX's Linux CPU build to numpy's OpenBLAS (see
-    backends/mlx/cpu_blas.py). It works only before the process first imports MLX, so the
-    composition root calls it before opening anything, and `choose` before handing out MLX;
-    once MLX is loaded it does nothing."""
+    backends/mlx/cpu_blas.py). It works only before the process first imports MLX, so `choose`
+    calls it before handing out MLX (the composition root, `ferrum bench` and `open_path` all
+    choose first), and tests/conftest.py before the tests import MLX; once MLX is loaded it
+    does nothing."""
     if sys.platform.startswith("linux"):
         from ferrum_mac.backends.mlx.cpu_blas import activate
 

@@ -36,6 +36,19 @@ def _ferrum_from_path(model: str):
     return llm, peer, str(model)
 
 
+def require_peer(module: str, message: str) -> None:
+    """A one-line error naming what to install when the library a bench compares against (and
+    builds its random weights with) is missing: it is an extra, not in every install."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a module blocked as None
+        found = False
+    if not found:
+        raise FerrumError(message)
+
+
 def fit_to_context(prompt_tokens: int, new_tokens: int, capacity: int) -> tuple[int, int]:
     """The prompt and new tokens, shortened to fit a small model's context (with a notice on stderr):
     a bench of such a model still measures it rather than failing on the default lengths."""
@@ -58,6 +71,8 @@ def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, jso
     if choose(backend) == "torch":  # beside transformers, with no MLX import on the way
         from ferrum_mac.bench.torch_side import run_torch_bench
 
+        require_peer("transformers", "ferrum bench --backend torch compares against transformers: pip install transformers")
+
         return run_torch_bench(
             model=model, shape=shape, quant=quant, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
             runs=runs, peer=peer, json_out=json_out, batch=batch, device=device,
@@ -66,6 +81,7 @@ def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, jso
     from ferrum_mac.bench.measure import batched_decode_tps, ferrum_stream, mlx_lm_stream, time_stream
     from ferrum_mac.bench.report import interleaved
 
+    require_peer("mlx_lm", "ferrum bench compares against mlx-lm: pip install 'ferrum-mac[bench]'")
     use_device(check_device(device))
     if (model is None) == (shape is None):
         raise FerrumError("give either a MODEL or --shape (for example: ferrum bench --shape qwen3-0.6b)")

@@ -163,9 +163,16 @@ def _status(error) -> int | None:
 
 
 def _network_errors() -> tuple[type[BaseException], ...]:
-    import httpx2  # huggingface_hub's HTTP client; its exceptions reach us unwrapped
+    """The transport errors of the HTTP client huggingface_hub uses (they reach us unwrapped),
+    found from its session rather than imported by name: the hub chooses that library, and
+    pinning it would tie ferrum to one hub release."""
+    import sys
 
-    return (httpx2.TransportError,)
+    from huggingface_hub import get_session
+
+    client = sys.modules.get(type(get_session()).__module__.split(".")[0])
+    transport = getattr(client, "TransportError", None)
+    return (transport,) if isinstance(transport, type) and issubclass(transport, Exception) else (ConnectionError,)
 
 
 def _model_info(ref: RepoRef, endpoint: str):

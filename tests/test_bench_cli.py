@@ -25,3 +25,50 @@ def test_bench_fits_the_defaults_into_a_short_context(shared_assets, backend):
     assert report["prompt_tokens"] >= 256 and report["ferrum"]["decode_tps"] > 0
     notices = [line for line in proc.stderr.splitlines() if "context holds 512 tokens" in line]
     assert len(notices) == 1 and "instead of 512 + 128" in notices[0]
+
+
+def test_bench_turns_reuses_the_cache(shared_assets):
+    model = shared_assets / "stories260K"
+    args = ["bench", "turns", str(model), "--turns", "2", "--answer-tokens", "4", "--runs", "1", "--json"]
+    proc = subprocess.run(FERRUM + args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["turn"] == 2 and report["model"] == str(model)
+    assert report["reuse"]["cached"] > 0 and report["re_prefill"]["cached"] == 0
+    assert report["reuse"]["prefilled"] < report["re_prefill"]["prefilled"] == report["history_tokens"]
+
+
+def test_bench_first_token_passes_its_arguments_to_run(shared_assets):
+    model = shared_assets / "stories260K"
+    args = ["bench", "first-token", "--runs", "1", str(model), "--max-tokens", "4", "hi"]
+    proc = subprocess.run(FERRUM + args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"ferrum run {model} --max-tokens 4 hi: first answer byte ")
+    assert "median of 1" in proc.stdout
+
+
+def test_bench_subcommands_parse_apart_from_the_speed_bench(monkeypatch):
+    from typer.testing import CliRunner
+
+    import ferrum_mac.bench
+    import ferrum_mac.bench.first_token
+    from ferrum_mac.cli import app
+
+    calls = []
+    monkeypatch.setattr(ferrum_mac.bench, "run_bench", lambda **kwargs: calls.append(("speed", kwargs)))
+    monkeypatch.setattr(ferrum_mac.bench.first_token, "run_first_token", lambda *args: calls.append(("first", args)))
+    runner = CliRunner()
+    assert runner.invoke(app, ["bench", "some-model", "--runs", "2", "--json"]).exit_code == 0
+    assert runner.invoke(app, ["bench", "first-token", "--runs", "3", "--backend", "torch", "m.gguf", "hi"]).exit_code == 0
+    assert runner.invoke(app, ["bench", "first-token"]).exit_code == 0
+    (_, speed), first, first_default = calls
+    assert (speed["model"], speed["runs"], speed["json_out"], speed["backend"]) == ("some-model", 2, True, "auto")
+    assert first == ("first", (["--backend", "torch", "m.gguf", "hi"], 3))  # unknown options go to `ferrum run`
+    assert first_default == ("first", (["hi"], 5))
+
+
+def test_bench_model_before_a_subcommand_is_one_line_error(shared_assets):
+    proc = subprocess.run(FERRUM + ["bench", str(shared_assets / "stories260K"), "turns"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "turns comes first" in proc.stderr

@@ -61,6 +61,9 @@ def test_bench_help_lists_the_shapes():
     text = ferrum("bench", "--help").stdout.replace("\n", " ")
     for name in SHAPES:
         assert name in text
+    for subcommand in ("turns", "first-token"):
+        assert subcommand in text
+        assert ferrum("bench", subcommand, "-h").stdout.startswith(f"Usage: ferrum bench {subcommand} [OPTIONS]")
 
 
 @pytest.mark.parametrize("command", ["run", "chat"])

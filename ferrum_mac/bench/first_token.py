@@ -1,12 +1,11 @@
 """Time from process start to the first byte of the answer of `ferrum run [ARGS]`, the model
 already on disk: what a user waits for after pressing Enter.
 
-    python -m ferrum_mac.bench.first_token [--runs 5] -- [ferrum run arguments, default: hi]
+    ferrum bench first-token [--runs 5] [--] [ferrum run arguments, default: hi]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -31,18 +30,11 @@ def first_byte_seconds(run_args: list[str]) -> float:
         proc.wait()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ferrum_mac.bench.first_token", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("run_args", nargs="*", default=["hi"])
-    args = parser.parse_args(argv)
-    first_byte_seconds(args.run_args)  # warm the file cache; not counted
-    times = [first_byte_seconds(args.run_args) for _ in range(args.runs)]
+def run_first_token(run_args: list[str], runs: int) -> None:
+    """`ferrum bench first-token`: the best and median of `runs` starts, after one that warms the file cache."""
+    first_byte_seconds(run_args)  # warm the file cache; not counted
+    times = [first_byte_seconds(run_args) for _ in range(runs)]
     print(
-        f"ferrum run {' '.join(args.run_args)}: first answer byte {min(times):.2f} s best, "
+        f"ferrum run {' '.join(run_args)}: first answer byte {min(times):.2f} s best, "
         f"{statistics.median(times):.2f} s median of {len(times)} (from process start)"
     )
-
-
-if __name__ == "__main__":
-    main()

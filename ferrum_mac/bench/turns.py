@@ -1,7 +1,7 @@
 """Chat turns: time to first token at turn N with the conversation's KV cache reused, against a
 fresh conversation that re-prefills the same history.
 
-    python -m ferrum_mac.bench.turns [MODEL] [--turns 20] [--answer-tokens 24] [--runs 3] [--json]
+    ferrum bench turns [MODEL] [--turns 20] [--answer-tokens 24] [--runs 3] [--json]
 
 Turns 1..N-1 are real greedy answers (at most --answer-tokens each). Each timed run asks
 turn N with a different question, so the reused side prefills just that question; the
@@ -10,7 +10,6 @@ re-prefill side opens a new conversation holding the same history. Best of --run
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -67,17 +66,11 @@ def _ttft(done: Done) -> float:
     return done.ttft_s
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ferrum_mac.bench.turns", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", nargs="?", default=None, help="default: $FERRUM_MODEL or smollm2:135m")
-    parser.add_argument("--turns", type=int, default=20)
-    parser.add_argument("--answer-tokens", type=int, default=24)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    engine = Engine.open(args.model)
-    result = measure(engine, args.turns, args.answer_tokens, args.runs, say=lambda s: print(s, file=sys.stderr))
-    if args.json:
+def run_turns(model: str | None, turns: int, answer_tokens: int, runs: int, json_out: bool) -> None:
+    """`ferrum bench turns`: measure, progress on stderr, then one line (or one JSON object) on stdout."""
+    engine = Engine.open(model)
+    result = measure(engine, turns, answer_tokens, runs, say=lambda s: print(s, file=sys.stderr))
+    if json_out:
         print(json.dumps(result, indent=1))
         return
     print(
@@ -86,7 +79,3 @@ def main(argv: list[str] | None = None) -> None:
         f"(prefilled {result['reuse']['prefilled']}), {result['re_prefill']['ttft_s']:.3f} s re-prefilling "
         f"the history ({result['re_prefill']['prefilled']}); {result['speedup']:.1f}x"
     )
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from ferrum_mac.bench.shapes import SHAPES  # the names for `bench --help`; it imports nothing heavy
+from ferrum_mac.cli.bench import bench_app
+from ferrum_mac.cli.options import NAME_HELP, AliasBackend, ApiKey, Backend, Device, Remote, ServerApiKey
 from ferrum_mac.errors import FerrumError
 
 app = typer.Typer(
@@ -42,41 +43,16 @@ def _group(
     """Local LLM chat, Apple-Silicon-first."""
 
 
-DEVICE_HELP = "cpu or gpu (cuda, cuda:N, metal); default: the backend's GPU where it has one."
 KV_CAPACITY_HELP = "Most tokens in one context (default $FERRUM_KV_CAPACITY, else the model's maximum)."
 
 
-@app.command()
-def bench(
-    model: Optional[str] = typer.Argument(None, metavar="MODEL", help="Model folder, .gguf file or name (omit with --shape)."),
-    shape: Optional[str] = typer.Option(None, help=f"Random weights of a real shape: {', '.join(SHAPES)}."),
-    quant: str = typer.Option("bf16", help="With --shape: bf16 or 4bit."),
-    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length for prefill."),
-    new_tokens: int = typer.Option(128, "--new-tokens", help="Tokens to decode."),
-    runs: int = typer.Option(5, help="Timed runs per side, alternating; the best is reported."),
-    peer: bool = typer.Option(True, help="Also run mlx-lm on the same weights."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
-    batch: int = typer.Option(0, help="Also time decode_batch over this many sequences (aggregate tok/s)."),
-    backend: str = typer.Option("auto", help="mlx (beside mlx-lm) or torch (beside transformers, with the roofline)."),
-    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
-) -> None:
-    """Prefill and decode speed, time to first token and peak memory, beside mlx-lm (or transformers)."""
-    from ferrum_mac.bench import run_bench
-
-    run_bench(
-        model=model, shape=shape, quant=quant, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-        runs=runs, peer=peer, json_out=json_out, batch=batch, backend=backend, device=device,
-    )
-
-
-NAME_HELP = "Alias (qwen3:0.6b), Hugging Face repo id (org/name[@revision][:QUANT]), folder or .gguf file."
-BACKEND_HELP = "Which backend's repository an alias maps to: mlx (4-bit conversions) or torch (bf16 originals)."
+app.add_typer(bench_app, name="bench")
 
 
 @app.command()
 def pull(
     name: str = typer.Argument(..., metavar="NAME", help=NAME_HELP),
-    backend: str = typer.Option("mlx", help=BACKEND_HELP),
+    backend: AliasBackend = "mlx",
 ) -> None:
     """Download a model (only the files it needs; an interrupted pull resumes)."""
     from ferrum_mac.cli.store_commands import pull_command
@@ -87,7 +63,7 @@ def pull(
 @app.command("list")
 def list_(
     available: bool = typer.Option(False, "--available", help="Print the aliases and what each fetches."),
-    backend: str = typer.Option("mlx", help=BACKEND_HELP),
+    backend: AliasBackend = "mlx",
 ) -> None:
     """Models on this machine (the Hugging Face cache and the bundled model)."""
     from ferrum_mac.cli.store_commands import list_command
@@ -99,7 +75,7 @@ def list_(
 def rm(
     name: str = typer.Argument(..., metavar="NAME", help=NAME_HELP),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask first."),
-    backend: str = typer.Option("mlx", help=BACKEND_HELP),
+    backend: AliasBackend = "mlx",
 ) -> None:
     """Delete a downloaded model."""
     from ferrum_mac.cli.store_commands import rm_command
@@ -110,7 +86,7 @@ def rm(
 @app.command()
 def show(
     name: str = typer.Argument(..., metavar="NAME", help=NAME_HELP),
-    backend: str = typer.Option("mlx", help=BACKEND_HELP),
+    backend: AliasBackend = "mlx",
 ) -> None:
     """Architecture, parameters, context length, quantization, chat template and license of a model."""
     from ferrum_mac.cli.store_commands import show_command
@@ -138,14 +114,14 @@ def run(
     hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not print the reasoning (stderr, dimmed)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats line (tok/s) after each answer."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, reasoning, stats."),
-    backend: str = typer.Option("auto", help="auto, mlx or torch."),
-    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    backend: Backend = "auto",
+    device: Device = None,
     kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", help=KV_CAPACITY_HELP),
     context: str = typer.Option("error", help="When the context is full: error or truncate-oldest."),
     pull: bool = typer.Option(True, "--pull/--no-pull", help="Download the model when it is not on disk."),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="The REPL, even with stdin piped."),
-    remote: Optional[str] = typer.Option(None, "--remote", help="Chat with an OpenAI-compatible server at this URL instead."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="With --remote: the server's API key."),
+    remote: Remote = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Chat with a model: one answer to a prompt, or a REPL (/? for its commands)."""
     from ferrum_mac.cli.run import RunOptions
@@ -164,9 +140,9 @@ def serve(
     model: Optional[str] = typer.Argument(None, help="Model to serve (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="Require 'Authorization: Bearer KEY'."),
-    backend: str = typer.Option("auto", help="auto, mlx or torch."),
-    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    api_key: ServerApiKey = None,
+    backend: Backend = "auto",
+    device: Device = None,
     kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", min=2, help=KV_CAPACITY_HELP),
     max_body: int = typer.Option(4 * 1024 * 1024, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."),
     allow_origin: Optional[list[str]] = typer.Option(
@@ -185,12 +161,12 @@ def serve(
 @app.command()
 def chat(
     model: Optional[str] = typer.Argument(None, metavar="MODEL", help="Model to open (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
-    backend: str = typer.Option("auto", help="auto, mlx or torch."),
-    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    backend: Backend = "auto",
+    device: Device = None,
     db: Optional[str] = typer.Option(None, "--db", help="Chat history file (default: in the platform's data folder)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Most tokens per answer in new conversations."),
-    remote: Optional[str] = typer.Option(None, "--remote", help="Chat with an OpenAI-compatible server at this URL instead."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="FERRUM_API_KEY", help="With --remote: the server's API key."),
+    remote: Remote = None,
+    api_key: ApiKey = None,
 ) -> None:
     """The chat application: conversations kept as they happen, streaming Markdown, a model picker."""
     from ferrum_mac.tui.app import main as chat_app

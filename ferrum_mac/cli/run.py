@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferrum_mac.cli.printer import EventPrinter
-from ferrum_mac.engine import ChatSettings, Conversation, Engine, Notice, SamplingParams
+from ferrum_mac.engine import ChatEngine, ChatSettings, Conversation, Notice, SamplingParams
 from ferrum_mac.errors import FerrumError
 
 
@@ -78,8 +78,8 @@ def run(words: list[str], options: RunOptions) -> None:
             printer.print(event)
 
 
-def open_engine(model: str | None, options: RunOptions):
-    """A local Engine, or with --remote a RemoteEngine (the same API for everything below)."""
+def open_engine(model: str | None, options: RunOptions) -> ChatEngine:
+    """A local Engine, or with --remote a RemoteEngine (the same surface for everything below)."""
     if options.remote:
         from ferrum_mac.remote import RemoteEngine
 
@@ -129,7 +129,7 @@ def check_options(options: RunOptions) -> None:
             raise FerrumError(f"--kv-capacity {options.kv_capacity} is too small; give at least 2 tokens")
 
 
-def answer_as_json(engine: Engine, conv: Conversation, prompt: str) -> dict:
+def answer_as_json(engine: ChatEngine, conv: Conversation, prompt: str) -> dict:
     events = list(conv.send(prompt))
     answer = conv.messages[-1]
     return {

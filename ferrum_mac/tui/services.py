@@ -6,6 +6,10 @@ Tests hand the app a `Services` of their own (a scripted engine, a fixed model l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ferrum_mac.engine import ChatEngine
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,7 @@ class Services:
 
         return default_model_name()
 
-    def open_engine(self, name: str | None):
+    def open_engine(self, name: str | None) -> ChatEngine:
         from ferrum_mac.compose import open_engine
 
         engine = open_engine(name, backend=self.backend, device=self.device)
@@ -70,7 +74,7 @@ class RemoteServices(Services):
         super().__init__("remote")
         self.url, self.api_key = url, api_key
 
-    def open_engine(self, name: str | None):
+    def open_engine(self, name: str | None) -> ChatEngine:
         from ferrum_mac.remote import RemoteEngine
 
         engine = RemoteEngine(self.url, self.api_key, model=name or None)

@@ -8,7 +8,7 @@ intermediate 768) in bf16 with random weights, for 1, 8 and 32 tokens:
 - gate_up + SwiGLU: the gathered route's per-pair activations vs `triton_moe.gate_up_swiglu`
 - down + sum over k + residual: the gathered route's vs `triton_moe.down_sum_plus`, split over
   the pairs (the default) and a program per token
-- block: the grouped route (what runs today) vs `SparseMoe.triton_block`, both from x
+- block: the grouped route (what runs outside decode steps) vs `TritonOps.sparse_moe`, both from x
 
 then times the whole block (gate projection, router, experts, residual add) both ways, its
 kernels (gate+route: cuBLAS's gate projection and `route`, as before `gate_route`), and
@@ -33,6 +33,7 @@ from _gpu_check import can_check, compare, cycling, failures, graph_us, verdict 
 
 from ferrum_mac.backends.torch import pointwise, triton_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import SparseMoe  # noqa: E402
+from ferrum_mac.backends.torch.ops import TORCH_OPS, TritonOps  # noqa: E402
 from ferrum_mac.backends.torch.weights import TensorSource  # noqa: E402
 from ferrum_mac.weights import ModelConfig  # noqa: E402
 from ferrum_mac.weights.moe import MoeConfig  # noqa: E402
@@ -119,7 +120,7 @@ def check(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> None:
     ids = want_ids.int()
     gate_up = experts.gate_up[want_ids.reshape(-1)]  # (T * k, 2I, H): the gathered route's
     rows = x.repeat_interleave(TOP_K, dim=0)[:, :, None]
-    activations = pointwise.swiglu(torch.bmm(gate_up, rows)[..., 0], want_weights.reshape(-1, 1))
+    activations = pointwise.torch_swiglu(torch.bmm(gate_up, rows)[..., 0], want_weights.reshape(-1, 1))
     compare(f"{where} gate_up+swiglu", triton_moe.gate_up_swiglu(x, ids, want_weights, experts.gate_up), activations)
     del gate_up
     down = experts.down[want_ids.reshape(-1)]
@@ -127,20 +128,20 @@ def check(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> None:
     compare(f"{where} down+sum+residual", triton_moe.down_sum_plus(activations, ids, experts.down, residual), want)
     compare(f"{where} down+sum+residual, per token", triton_moe.down_sum_plus(activations, ids, experts.down, residual, split=False), want)
     del down
-    compare(f"{where} block vs grouped", moe.triton_block(x, residual), grouped_block(moe, x, residual))
+    compare(f"{where} block vs grouped", TritonOps().sparse_moe(moe, x, residual), grouped_block(moe, x, residual))
 
 
 def grouped_block(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """The block as it runs without the Triton MoE kernels (grouped_mm on an SM80+ GPU)."""
     assert moe.experts.route(x.shape[0] * TOP_K) == "grouped"
-    return residual + moe.experts(x, *moe.router(x))
+    return residual + moe.experts(x, *moe.router(x), TORCH_OPS)
 
 
 def time_blocks(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> tuple:
     router, experts = moe.router, moe.experts
     ids, weights = triton_moe.gate_route(x, router.gate.weight, TOP_K, router.renormalise)
     activations = triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up)
-    fused = graph_us(lambda: moe.triton_block(x, residual))
+    fused = graph_us(lambda: TritonOps().sparse_moe(moe, x, residual))
     chosen = ids.unique().numel()
     weight_bytes = chosen * 3 * INTER * HIDDEN * experts.down.element_size()
     return (

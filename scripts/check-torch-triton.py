@@ -7,14 +7,14 @@ bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, che
 - attention: DecodePlan's SDPA under the additive bias vs `decode_attention` (a kv head's query
   group per program; split-K + merge where the batch is too small to fill the GPU)
 - attention block: the qkv projection and both of the above, as `DecodePlan.attend` vs
-  `DecodePlan.attend_fused` in a decode step (for a few rows, with `triton_qkv`)
+  `TritonOps.attention` in a decode step (for a few rows, with `triton_qkv`)
 - norm+qkv+rope+write, for a few rows: F.rms_norm + F.linear + the torch norm + rope + write vs
   `triton_qkv.norm_qkv_rope_write`; then the three kernels a step ran before it (Triton's RMSNorm,
   cuBLAS, `norm_rope_write`) vs it; then it at other K chunks and splits
 - swiglu: `pointwise.torch_swiglu` vs `triton_ops.swiglu`
 - the GEMVs for a decode step's few rows (ctx "-"): norm+qkv (F.rms_norm + F.linear vs
-  `norm_matmul`), norm+gate_up+swiglu (F.rms_norm + F.linear + `pointwise.swiglu`, Triton's
-  on CUDA, vs `norm_swiglu`), o_proj/down+residual (`torch.addmm` vs `matmul_residual`). Their
+  `norm_matmul`), norm+gate_up+swiglu (F.rms_norm + F.linear + `pointwise.torch_swiglu`,
+  vs `norm_swiglu`), o_proj/down+residual (`torch.addmm` vs `matmul_residual`). Their
   calls cycle through copies of the weight that together outgrow the L2 cache, as a step's
   layers do. Then the three GEMVs a layer runs by default with K unsplit against the split
   `triton_gemv.gemv_splits` chooses (marked *), with each one's weight bytes per second
@@ -44,6 +44,7 @@ from ferrum_mac.backends.torch import pointwise, triton_gemv, triton_ops, triton
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import Linear, RmsNorm, Rope  # noqa: E402
+from ferrum_mac.backends.torch.ops import GEMV_MAX_ROWS, TORCH_OPS, TritonOps  # noqa: E402
 
 # name -> hidden size, heads, kv_heads, head_dim, MLP width, q/k norm, interleaved RoPE
 LAYOUTS = {
@@ -126,8 +127,7 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
         return torch_plan.attend(0, *torch_project(F.linear(F.rms_norm(x, (hidden,), norm.weight, EPS), attn.qkv.weight)), attn.scale)
 
     def triton_block():  # as a decode step runs it: the qkv projection in `triton_qkv` for a few rows
-        with pointwise.decode_step():
-            return triton_plan.attend_fused(attn, x, norm, cos, sin)
+        return triton_plan.ops.attention(attn, x, norm, triton_plan, cos, sin)
 
     def fused_qkv(w=qkv_weights[0], **variant):
         return triton_qkv.norm_qkv_rope_write(
@@ -171,7 +171,7 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
         "attention block": (torch_block, triton_block),
         "swiglu": (lambda: pointwise.torch_swiglu(gate_up), lambda: triton_ops.swiglu(gate_up)),
     }  # fmt: skip
-    if triton_qkv.fits(dim, rows) and rows <= pointwise.GEMV_MAX_ROWS:  # weights past L2, as a step's layers
+    if triton_qkv.fits(dim, rows) and rows <= GEMV_MAX_ROWS:  # weights past L2, as a step's layers
         fused = cycling(fused_qkv, qkv_weights)
         pairs["norm+qkv+rope+write"] = (cycling(lambda w: torch_norm_rope_write(F.linear(norm(x), w)), qkv_weights), fused)
         pairs["  3 kernels vs 1"] = (cycling(lambda w: triton_ops.norm_rope_write(
@@ -206,7 +206,7 @@ def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
     ops = {  # op -> torch, triton (each of a weight; triton's also of a split count), the weights
         "norm+qkv": (lambda w: F.linear(F.rms_norm(x, (hidden,), norm, EPS), w),
                      lambda w, splits=None: triton_gemv.norm_matmul(x, norm, EPS, w, splits=splits), weights["qkv"]),
-        "norm+gate_up+swiglu": (lambda w: pointwise.swiglu(F.linear(F.rms_norm(x, (hidden,), norm, EPS), w)),
+        "norm+gate_up+swiglu": (lambda w: pointwise.torch_swiglu(F.linear(F.rms_norm(x, (hidden,), norm, EPS), w)),
                                 lambda w, splits=None: triton_gemv.norm_swiglu(x, norm, EPS, w, splits=splits), weights["gate_up"]),
         "o_proj+residual": (lambda w: torch.addmm(x, attn_out, w.t()),
                             lambda w, splits=None: triton_gemv.matmul_residual(attn_out, w, x, splits=splits), weights["o_proj"]),
@@ -277,14 +277,7 @@ def pool(kv_heads: int, dim: int, slots: int, tokens: int) -> KvManager:
 
 
 def decode_plan(kv: KvManager, positions, columns, fused: bool) -> DecodePlan:
-    pointwise.TRITON = fused  # DecodePlan asks pointwise.triton_runs
-    try:
-        with pointwise.decode_step():  # where the decode step's Triton kernels run
-            plan = DecodePlan(kv, FIRST, positions, columns, DTYPE)
-    finally:
-        pointwise.TRITON = True
-    assert plan.fused == fused
-    return plan
+    return DecodePlan(kv, FIRST, positions, columns, DTYPE, ops=TritonOps() if fused else TORCH_OPS)
 
 
 if __name__ == "__main__":

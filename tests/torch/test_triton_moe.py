@@ -16,10 +16,11 @@ from triton_interpreter import DEVICE, INTERPRET, like_a_gpu  # noqa: E402  (bef
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import triton_moe, triton_splits  # noqa: E402
+from ferrum_mac.backends.torch import steps, triton_moe, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.layers import Linear  # noqa: E402
 from ferrum_mac.backends.torch.models import qwen3_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import Router, SparseMoe  # noqa: E402
+from ferrum_mac.backends.torch.ops import TORCH_OPS, Ops, TritonOps  # noqa: E402
 from ferrum_mac.backends.torch.pointwise import torch_swiglu  # noqa: E402
 from ferrum_mac.backends.torch.weights import TensorSource  # noqa: E402
 from ferrum_mac.weights import ModelConfig  # noqa: E402
@@ -180,21 +181,33 @@ def test_moe_block_matches_the_torch_routes(dtype, route, renormalise):
     top = torch.softmax(moe.router.gate(x).float(), dim=-1).topk(5).values
     assert (top[:, 3] > top[:, 4]).all(), "the seed gives no tie at the top-k cut"
 
-    got = moe.triton_block(x, residual)
+    got = TritonOps().sparse_moe(moe, x, residual)
 
-    pairs = getattr(moe.experts, route)(x, experts.reshape(-1), weights.reshape(-1))
+    pairs = getattr(moe.experts, route)(x, experts.reshape(-1), weights.reshape(-1), TORCH_OPS)
     want = residual + pairs.view(5, 4, -1).sum(dim=1)
     torch.testing.assert_close(got, want, rtol=ulps(dtype), atol=ulps(dtype))
 
 
-def test_triton_block_only_for_decode_sizes_on_cuda(monkeypatch):
+def test_triton_block_only_for_decode_sizes(monkeypatch):
     moe = random_moe(8, 4, 64, 32, True, torch.float32)
+    monkeypatch.setattr(triton_moe, "gate_route", lambda *args: (None, None))
+    monkeypatch.setattr(triton_moe, "experts_plus", lambda *args: "triton")
+    monkeypatch.setattr(Ops, "sparse_moe", lambda self, moe, x, residual: "torch")
     x = torch.randn(64, 64)
-    assert not moe.on_triton(x)  # a CPU tensor
-    monkeypatch.setattr(qwen3_moe, "triton_runs", lambda x: True)
-    assert moe.on_triton(x) and not moe.on_triton(torch.randn(65, 64))  # 256 pairs at most
+    assert TritonOps().sparse_moe(moe, x, x) == "triton"
+    assert TritonOps().sparse_moe(moe, torch.randn(65, 64), x) == "torch"  # 256 pairs at most
     monkeypatch.setattr(qwen3_moe, "ROUTE", "grouped")  # a forced torch route
-    assert not moe.on_triton(x)
+    assert TritonOps().sparse_moe(moe, x, x) == "torch"
+
+
+class MoeOnTriton(TritonOps):
+    """Torch's ops but for the MoE blocks: Triton's there."""
+
+    triton = False  # attention stays torch's, which masks by the plan's bias
+    rms_norm, swiglu, attention = Ops.rms_norm, Ops.swiglu, Ops.attention
+
+    def __init__(self):
+        super().__init__(gemv=frozenset())
 
 
 # -- a whole decode -----------------------------------------------------------------------------
@@ -202,7 +215,7 @@ def test_triton_block_only_for_decode_sizes_on_cuda(monkeypatch):
 
 def test_decode_batch_through_triton_moe_matches_torch(zoo, monkeypatch):
     """Two sequences at different positions, two steps of the tiny Qwen3-MoE: the logits with
-    the MoE blocks on Triton (forced on the CPU under the interpreter) equal torch's."""
+    the MoE blocks on Triton (their ops forced on the CPU under the interpreter) equal torch's."""
     from helpers import decode_batch_steps, random_tokens
 
     model = zoo.ferrum("qwen3_moe", "torch")
@@ -212,11 +225,14 @@ def test_decode_batch_through_triton_moe_matches_torch(zoo, monkeypatch):
         return decode_batch_steps(model, prompts, tag)
 
     launches = []
-    monkeypatch.setattr(qwen3_moe, "triton_runs", lambda x: False)
+    monkeypatch.setattr(steps, "decode_ops", lambda device: TORCH_OPS)
     expected = decode_twice("torch")
-    monkeypatch.setattr(qwen3_moe, "triton_runs", lambda x: True)
+    model.reset()  # drops the decode steps: the next run makes its own
+    monkeypatch.setattr(steps, "decode_ops", lambda device: MoeOnTriton())
     gate_route = triton_moe.gate_route
     monkeypatch.setattr(triton_moe, "gate_route", lambda *args: launches.append(1) or gate_route(*args))
-    for got, want in zip(decode_twice("triton"), expected):
+    on_triton = decode_twice("triton")
+    model.reset()
+    for got, want in zip(on_triton, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert launches, "the MoE blocks ran on Triton"

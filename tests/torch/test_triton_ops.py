@@ -18,7 +18,7 @@ from triton_interpreter import DEVICE, like_a_gpu  # noqa: E402  (before triton:
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import attention, layers, pointwise, triton_gemv, triton_ops, triton_qkv, triton_splits  # noqa: E402
+from ferrum_mac.backends.torch import attention, ops, pointwise, steps, triton_gemv, triton_ops, triton_qkv, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope  # noqa: E402
@@ -251,21 +251,33 @@ def test_gemv_splits_k_only_where_the_columns_leave_sms_idle():
     assert triton_gemv.gemv_splits(1, 4096, 256, cpu, wanted=0) == (1, 4096)
 
 
-def test_gemv_runs_for_a_few_rows_and_the_kernels_named(monkeypatch):
-    monkeypatch.setattr(pointwise, "triton_runs", lambda x: True)
-    monkeypatch.setattr(pointwise, "GEMV", frozenset({"norm_matmul", "norm_swiglu"}))
-    few, many = torch.zeros(pointwise.GEMV_MAX_ROWS, 8), torch.zeros(pointwise.GEMV_MAX_ROWS + 1, 8)
-    assert pointwise.gemv_runs("norm_matmul", few) and pointwise.gemv_runs("norm_swiglu", few)
-    assert not pointwise.gemv_runs("norm_matmul", many)
-    assert not pointwise.gemv_runs("matmul_residual", few)
-    monkeypatch.setattr(pointwise, "triton_runs", lambda x: False)  # off the GPU, or FERRUM_TORCH_TRITON=0
-    assert not pointwise.gemv_runs("norm_matmul", few)
+def test_gemv_runs_for_a_few_rows_and_the_kernels_named():
+    triton_ops_ = ops.TritonOps(gemv=frozenset({"norm_matmul", "norm_swiglu"}))
+    few, many = torch.zeros(ops.GEMV_MAX_ROWS, 8), torch.zeros(ops.GEMV_MAX_ROWS + 1, 8)
+    assert triton_ops_.gemv("norm_matmul", few) and triton_ops_.gemv("norm_swiglu", few)
+    assert not triton_ops_.gemv("norm_matmul", many)
+    assert not triton_ops_.gemv("matmul_residual", few)
+
+
+def test_triton_ops_only_in_a_cuda_decode_step(monkeypatch):
+    """Eager steps (prefill, verify, mixed batches) run torch's ops; a decode step Triton's,
+    on CUDA where triton imports, unless FERRUM_TORCH_TRITON=0."""
+    monkeypatch.setattr(ops, "TRITON", True)
+    monkeypatch.setattr(ops, "triton_imports", lambda: True)
+    assert isinstance(ops.decode_ops(torch.device("cuda")), ops.TritonOps)
+    assert ops.decode_ops(torch.device("cpu")) is ops.TORCH_OPS
+    assert attention.Plan.ops is ops.TORCH_OPS
+    monkeypatch.setattr(ops, "triton_imports", lambda: False)
+    assert ops.decode_ops(torch.device("cuda")) is ops.TORCH_OPS
+    monkeypatch.setattr(ops, "triton_imports", lambda: True)
+    monkeypatch.setattr(ops, "TRITON", False)
+    assert ops.decode_ops(torch.device("cuda")) is ops.TORCH_OPS
 
 
 # -- a whole decode step ------------------------------------------------------------------------
 
 
-KERNELS = {  # a GEMV's name in pointwise.GEMV (or rms_norm) -> its module and function
+KERNELS = {  # a GEMV's name in ops.GEMV (or rms_norm) -> its module and function
     "norm_matmul": (triton_gemv, "norm_matmul"),
     "norm_swiglu": (triton_gemv, "norm_swiglu"),
     "matmul_residual": (triton_gemv, "matmul_residual"),
@@ -278,8 +290,8 @@ KERNELS = {  # a GEMV's name in pointwise.GEMV (or rms_norm) -> its module and f
 @pytest.mark.parametrize("qkv", ["norm_matmul", "norm_qkv_rope"])
 def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv):
     """Two sequences at different positions, two steps: the logits with every decode-step
-    kernel on Triton (forced on the CPU under the interpreter, every GEMV on, the qkv
-    projection by `qkv`) equal torch's."""
+    kernel on Triton (`TritonOps` forced on the CPU under the interpreter, every GEMV on,
+    the qkv projection by `qkv`) equal torch's."""
     from helpers import decode_batch_steps, random_tokens
 
     model = zoo.ferrum(family, "torch")
@@ -288,16 +300,12 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv
     def decode_twice(tag: str) -> list[torch.Tensor]:
         return decode_batch_steps(model, prompts, tag)
 
-    def on_triton(yes: bool) -> None:
-        for module in (attention, layers, pointwise):
-            monkeypatch.setattr(module, "triton_runs", lambda x: yes)
-
-    on_triton(False)
+    gemvs = frozenset({qkv, "norm_swiglu", "matmul_residual"})
+    monkeypatch.setattr(steps, "decode_ops", lambda device: ops.TORCH_OPS)
     expected = decode_twice("torch")
-    model.reset()  # on a GPU: drops the CUDA graphs the torch run captured, so the next run captures its own
-    on_triton(True)
-    monkeypatch.setattr(pointwise, "GEMV", frozenset({qkv, "norm_swiglu", "matmul_residual"}))
-    calls = {name: 0 for name in pointwise.GEMV | {"rms_norm"}}
+    model.reset()  # drops the decode steps (and on a GPU their CUDA graphs): the next run makes its own
+    monkeypatch.setattr(steps, "decode_ops", lambda device: ops.TritonOps(gemv=gemvs))
+    calls = {name: 0 for name in gemvs | {"rms_norm"}}
     for name in calls:
         module, function = KERNELS[name]
         monkeypatch.setattr(module, function, counted(getattr(module, function), name, calls))
@@ -314,14 +322,3 @@ def counted(fn, name: str, calls: dict):
         return fn(*args, **kwargs)
 
     return call
-
-
-def test_triton_runs_only_inside_a_decode_step(monkeypatch):
-    monkeypatch.setattr(pointwise, "TRITON", True)
-    monkeypatch.setattr(pointwise, "triton_imports", lambda: True)
-    on_cuda = SimpleNamespace(is_cuda=True)
-    assert not pointwise.triton_runs(on_cuda)  # prefill and unified steps: torch's own ops
-    with pointwise.decode_step():
-        assert pointwise.triton_runs(on_cuda)
-        assert not pointwise.triton_runs(SimpleNamespace(is_cuda=False))
-    assert not pointwise.triton_runs(on_cuda)

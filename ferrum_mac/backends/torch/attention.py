@@ -9,11 +9,14 @@ the plan writes each sequence's keys/values to its cache and attends.
 - `DecodePlan`: one token per sequence for a run of neighbouring pool slots, positions in
   a device tensor, every shape fixed by the pool. Nothing reads a position on the host, so
   the step can be captured once as a CUDA graph and replayed at any position; the batch
-  writes its keys/values with one kernel and attends with one. On CUDA with triton
-  (`pointwise.triton_runs`) it is `fused`: one Triton kernel norms and ropes q/k and writes
+  writes its keys/values with one kernel and attends with one. With Triton's ops (a CUDA
+  decode step: `ops.TritonOps.attention`) one Triton kernel norms and ropes q/k and writes
   k/v into the pool (for a few rows the same kernel also norms the block's input and runs
   the qkv projection: `triton_qkv`), and attention reads each row's keys up to its
   position, no further.
+
+Each plan carries the ops its forward runs (`ops.py`): torch's own for a `Plan`, the
+decode step's for a `DecodePlan`.
 
 Grouped-query attention: a kv head serves `heads / kv_heads` consecutive query heads. A
 decode step folds those into the query length, `(kv_heads, group, dim)`, so it attends as
@@ -29,14 +32,15 @@ import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.kv import KvManager, SequenceCache
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope, fuse, linear
-from ferrum_mac.backends.torch.pointwise import gemv_runs, norm_and_rope, triton_runs
+from ferrum_mac.backends.torch.ops import TORCH_OPS, Ops
+from ferrum_mac.backends.torch.pointwise import norm_and_rope
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
 
 class Attention:
-    """The block's input norm and q/k/v as one fused projection (one Triton GEMV for a few rows
-    on CUDA), optional q/k RMSNorm (Qwen3), RoPE, then the plan's attention.
+    """The block's input norm and q/k/v as one fused projection, optional q/k RMSNorm (Qwen3),
+    RoPE, then the plan's attention (as the plan's ops run them: `Ops.attention`).
 
     q and k sit side by side in the projection's output, so their norm and rotation run
     once over all `heads + kv_heads` heads (each head normed with its own side's weight)."""
@@ -63,12 +67,8 @@ class Attention:
 
     def __call__(self, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h + attention(norm(h)), h `(T, hidden)`."""
-        if plan.fused:
-            out = plan.attend_fused(self, h, norm, cos, sin)
-        else:
-            q, k, v = self.project(self.qkv.after_norm(h, norm), cos, sin)
-            out = plan.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj.plus(out, h)
+        out = plan.ops.attention(self, h, norm, plan, cos, sin)
+        return plan.ops.matmul_plus(out, self.o_proj, h)
 
     def project(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The qkv projection's output -> roped q `(T, heads, dim)`, roped k and v `(T, kv_heads, dim)`."""
@@ -88,7 +88,7 @@ class Segment:
 
 
 class Plan:
-    fused = False  # see DecodePlan
+    ops: Ops = TORCH_OPS  # eager steps: torch's own ops
 
     def __init__(self, segments: list[Segment], device: torch.device):
         self.segments = segments
@@ -128,17 +128,15 @@ class DecodePlan:
     column for a slot outside the batch). Every shape is fixed by the pool and the run of
     slots; positions and columns are device tensors the host never reads.
 
-    `fused` (CUDA with triton): `attend_fused` takes the block's input and does the rest in
-    Triton kernels (the qkv projection too, for a few rows); otherwise `attend` takes roped
-    q, k, v and runs torch."""
+    `ops` run the step: with torch's, `attend` takes roped q, k, v; Triton's take the block's
+    input and do the rest in their kernels (`TritonOps.attention`)."""
 
     def __init__(self, pool: KvManager, first: int, positions: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype,
-                 base_places: torch.Tensor | None = None):  # fmt: skip
-        self.pool, self.first, self.positions = pool, first, positions
+                 base_places: torch.Tensor | None = None, ops: Ops = TORCH_OPS):  # fmt: skip
+        self.pool, self.first, self.positions, self.ops = pool, first, positions, ops
         self.total = rows = positions.shape[0]
         tokens, heads, device = pool.tokens, pool.kv_heads, positions.device
-        self.fused = triton_runs(positions)
-        if not self.fused:  # (Triton's attention reads the lengths from positions)
+        if not ops.triton:  # (Triton's attention reads the lengths from positions)
             # Which token columns each row sees: an additive bias instead of lengths known on
             # the host. Built once per step, shared by every layer.
             visible = torch.arange(tokens, device=device)[None, :] <= positions[:, None]
@@ -156,24 +154,6 @@ class DecodePlan:
         grouped_q = q.reshape(self.total, kv_heads, -1, dim)  # (rows, kv_heads, group, dim)
         out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.bias, scale=scale)
         return out.reshape(self.total, -1)
-
-    def attend_fused(self, attn: Attention, h: torch.Tensor, norm: RmsNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """`attn` on the block's input `h` `(T, hidden)` -> `(T, heads * dim)`: for a few rows
-        norm, projection, q/k norm, RoPE and KV write in one kernel (`triton_qkv`), else the
-        projection, then those in one (`triton_ops.norm_rope_write`); then attention."""
-        from ferrum_mac.backends.torch import triton_ops, triton_qkv
-
-        kv = self.pool.kv[attn.layer]  # (2, slots, kv_heads, tokens + 1, dim)
-        interleaved, places = attn.rope.interleaved, self.places
-        if gemv_runs("norm_qkv_rope", h) and triton_qkv.fits(attn.head_dim, h.shape[0]):
-            q = triton_qkv.norm_qkv_rope_write(
-                h, norm.weight, norm.eps, attn.qkv.weight, attn.qkv.bias, attn.heads, attn.qk_norm, attn.eps,
-                cos, sin, interleaved, kv, places,
-            )  # fmt: skip
-        else:
-            qkv = attn.qkv.after_norm(h, norm)
-            q = triton_ops.norm_rope_write(qkv, attn.heads, attn.qk_norm, cos, sin, attn.eps, interleaved, kv, places)
-        return triton_ops.decode_attention(q, kv, self.first, self.positions, attn.scale)
 
 
 def slot_places(pool: KvManager, first: int, rows: int, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ferrum_mac.backends.torch.pointwise import gemv_runs, triton_runs
 from ferrum_mac.backends.torch.weights import TensorSource, to_torch
 from ferrum_mac.weights import ModelConfig
 
@@ -26,19 +25,7 @@ class Linear:
         """residual + x W^T (+ b) as one GEMM (the residual is its accumulator)."""
         if self.bias is not None or x.dim() != 2:
             return residual + self(x)
-        if gemv_runs("matmul_residual", x):
-            from ferrum_mac.backends.torch import triton_gemv
-
-            return triton_gemv.matmul_residual(x, self.weight, residual)
         return torch.addmm(residual, x, self.weight.t())
-
-    def after_norm(self, x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
-        """self(norm(x)); for a few rows on CUDA one Triton kernel (`pointwise.gemv_runs`)."""
-        if gemv_runs("norm_matmul", x):
-            from ferrum_mac.backends.torch import triton_gemv
-
-            return triton_gemv.norm_matmul(x, norm.weight, norm.eps, self.weight, self.bias)
-        return self(norm(x))
 
 
 def linear(src: TensorSource, module: str, out_dim: int, in_dim: int, bias: bool = False) -> Linear:
@@ -57,17 +44,12 @@ def fuse(linears: list[Linear]) -> Linear:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # Normalises and weighs in float32, rounding once to x's dtype (transformers' RMSNorm
-    # rounds before the weight too, so the two can differ by an ulp). In a CUDA decode step,
-    # one Triton kernel of the same rounding (F.rms_norm takes microseconds on a row).
-    if weight is not None and triton_runs(x):
-        from ferrum_mac.backends.torch import triton_ops
-
-        return triton_ops.rms_norm(x, weight, eps)
+    # rounds before the weight too, so the two can differ by an ulp).
     return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
 class RmsNorm:
-    """`rms_norm` with its weight and eps, for the layers that may fuse it into their matmul."""
+    """`rms_norm` with its weight and eps, for the ops that may fuse it into their matmul."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         self.weight, self.eps = weight, eps

@@ -20,10 +20,10 @@ from collections import OrderedDict
 
 import torch
 
-from ferrum_mac import settings
 from ferrum_mac.backends.torch.attention import DecodePlan, slot_places
-from ferrum_mac.backends.torch.pointwise import decode_step
 from ferrum_mac.backends.torch.kv import KvManager
+from ferrum_mac.backends.torch.ops import decode_ops
+from ferrum_mac import settings
 
 # FERRUM_TORCH_CUDA_GRAPHS=0 runs CUDA decode steps eagerly (for debugging and A/B timing).
 USE_GRAPHS = settings.value("FERRUM_TORCH_CUDA_GRAPHS")
@@ -39,6 +39,7 @@ class DecodeStep:
         self.base_places = slot_places(pool, first, rows, device)  # (steps die with their pool)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured = device.type == "cuda" and USE_GRAPHS
+        self.ops = decode_ops(device)  # Triton's kernels on CUDA: captured once, so their launches cost nothing
         self.out: torch.Tensor | None = None
 
     def load(self, batch: dict[int, tuple]) -> None:
@@ -76,12 +77,11 @@ class DecodeStep:
         return self.out.clone()
 
     def forward(self) -> torch.Tensor:
-        with decode_step():
-            plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype, self.base_places)
-            # device tokens are never read on the host: clip them so an id past the vocabulary
-            # cannot index past the embedding (a device assert that ends the CUDA context)
-            tokens = self.tokens.clamp(0, self.model.config.vocab_size - 1)
-            return self.model.logits(self.model.hidden(tokens, plan))
+        plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype, self.base_places, self.ops)
+        # device tokens are never read on the host: clip them so an id past the vocabulary
+        # cannot index past the embedding (a device assert that ends the CUDA context)
+        tokens = self.tokens.clamp(0, self.model.config.vocab_size - 1)
+        return self.model.logits(self.model.hidden(tokens, plan), plan.ops)
 
     def capture(self) -> None:
         try:

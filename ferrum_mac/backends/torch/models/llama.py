@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.attention import Attention
-from ferrum_mac.backends.torch.layers import Linear, RmsNorm, Rope, fuse, linear, rms_norm
-from ferrum_mac.backends.torch.pointwise import gemv_runs, swiglu
+from ferrum_mac.backends.torch.layers import Linear, RmsNorm, Rope, fuse, linear
+from ferrum_mac.backends.torch.ops import TORCH_OPS, Ops
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 
@@ -24,19 +24,14 @@ class Mlp:
         )
         self.down = linear(src, f"{prefix}.down_proj", c.hidden_size, hidden, bias)
 
-    def __call__(self, h: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
-        """h + mlp(norm(h)); for a few rows on CUDA, norm, gate_up and SwiGLU are one Triton GEMV."""
-        if gemv_runs("norm_swiglu", h):
-            from ferrum_mac.backends.torch import triton_gemv
-
-            a = triton_gemv.norm_swiglu(h, norm.weight, norm.eps, self.gate_up.weight, self.gate_up.bias)
-        else:
-            a = swiglu(self.gate_up(norm(h)))
-        return self.down.plus(a, h)
+    def __call__(self, h: torch.Tensor, norm: RmsNorm, ops: Ops) -> torch.Tensor:
+        """h + mlp(norm(h))."""
+        return ops.matmul_plus(ops.norm_swiglu(h, norm, self.gate_up), self.down, h)
 
 
 class Block:
-    """Pre-norm attention and MLP with residuals."""
+    """Pre-norm attention and MLP with residuals. Each takes the block's input and its norm,
+    so that the ops may fuse the norm into their first kernel."""
 
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int, rope: Rope, mlp):
         p = f"layers.{layer}"
@@ -47,20 +42,19 @@ class Block:
 
     def __call__(self, h: torch.Tensor, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = self.attn(h, self.attn_norm, plan, cos, sin)
-        if isinstance(self.mlp, Mlp):  # norms its input itself, to fuse the norm into its first kernel
-            return self.mlp(h, self.mlp_norm)
-        return self.mlp(self.mlp_norm(h), h)
+        return self.mlp(h, self.mlp_norm, plan.ops)
 
 
 class Model:
-    """A decoder: `hidden(tokens, plan)` runs the blocks, `logits(h)` the norm and head."""
+    """A decoder: `hidden(tokens, plan)` runs the blocks, `logits(h, ops)` the norm and head.
+    The plan carries the ops that run (`ops.py`)."""
 
     def __init__(self, src: TensorSource, config: ModelConfig):
         c = self.config = config
         self.rope = Rope(c, src.device)
         self.embed = src.take("embed_tokens.weight", (c.vocab_size, c.hidden_size))
         self.layers = [Block(src, c, i, self.rope, self.make_mlp(src, i)) for i in range(c.num_layers)]
-        self.norm = src.norm("norm", c.hidden_size)
+        self.norm = RmsNorm(src.norm("norm", c.hidden_size), c.rms_norm_eps)
         tied = c.tie_word_embeddings or not src.has("lm_head.weight")
         self.head = Linear(self.embed) if tied else linear(src, "lm_head", c.vocab_size, c.hidden_size)
 
@@ -75,5 +69,5 @@ class Model:
             h = block(h, plan, cos, sin)
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(rms_norm(h, self.norm, self.config.rms_norm_eps))
+    def logits(self, h: torch.Tensor, ops: Ops = TORCH_OPS) -> torch.Tensor:
+        return self.head(ops.rms_norm(h, self.norm))

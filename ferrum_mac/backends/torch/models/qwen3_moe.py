@@ -16,9 +16,9 @@ decode step with experts can be captured as a CUDA graph.
 - dense: every expert over every token, weighted by a mostly-zero `(T, E)` routing matrix;
   reads each expert once, for many pairs where grouped_mm is unavailable.
 
-At decode sizes on CUDA (up to TRITON_MAX_PAIRS pairs, where `pointwise.triton_runs`) the
-whole block is three `triton_moe` kernels instead: gate projection with the router, gate_up
-with SwiGLU, down with the sum over k and the residual add. A forced route (FERRUM_TORCH_MOE_ROUTE)
+In a CUDA decode step, at decode sizes, the whole block is three `triton_moe` kernels
+instead (`ops.TritonOps.sparse_moe`): gate projection with the router, gate_up with SwiGLU,
+down with the sum over k and the residual add. A forced route (FERRUM_TORCH_MOE_ROUTE)
 or FERRUM_TORCH_TRITON=0 keeps torch.
 """
 
@@ -28,21 +28,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrum_mac import settings
-from ferrum_mac.backends.torch.layers import Linear, linear
+from ferrum_mac.backends.torch.layers import Linear, RmsNorm, linear
 from ferrum_mac.backends.torch.models import llama
-from ferrum_mac.backends.torch.pointwise import swiglu, triton_runs
+from ferrum_mac.backends.torch.ops import Ops
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 from ferrum_mac.weights.moe import MoeConfig, moe_config
+from ferrum_mac import settings
 
 # At most this many token-expert pairs use gathered weights when grouped_mm is unavailable.
 GATHER_MAX_PAIRS = 64
 # Force a route ("grouped", "gathered" or "dense") for A/B timing and tests; "" chooses.
 ROUTE = settings.value("FERRUM_TORCH_MOE_ROUTE")
-# At most this many token-expert pairs take the Triton kernels (a pair is a GEMV there; a
-# prefill's many pairs are better served by grouped GEMMs).
-TRITON_MAX_PAIRS = 256
 
 
 def grouped_mm_runs(weight: torch.Tensor) -> bool:
@@ -102,37 +99,37 @@ class Experts:
             return "grouped"
         return "gathered" if pairs <= GATHER_MAX_PAIRS else "dense"
 
-    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, ops: Ops) -> torch.Tensor:
         """x `(T, hidden)`, experts/weights `(T, k)` -> sum over k of weight * expert(x), `(T, hidden)`."""
         route = self.route(experts.numel())
         if route == "dense":
-            return self.dense(x, experts, weights)
+            return self.dense(x, experts, weights, ops)
         pairs = self.grouped if route == "grouped" else self.gathered
         T, k = experts.shape
-        return pairs(x, experts.reshape(-1), weights.reshape(-1)).view(T, k, -1).sum(dim=1)
+        return pairs(x, experts.reshape(-1), weights.reshape(-1), ops).view(T, k, -1).sum(dim=1)
 
-    def grouped(self, x, experts, weights) -> torch.Tensor:
+    def grouped(self, x, experts, weights, ops: Ops) -> torch.Tensor:
         """Pairs in (token, slot) order -> `(T*k, hidden)` outputs, through sorted grouped GEMMs."""
         k = experts.numel() // x.shape[0]
         order = experts.argsort()
         ids = experts[order]
         ends = torch.searchsorted(ids, torch.arange(self.num_experts, device=ids.device), right=True).int()
         rows = x[order // k]
-        a = swiglu(F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends), weights[order, None])
+        a = ops.swiglu(F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends), weights[order, None])
         y = F.grouped_mm(a, self.down.transpose(1, 2), offs=ends)
         return torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
 
-    def gathered(self, x, experts, weights) -> torch.Tensor:
+    def gathered(self, x, experts, weights, ops: Ops) -> torch.Tensor:
         (T, hidden), k = x.shape, experts.numel() // x.shape[0]
         rows = x[:, None, :].expand(T, k, hidden).reshape(T * k, hidden, 1)
-        a = swiglu(torch.bmm(self.gate_up[experts], rows)[..., 0], weights[:, None])
+        a = ops.swiglu(torch.bmm(self.gate_up[experts], rows)[..., 0], weights[:, None])
         return torch.bmm(self.down[experts], a[:, :, None])[..., 0]
 
-    def dense(self, x, experts, weights) -> torch.Tensor:
+    def dense(self, x, experts, weights, ops: Ops) -> torch.Tensor:
         T, E = x.shape[0], self.num_experts
         routing = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter_(1, experts, weights)
         gate_up = F.linear(x, self.gate_up.view(E * 2 * self.inter, -1)).view(T, E, -1)
-        a = swiglu(gate_up, routing[:, :, None])  # (T, E, I), zero for experts not chosen
+        a = ops.swiglu(gate_up, routing[:, :, None])  # (T, E, I), zero for experts not chosen
         return torch.bmm(self.down, a.permute(1, 2, 0)).sum(dim=0).t()
 
 
@@ -142,22 +139,9 @@ class SparseMoe:
         self.router = Router(linear(src, f"{p}.gate", moe.num_experts, config.hidden_size), moe.top_k, moe.norm_topk_prob)
         self.experts = Experts(src, p, moe, config.hidden_size)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + moe(x), x `(T, hidden)`."""
-        if self.on_triton(x):
-            return self.triton_block(x, residual)
-        experts, weights = self.router(x)
-        return residual + self.experts(x, experts, weights)
-
-    def on_triton(self, x: torch.Tensor) -> bool:
-        return not ROUTE and x.shape[0] * self.router.top_k <= TRITON_MAX_PAIRS and triton_runs(x)
-
-    def triton_block(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        from ferrum_mac.backends.torch import triton_moe
-
-        router, experts = self.router, self.experts  # (the gate has no bias)
-        ids, weights = triton_moe.gate_route(x, router.gate.weight, router.top_k, router.renormalise)
-        return triton_moe.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
+    def __call__(self, h: torch.Tensor, norm: RmsNorm, ops: Ops) -> torch.Tensor:
+        """h + moe(norm(h)), h `(T, hidden)`: the router's top k experts of each token, mixed."""
+        return ops.sparse_moe(self, ops.rms_norm(h, norm), h)
 
 
 class Model(llama.Model):

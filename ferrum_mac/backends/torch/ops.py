@@ -1,0 +1,173 @@
+"""Which kernel runs each op of a torch forward: the one place that decides it.
+
+A plan carries its ops (`Plan.ops`, `DecodePlan.ops`) and the model files call them, never
+asking which kernel runs:
+
+- `Ops`: torch's own ops. Eager steps (prefill, verify, mixed batches) always use them, and
+  so do decode steps off CUDA.
+- `TritonOps`: a CUDA decode step's, where triton imports (`decode_ops`). Triton kernels run
+  only there: a decode step is captured once in a CUDA graph, while launched eagerly each
+  Triton call costs tens of microseconds of Python, more than the torch op it replaces.
+  The elementwise work is one `triton_ops` kernel each (RMSNorm, SwiGLU; q/k norm and RoPE
+  fused with the KV write, and attention); for a few rows the matmul beside each joins it
+  in one Triton GEMV (`triton_gemv`, `triton_qkv`), each GEMV on or off by name; a MoE
+  block at decode sizes is three `triton_moe` kernels.
+
+FERRUM_TORCH_TRITON=0 keeps torch's ops in decode steps too, for A/B timing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ferrum_mac import settings
+from ferrum_mac.backends.torch.layers import Linear, RmsNorm
+from ferrum_mac.backends.torch.pointwise import one_per_row, torch_swiglu
+
+TRITON = settings.value("FERRUM_TORCH_TRITON")
+# The fused GEMV kernels in use, by name: "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
+# "matmul_residual" (o_proj and down plus the residual), "norm_qkv_rope" (RMSNorm + qkv + q/k
+# norm + RoPE + KV write: `triton_qkv`), "norm_matmul" (RMSNorm + qkv projection, where
+# norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS, docs/BENCHMARKS.md,
+# torch session 3).
+GEMV = settings.value("FERRUM_TORCH_GEMV")
+GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
+# At most this many token-expert pairs take the Triton MoE kernels (a pair is a GEMV there; a
+# prefill's many pairs are better served by grouped GEMMs).
+MOE_MAX_PAIRS = 256
+
+
+class Ops:
+    """Torch's own ops (the reference the Triton kernels are tested against)."""
+
+    triton = False  # whether a decode plan leaves attention to `attention` whole (no mask to build)
+
+    def rms_norm(self, x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
+        return norm(x)
+
+    def norm_matmul(self, x: torch.Tensor, norm: RmsNorm, linear: Linear) -> torch.Tensor:
+        """linear(norm(x))."""
+        return linear(self.rms_norm(x, norm))
+
+    def matmul_plus(self, x: torch.Tensor, linear: Linear, residual: torch.Tensor) -> torch.Tensor:
+        """residual + linear(x)."""
+        return linear.plus(x, residual)
+
+    def swiglu(self, gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(gate) * up of the fused projection's output (gate first), times `weights` (one
+        per row) if given."""
+        return torch_swiglu(gate_up, weights)
+
+    def norm_swiglu(self, x: torch.Tensor, norm: RmsNorm, gate_up: Linear) -> torch.Tensor:
+        """swiglu(gate_up(norm(x)))."""
+        return self.swiglu(gate_up(self.rms_norm(x, norm)))
+
+    def attention(self, attn, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`attn` (an `attention.Attention`) on the block's input `h` `(T, hidden)` -> `(T, heads * dim)`."""
+        q, k, v = attn.project(self.norm_matmul(h, norm, attn.qkv), cos, sin)
+        return plan.attend(attn.layer, q, k, v, attn.scale)
+
+    def sparse_moe(self, moe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + `moe` (a `qwen3_moe.SparseMoe`) on the normed `x` `(T, hidden)`."""
+        experts, weights = moe.router(x)
+        return residual + moe.experts(x, experts, weights, self)
+
+
+class TritonOps(Ops):
+    """A CUDA decode step's Triton kernels; torch's ops where a kernel does not take the case."""
+
+    triton = True
+
+    def __init__(self, gemv: frozenset[str] = GEMV, gemv_max_rows: int = GEMV_MAX_ROWS):
+        self.gemvs, self.gemv_max_rows = gemv, gemv_max_rows
+
+    def gemv(self, kernel: str, x: torch.Tensor) -> bool:
+        """Whether the Triton GEMV `kernel` (named as in GEMV) takes x `(rows, K)`: a few rows."""
+        return kernel in self.gemvs and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows
+
+    def rms_norm(self, x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
+        # one kernel of torch's rounding: F.rms_norm takes several microseconds on a row
+        if norm.weight is None:
+            return super().rms_norm(x, norm)
+        from ferrum_mac.backends.torch import triton_ops
+
+        return triton_ops.rms_norm(x, norm.weight, norm.eps)
+
+    def norm_matmul(self, x: torch.Tensor, norm: RmsNorm, linear: Linear) -> torch.Tensor:
+        if not self.gemv("norm_matmul", x):
+            return super().norm_matmul(x, norm, linear)
+        from ferrum_mac.backends.torch import triton_gemv
+
+        return triton_gemv.norm_matmul(x, norm.weight, norm.eps, linear.weight, linear.bias)
+
+    def matmul_plus(self, x: torch.Tensor, linear: Linear, residual: torch.Tensor) -> torch.Tensor:
+        if linear.bias is not None or not self.gemv("matmul_residual", x):
+            return super().matmul_plus(x, linear, residual)
+        from ferrum_mac.backends.torch import triton_gemv
+
+        return triton_gemv.matmul_residual(x, linear.weight, residual)
+
+    def swiglu(self, gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        if not one_per_row(weights, gate_up):
+            return super().swiglu(gate_up, weights)
+        from ferrum_mac.backends.torch import triton_ops
+
+        return triton_ops.swiglu(gate_up, weights)
+
+    def norm_swiglu(self, x: torch.Tensor, norm: RmsNorm, gate_up: Linear) -> torch.Tensor:
+        if not self.gemv("norm_swiglu", x):
+            return super().norm_swiglu(x, norm, gate_up)
+        from ferrum_mac.backends.torch import triton_gemv
+
+        return triton_gemv.norm_swiglu(x, norm.weight, norm.eps, gate_up.weight, gate_up.bias)
+
+    def attention(self, attn, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """For a few rows norm, projection, q/k norm, RoPE and KV write in one kernel
+        (`triton_qkv`), else the projection, then those in one (`triton_ops.norm_rope_write`);
+        then attention reading each row's keys up to its position (`plan`: a `DecodePlan`)."""
+        from ferrum_mac.backends.torch import triton_ops, triton_qkv
+
+        kv = plan.pool.kv[attn.layer]  # (2, slots, kv_heads, tokens + 1, dim)
+        interleaved, places = attn.rope.interleaved, plan.places
+        if self.gemv("norm_qkv_rope", h) and triton_qkv.fits(attn.head_dim, h.shape[0]):
+            q = triton_qkv.norm_qkv_rope_write(
+                h, norm.weight, norm.eps, attn.qkv.weight, attn.qkv.bias, attn.heads, attn.qk_norm, attn.eps,
+                cos, sin, interleaved, kv, places,
+            )  # fmt: skip
+        else:
+            qkv = self.norm_matmul(h, norm, attn.qkv)
+            q = triton_ops.norm_rope_write(qkv, attn.heads, attn.qk_norm, cos, sin, attn.eps, interleaved, kv, places)
+        return triton_ops.decode_attention(q, kv, plan.first, plan.positions, attn.scale)
+
+    def sparse_moe(self, moe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Gate projection with the router, gate_up with SwiGLU, down with the sum over k and
+        the residual add: three `triton_moe` kernels, at decode sizes and unless a torch
+        route is forced (`qwen3_moe.ROUTE`)."""
+        from ferrum_mac.backends.torch.models import qwen3_moe
+
+        if qwen3_moe.ROUTE or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
+            return super().sparse_moe(moe, x, residual)
+        from ferrum_mac.backends.torch import triton_moe
+
+        router, experts = moe.router, moe.experts  # (the gate has no bias)
+        ids, weights = triton_moe.gate_route(x, router.gate.weight, router.top_k, router.renormalise)
+        return triton_moe.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
+
+
+TORCH_OPS = Ops()
+
+
+def decode_ops(device: torch.device) -> Ops:
+    """A decode step's ops on `device`: Triton's on CUDA where triton imports (unless turned off)."""
+    return TritonOps() if TRITON and device.type == "cuda" and triton_imports() else TORCH_OPS
+
+
+@functools.cache
+def triton_imports() -> bool:
+    try:  # imported only here, and only for CUDA: the CPU path never pays for it
+        from ferrum_mac.backends.torch import triton_ops
+    except ImportError:
+        return False
+    return triton_ops.triton is not None

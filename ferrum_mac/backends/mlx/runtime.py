@@ -21,8 +21,7 @@ from ferrum_mac.backends.mlx.kv import KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
-from ferrum_mac.backends.pooled_llm import PooledLLM
-from ferrum_mac.errors import UnsupportedError, UnsupportedModelError
+from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype
 from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
@@ -32,9 +31,7 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 def compute_dtype(checkpoint: Checkpoint, override: str | None) -> mx.Dtype:
     if override:
-        if override not in DTYPES:
-            raise UnsupportedError(f"dtype {override!r} is not supported; choose one of: {', '.join(DTYPES)}")
-        return DTYPES[override]
+        return named_dtype(override, DTYPES)
     if on_cpu():
         return mx.float32  # MLX's CPU build runs half-precision matmuls many times slower
     if checkpoint.config.quantization:
@@ -64,11 +61,7 @@ class MlxLLM(PooledLLM):
 
     def __init__(self, checkpoint: Checkpoint, dtype: str | None = None, kv_capacity: int | None = None):
         c = checkpoint.config
-        family = FAMILIES.get(c.model_type)
-        if family is None:
-            raise UnsupportedModelError(
-                f"the MLX backend has no {c.model_type!r} model (supported: {', '.join(sorted(FAMILIES))})"
-            )
+        family = model_family(FAMILIES, c.model_type, "MLX")
         self.dtype = compute_dtype(checkpoint, dtype)
         tensors = checkpoint.tensors
         if dequantize_on_cpu(checkpoint, self.dtype):

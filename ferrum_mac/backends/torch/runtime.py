@@ -14,14 +14,13 @@ from typing import Sequence
 
 import torch
 
-from ferrum_mac.backends.pooled_llm import PooledLLM
+from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
 from ferrum_mac.backends.torch.models import FAMILIES
 from ferrum_mac.backends.torch.steps import DecodeSteps
 from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
-from ferrum_mac.errors import UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
@@ -30,9 +29,7 @@ WARMUP_TOKENS = 8
 
 def compute_dtype(checkpoint: Checkpoint, override: str | None) -> torch.dtype:
     if override:
-        if override not in DTYPES:
-            raise UnsupportedError(f"dtype {override!r} is not supported; choose one of: {', '.join(DTYPES)}")
-        return DTYPES[override]
+        return named_dtype(override, DTYPES)
     if checkpoint.config.quantization:  # dequantized at load, to the dtype of its scales
         scales = next((t for n, t in checkpoint.tensors.items() if n.endswith(".scales")), None)
         return DTYPES.get(dtype_name(scales), torch.float16) if scales is not None else torch.float16
@@ -61,11 +58,7 @@ class TorchLLM(PooledLLM):
         kv_capacity: int | None = None,
     ):
         c = checkpoint.config
-        family = FAMILIES.get(c.model_type)
-        if family is None:
-            raise UnsupportedModelError(
-                f"the torch backend has no {c.model_type!r} model (supported: {', '.join(sorted(FAMILIES))})"
-            )
+        family = model_family(FAMILIES, c.model_type, "torch")
         self.device = resolve_device(device)
         self.dtype = compute_dtype(checkpoint, dtype)
         with torch.inference_mode():

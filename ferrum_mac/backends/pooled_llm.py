@@ -24,6 +24,7 @@ from ferrum_mac.backends.slot_pool import SlotPool
 from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Logits, Token, host_tokens, token_count
 
+
 def model_family(families: dict, model_type: str, backend: str):
     """The backend's model class for a checkpoint's `model_type`, or a clear error."""
     family = families.get(model_type)
@@ -40,6 +41,8 @@ def named_dtype(name: str, dtypes: dict):
 
 
 class PooledLLM(DecoderOnlyLLM):
+    """A `DecoderOnlyLLM` whose sequences live in the slots of one KV pool (`kv`)."""
+
     kv: SlotPool
     _config: LlmRuntimeConfig
     _capacity: int

@@ -20,8 +20,12 @@ if TYPE_CHECKING:
 
 
 def open_model(
-    name_or_path: str | Path, backend: str = "auto", dtype: str | None = None, pull: bool = True,
-    device: str | None = None, kv_capacity: int | None = None,
+    name_or_path: str | Path,
+    backend: str = "auto",
+    dtype: str | None = None,
+    pull: bool = True,
+    device: str | None = None,
+    kv_capacity: int | None = None,
 ) -> DecoderOnlyLLM:
     """Open a model folder (config.json + safetensors) or a .gguf file with a backend.
 
@@ -64,14 +68,22 @@ def open_engine(
     name = str(name or default_model_name())
     path = resolve_model(name, backend=chosen, pull=pull)
     model = open_path(
-        path, backend=chosen, dtype=dtype or recommended_dtype(chosen, device), device=device,
+        path,
+        backend=chosen,
+        dtype=dtype or recommended_dtype(chosen, device),
+        device=device,
         kv_capacity=kv_capacity_or_setting(kv_capacity),
     )
     tokenizer = load_tokenizer(path)
     return Engine(
-        model, tokenizer, load_chat_template(path, tokenizer, template),
-        name=name, path=path, sampling=sampling_defaults(path, bundled_sampling(path)),
-        max_tokens=max_tokens_default(path), device=describe_device(chosen, model),
+        model,
+        tokenizer,
+        load_chat_template(path, tokenizer, template),
+        name=name,
+        path=path,
+        sampling=sampling_defaults(path, bundled_sampling(path)),
+        max_tokens=max_tokens_default(path),
+        device=describe_device(chosen, model),
     )
 
 

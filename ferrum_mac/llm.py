@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 import numbers
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeAlias
 
 from ferrum_mac.errors import (  # noqa: F401  (re-exported: the contract's errors)
     CacheStateError,
@@ -43,8 +43,14 @@ from ferrum_mac.errors import (  # noqa: F401  (re-exported: the contract's erro
     UnsupportedModelError,
 )
 
-Logits = Any  # a device array: mx.array or torch.Tensor
-Token = Any  # an int, or a device scalar holding a token id
+if TYPE_CHECKING:  # the contract imports neither backend at run time
+    import mlx.core as mx
+    import torch
+
+    Logits: TypeAlias = "mx.array | torch.Tensor"  # on the model's device
+    Token: TypeAlias = "int | mx.array | torch.Tensor"  # an id, or a device scalar holding one
+else:
+    Logits = Token = Any
 
 
 @dataclass(frozen=True)
@@ -145,14 +151,18 @@ def clamp_kv_capacity(wanted: int | None, model_max: int) -> int:
     if wanted is None:
         return model_max
     if not is_token_id(wanted) or wanted <= 0:
-        raise FerrumError(f"a KV capacity of {wanted!r} tokens is not positive; set {KV_CAPACITY_ENV} to a token count like 8192")
+        raise FerrumError(
+            f"a KV capacity of {wanted!r} tokens is not positive; set {KV_CAPACITY_ENV} to a token count like 8192"
+        )
     return min(int(wanted), model_max)
 
 
 KV_MEMORY_SHARE = 0.8  # of the memory free after loading that one sequence's cache may plan on
 
 
-def kv_capacity_within(config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int, wanted: int | None = None) -> int:
+def kv_capacity_within(
+    config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int, wanted: int | None = None
+) -> int:
     """`kv_capacity()`: the capacity asked for (`wanted`, None: no cap), the model's maximum and
     what free memory allows."""
     by_memory = int(free_bytes * KV_MEMORY_SHARE) // config.kv_bytes_per_token(bytes_per_element)
@@ -261,7 +271,9 @@ class DecoderOnlyLLM(abc.ABC):
             if n < 1:
                 raise FerrumError(f"no tokens given for sequence {cache_id!r}; pass at least one token")
             if not is_token_id(offset):
-                raise FerrumError(f"the position {offset!r} of sequence {cache_id!r} is not a whole number; pass kv_len()")
+                raise FerrumError(
+                    f"the position {offset!r} of sequence {cache_id!r} is not a whole number; pass kv_len()"
+                )
             if cache_id in seen:
                 raise CacheStateError(f"sequence {cache_id!r} appears twice in one batch; give each sequence one item")
             seen.add(cache_id)

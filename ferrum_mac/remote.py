@@ -22,7 +22,16 @@ import time
 from typing import Iterator
 
 from ferrum_mac.engine import (
-    CANCELLED, EOS, FALLBACK_SAMPLING, MAX_TOKENS, ChatSettings, Conversation, Done, Event, ReasoningDelta, TextDelta,
+    CANCELLED,
+    EOS,
+    FALLBACK_SAMPLING,
+    MAX_TOKENS,
+    ChatSettings,
+    Conversation,
+    Done,
+    Event,
+    ReasoningDelta,
+    TextDelta,
     Timing,
 )
 from ferrum_mac.errors import FerrumError
@@ -30,8 +39,13 @@ from ferrum_mac.errors import FerrumError
 TIMEOUT_S = 600.0  # a long answer from a slow server is still an answer
 FINISH_REASONS = {"length": MAX_TOKENS, "stop": EOS}
 # SamplingParams field -> the request field servers beyond OpenAI's (vLLM, ferrum) read
-EXTRA_SAMPLING = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+EXTRA_SAMPLING = {
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
 
 
 class RemoteEngine:
@@ -104,16 +118,25 @@ class RemoteEngine:
         s, sampling = conv.settings, conv.settings.sampling
         history = [{"role": m["role"], "content": m.get("content") or ""} for m in conv.chat_messages()]
         body = {
-            "model": self.name, "messages": history + [{"role": "user", "content": text}], "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "model": self.name,
+            "messages": history + [{"role": "user", "content": text}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
         }
         body.update({k: v for k, v in (("max_tokens", s.max_tokens), ("seed", sampling.seed)) if v is not None})
         if s.stop:
             body["stop"] = list(s.stop)
         if s.think is not None:
             body["chat_template_kwargs"] = {"enable_thinking": s.think}
-        body.update({name: getattr(sampling, f) for f, name in EXTRA_SAMPLING.items()
-                     if getattr(sampling, f) != getattr(self.default_sampling, f)})
+        body.update(
+            {
+                name: getattr(sampling, f)
+                for f, name in EXTRA_SAMPLING.items()
+                if getattr(sampling, f) != getattr(self.default_sampling, f)
+            }
+        )
         return body
 
     def _stream(self, body: dict) -> Iterator[dict]:
@@ -128,7 +151,7 @@ class RemoteEngine:
                 for line in response.iter_lines():
                     if not line.startswith("data:"):
                         continue
-                    data = line[len("data:"):].strip()
+                    data = line[len("data:") :].strip()
                     if data == "[DONE]":
                         return
                     chunk = json.loads(data)
@@ -215,7 +238,11 @@ class RemoteTurn:
         ttft, decode_time = first - self.timing.start, (self.timing.last or first) - first
         reason = CANCELLED if self.cancelled else FINISH_REASONS.get(self.finish or "", EOS)
         return Done(
-            stop_reason=reason, prompt_tokens=prompt, cached_tokens=0, generated_tokens=generated, ttft_s=ttft,
+            stop_reason=reason,
+            prompt_tokens=prompt,
+            cached_tokens=0,
+            generated_tokens=generated,
+            ttft_s=ttft,
             prefill_tps=prompt / ttft if ttft > 0 else 0.0,
             decode_tps=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0,
         )

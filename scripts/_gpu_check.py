@@ -38,7 +38,9 @@ def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
     diff = (got.float() - want.float()).abs()
     bound = TOLERANCE * (1 + want.float().abs())
     if got.shape != want.shape or not bool((diff <= bound).all()):
-        failures.append(f"{what}: max |diff| {diff.max().item():.3g}, {int((diff > bound).sum())} of {diff.numel()} out of tolerance")
+        failures.append(
+            f"{what}: max |diff| {diff.max().item():.3g}, {int((diff > bound).sum())} of {diff.numel()} out of tolerance"
+        )
 
 
 def graph_us(fn) -> float:

@@ -53,7 +53,9 @@ def check() -> bool:
                 err = max(mx.abs(got - want).max().item(), mx.abs(whole - want).max().item())
                 good = err <= TOLERANCE[dtype]
                 ok &= good
-                print(f"check {name:14s} {str(dtype):14s} batch {batch:2d}: max err {err:.2e} {'ok' if good else 'MISMATCH'}")
+                print(
+                    f"check {name:14s} {str(dtype):14s} batch {batch:2d}: max err {err:.2e} {'ok' if good else 'MISMATCH'}"
+                )
     return ok
 
 
@@ -84,8 +86,14 @@ def timings() -> None:
             mx.eval(positions)
             kernel = timed(lambda: decode_attention(q, keys, values, slots, positions, scale))
             old = timed(lambda: masked(q, keys, values, slots, positions, scale))
-            one = timed(lambda: mx.fast.scaled_dot_product_attention(q[:1, :, None, :], keys[:1, :, :640], values[:1, :, :640], scale=scale))
-            print(f"{name:14s} batch {batch:2d}                                     {kernel:7.1f}   {old:13.1f}   {one:16.1f}")
+            one = timed(
+                lambda: mx.fast.scaled_dot_product_attention(
+                    q[:1, :, None, :], keys[:1, :, :640], values[:1, :, :640], scale=scale
+                )
+            )
+            print(
+                f"{name:14s} batch {batch:2d}                                     {kernel:7.1f}   {old:13.1f}   {one:16.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ def check(bits) -> bool:
             ref_chosen = mx.sort(mx.take_along_axis(logits, ref_ids.astype(mx.int32), -1), axis=-1)
             same = mx.array_equal(chosen, ref_chosen).item()
             print(f"check router T={T:2d} renorm={renorm!s:5s} same top-k logits: {same}")
-            ok &= same and close(f"router weights T={T} renorm={renorm}", mx.sort(w, axis=-1), mx.sort(ref_w, axis=-1), 1e-2)
+            ok &= same and close(
+                f"router weights T={T} renorm={renorm}", mx.sort(w, axis=-1), mx.sort(ref_w, axis=-1), 1e-2
+            )
         a = cuda_moe.gate_up_swiglu(x, gate_up, ids, w, I)
         y = cuda_moe.down_sum(a, down, ids, H)
         ref_a, ref_y = mlx_experts(x, gate_up, down, ids, w)

@@ -32,12 +32,16 @@ L2_BYTES = 50e6  # an H100's: timed calls cycle through enough weight copies to 
 def main() -> int:
     print("device:", mx.default_device())
     ok = True
-    print(f"{'shape':22s} {'rows':>4s} {'ours us':>8s} {'mlx us':>8s} {'ours GB/s':>9s}  (launch: warps, rows per warp)")
+    print(
+        f"{'shape':22s} {'rows':>4s} {'ours us':>8s} {'mlx us':>8s} {'ours GB/s':>9s}  (launch: warps, rows per warp)"
+    )
     for what, N, K, bits in SHAPES:
         mx.random.seed(0)
         w, scales, biases = mx.quantize((mx.random.normal((N, K)) * 0.02).astype(mx.bfloat16), group_size=64, bits=bits)
         nbytes = w.nbytes + scales.nbytes + biases.nbytes
-        copies = [(w, scales, biases)] + [tuple(a + 0 for a in (w, scales, biases)) for _ in range(min(47, int(2 * L2_BYTES / nbytes)))]
+        copies = [(w, scales, biases)] + [
+            tuple(a + 0 for a in (w, scales, biases)) for _ in range(min(47, int(2 * L2_BYTES / nbytes)))
+        ]
         mx.eval(copies)
         for rows in (1, 2, 4, 8):
             x = mx.random.normal((rows, K)).astype(mx.bfloat16)
@@ -45,7 +49,9 @@ def main() -> int:
             theirs = lambda x, c: mx.quantized_matmul(x, *c, transpose=True, group_size=64, bits=bits)  # noqa: E731
             ok &= close(f"{what} rows={rows}", ours(x, copies[0]), theirs(x, copies[0]), 1e-2)
             us, ref_us = chained_us(ours, x, copies), chained_us(theirs, x, copies)
-            print(f"{what:22s} {rows:4d} {us:8.1f} {ref_us:8.1f} {nbytes / us / 1e3:9.0f}  {cuda_qmatmul.launch_shape(N)}")
+            print(
+                f"{what:22s} {rows:4d} {us:8.1f} {ref_us:8.1f} {nbytes / us / 1e3:9.0f}  {cuda_qmatmul.launch_shape(N)}"
+            )
         del copies
     if mx.default_device() == mx.gpu:
         x = mx.random.normal((8, 2048)).astype(mx.float32)

@@ -70,11 +70,15 @@ def main() -> int:
         downs.append(down)
         sweeps += down_sweep
 
-    print(f"{'tokens':>6} {'grouped us':>10} {'triton us':>9} {'speedup':>7}  {'gate+route':>10} {'gate_route':>10} {'gate_up':>7} {'down':>6}  {'GB/s':>5}")
+    print(
+        f"{'tokens':>6} {'grouped us':>10} {'triton us':>9} {'speedup':>7}  {'gate+route':>10} {'gate_route':>10} {'gate_up':>7} {'down':>6}  {'GB/s':>5}"
+    )
     for tokens, grouped, fused, gate_and_route, gate_route, gate_up, down, gbps in timings:
         print(f"{tokens:>6} {grouped:>10.2f} {fused:>9.2f} {grouped / fused:>6.2f}x  {gate_and_route:>10.2f} {gate_route:>10.2f} "
               f"{gate_up:>7.2f} {down:>6.2f}  {gbps:>5.0f}")  # fmt: skip
-    print(f"\ndown_sum_plus, weights past L2\n{'tokens':>6} {'MB read':>7} {'per token us':>12} {'GB/s':>5} {'split us':>8} {'GB/s':>5} {'speedup':>7}")
+    print(
+        f"\ndown_sum_plus, weights past L2\n{'tokens':>6} {'MB read':>7} {'per token us':>12} {'GB/s':>5} {'split us':>8} {'GB/s':>5} {'speedup':>7}"
+    )
     for tokens, weight_bytes, per_token, split in downs:
         print(f"{tokens:>6} {weight_bytes / 1e6:>7.1f} {per_token:>12.2f} {weight_bytes / per_token / 1e3:>5.0f} "
               f"{split:>8.2f} {weight_bytes / split / 1e3:>5.0f} {per_token / split:>6.2f}x")  # fmt: skip
@@ -87,6 +91,7 @@ def main() -> int:
 
 def random_moe() -> SparseMoe:
     """One MoE layer of random weights on the GPU, scaled so each projection keeps unit variance."""
+
     def randn(*shape, scale):
         return torch.randn(*shape, device="cuda", dtype=DTYPE) * scale
 
@@ -126,7 +131,11 @@ def check(moe: SparseMoe, x: torch.Tensor, residual: torch.Tensor) -> None:
     down = experts.down[want_ids.reshape(-1)]
     want = residual + torch.bmm(down, activations[:, :, None])[..., 0].view(tokens, TOP_K, HIDDEN).sum(dim=1)
     compare(f"{where} down+sum+residual", triton_moe.down_sum_plus(activations, ids, experts.down, residual), want)
-    compare(f"{where} down+sum+residual, per token", triton_moe.down_sum_plus(activations, ids, experts.down, residual, split=False), want)
+    compare(
+        f"{where} down+sum+residual, per token",
+        triton_moe.down_sum_plus(activations, ids, experts.down, residual, split=False),
+        want,
+    )
     del down
     compare(f"{where} block vs grouped", TritonOps().sparse_moe(moe, x, residual), grouped_block(moe, x, residual))
 
@@ -160,14 +169,25 @@ def time_down(moe: SparseMoe, tokens: int) -> tuple[tuple, list]:
     """(tokens, the experts' down bytes a call reads on average, per-token us, split us), and
     with --sweep the sweep's rows; each call on the next of ROUTINGS random routings."""
     down = moe.experts.down
-    routings = [torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)]).int() for _ in range(ROUTINGS)]
+    routings = [
+        torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(tokens)]).int()
+        for _ in range(ROUTINGS)
+    ]
     activations = torch.randn(tokens * TOP_K, INTER, device="cuda", dtype=DTYPE)
     residual = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE)
-    per_token = triton_moe.down_sum_plus(activations, routings[0], down, residual, split=False)  # checked against torch's in check()
+    per_token = triton_moe.down_sum_plus(
+        activations, routings[0], down, residual, split=False
+    )  # checked against torch's in check()
 
     def timed(**blocks) -> float:
-        compare(f"tokens={tokens} down {blocks}", triton_moe.down_sum_plus(activations, routings[0], down, residual, **blocks), per_token)
-        return graph_us(cycling(lambda ids: triton_moe.down_sum_plus(activations, ids, down, residual, **blocks), routings))
+        compare(
+            f"tokens={tokens} down {blocks}",
+            triton_moe.down_sum_plus(activations, routings[0], down, residual, **blocks),
+            per_token,
+        )
+        return graph_us(
+            cycling(lambda ids: triton_moe.down_sum_plus(activations, ids, down, residual, **blocks), routings)
+        )
 
     experts_read = sum(ids.unique().numel() for ids in routings) / ROUTINGS
     row = (tokens, experts_read * HIDDEN * INTER * down.element_size(), timed(split=False), timed(split=True))
@@ -185,6 +205,7 @@ def sweep_gate_up(moe: SparseMoe, x: torch.Tensor) -> list:
     activations = triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up)
     rows = []
     for block_i, block_h in SWEEP_GATE_UP:
+
         def gate_up():
             return triton_moe.gate_up_swiglu(x, ids, weights, experts.gate_up, block_i=block_i, block_h=block_h)
 

@@ -82,16 +82,24 @@ def main() -> int:
     for name, rows, context, op, torch_us, triton_us in rows_out:
         speedup = torch_us / triton_us
         print(f"{name:<11} {rows:>4} {context:>5}  {op:<19} {torch_us:>9.2f} {triton_us:>9.2f} {speedup:>6.2f}x")
-    print(f"\nGEMV split-K\n{'layout':<11} {'rows':>4}  {'op':<19} {'N x K':>11} {'blocks':>6} {'splits':>6} {'us':>7} {'GB/s':>5} {'vs 1':>6}")
+    print(
+        f"\nGEMV split-K\n{'layout':<11} {'rows':>4}  {'op':<19} {'N x K':>11} {'blocks':>6} {'splits':>6} {'us':>7} {'GB/s':>5} {'vs 1':>6}"
+    )
     for name, rows, op, (n, k), blocks, splits, chosen, us, unsplit_us, weight_bytes in splits_out:
         mark = "*" if chosen else " "
         print(f"{name:<11} {rows:>4}  {op:<19} {f'{n}x{k}':>11} {blocks:>6} {splits:>5}{mark} {us:>7.2f} "
               f"{weight_bytes / us / 1e3:>5.0f} {unsplit_us / us:>5.2f}x")  # fmt: skip
-    print(f"\nnorm+qkv+rope+write by K chunk and splits (default: {triton_qkv.TILE_BYTES} weight bytes a chunk, gemv_splits)")
+    print(
+        f"\nnorm+qkv+rope+write by K chunk and splits (default: {triton_qkv.TILE_BYTES} weight bytes a chunk, gemv_splits)"
+    )
     print(f"{'layout':<11} {'rows':>4}  {'block_k':>7} {'splits':>6} {'us':>7} {'GB/s':>5}\n" + "\n".join(QKV_VARIANTS))
-    print(f"\nRMSNorm, 1 row\n{'width':>5} {'F.rms_norm us':>13} {'triton us':>9} {'speedup':>7} {'GB/s torch':>10} {'GB/s triton':>11}")
+    print(
+        f"\nRMSNorm, 1 row\n{'width':>5} {'F.rms_norm us':>13} {'triton us':>9} {'speedup':>7} {'GB/s torch':>10} {'GB/s triton':>11}"
+    )
     for width, torch_us, triton_us, moved in norms_out:
-        print(f"{width:>5} {torch_us:>13.2f} {triton_us:>9.2f} {torch_us / triton_us:>6.2f}x {moved / torch_us / 1e3:>10.1f} {moved / triton_us / 1e3:>11.1f}")
+        print(
+            f"{width:>5} {torch_us:>13.2f} {triton_us:>9.2f} {torch_us / triton_us:>6.2f}x {moved / torch_us / 1e3:>10.1f} {moved / triton_us / 1e3:>11.1f}"
+        )
     return verdict()
 
 
@@ -113,7 +121,16 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     rope = Rope(SimpleNamespace(head_dim=dim, rope_theta=1e6, rope_scaling=None, rope_traditional=interleaved), "cuda")
     rope.build(tokens)
     cos, sin = rope.tables(positions, DTYPE)
-    attn = SimpleNamespace(layer=0, heads=heads, head_dim=dim, qkv=Linear(qkv_weights[0]), qk_norm=weight, eps=EPS, rope=rope, scale=dim**-0.5)
+    attn = SimpleNamespace(
+        layer=0,
+        heads=heads,
+        head_dim=dim,
+        qkv=Linear(qkv_weights[0]),
+        qk_norm=weight,
+        eps=EPS,
+        rope=rope,
+        scale=dim**-0.5,
+    )
     torch_plan = decode_plan(torch_pool, positions, columns, fused=False)
     triton_plan = decode_plan(triton_pool, positions, columns, fused=True)
 
@@ -124,23 +141,49 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
         return qk[:, :heads], qk[:, heads:], v
 
     def torch_block():
-        return torch_plan.attend(0, *torch_project(F.linear(F.rms_norm(x, (hidden,), norm.weight, EPS), attn.qkv.weight)), attn.scale)
+        return torch_plan.attend(
+            0, *torch_project(F.linear(F.rms_norm(x, (hidden,), norm.weight, EPS), attn.qkv.weight)), attn.scale
+        )
 
     def triton_block():  # as a decode step runs it: the qkv projection in `triton_qkv` for a few rows
         return triton_plan.ops.attention(attn, x, norm, triton_plan, cos, sin)
 
     def fused_qkv(w=qkv_weights[0], **variant):
         return triton_qkv.norm_qkv_rope_write(
-            x, norm.weight, EPS, w, None, heads, weight, EPS, cos, sin, interleaved, triton_pool.kv[0], triton_plan.places, **variant)
+            x,
+            norm.weight,
+            EPS,
+            w,
+            None,
+            heads,
+            weight,
+            EPS,
+            cos,
+            sin,
+            interleaved,
+            triton_pool.kv[0],
+            triton_plan.places,
+            **variant,
+        )
 
     # norm + rope + write, then attention, then both (the pools end up written the same)
     q, k, v = torch_project()
-    triton_q = triton_ops.norm_rope_write(qkv, heads, weight, cos, sin, attn.eps, interleaved, triton_pool.kv[0], triton_plan.places)
+    triton_q = triton_ops.norm_rope_write(
+        qkv, heads, weight, cos, sin, attn.eps, interleaved, triton_pool.kv[0], triton_plan.places
+    )
     compare(f"{where} q", triton_q, q)
     torch_out = torch_block()
     compare(f"{where} pool", triton_pool.kv[0], torch_pool.kv[0])
-    compare(f"{where} attention", triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale), torch_out)
-    compare(f"{where} attention, one split", triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale, splits=1), torch_out)
+    compare(
+        f"{where} attention",
+        triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale),
+        torch_out,
+    )
+    compare(
+        f"{where} attention, one split",
+        triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale, splits=1),
+        torch_out,
+    )
     compare(f"{where} attention block", triton_block(), torch_out)
     if triton_qkv.fits(dim, rows):
         compare(f"{where} norm+qkv+rope+write q", fused_qkv(), q)
@@ -162,7 +205,9 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
         return q
 
     def torch_attention():
-        return torch.nn.functional.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=torch_plan.bias, scale=attn.scale)
+        return torch.nn.functional.scaled_dot_product_attention(
+            grouped_q, keys, values, attn_mask=torch_plan.bias, scale=attn.scale
+        )
 
     pairs = {
         "norm+rope+write": (torch_norm_rope_write, lambda: triton_ops.norm_rope_write(
@@ -173,7 +218,10 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     }  # fmt: skip
     if triton_qkv.fits(dim, rows) and rows <= GEMV_MAX_ROWS:  # weights past L2, as a step's layers
         fused = cycling(fused_qkv, qkv_weights)
-        pairs["norm+qkv+rope+write"] = (cycling(lambda w: torch_norm_rope_write(F.linear(norm(x), w)), qkv_weights), fused)
+        pairs["norm+qkv+rope+write"] = (
+            cycling(lambda w: torch_norm_rope_write(F.linear(norm(x), w)), qkv_weights),
+            fused,
+        )
         pairs["  3 kernels vs 1"] = (cycling(lambda w: triton_ops.norm_rope_write(
             F.linear(triton_ops.rms_norm(x, norm.weight, EPS), w), heads, weight, cos, sin, EPS, interleaved,
             triton_pool.kv[0], triton_plan.places), qkv_weights), fused)  # fmt: skip
@@ -201,7 +249,12 @@ def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
     norm = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE)
     attn_out = torch.randn(rows, heads * dim, device="cuda", dtype=DTYPE)
     inter = torch.randn(rows, width, device="cuda", dtype=DTYPE)
-    shapes = {"qkv": ((heads + 2 * kv_heads) * dim, hidden), "gate_up": (2 * width, hidden), "o_proj": (hidden, heads * dim), "down": (hidden, width)}
+    shapes = {
+        "qkv": ((heads + 2 * kv_heads) * dim, hidden),
+        "gate_up": (2 * width, hidden),
+        "o_proj": (hidden, heads * dim),
+        "down": (hidden, width),
+    }
     weights = {part: weight_copies(shape, timed) for part, shape in shapes.items()}
     ops = {  # op -> torch, triton (each of a weight; triton's also of a split count), the weights
         "norm+qkv": (lambda w: F.linear(F.rms_norm(x, (hidden,), norm, EPS), w),
@@ -256,10 +309,21 @@ def check_rms_norms() -> list:
         weight = (1 + 0.1 * torch.randn(width, device="cuda")).to(DTYPE)
         for rows in (1, 4):
             x = torch.randn(rows, width, device="cuda", dtype=DTYPE)
-            compare(f"rms_norm width={width} rows={rows}", triton_ops.rms_norm(x, weight, EPS), F.rms_norm(x, (width,), weight, EPS))
+            compare(
+                f"rms_norm width={width} rows={rows}",
+                triton_ops.rms_norm(x, weight, EPS),
+                F.rms_norm(x, (width,), weight, EPS),
+            )
         x = x[:1]
         moved = 3 * width * DTYPE.itemsize  # the row and the weight read, the output written
-        timings.append((width, graph_us(lambda: F.rms_norm(x, (width,), weight, EPS)), graph_us(lambda: triton_ops.rms_norm(x, weight, EPS)), moved))
+        timings.append(
+            (
+                width,
+                graph_us(lambda: F.rms_norm(x, (width,), weight, EPS)),
+                graph_us(lambda: triton_ops.rms_norm(x, weight, EPS)),
+                moved,
+            )
+        )
     return timings
 
 

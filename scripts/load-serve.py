@@ -23,13 +23,28 @@ import threading
 import time
 from pathlib import Path
 
-WORDS = ["Once upon a time", "The old lighthouse keeper", "In a city of glass", "A robot named Pim",
-         "The river remembered", "On the last day of summer", "Under the mountain", "The baker's daughter"]
+WORDS = [
+    "Once upon a time",
+    "The old lighthouse keeper",
+    "In a city of glass",
+    "A robot named Pim",
+    "The river remembered",
+    "On the last day of summer",
+    "Under the mountain",
+    "The baker's daughter",
+]
 
 
 def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict) -> None:
-    body = {"model": "any", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "any",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result["start"] = time.perf_counter()
     with http.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -77,13 +92,21 @@ def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int) 
     limits = httpx.Limits(max_connections=concurrency + 4)
     results = [{} for _ in range(concurrency)]
     with httpx.Client(headers=headers, timeout=600, limits=limits) as http:
-        threads = [threading.Thread(target=guarded_stream, args=(http, url, f"{WORDS[i % len(WORDS)]} ({i})",
-                                                                     max_tokens, results[i])) for i in range(concurrency)]
+        threads = [
+            threading.Thread(
+                target=guarded_stream, args=(http, url, f"{WORDS[i % len(WORDS)]} ({i})", max_tokens, results[i])
+            )
+            for i in range(concurrency)
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    failed = [r.get("error", f"it ended early ({sorted(r)})") for r in results if "end" not in r or "first" not in r or "error" in r]
+    failed = [
+        r.get("error", f"it ended early ({sorted(r)})")
+        for r in results
+        if "end" not in r or "first" not in r or "error" in r
+    ]
     if failed:
         raise SystemExit(f"load-serve: {len(failed)} stream(s) failed: {failed[0]}")
     first = min(r["first"] for r in results)
@@ -107,7 +130,9 @@ def make_model(folder: Path, shape: str, tokenizer: Path | None = None) -> None:
     places = [repo.parent / "shared/assets/tokenizers/qwen3", repo / "shared/assets/tokenizers/qwen3"]
     tokenizer = tokenizer or next((p for p in places if p.is_dir()), None)
     if tokenizer is None or not (tokenizer / "tokenizer.json").is_file():
-        raise SystemExit(f"load-serve: no Qwen3 tokenizer at {tokenizer or ' or '.join(map(str, places))}; give --tokenizer DIR")
+        raise SystemExit(
+            f"load-serve: no Qwen3 tokenizer at {tokenizer or ' or '.join(map(str, places))}; give --tokenizer DIR"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     try:
         import mlx.core  # noqa: F401
@@ -151,7 +176,9 @@ def main() -> None:
     parser.add_argument("--api-key")
     parser.add_argument("--make-model", type=Path, help="Write a random-weight model folder and exit.")
     parser.add_argument("--shape", default="qwen3-8b")
-    parser.add_argument("--tokenizer", type=Path, help="The Qwen3 tokenizer's folder (default: shared/ beside the checkout).")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="The Qwen3 tokenizer's folder (default: shared/ beside the checkout)."
+    )
     args = parser.parse_args()
     if args.make_model:
         return make_model(args.make_model, args.shape, args.tokenizer)
@@ -163,8 +190,10 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row))
     base = rows[0]["decode_tps"]
-    print(" ".join(f"c{r['concurrency']}={r['decode_tps']} tok/s ({r['decode_tps'] / base:.1f}x)" for r in rows),
-          file=sys.stderr)
+    print(
+        " ".join(f"c{r['concurrency']}={r['decode_tps']} tok/s ({r['decode_tps'] / base:.1f}x)" for r in rows),
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

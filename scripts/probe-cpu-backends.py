@@ -16,9 +16,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ferrum_mac
 
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                    rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 
 
 def one_run(model, prompt: list[int], new_tokens: int, argmax, read) -> tuple[float, float]:
@@ -56,7 +65,9 @@ def main() -> None:
                 best[name] = (max(best[name][0], prefill), max(best[name][1], decode))
     for name, (prefill, decode) in best.items():
         print(f"{name:6} prefill {prefill:8.1f} tok/s   decode {decode:6.1f} tok/s")
-    print(f"torch/mlx: prefill {best['torch'][0] / best['mlx'][0]:.1f}x, decode {best['torch'][1] / best['mlx'][1]:.1f}x")
+    print(
+        f"torch/mlx: prefill {best['torch'][0] / best['mlx'][0]:.1f}x, decode {best['torch'][1] / best['mlx'][1]:.1f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,15 @@ import ferrum_mac.bench.shapes as shapes
 from ferrum_mac.bench import _ferrum_from_random
 
 STEPS = 50
-shapes.SHAPES["probe"] = {**shapes.SHAPES["qwen3-0.6b"], "vocab_size": 1024, "hidden_size": 256,
-                          "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+shapes.SHAPES["probe"] = {
+    **shapes.SHAPES["qwen3-0.6b"],
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
 
 
 def per_step(step) -> float:

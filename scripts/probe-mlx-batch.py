@@ -48,14 +48,20 @@ def main():
             "down matmul": timed(lambda: h @ w_down.T),
             "gather keys[slots,:,:w]": timed(lambda: pool[idx, :, :width, :]),
             "slice keys[:B] (view)": timed(lambda: pool[:B] + 0),
-            "sdpa gathered + bool mask": timed(lambda: mx.fast.scaled_dot_product_attention(
-                q, pool[idx, :, :width, :], pool[idx, :, :width, :], scale=0.08, mask=mask)),
-            "sdpa slice[:B] full width + mask": timed(lambda: mx.fast.scaled_dot_product_attention(
-                q, pool[:B], pool[:B], scale=0.08, mask=full_mask)),
-            "sdpa slice[:B, :, :w] no mask": timed(lambda: mx.fast.scaled_dot_product_attention(
-                q, pool[:B, :, :width], pool[:B, :, :width], scale=0.08)),
-            "written out (scores, bias, softmax)": timed(lambda: written_out(
-                q, pool[idx, :, :width, :], pool[idx, :, :width, :], bias, 0.08)),
+            "sdpa gathered + bool mask": timed(
+                lambda: mx.fast.scaled_dot_product_attention(
+                    q, pool[idx, :, :width, :], pool[idx, :, :width, :], scale=0.08, mask=mask
+                )
+            ),
+            "sdpa slice[:B] full width + mask": timed(
+                lambda: mx.fast.scaled_dot_product_attention(q, pool[:B], pool[:B], scale=0.08, mask=full_mask)
+            ),
+            "sdpa slice[:B, :, :w] no mask": timed(
+                lambda: mx.fast.scaled_dot_product_attention(q, pool[:B, :, :width], pool[:B, :, :width], scale=0.08)
+            ),
+            "written out (scores, bias, softmax)": timed(
+                lambda: written_out(q, pool[idx, :, :width, :], pool[idx, :, :width, :], bias, 0.08)
+            ),
         }
         for name, us in rows.items():
             print(f"B={B:2d} {name:36s} {us:8.1f} us")

@@ -57,7 +57,9 @@ def run(shape: str, batch: int, steps: int, prompt_tokens: int) -> None:
     kind = "in a CUDA graph" if device.type == "cuda" else "default"
     print(f"{label}, {device}, batch {batch}: step {graphed:.3f} ms {kind}")
     if batch == 1:
-        print(f"  as `ferrum bench` streams it (each token read one step behind): {bench_ms(llm, prompt):.3f} ms a token")
+        print(
+            f"  as `ferrum bench` streams it (each token read one step behind): {bench_ms(llm, prompt):.3f} ms a token"
+        )
     profile_steps(step, steps, sync)
     step_module.USE_GRAPHS = False
     llm.steps.clear()

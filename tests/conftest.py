@@ -98,7 +98,7 @@ def zoo(tmp_path_factory) -> TinyZoo:
 @pytest.fixture(scope="session")
 def shared_assets() -> Path:
     if not helpers.ASSETS.is_dir():
-        pytest.skip(f"shared assets not found (looked for a 'shared/assets' folder next to the repository)")
+        pytest.skip("shared assets not found (looked for a 'shared/assets' folder next to the repository)")
     return helpers.ASSETS
 
 

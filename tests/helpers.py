@@ -375,7 +375,9 @@ def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) ->
                     continue
                 array = sd[key]
                 if arch == "llama" and short in ("attn_q", "attn_k"):
-                    array = llama_cpp_permute(array, c.num_attention_heads if short == "attn_q" else c.num_key_value_heads)
+                    array = llama_cpp_permute(
+                        array, c.num_attention_heads if short == "attn_q" else c.num_key_value_heads
+                    )
                 add(f"blk.{i}.{short}.{suffix}", array)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -59,7 +59,9 @@ def test_bench_subcommands_parse_apart_from_the_speed_bench(monkeypatch):
     monkeypatch.setattr(ferrum_mac.bench.first_token, "run_first_token", lambda *args: calls.append(("first", args)))
     runner = CliRunner()
     assert runner.invoke(app, ["bench", "some-model", "--runs", "2", "--json"]).exit_code == 0
-    assert runner.invoke(app, ["bench", "first-token", "--runs", "3", "--backend", "torch", "m.gguf", "hi"]).exit_code == 0
+    assert (
+        runner.invoke(app, ["bench", "first-token", "--runs", "3", "--backend", "torch", "m.gguf", "hi"]).exit_code == 0
+    )
     assert runner.invoke(app, ["bench", "first-token"]).exit_code == 0
     (_, speed), first, first_default = calls
     assert (speed["model"], speed["runs"], speed["json_out"], speed["backend"]) == ("some-model", 2, True, "auto")
@@ -68,7 +70,8 @@ def test_bench_subcommands_parse_apart_from_the_speed_bench(monkeypatch):
 
 
 def test_bench_model_before_a_subcommand_is_one_line_error(shared_assets):
-    proc = subprocess.run(FERRUM + ["bench", str(shared_assets / "stories260K"), "turns"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        FERRUM + ["bench", str(shared_assets / "stories260K"), "turns"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "turns comes first" in proc.stderr

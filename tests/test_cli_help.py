@@ -44,14 +44,22 @@ def test_top_level_help_and_version():
 
 
 def test_version_through_the_entry_point():
-    proc = subprocess.run([sys.executable, "-c", "from ferrum_mac.cli import main; main()", "--version"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from ferrum_mac.cli import main; main()", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == f"ferrum {version('ferrum-mac')}" and proc.stderr == ""
 
 
 def test_chat_command_prints_the_version():
-    proc = subprocess.run([sys.executable, "-c", "from ferrum_mac.cli import chat_main; chat_main()", "--version"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from ferrum_mac.cli import chat_main; chat_main()", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == f"ferrum {version('ferrum-mac')}"
 
 

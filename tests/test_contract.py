@@ -87,7 +87,16 @@ def test_backends_share_one_bookkeeping(model):
     from ferrum_mac.backends.pooled_llm import PooledLLM
 
     assert isinstance(model, PooledLLM)
-    shared = ("prefill", "decode", "decode_batch", "forward_verify", "unified_forward", "_forward", "release", "truncate_kv")
+    shared = (
+        "prefill",
+        "decode",
+        "decode_batch",
+        "forward_verify",
+        "unified_forward",
+        "_forward",
+        "release",
+        "truncate_kv",
+    )
     assert not [name for name in shared if name in vars(type(model))]
 
 
@@ -397,7 +406,9 @@ def test_decode_accepts_a_lazy_token(model):
         want = model.decode(int_id, tok, pos)
     assert_close(nxt, want)
     # lazy tokens in a batch, as 0-d and 1-element arrays
-    out = model.decode_batch([DecodeItem(lazy_id, device_array(nxt, 3), 10), DecodeItem(int_id, device_array(nxt, [3]), 10)])
+    out = model.decode_batch(
+        [DecodeItem(lazy_id, device_array(nxt, 3), 10), DecodeItem(int_id, device_array(nxt, [3]), 10)]
+    )
     assert_close(out[0], out[1])
     # and host-side ids of numpy's integer types (what np.argmax returns)
     assert_close(model.decode(lazy_id, np.int64(4), 11), model.decode(int_id, 4, 11))

@@ -152,10 +152,15 @@ def test_side_files_that_are_not_objects_are_one_line_errors(tiny_copy, name):
     assert name in message and "not an object" in message
 
 
-@pytest.mark.parametrize("name, content", [
-    ("tokenizer_config.json", b"[1, 2, 3]"), ("tokenizer_config.json", b"\xff\xfe{"), ("config.json", b"[]"),
-    ("chat_template.jinja", b"\xff\xfe{{ x }}"),
-])
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("tokenizer_config.json", b"[1, 2, 3]"),
+        ("tokenizer_config.json", b"\xff\xfe{"),
+        ("config.json", b"[]"),
+        ("chat_template.jinja", b"\xff\xfe{{ x }}"),
+    ],
+)
 def test_tokenizer_side_files_that_are_damaged_are_one_line_errors(name, content, tmp_path):
     from ferrum_mac.text.loader import chat_templates, load_tokenizer
 
@@ -236,9 +241,17 @@ def write_gguf(path: Path) -> Path:
     (shape keys, a byte-level BPE vocabulary with merges, a chat template), F32 tensors."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), "llama")
-    for add, value in ((w.add_block_count, 1), (w.add_context_length, 128), (w.add_embedding_length, 64),
-                       (w.add_feed_forward_length, 128), (w.add_head_count, 4), (w.add_head_count_kv, 2),
-                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0), (w.add_vocab_size, 64)):
+    for add, value in (
+        (w.add_block_count, 1),
+        (w.add_context_length, 128),
+        (w.add_embedding_length, 64),
+        (w.add_feed_forward_length, 128),
+        (w.add_head_count, 4),
+        (w.add_head_count_kv, 2),
+        (w.add_layer_norm_rms_eps, 1e-5),
+        (w.add_rope_freq_base, 10000.0),
+        (w.add_vocab_size, 64),
+    ):
         add(value)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -250,10 +263,19 @@ def write_gguf(path: Path) -> Path:
     w.add_eos_token_id(63)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
     rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (64, 64), "output_norm.weight": (64,), "blk.0.attn_norm.weight": (64,),
-              "blk.0.ffn_norm.weight": (64,), "blk.0.attn_q.weight": (64, 64), "blk.0.attn_k.weight": (32, 64),
-              "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64),
-              "blk.0.ffn_gate.weight": (128, 64), "blk.0.ffn_up.weight": (128, 64), "blk.0.ffn_down.weight": (64, 128)}
+    shapes = {
+        "token_embd.weight": (64, 64),
+        "output_norm.weight": (64,),
+        "blk.0.attn_norm.weight": (64,),
+        "blk.0.ffn_norm.weight": (64,),
+        "blk.0.attn_q.weight": (64, 64),
+        "blk.0.attn_k.weight": (32, 64),
+        "blk.0.attn_v.weight": (32, 64),
+        "blk.0.attn_output.weight": (64, 64),
+        "blk.0.ffn_gate.weight": (128, 64),
+        "blk.0.ffn_up.weight": (128, 64),
+        "blk.0.ffn_down.weight": (64, 128),
+    }
     for name, shape in shapes.items():
         w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
     w.write_header_to_file()
@@ -278,13 +300,16 @@ def test_the_tiny_gguf_is_a_model(tiny_gguf):
     model.release("t")
 
 
-@pytest.mark.parametrize("version, error, message", [
-    (1, UnsupportedModelError, "GGUF version 1; ferrum reads versions 2 and 3"),
-    (4, UnsupportedModelError, "GGUF version 4"),
-    (0x03000000, UnsupportedModelError, "big-endian"),
-    (0, CorruptModelError, "GGUF version 0, which no GGUF file has"),
-    (0xFFFFFFFF, CorruptModelError, "GGUF version 4294967295, which no GGUF file has"),
-])
+@pytest.mark.parametrize(
+    "version, error, message",
+    [
+        (1, UnsupportedModelError, "GGUF version 1; ferrum reads versions 2 and 3"),
+        (4, UnsupportedModelError, "GGUF version 4"),
+        (0x03000000, UnsupportedModelError, "big-endian"),
+        (0, CorruptModelError, "GGUF version 0, which no GGUF file has"),
+        (0xFFFFFFFF, CorruptModelError, "GGUF version 4294967295, which no GGUF file has"),
+    ],
+)
 def test_a_gguf_of_another_version_is_refused(tiny_gguf, tmp_path, version, error, message):
     data = bytearray(tiny_gguf.read_bytes())
     data[4:8] = struct.pack("<I", version)
@@ -314,8 +339,29 @@ def test_a_gguf_with_an_impossible_count_fails_at_once(tiny_gguf, tmp_path, fiel
 # -- fuzzing both header parsers ------------------------------------------------------------------
 
 
-WEIRD = [[], [1], [1, 2, 3], -1, 1.5, "x", None, {}, True, [-1, 4], [10**20, 10**20 + 4], [4, 0], ["a", "b"],
-         2**64, [0, 2**63], "F32", "BF16", "I64", [2, 2], [0], [1, 0]]
+WEIRD = [
+    [],
+    [1],
+    [1, 2, 3],
+    -1,
+    1.5,
+    "x",
+    None,
+    {},
+    True,
+    [-1, 4],
+    [10**20, 10**20 + 4],
+    [4, 0],
+    ["a", "b"],
+    2**64,
+    [0, 2**63],
+    "F32",
+    "BF16",
+    "I64",
+    [2, 2],
+    [0],
+    [1, 0],
+]
 
 
 def mutate_safetensors(data: bytes, rng: random.Random) -> bytes:
@@ -356,9 +402,12 @@ def test_fuzzed_safetensors_headers_load_or_fail_in_one_line(tmp_path):
     folder = tmp_path / "fuzz"
     folder.mkdir()
     rng_np = np.random.default_rng(0)
-    tensors = {"embed.weight": rng_np.standard_normal((8, 4)).astype(np.float32),
-               "norm.weight": np.ones(4, dtype=np.float16), "ids": np.arange(6, dtype=np.int64).reshape(2, 3),
-               "flag": np.array([True, False])}
+    tensors = {
+        "embed.weight": rng_np.standard_normal((8, 4)).astype(np.float32),
+        "norm.weight": np.ones(4, dtype=np.float16),
+        "ids": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "flag": np.array([True, False]),
+    }
     weights = folder / "model.safetensors"
     save_file(tensors, str(weights), metadata={"format": "np"})
     real = weights.read_bytes()
@@ -431,8 +480,9 @@ def test_fuzzed_gguf_headers_load_or_fail_in_one_line(tiny_gguf, tmp_path):
 
 def ferrum(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "ferrum_mac.cli", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "ferrum_mac.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=env
+    )
 
 
 def test_the_cli_prints_one_line_for_a_damaged_model(tiny_copy, tmp_path):

@@ -45,9 +45,16 @@ def test_mlx_matmul_goes_through_openblas_and_matches_numpy():
         before = cpu_blas.routed_calls()
         got = np.array(mlx_matmul(a, b, transpose_a, transpose_b))
         assert cpu_blas.routed_calls() > before, (shape_a, shape_b)
-        np.testing.assert_allclose(got, a @ b, rtol=1e-5, atol=1e-4, err_msg=str((shape_a, shape_b, transpose_a, transpose_b)))
-    batched_a, batched_b = rng.standard_normal((3, 1, 16), dtype=np.float32), rng.standard_normal((3, 16, 9), dtype=np.float32)
-    np.testing.assert_allclose(np.array(mx.array(batched_a) @ mx.array(batched_b)), batched_a @ batched_b, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(
+            got, a @ b, rtol=1e-5, atol=1e-4, err_msg=str((shape_a, shape_b, transpose_a, transpose_b))
+        )
+    batched_a, batched_b = (
+        rng.standard_normal((3, 1, 16), dtype=np.float32),
+        rng.standard_normal((3, 16, 9), dtype=np.float32),
+    )
+    np.testing.assert_allclose(
+        np.array(mx.array(batched_a) @ mx.array(batched_b)), batched_a @ batched_b, rtol=1e-5, atol=1e-4
+    )
 
 
 def mlx_matmul(a, b, transpose_a, transpose_b):

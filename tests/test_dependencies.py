@@ -52,7 +52,9 @@ import json; open({str(out)!r}, "w").write(json.dumps(logits.tolist()))
 
 
 def test_bench_without_mlx_lm_names_the_extra():
-    done = run_without(("mlx_lm",), "from ferrum_mac.cli import main\nsys.argv = ['ferrum', 'bench', '--shape', 'qwen3-0.6b']\nmain()")
+    done = run_without(
+        ("mlx_lm",), "from ferrum_mac.cli import main\nsys.argv = ['ferrum', 'bench', '--shape', 'qwen3-0.6b']\nmain()"
+    )
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'ferrum-mac[bench]'" in lines[0] and "mlx-lm" in lines[0], done.stderr

@@ -94,8 +94,13 @@ def converted(tmp_path_factory) -> dict:
             build_hf_folder(v, hf_folder)
             out = root / name
             convert(
-                str(hf_folder), str(out), quantize=True, q_group_size=v.group_size, q_bits=v.bits,
-                dtype=v.dtype, quant_predicate=v.predicate,
+                str(hf_folder),
+                str(out),
+                quantize=True,
+                q_group_size=v.group_size,
+                q_bits=v.bits,
+                dtype=v.dtype,
+                quant_predicate=v.predicate,
             )
             built[name] = out
         return built[name]

@@ -185,8 +185,17 @@ def test_sliding_window_models_are_capped_at_the_window(zoo, tmp_path, family):
 # permuted for its interleaved rope), each weight in a different ggml type, read back by
 # transformers' own GGUF loader (which dequantizes to fp32 and un-permutes) as the reference.
 # ferrum runs fp32 activations over the very same dequantized values: fp32 tolerance.
-GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "F16",
-              "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "token_embd": "Q8_0", "output": "Q8_0"}
+GGUF_TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "attn_output": "F16",
+    "ffn_gate": "Q8_0",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q4_1",
+    "token_embd": "Q8_0",
+    "output": "Q8_0",
+}
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "qwen3"])

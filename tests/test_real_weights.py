@@ -153,7 +153,9 @@ def test_smollm2_greedy_answer_matches_transformers(smollm2_run, smollm2_referen
     assert "Paris" in str(smollm2_reference["answer_text"])
 
 
-@pytest.mark.skipif(mx.default_device() == mx.cpu, reason="float16 matmuls on MLX's CPU build take minutes for this model")
+@pytest.mark.skipif(
+    mx.default_device() == mx.cpu, reason="float16 matmuls on MLX's CPU build take minutes for this model"
+)
 def test_smollm2_default_dtype_is_close(smollm2_gguf, smollm2_reference):
     """The app opens GGUF files in float16 (MLX's fast path on a Mac or a CUDA GPU)."""
     model = ferrum_mac.open_model(smollm2_gguf)

@@ -15,14 +15,20 @@ from ferrum_mac.settings import SettingError
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ferrum_mac"
-TABLE = re.compile(r"<!-- settings table: python -m ferrum_mac.settings --markdown -->\n(.*?)<!-- end of settings table -->", re.S)
+TABLE = re.compile(
+    r"<!-- settings table: python -m ferrum_mac.settings --markdown -->\n(.*?)<!-- end of settings table -->", re.S
+)
 
 
 def test_readme_table_is_the_generated_one():
     found = TABLE.search((ROOT / "README.md").read_text(encoding="utf-8"))
     assert found, "README.md lost its settings table markers"
     generated = subprocess.run(
-        [sys.executable, "-m", "ferrum_mac.settings", "--markdown"], capture_output=True, text=True, check=True, cwd=ROOT
+        [sys.executable, "-m", "ferrum_mac.settings", "--markdown"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
     ).stdout
     assert found.group(1) == generated, "README's table is stale: paste `python -m ferrum_mac.settings --markdown`"
 
@@ -46,7 +52,9 @@ def test_every_ferrum_variable_named_in_the_code_and_scripts_is_declared():
     named = set()
     for path in [*python_files(), *(ROOT / "scripts").iterdir(), PACKAGE / "backends/mlx/_cpu_blas.c"]:
         if path.is_file():
-            named |= set(re.findall(r"\bFERRUM_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(encoding="utf-8", errors="replace")))
+            named |= set(
+                re.findall(r"\bFERRUM_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(encoding="utf-8", errors="replace"))
+            )
     assert named - set(settings.BY_NAME) == set()
 
 
@@ -61,8 +69,12 @@ def test_values_are_parsed_and_bad_ones_are_one_line_errors_naming_the_variable(
     monkeypatch.setenv("FERRUM_TORCH_MOE_ROUTE", "Gathered")
     assert settings.value("FERRUM_KV_CAPACITY") == 512 and settings.value("FERRUM_TORCH_PDL") is False
     assert settings.value("FERRUM_TORCH_GEMV") == frozenset() and settings.value("FERRUM_TORCH_MOE_ROUTE") == "gathered"
-    for name, bad in (("FERRUM_KV_CAPACITY", "lots"), ("FERRUM_KV_CAPACITY", "0"), ("FERRUM_TORCH_PDL", "maybe"),
-                      ("FERRUM_TORCH_MOE_ROUTE", "sideways")):
+    for name, bad in (
+        ("FERRUM_KV_CAPACITY", "lots"),
+        ("FERRUM_KV_CAPACITY", "0"),
+        ("FERRUM_TORCH_PDL", "maybe"),
+        ("FERRUM_TORCH_MOE_ROUTE", "sideways"),
+    ):
         monkeypatch.setenv(name, bad)
         with pytest.raises(SettingError) as err:
             settings.value(name)

@@ -85,7 +85,11 @@ def recommended_dtype(backend: str = "auto", device: str | None = None) -> str |
 
 
 def open_path(
-    path: Path, backend: str = "auto", dtype: str | None = None, device: str | None = None, kv_capacity: int | None = None
+    path: Path,
+    backend: str = "auto",
+    dtype: str | None = None,
+    device: str | None = None,
+    kv_capacity: int | None = None,
 ) -> DecoderOnlyLLM:
     """Open a checkpoint with `backend` on `device` (cpu, gpu, cuda[:N], metal; None: the
     backend's default: its GPU where it has one), holding at most `kv_capacity` tokens per

@@ -22,14 +22,25 @@ from typing import Any, Sequence
 
 from ferrum_mac.backends.slot_pool import SlotPool
 from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
-from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, LlmRuntimeConfig, Logits, Token, host_tokens, token_count
+from ferrum_mac.llm import (
+    DecodeItem,
+    DecoderOnlyLLM,
+    ForwardItem,
+    LlmRuntimeConfig,
+    Logits,
+    Token,
+    host_tokens,
+    token_count,
+)
 
 
 def model_family(families: dict, model_type: str, backend: str):
     """The backend's model class for a checkpoint's `model_type`, or a clear error."""
     family = families.get(model_type)
     if family is None:
-        raise UnsupportedModelError(f"the {backend} backend has no {model_type!r} model (supported: {', '.join(sorted(families))})")
+        raise UnsupportedModelError(
+            f"the {backend} backend has no {model_type!r} model (supported: {', '.join(sorted(families))})"
+        )
     return family
 
 

@@ -60,22 +60,37 @@ def fit_to_context(prompt_tokens: int, new_tokens: int, capacity: int) -> tuple[
         raise FerrumError(f"the model's context holds {capacity} token(s); a bench needs at least 2")
     new = min(new_tokens, max(1, capacity // 4))
     prompt = min(prompt_tokens, capacity - new)
-    print(f"ferrum bench: the context holds {capacity} tokens; timing a {prompt}-token prompt and {new} new tokens "
-          f"instead of {prompt_tokens} + {new_tokens}", file=sys.stderr)
+    print(
+        f"ferrum bench: the context holds {capacity} tokens; timing a {prompt}-token prompt and {new} new tokens "
+        f"instead of {prompt_tokens} + {new_tokens}",
+        file=sys.stderr,
+    )
     return prompt, new
 
 
-def run_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, backend="mlx", device=None) -> dict:
+def run_bench(
+    *, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, backend="mlx", device=None
+) -> dict:
     from ferrum_mac.backends import check_device, choose
 
     if choose(backend) == "torch":  # beside transformers, with no MLX import on the way
         from ferrum_mac.bench.torch_side import run_torch_bench
 
-        require_peer("transformers", "ferrum bench --backend torch compares against transformers: pip install transformers")
+        require_peer(
+            "transformers", "ferrum bench --backend torch compares against transformers: pip install transformers"
+        )
 
         return run_torch_bench(
-            model=model, shape=shape, quant=quant, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-            runs=runs, peer=peer, json_out=json_out, batch=batch, device=device,
+            model=model,
+            shape=shape,
+            quant=quant,
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
+            runs=runs,
+            peer=peer,
+            json_out=json_out,
+            batch=batch,
+            device=device,
         )
     from ferrum_mac.backends.mlx.memory import device_name, use_device
     from ferrum_mac.bench.measure import batched_decode_tps, ferrum_stream, mlx_lm_stream, time_stream

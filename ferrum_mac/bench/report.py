@@ -19,8 +19,9 @@ class Timing:
         return {k: round(v, 4) for k, v in asdict(self).items()}
 
 
-def timed(tokens: Iterator[int], prompt_len: int, new_tokens: int, settle: Callable[[], None],
-          peak_gb: Callable[[], float]) -> Timing:
+def timed(
+    tokens: Iterator[int], prompt_len: int, new_tokens: int, settle: Callable[[], None], peak_gb: Callable[[], float]
+) -> Timing:
     """Time a stream of generated tokens. Time to first token covers the prompt (prefill) and
     the first sampled token; decode tok/s counts the tokens after the first over the time
     after the first, as mlx-lm reports it. `settle` waits for queued device work and resets

@@ -33,7 +33,9 @@ DEFAULT_BATCHES = (8, 16, 32)
 COPY_MIB = {"cuda": 512, "cpu": 64}  # far past any cache
 
 
-def run_torch_bench(*, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, device=None) -> dict:
+def run_torch_bench(
+    *, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, device=None
+) -> dict:
     from ferrum_mac.backends import check_device
     from ferrum_mac.backends.torch.memory import device_name, resolve_device
 
@@ -106,7 +108,9 @@ def random_pair(shape: str, device: torch.device):
     settings = {k: v for k, v in raw.items() if k != "model_type"}
     torch.manual_seed(0)
     with torch.device(device):
-        reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw["model_type"], **settings), dtype=torch.bfloat16)
+        reference = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(raw["model_type"], **settings), dtype=torch.bfloat16
+        )
     reference.to(device).eval()
     tensors = {canonical_name(k): v for k, v in reference.state_dict().items()}
     checkpoint = Checkpoint(config_from_dict(raw), tensors, Path(f"random-{shape}-bf16"), "safetensors")
@@ -270,13 +274,17 @@ def decode_bytes_per_token(llm, context: int) -> int:
     """Bytes one batch-1 decode step reads: the weights it uses and the KV cache of `context` tokens."""
     c = llm.model_config
     size = torch.tensor([], dtype=llm.dtype).element_size()
-    attention = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    attention = (
+        c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    )
     dense_mlp = 3 * c.hidden_size * c.intermediate_size
     moe = getattr(llm.model, "moe", None)
     per_layer = []
     for layer in range(c.num_layers):
         if moe is not None and moe.is_sparse(layer):
-            per_layer.append(attention + moe.num_experts * c.hidden_size + moe.top_k * 3 * c.hidden_size * moe.intermediate_size)
+            per_layer.append(
+                attention + moe.num_experts * c.hidden_size + moe.top_k * 3 * c.hidden_size * moe.intermediate_size
+            )
         else:
             per_layer.append(attention + dense_mlp)
     weights = sum(per_layer) + c.vocab_size * c.hidden_size + c.hidden_size  # head, one embedding row

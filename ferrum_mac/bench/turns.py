@@ -16,10 +16,18 @@ import sys
 from ferrum_mac.engine import Done, Engine
 
 QUESTIONS = [
-    "What is the capital of France?", "Name a primary colour.", "What is two plus two?",
-    "Which planet is closest to the sun?", "What do bees make?", "How many legs does a spider have?",
-    "What is the opposite of hot?", "What colour is the sky on a clear day?", "What is frozen water called?",
-    "Which animal says moo?", "What is the largest ocean?", "How many days are in a week?",
+    "What is the capital of France?",
+    "Name a primary colour.",
+    "What is two plus two?",
+    "Which planet is closest to the sun?",
+    "What do bees make?",
+    "How many legs does a spider have?",
+    "What is the opposite of hot?",
+    "What colour is the sky on a clear day?",
+    "What is frozen water called?",
+    "Which animal says moo?",
+    "What is the largest ocean?",
+    "How many days are in a week?",
 ]
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
@@ -49,8 +57,16 @@ def measure(engine: Engine, turns: int, answer_tokens: int, runs: int, say=print
         "model": engine.name,
         "turn": turns,
         "history_tokens": best_fresh.prompt_tokens,
-        "reuse": {"ttft_s": best_reused.ttft_s, "prefilled": best_reused.prompt_tokens, "cached": best_reused.cached_tokens},
-        "re_prefill": {"ttft_s": best_fresh.ttft_s, "prefilled": best_fresh.prompt_tokens, "cached": best_fresh.cached_tokens},
+        "reuse": {
+            "ttft_s": best_reused.ttft_s,
+            "prefilled": best_reused.prompt_tokens,
+            "cached": best_reused.cached_tokens,
+        },
+        "re_prefill": {
+            "ttft_s": best_fresh.ttft_s,
+            "prefilled": best_fresh.prompt_tokens,
+            "cached": best_fresh.cached_tokens,
+        },
         "speedup": best_fresh.ttft_s / best_reused.ttft_s,
     }
 

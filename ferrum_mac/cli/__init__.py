@@ -37,8 +37,9 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _group(
-    _version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
-                                  help="Print the version and exit."),
+    _version: bool = typer.Option(
+        False, "--version", "-V", is_eager=True, callback=_print_version, help="Print the version and exit."
+    ),
 ) -> None:
     """Local LLM chat, Apple-Silicon-first."""
 
@@ -97,20 +98,25 @@ def show(
 @app.command(context_settings={"allow_interspersed_args": True})
 def run(
     words: Optional[list[str]] = typer.Argument(
-        None, metavar="[MODEL] PROMPT",
+        None,
+        metavar="[MODEL] PROMPT",
         help="Model (alias, repo id, folder or .gguf; default $FERRUM_MODEL or smollm2:135m) and prompt. "
         "No prompt: stdin when piped, else the REPL.",
     ),
     system: Optional[str] = typer.Option(None, help="System prompt."),
     temperature: Optional[float] = typer.Option(None, help="0 is greedy; default from the model's generation config."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling: keep tokens up to this probability."),
+    top_p: Optional[float] = typer.Option(
+        None, "--top-p", help="Nucleus sampling: keep tokens up to this probability."
+    ),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Keep the k most likely tokens (0: off)."),
     min_p: Optional[float] = typer.Option(None, "--min-p", help="Drop tokens below min_p x the top probability."),
     repeat_penalty: Optional[float] = typer.Option(None, "--repeat-penalty", help="Above 1 discourages repeats."),
     seed: Optional[int] = typer.Option(None, help="Seed for reproducible sampling."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Most tokens in the answer."),
     stop: Optional[list[str]] = typer.Option(None, "--stop", help="Stop at this text (repeatable)."),
-    think: Optional[bool] = typer.Option(None, "--think/--no-think", help="The model's thinking mode, where it has one."),
+    think: Optional[bool] = typer.Option(
+        None, "--think/--no-think", help="The model's thinking mode, where it has one."
+    ),
     hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not print the reasoning (stderr, dimmed)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats line (tok/s) after each answer."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, reasoning, stats."),
@@ -127,40 +133,76 @@ def run(
     from ferrum_mac.cli.run import RunOptions
     from ferrum_mac.cli.run import run as run_chat
 
-    run_chat(words or [], RunOptions(
-        system=system, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        repeat_penalty=repeat_penalty, seed=seed, max_tokens=max_tokens, stop=stop or [], think=think,
-        hide_thinking=hide_thinking, verbose=verbose, json=json_out, backend=backend, device=device, kv_capacity=kv_capacity,
-        context=context, pull=pull, interactive=interactive, remote=remote, api_key=api_key,
-    ))
+    run_chat(
+        words or [],
+        RunOptions(
+            system=system,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop=stop or [],
+            think=think,
+            hide_thinking=hide_thinking,
+            verbose=verbose,
+            json=json_out,
+            backend=backend,
+            device=device,
+            kv_capacity=kv_capacity,
+            context=context,
+            pull=pull,
+            interactive=interactive,
+            remote=remote,
+            api_key=api_key,
+        ),
+    )
 
 
 @app.command()
 def serve(
-    model: Optional[str] = typer.Argument(None, help="Model to serve (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
+    model: Optional[str] = typer.Argument(
+        None, help="Model to serve (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP
+    ),
     host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
     api_key: ServerApiKey = None,
     backend: Backend = "auto",
     device: Device = None,
     kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", min=2, help=KV_CAPACITY_HELP),
-    max_body: int = typer.Option(4 * 1024 * 1024, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."),
+    max_body: int = typer.Option(
+        4 * 1024 * 1024, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."
+    ),
     allow_origin: Optional[list[str]] = typer.Option(
-        None, "--allow-origin", help="A web origin (https://app.example) whose pages may call the server; repeatable. "
-        "Loopback origins always may; others get 403."),
+        None,
+        "--allow-origin",
+        help="A web origin (https://app.example) whose pages may call the server; repeatable. "
+        "Loopback origins always may; others get 403.",
+    ),
 ) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from ferrum_mac.serve.command import serve_command
 
     serve_command(
-        model, host, port, api_key, backend, device,
-        kv_capacity=kv_capacity, max_body=max_body, allow_origins=tuple(allow_origin or ()),
+        model,
+        host,
+        port,
+        api_key,
+        backend,
+        device,
+        kv_capacity=kv_capacity,
+        max_body=max_body,
+        allow_origins=tuple(allow_origin or ()),
     )
 
 
 @app.command()
 def chat(
-    model: Optional[str] = typer.Argument(None, metavar="MODEL", help="Model to open (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP),
+    model: Optional[str] = typer.Argument(
+        None, metavar="MODEL", help="Model to open (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP
+    ),
     backend: Backend = "auto",
     device: Device = None,
     db: Optional[str] = typer.Option(None, "--db", help="Chat history file (default: in the platform's data folder)."),

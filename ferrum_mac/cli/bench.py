@@ -46,8 +46,9 @@ bench_app = typer.Typer(
 @bench_app.callback()
 def speed(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(
-        metavar="MODEL", help="Model folder, .gguf file or name (omit with --shape).")] = None,
+    model: Annotated[
+        Optional[str], typer.Argument(metavar="MODEL", help="Model folder, .gguf file or name (omit with --shape).")
+    ] = None,
     shape: Annotated[Optional[str], typer.Option(help=f"Random weights of a real shape: {', '.join(SHAPES)}.")] = None,
     quant: Annotated[str, typer.Option(help="With --shape: bf16 or 4bit.")] = "bf16",
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length for prefill.")] = 512,
@@ -56,8 +57,9 @@ def speed(
     peer: Annotated[bool, typer.Option(help="Also run mlx-lm on the same weights.")] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     batch: Annotated[int, typer.Option(help="Also time decode_batch over this many sequences (aggregate tok/s).")] = 0,
-    backend: Annotated[str, typer.Option(
-        help="mlx (beside mlx-lm) or torch (beside transformers, with the roofline).")] = "auto",
+    backend: Annotated[
+        str, typer.Option(help="mlx (beside mlx-lm) or torch (beside transformers, with the roofline).")
+    ] = "auto",
     device: Device = None,
 ) -> None:
     """Prefill and decode speed, time to first token and peak memory, beside mlx-lm (or transformers).
@@ -67,20 +69,32 @@ def speed(
         if given:  # `ferrum bench MODEL turns`, `ferrum bench --runs 3 turns`: they would be ignored
             raise typer.BadParameter(
                 f"{ctx.invoked_subcommand} comes first, then its own arguments: "
-                f"`ferrum bench {ctx.invoked_subcommand} --help` lists them", ctx=ctx)
+                f"`ferrum bench {ctx.invoked_subcommand} --help` lists them",
+                ctx=ctx,
+            )
         return
     from ferrum_mac.bench import run_bench
 
     run_bench(
-        model=model, shape=shape, quant=quant, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-        runs=runs, peer=peer, json_out=json_out, batch=batch, backend=backend, device=device,
+        model=model,
+        shape=shape,
+        quant=quant,
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        runs=runs,
+        peer=peer,
+        json_out=json_out,
+        batch=batch,
+        backend=backend,
+        device=device,
     )
 
 
 @bench_app.command()
 def turns(
-    model: Annotated[Optional[str], typer.Argument(
-        metavar="MODEL", help="Model to open (default $FERRUM_MODEL or smollm2:135m).")] = None,
+    model: Annotated[
+        Optional[str], typer.Argument(metavar="MODEL", help="Model to open (default $FERRUM_MODEL or smollm2:135m).")
+    ] = None,
     turns: Annotated[int, typer.Option(help="The turn timed: the conversation holds the turns before it.")] = 20,
     answer_tokens: Annotated[int, typer.Option("--answer-tokens", help="Most tokens in each earlier answer.")] = 24,
     runs: Annotated[int, typer.Option(help="Timed runs per side; the best is reported.")] = 3,
@@ -98,8 +112,12 @@ def turns(
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 def first_token(
-    run_args: Annotated[Optional[list[str]], typer.Argument(
-        metavar="RUN_ARGS", help="Arguments of `ferrum run` (default: hi); put -- before them to pass -h.")] = None,
+    run_args: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            metavar="RUN_ARGS", help="Arguments of `ferrum run` (default: hi); put -- before them to pass -h."
+        ),
+    ] = None,
     runs: Annotated[int, typer.Option(help="Timed starts; the best and the median are reported.")] = 5,
 ) -> None:
     """Time from process start to the first byte of `ferrum run`'s answer, the model already on disk."""

@@ -14,15 +14,25 @@ API_KEY_ENV = "FERRUM_API_KEY"
 NAME_HELP = "Alias (qwen3:0.6b), Hugging Face repo id (org/name[@revision][:QUANT]), folder or .gguf file."
 
 Backend = Annotated[str, typer.Option("--backend", help="auto, mlx or torch.")]
-Device = Annotated[Optional[str], typer.Option(
-    "--device", help="cpu or gpu (cuda, cuda:N, metal); default: the backend's GPU where it has one.")]
-Remote = Annotated[Optional[str], typer.Option(
-    "--remote", help="Chat with an OpenAI-compatible server at this URL instead.")]
-ApiKey = Annotated[Optional[str], typer.Option(
-    "--api-key", envvar=API_KEY_ENV, help="With --remote: the server's API key.")]
+Device = Annotated[
+    Optional[str],
+    typer.Option("--device", help="cpu or gpu (cuda, cuda:N, metal); default: the backend's GPU where it has one."),
+]
+Remote = Annotated[
+    Optional[str], typer.Option("--remote", help="Chat with an OpenAI-compatible server at this URL instead.")
+]
+ApiKey = Annotated[
+    Optional[str], typer.Option("--api-key", envvar=API_KEY_ENV, help="With --remote: the server's API key.")
+]
 # `serve` takes the same key from the same variable, and requires it of every request
-ServerApiKey = Annotated[Optional[str], typer.Option(
-    "--api-key", envvar=API_KEY_ENV, help="Require 'Authorization: Bearer KEY'.")]
+ServerApiKey = Annotated[
+    Optional[str], typer.Option("--api-key", envvar=API_KEY_ENV, help="Require 'Authorization: Bearer KEY'.")
+]
 # pull, list, rm and show: which backend's repository an alias names (not where a model runs)
-AliasBackend = Annotated[str, typer.Option(
-    "--backend", help="Which backend's repository an alias maps to: mlx (4-bit conversions) or torch (bf16 originals).")]
+AliasBackend = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        help="Which backend's repository an alias maps to: mlx (4-bit conversions) or torch (bf16 originals).",
+    ),
+]

@@ -14,7 +14,11 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 class EventPrinter:
     def __init__(
-        self, out: TextIO | None = None, err: TextIO | None = None, *, show_reasoning: bool = True,
+        self,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        *,
+        show_reasoning: bool = True,
         verbose: bool = False,
     ):
         self.out = out or sys.stdout

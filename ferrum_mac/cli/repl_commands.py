@@ -106,7 +106,9 @@ class Commands:
             self._change(max_tokens=None if tokens <= 0 else tokens)
         else:
             field, kind = SAMPLING_PARAMETERS[name]
-            self._change(sampling=dataclasses.replace(self.conv.settings.sampling, **{field: _parse(name, value, kind)}))
+            self._change(
+                sampling=dataclasses.replace(self.conv.settings.sampling, **{field: _parse(name, value, kind)})
+            )
         say(f"Set parameter '{name}' to '{value}'.")
 
     def _change(self, **changes) -> None:
@@ -118,17 +120,25 @@ class Commands:
         what = rest.strip().lower()
         engine, settings = self.session.engine, self.conv.settings
         if what == "info" and not hasattr(engine, "model"):  # a RemoteEngine: only what the server says
-            say(f"  model        {engine.name}\n  server       {engine.path}\n"
-                f"  context      {engine.kv_capacity() or 'unknown'} tokens")
+            say(
+                f"  model        {engine.name}\n  server       {engine.path}\n"
+                f"  context      {engine.kv_capacity() or 'unknown'} tokens"
+            )
         elif what == "info":
             c = engine.model.config
-            say(f"  model        {engine.name}\n  path         {engine.path}\n  architecture {c.model_type}\n"
+            say(
+                f"  model        {engine.name}\n  path         {engine.path}\n  architecture {c.model_type}\n"
                 f"  dtype        {c.dtype}\n  context      {engine.model.kv_capacity()} tokens\n"
-                f"  template     {engine.template.name}")
+                f"  template     {engine.template.name}"
+            )
         elif what == "template":
             say(engine.template.source)
         elif what == "system":
-            say(settings.system if settings.system is not None else "(no system message set; the template's default applies)")
+            say(
+                settings.system
+                if settings.system is not None
+                else "(no system message set; the template's default applies)"
+            )
         elif what == "parameters":
             say(parameters_text(settings))
         else:
@@ -143,7 +153,11 @@ class Commands:
     def _cmd_save(self, rest: str) -> None:
         path = saved_path(rest)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"model": self.session.engine.name, "settings": settings_to_dict(self.conv.settings), "messages": self.conv.messages}
+        data = {
+            "model": self.session.engine.name,
+            "settings": settings_to_dict(self.conv.settings),
+            "messages": self.conv.messages,
+        }
         path.write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
         say(f"Saved the conversation as '{rest.strip()}'.")
 
@@ -186,10 +200,15 @@ def _example(name: str) -> str:
 
 def parameters_text(settings: ChatSettings) -> str:
     s = settings.sampling
-    rows = [(name, getattr(s, field)) for name, (field, _) in SAMPLING_PARAMETERS.items() if name != "repetition_penalty"]
-    rows += [("num_predict", settings.max_tokens or "unlimited"), ("stop", " ".join(settings.stop) or "(none)"),
-             ("think", {None: "template default", True: "on", False: "off"}[settings.think]),
-             ("context", settings.context_policy)]
+    rows = [
+        (name, getattr(s, field)) for name, (field, _) in SAMPLING_PARAMETERS.items() if name != "repetition_penalty"
+    ]
+    rows += [
+        ("num_predict", settings.max_tokens or "unlimited"),
+        ("stop", " ".join(settings.stop) or "(none)"),
+        ("think", {None: "template default", True: "on", False: "off"}[settings.think]),
+        ("context", settings.context_policy),
+    ]
     return "\n".join(f"  {name:<18}{value}" for name, value in rows)
 
 

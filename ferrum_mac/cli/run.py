@@ -44,8 +44,12 @@ class RunOptions:
 
     def sampling_changes(self) -> dict:
         return dict(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repeat_penalty, seed=self.seed,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repeat_penalty,
+            seed=self.seed,
         )
 
 
@@ -71,7 +75,9 @@ def run(words: list[str], options: RunOptions) -> None:
 
         Repl(engine, engine.conversation(settings), printer).run()
     elif options.json:
-        print(json.dumps(answer_as_json(engine, engine.conversation(settings, prepare=False), prompt), ensure_ascii=False))
+        print(
+            json.dumps(answer_as_json(engine, engine.conversation(settings, prepare=False), prompt), ensure_ascii=False)
+        )
     else:
         # One answer: no warm-up, which would only move the kernels' first-use cost earlier.
         for event in engine.conversation(settings, prepare=False).send(prompt):
@@ -86,7 +92,9 @@ def open_engine(model: str | None, options: RunOptions) -> ChatEngine:
         return RemoteEngine(options.remote, api_key=options.api_key, model=model)
     from ferrum_mac.compose import open_engine as open_local
 
-    return open_local(model, backend=options.backend, device=options.device, pull=options.pull, kv_capacity=options.kv_capacity)
+    return open_local(
+        model, backend=options.backend, device=options.device, pull=options.pull, kv_capacity=options.kv_capacity
+    )
 
 
 def split_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:

@@ -29,12 +29,17 @@ def list_command(available: bool, backend: str) -> None:
     if not complete:
         print("no models yet; `ferrum pull qwen3:0.6b` fetches one (`ferrum list --available` shows more)")
     else:
-        _table(["NAME", "SIZE", "QUANT", "FORMAT", "MODIFIED"],
-               [(m.name, _size_with_copies(m), m.quant, m.format, human_age(m.modified)) for m in complete])
+        _table(
+            ["NAME", "SIZE", "QUANT", "FORMAT", "MODIFIED"],
+            [(m.name, _size_with_copies(m), m.quant, m.format, human_age(m.modified)) for m in complete],
+        )
     for m in models:
         if not m.complete:
-            print(f"unfinished: {m.name} ({human_bytes(m.size)}); `ferrum pull {m.name}` finishes it, "
-                  f"`ferrum rm {m.name}` deletes it", file=sys.stderr)
+            print(
+                f"unfinished: {m.name} ({human_bytes(m.size)}); `ferrum pull {m.name}` finishes it, "
+                f"`ferrum rm {m.name}` deletes it",
+                file=sys.stderr,
+            )
 
 
 def _size_with_copies(model) -> str:

@@ -21,19 +21,60 @@ The engine never imports MLX or torch: it asks the model for a sampler (`model.s
 from ferrum_mac.engine.answer_text import AnswerText
 from ferrum_mac.engine.context import ContextLimitError
 from ferrum_mac.engine.conversation import CONTEXT_POLICIES, ERROR, TRUNCATE_OLDEST, ChatSettings, Conversation
-from ferrum_mac.engine.defaults import DEFAULT_MODEL, FALLBACK_SAMPLING, MODEL_ENV, default_model_name, sampling_defaults
+from ferrum_mac.engine.defaults import (
+    DEFAULT_MODEL,
+    FALLBACK_SAMPLING,
+    MODEL_ENV,
+    default_model_name,
+    sampling_defaults,
+)
 from ferrum_mac.engine.engine import Engine
 from ferrum_mac.engine.events import (
-    CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, Event, Notice, ReasoningDelta, TextDelta,
+    CANCELLED,
+    CONTEXT,
+    EOS,
+    MAX_TOKENS,
+    STOP_STRING,
+    Done,
+    Event,
+    Notice,
+    ReasoningDelta,
+    TextDelta,
 )
 from ferrum_mac.engine.sampling import SEED_LIMIT, Sampler, SamplingError, SamplingParams
 from ferrum_mac.engine.surface import ChatEngine, LocalEngine
 from ferrum_mac.engine.turn import Timing, done_event
 
 __all__ = [
-    "CANCELLED", "CONTEXT", "CONTEXT_POLICIES", "DEFAULT_MODEL", "EOS", "ERROR", "FALLBACK_SAMPLING", "MAX_TOKENS",
-    "MODEL_ENV", "SEED_LIMIT", "STOP_STRING", "TRUNCATE_OLDEST", "AnswerText", "ChatEngine", "ChatSettings",
-    "ContextLimitError", "Conversation", "Done", "Engine", "Event", "LocalEngine", "Notice", "ReasoningDelta",
-    "Sampler", "SamplingError", "SamplingParams", "TextDelta", "Timing", "default_model_name", "done_event",
+    "CANCELLED",
+    "CONTEXT",
+    "CONTEXT_POLICIES",
+    "DEFAULT_MODEL",
+    "EOS",
+    "ERROR",
+    "FALLBACK_SAMPLING",
+    "MAX_TOKENS",
+    "MODEL_ENV",
+    "SEED_LIMIT",
+    "STOP_STRING",
+    "TRUNCATE_OLDEST",
+    "AnswerText",
+    "ChatEngine",
+    "ChatSettings",
+    "ContextLimitError",
+    "Conversation",
+    "Done",
+    "Engine",
+    "Event",
+    "LocalEngine",
+    "Notice",
+    "ReasoningDelta",
+    "Sampler",
+    "SamplingError",
+    "SamplingParams",
+    "TextDelta",
+    "Timing",
+    "default_model_name",
+    "done_event",
     "sampling_defaults",
 ]

@@ -50,7 +50,7 @@ class AnswerText:
         return self.splitter.feed(text) + (self.splitter.finish() if last else [])
 
     def _events(self, deltas) -> list[TextDelta | ReasoningDelta]:
-        events = []
+        events: list[TextDelta | ReasoningDelta] = []
         for d in deltas:
             if d.kind == REASONING:
                 self.reasoning += d.text

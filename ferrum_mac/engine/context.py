@@ -33,7 +33,10 @@ def answer_room(capacity: int, max_tokens: int | None) -> int:
 
 
 def fit(
-    messages: list[dict], prompt_ids: Callable[[list[dict]], list[int]], policy: str, capacity: int,
+    messages: list[dict],
+    prompt_ids: Callable[[list[dict]], list[int]],
+    policy: str,
+    capacity: int,
     max_tokens: int | None,
 ) -> tuple[list[int], list[dict]]:
     """The prompt ids for `messages` and the messages they render (fewer when old turns were dropped).
@@ -51,12 +54,14 @@ def fit(
     if len(ids) + 1 > capacity:
         what = "the newest message alone" if policy == TRUNCATE_OLDEST else "this turn"
         advice = (
-            "shorten the message or the system prompt" if policy == TRUNCATE_OLDEST
+            "shorten the message or the system prompt"
+            if policy == TRUNCATE_OLDEST
             else "clear the conversation, shorten the message or use the truncate-oldest context policy"
         )
         raise ContextLimitError(
             f"{what} needs {len(ids)} prompt tokens plus room to answer, but the context holds {capacity}; {advice}",
-            needed=len(ids) + 1, capacity=capacity,
+            needed=len(ids) + 1,
+            capacity=capacity,
         )
     return ids, messages
 

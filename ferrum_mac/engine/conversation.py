@@ -31,7 +31,9 @@ class ChatSettings:
 
     def checked(self) -> "ChatSettings":
         if self.context_policy not in CONTEXT_POLICIES:
-            raise FerrumError(f"unknown context policy {self.context_policy!r}; choose one of: {', '.join(CONTEXT_POLICIES)}")
+            raise FerrumError(
+                f"unknown context policy {self.context_policy!r}; choose one of: {', '.join(CONTEXT_POLICIES)}"
+            )
         if self.max_tokens is not None and self.max_tokens < 1:
             raise FerrumError(f"max_tokens {self.max_tokens} must be at least 1")
         self.sampling.checked()

@@ -17,7 +17,7 @@ One answer in time (`sample` and `decode` only queue work; `read` waits for a to
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Generator
 
 from ferrum_mac.engine.sampling import Sampler
 from ferrum_mac.llm import DecoderOnlyLLM
@@ -25,7 +25,7 @@ from ferrum_mac.llm import DecoderOnlyLLM
 
 def sampled_tokens(
     model: DecoderOnlyLLM, sampler: Sampler, cache_id: str, logits: Any, limit: int | None
-) -> Iterator[int]:
+) -> Generator[int, None, None]:
     """Token ids of one answer, starting from the prompt's `logits`, in the module's timeline;
     at most `limit` of them (None: no limit), and no more than the KV capacity leaves room for.
 

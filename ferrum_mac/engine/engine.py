@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ferrum_mac.engine.conversation import ChatSettings, Conversation
 from ferrum_mac.engine.defaults import DEFAULT_MAX_TOKENS
@@ -69,7 +69,9 @@ class Engine:
         the composition root is imported only when called, so the engine depends on no backend."""
         from ferrum_mac.compose import open_engine
 
-        return open_engine(name, backend=backend, device=device, dtype=dtype, pull=pull, template=template, kv_capacity=kv_capacity)
+        return open_engine(
+            name, backend=backend, device=device, dtype=dtype, pull=pull, template=template, kv_capacity=kv_capacity
+        )
 
     # -- conversations ------------------------------------------------------------------
 
@@ -130,6 +132,6 @@ class Engine:
     def render(self, settings: ChatSettings, messages: list[dict]) -> tuple[str, list[int]]:
         """The prompt text for `messages` under `settings` (system prompt, thinking) and its ids."""
         system = [{"role": "system", "content": settings.system}] if settings.system is not None else []
-        thinking = {} if settings.think is None else {"enable_thinking": settings.think}
+        thinking: dict[str, Any] = {} if settings.think is None else {"enable_thinking": settings.think}
         text = self.template.render(system + messages, add_generation_prompt=True, **thinking)
         return text, self.tokenizer.encode(text, add_special_tokens=False)

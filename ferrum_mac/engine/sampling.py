@@ -105,7 +105,7 @@ def _require_integer(name: str, value) -> None:
 def _check_seed(seed) -> None:
     if seed is None:
         return
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_LIMIT:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < SEED_LIMIT:
         raise SamplingError(f"seed {seed!r} must be a whole number from 0 to 2**64 - 1")
 
 

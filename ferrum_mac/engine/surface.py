@@ -22,9 +22,21 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class ChatEngine(Protocol):
-    name: str  # the model's name as the user gave it (or as the server lists it)
-    path: Path | str | None  # where the model comes from: its folder or file, or the server's URL
-    default_sampling: SamplingParams  # the model's own sampling defaults, where it has them
+    # Read-only properties, so an engine may hold a narrower type (a local engine's path is a Path).
+    @property
+    def name(self) -> str:
+        """The model's name as the user gave it (or as the server lists it)."""
+        ...
+
+    @property
+    def path(self) -> Path | str | None:
+        """Where the model comes from: its folder or file, or the server's URL."""
+        ...
+
+    @property
+    def default_sampling(self) -> SamplingParams:
+        """The model's own sampling defaults, where it has them."""
+        ...
 
     def settings(self, **changes) -> ChatSettings:
         """Chat settings with this engine's defaults, changed as given."""
@@ -57,7 +69,16 @@ class ChatEngine(Protocol):
 
 @runtime_checkable
 class LocalEngine(ChatEngine, Protocol):
-    model: DecoderOnlyLLM
-    tokenizer: Tokenizer
-    template: ChatTemplate
-    eos_ids: frozenset[int]  # the tokenizer's and the model config's, together
+    @property
+    def model(self) -> DecoderOnlyLLM: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def template(self) -> ChatTemplate: ...
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The tokenizer's and the model config's, together."""
+        ...

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -40,7 +40,11 @@ CHARS_PER_TOKEN_CHECKED = 8
 
 
 def build_app(
-    scheduler: Scheduler, model_name: str, api_key: str | None = None, *, max_body: int = MAX_BODY,
+    scheduler: Scheduler,
+    model_name: str,
+    api_key: str | None = None,
+    *,
+    max_body: int = MAX_BODY,
     allow_origins: tuple[str, ...] = (),
 ) -> Starlette:
     """The ASGI app; `allow_origins`: web origins besides loopback ones that may call it."""
@@ -58,14 +62,14 @@ def build_app(
             Route("/metrics", server.metrics, methods=["GET"]),
         ],
         middleware=middleware,
-        exception_handlers={HTTPException: http_error, api.ApiError: api_error, Exception: internal_error},
+        exception_handlers=ERROR_HANDLERS,
     )
 
 
 class Server:
     def __init__(self, scheduler: Scheduler, model_name: str, max_body: int = MAX_BODY):
         self.scheduler = scheduler
-        self.engine = scheduler.engine
+        self.engine = scheduler.engine  # started: it raises otherwise
         self.model_name = model_name
         self.max_body = max_body
         template = self.engine.template
@@ -93,14 +97,24 @@ class Server:
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
         if model_id != self.model_name:
-            raise api.ApiError(404, f"the model '{model_id[:200]}' does not exist; this server has '{self.model_name}'",
-                               param="model", code="model_not_found")
+            raise api.ApiError(
+                404,
+                f"the model '{model_id[:200]}' does not exist; this server has '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
         return JSONResponse(self._model_entry())
 
     async def health(self, request: Request) -> Response:
         if not self.scheduler.alive:
-            return JSONResponse({"status": "error", "model": self.model_name,
-                                 "error": self.scheduler.death or "the scheduler is not running"}, status_code=503)
+            return JSONResponse(
+                {
+                    "status": "error",
+                    "model": self.model_name,
+                    "error": self.scheduler.death or "the scheduler is not running",
+                },
+                status_code=503,
+            )
         return JSONResponse({"status": "ok", "model": self.model_name})
 
     async def metrics(self, request: Request) -> Response:
@@ -110,8 +124,13 @@ class Server:
     # -- one answer ------------------------------------------------------------------------
 
     def _model_entry(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "ferrum",
-                "max_model_len": self.scheduler.capacity}
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ferrum",
+            "max_model_len": self.scheduler.capacity,
+        }
 
     async def _json_body(self, request: Request) -> dict:
         raw = await read_json_body(request, self.max_body)
@@ -127,8 +146,11 @@ class Server:
         except FerrumError as e:
             raise api.ApiError(400, str(e), param="messages") from None
         except Exception as e:  # templates index and compare what clients send: a dict where a string goes...
-            raise api.ApiError(400, f"the chat template cannot render these messages ({type(e).__name__}: "
-                               f"{str(e)[:200]})", param="messages") from None
+            raise api.ApiError(
+                400,
+                f"the chat template cannot render these messages ({type(e).__name__}: {str(e)[:200]})",
+                param="messages",
+            ) from None
         return text, self._encode(text, False, "messages")
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
@@ -138,22 +160,35 @@ class Server:
         if len(head) < len(text):
             n = len(self.engine.tokenizer.encode(head, add_special_tokens=add_special_tokens))
             if n > capacity:
-                raise api.ApiError(400, f"the prompt has over {n} tokens but the context holds {capacity} "
-                                   "(prompt and answer); shorten it", param=param, code="context_length_exceeded")
+                raise api.ApiError(
+                    400,
+                    f"the prompt has over {n} tokens but the context holds {capacity} (prompt and answer); shorten it",
+                    param=param,
+                    code="context_length_exceeded",
+                )
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def _answer(self, http: Request, ids: list[int], opts: api.Options, opens_reasoning: bool, chat: bool) -> Response:
+    async def _answer(
+        self, http: Request, ids: list[int], opts: api.Options, opens_reasoning: bool, chat: bool
+    ) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         request = GenerationRequest(
-            ids, sampling=opts.sampling, max_tokens=opts.max_tokens, stop=opts.stop, opens_reasoning=opens_reasoning,
-            raw=not chat, ignore_eos=opts.ignore_eos,
-            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            ids,
+            sampling=opts.sampling,
+            max_tokens=opts.max_tokens,
+            stop=opts.stop,
+            opens_reasoning=opens_reasoning,
+            raw=not chat,
+            ignore_eos=opts.ignore_eos,
+            emit=lambda event: _put_threadsafe(loop, events, event),
         )
         try:
             handle = self.scheduler.submit(request)
         except KvCapacityError as e:
-            raise api.ApiError(400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded") from None
+            raise api.ApiError(
+                400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded"
+            ) from None
         except FerrumError as e:  # the request's (token ids, settings), or a scheduler that stopped
             if not self.scheduler.alive:
                 raise api.ApiError(503, str(e), kind="server_error", code="unavailable") from None
@@ -168,6 +203,11 @@ class Server:
             return JSONResponse(answer) if answer is not None else Response(status_code=499)
         finally:
             handle.cancel()  # no-op once done; frees the sequence when the client went away
+
+
+def _put_threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, event) -> None:
+    """Hand `event` from the scheduler's thread to the request's queue on the event loop."""
+    loop.call_soon_threadsafe(events.put_nowait, event)
 
 
 DISCONNECT_POLL_S = 0.1
@@ -220,7 +260,9 @@ async def stream_chunks(
     envelope = {**envelope, "object": kind}
 
     def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta.get("content", ""), "logprobs": None}
+        choice = (
+            {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta.get("content", ""), "logprobs": None}
+        )
         choice["finish_reason"] = finish
         return sse({**envelope, "choices": [choice], **extra})
 
@@ -255,16 +297,18 @@ async def read_json_body(request: Request, limit: int) -> bytes:
     Content-Length before reading anything, else counted as it arrives), 408 when it is slow."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
-        raise api.ApiError(415, "send the body as JSON with 'Content-Type: application/json'",
-                           code="unsupported_media_type")
+        raise api.ApiError(
+            415, "send the body as JSON with 'Content-Type: application/json'", code="unsupported_media_type"
+        )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise body_too_large(limit)
     try:
         return await asyncio.wait_for(read_at_most(request, limit), BODY_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise api.ApiError(408, f"the request body took over {BODY_TIMEOUT_S} s to arrive",
-                           code="request_timeout") from None
+        raise api.ApiError(
+            408, f"the request body took over {BODY_TIMEOUT_S} s to arrive", code="request_timeout"
+        ) from None
 
 
 async def read_at_most(request: Request, limit: int) -> bytes:
@@ -281,8 +325,11 @@ async def read_at_most(request: Request, limit: int) -> bytes:
 
 
 def body_too_large(limit: int) -> api.ApiError:
-    return api.ApiError(413, f"the request body is over {limit} bytes; send a shorter one or start the server "
-                        "with a larger --max-body", code="request_too_large")
+    return api.ApiError(
+        413,
+        f"the request body is over {limit} bytes; send a shorter one or start the server with a larger --max-body",
+        code="request_too_large",
+    )
 
 
 # -- errors and the API key --------------------------------------------------------------------
@@ -294,15 +341,23 @@ async def api_error(request: Request, exc: api.ApiError) -> Response:
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return JSONResponse(api.ApiError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code,
-                        headers=exc.headers)
+    return JSONResponse(
+        api.ApiError(exc.status_code, str(exc.detail), code=code).body(),
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
     """A bug: the usual error body rather than a bare text 500 (the traceback goes to the log)."""
-    error = api.ApiError(500, f"internal error ({type(exc).__name__}); see the server's log", kind="server_error",
-                         code="internal_error")
+    error = api.ApiError(
+        500, f"internal error ({type(exc).__name__}); see the server's log", kind="server_error", code="internal_error"
+    )
     return JSONResponse(error.body(), status_code=500)
+
+
+# Any: starlette types each handler as taking any Exception; each of these takes its own kind.
+ERROR_HANDLERS: dict[Any, Any] = {HTTPException: http_error, api.ApiError: api_error, Exception: internal_error}
 
 
 class ApiKeyCheck:
@@ -316,8 +371,9 @@ class ApiKeyCheck:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
-                error = api.ApiError(401, "incorrect or missing API key; send 'Authorization: Bearer <key>'",
-                                     code="invalid_api_key")
+                error = api.ApiError(
+                    401, "incorrect or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
                 return await JSONResponse(error.body(), status_code=401)(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -344,15 +400,22 @@ class OriginCheck:
         if not origin:
             return await self.app(scope, receive, send)
         if not self.accepts(origin):
-            error = api.ApiError(403, f"requests from the web page at {origin[:200]} are refused; start the server "
-                                 f"with --allow-origin {origin[:200]} to allow them", code="origin_not_allowed")
+            error = api.ApiError(
+                403,
+                f"requests from the web page at {origin[:200]} are refused; start the server "
+                f"with --allow-origin {origin[:200]} to allow them",
+                code="origin_not_allowed",
+            )
             return await JSONResponse(error.body(), status_code=403)(scope, receive, send)
         cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
         if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:
             asked = headers.get(b"access-control-request-headers", b"").decode("latin-1")
-            preflight = {**cors, "Access-Control-Allow-Methods": CORS_METHODS,
-                         "Access-Control-Allow-Headers": asked or "Authorization, Content-Type",
-                         "Access-Control-Max-Age": CORS_MAX_AGE}
+            preflight = {
+                **cors,
+                "Access-Control-Allow-Methods": CORS_METHODS,
+                "Access-Control-Allow-Headers": asked or "Authorization, Content-Type",
+                "Access-Control-Max-Age": CORS_MAX_AGE,
+            }
             return await Response(status_code=204, headers=preflight)(scope, receive, send)
 
         extra = [(name.lower().encode(), value.encode("latin-1")) for name, value in cors.items()]
@@ -375,5 +438,5 @@ def is_loopback_origin(origin: str) -> bool:
     if scheme not in ("http", "https") or not sep:
         return False
     host = rest.rsplit(":", 1)[0] if not rest.endswith("]") else rest
-    port = rest[len(host) + 1:]
+    port = rest[len(host) + 1 :]
     return host in LOOPBACK_HOSTS and (port == "" or port.isdigit())

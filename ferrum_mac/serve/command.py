@@ -13,8 +13,17 @@ LOOPBACK = "127.0.0.1"
 
 
 def serve_command(
-    model: str | None, host: str, port: int, api_key: str | None, backend: str = "auto", device: str | None = None,
-    *, kv_capacity: int | None = None, max_body: int = MAX_BODY, allow_origins: tuple[str, ...] = (), max_connections: int = MAX_CONNECTIONS,
+    model: str | None,
+    host: str,
+    port: int,
+    api_key: str | None,
+    backend: str = "auto",
+    device: str | None = None,
+    *,
+    kv_capacity: int | None = None,
+    max_body: int = MAX_BODY,
+    allow_origins: tuple[str, ...] = (),
+    max_connections: int = MAX_CONNECTIONS,
 ) -> None:
     import uvicorn
 
@@ -23,18 +32,24 @@ def serve_command(
     from ferrum_mac.serve.scheduler import Scheduler
 
     if not is_loopback(host) and not api_key:
-        print(f"ferrum: serving on {host} without --api-key: anyone who can reach this port can use the model",
-              file=sys.stderr)
+        print(
+            f"ferrum: serving on {host} without --api-key: anyone who can reach this port can use the model",
+            file=sys.stderr,
+        )
     sock = bind_socket(host, port)  # first: a taken port fails before the model loads
     try:
-        scheduler = Scheduler(lambda: open_engine(model, backend=backend, device=device, kv_capacity=kv_capacity)).start()
+        scheduler = Scheduler(
+            lambda: open_engine(model, backend=backend, device=device, kv_capacity=kv_capacity)
+        ).start()
         try:
             name = scheduler.engine.name
             app = build_app(scheduler, name, api_key, max_body=max_body, allow_origins=allow_origins)
             server = uvicorn.Server(uvicorn_config(app, host=host, port=port, max_connections=max_connections))
             sock.listen(max_connections)
-            print(f"ferrum: serving {name} on http://{url_host(host)}:{port}/v1 (context {scheduler.capacity} tokens)",
-                  file=sys.stderr)
+            print(
+                f"ferrum: serving {name} on http://{url_host(host)}:{port}/v1 (context {scheduler.capacity} tokens)",
+                file=sys.stderr,
+            )
             server.run(sockets=[sock])
         finally:
             scheduler.stop()

@@ -66,13 +66,25 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def uvicorn_config(app, *, header_timeout: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
-                   host: str = "127.0.0.1", port: int = 0):
+def uvicorn_config(
+    app,
+    *,
+    header_timeout: float = HEADER_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
+    host: str = "127.0.0.1",
+    port: int = 0,
+):
     import uvicorn
 
     protocol = functools.partial(HeaderTimeoutProtocol, header_timeout=header_timeout)
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", http=protocol,
-                          limit_concurrency=max_connections)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        http=protocol,  # type: ignore[arg-type]  # uvicorn calls it as it would the class
+        limit_concurrency=max_connections,
+    )
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -80,8 +92,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     if not 0 < port < 65536:
         raise FerrumError(f"port {port} is not a port; choose one from 1 to 65535")
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as e:
         raise FerrumError(f"cannot listen on {host}: {e.strerror}; pass --host an address of this machine") from None
     sock = socket.socket(family, kind, proto)

@@ -18,8 +18,15 @@ def prometheus_text(stats: SchedulerStats, up: bool = True) -> str:
         *metric("ferrum_generation_tokens_total", "counter", "Tokens generated.", stats.generated_tokens),
         *metric("ferrum_active_sequences", "gauge", "Sequences being prefilled or decoded.", stats.active),
         *metric("ferrum_waiting_requests", "gauge", "Requests queued for admission.", stats.waiting),
-        *metric("ferrum_kv_tokens_in_use", "gauge", "Tokens held in the KV caches of active sequences.", stats.kv_tokens),
-        *metric("ferrum_kv_tokens_allocated", "gauge", "Token positions the KV buffers hold, used or not.", stats.kv_tokens_allocated),
+        *metric(
+            "ferrum_kv_tokens_in_use", "gauge", "Tokens held in the KV caches of active sequences.", stats.kv_tokens
+        ),
+        *metric(
+            "ferrum_kv_tokens_allocated",
+            "gauge",
+            "Token positions the KV buffers hold, used or not.",
+            stats.kv_tokens_allocated,
+        ),
         *metric("ferrum_kv_tokens_used", "gauge", "Tokens cached in the KV buffers.", stats.kv_tokens_used),
         *metric("ferrum_scheduler_steps_total", "counter", "Forward steps run.", stats.steps),
     ]

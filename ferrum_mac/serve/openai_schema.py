@@ -24,18 +24,34 @@ MAX_STOPS = 4
 MAX_DEPTH = 32  # JSON nesting a request may have; real requests nest under ten deep
 LOGIT_BIAS_RANGE = 100  # OpenAI's: biases from -100 (ban) to 100 (force)
 # The variables ChatTemplate.render passes itself; chat_template_kwargs may not replace them.
-TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception",
-                                "strftime_now"})
+TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "raise_exception", "strftime_now"}
+)
 # field -> the value ferrum can honour (None: absent only)
 UNSUPPORTED = {
-    "tools": None, "functions": None, "function_call": None, "tool_choice": "none", "logprobs": False,
-    "top_logprobs": None, "audio": None, "prediction": None, "best_of": 1, "echo": False, "suffix": None,
+    "tools": None,
+    "functions": None,
+    "function_call": None,
+    "tool_choice": "none",
+    "logprobs": False,
+    "top_logprobs": None,
+    "audio": None,
+    "prediction": None,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
 }
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -76,8 +92,12 @@ def check_body(body) -> dict:
         raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ApiError(400, "only response_format {'type': 'text'} is supported", param="response_format",
-                       code="unsupported_parameter")
+        raise ApiError(
+            400,
+            "only response_format {'type': 'text'} is supported",
+            param="response_format",
+            code="unsupported_parameter",
+        )
     return body
 
 
@@ -90,7 +110,10 @@ def options(body: dict, defaults: SamplingParams, vocab_size: int, template_name
         max_tokens = _integer(body, "max_tokens", 1)
     stream_options = _typed(body, "stream_options", dict) or {}
     return Options(
-        sampling=sampling, max_tokens=max_tokens, stop=_stops(body), stream=bool(_typed(body, "stream", bool)),
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stop=_stops(body),
+        stream=bool(_typed(body, "stream", bool)),
         include_usage=bool(_typed(stream_options, "include_usage", bool)),
         template_kwargs=_template_kwargs(body, TEMPLATE_ARGUMENTS | frozenset(template_names)),
         ignore_eos=bool(_typed(body, "ignore_eos", bool)),
@@ -146,8 +169,11 @@ def finish_reason(done: Done) -> str:
 
 
 def usage(done: Done) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.generated_tokens,
-            "total_tokens": done.prompt_tokens + done.generated_tokens}
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.generated_tokens,
+        "total_tokens": done.prompt_tokens + done.generated_tokens,
+    }
 
 
 def stats(done: Done) -> dict:
@@ -182,8 +208,12 @@ def _number(body: dict, name: str, low, high, low_open: bool = False, param: str
         raise ApiError(400, f"'{name}' must be a finite number", param=param, code="invalid_type")
     if (value <= low if low_open else value < low) or (high is not None and value > high):
         bound = f"above {low}" if low_open else f"at least {low}"
-        raise ApiError(400, f"'{name}' is {value}; it must be {bound}" + (f" and at most {high}" if high is not None else ""),
-                       param=param, code="invalid_value")
+        raise ApiError(
+            400,
+            f"'{name}' is {value}; it must be {bound}" + (f" and at most {high}" if high is not None else ""),
+            param=param,
+            code="invalid_value",
+        )
     return float(value)
 
 
@@ -207,8 +237,12 @@ def _stops(body: dict) -> tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOPS:
-        raise ApiError(400, f"'stop' must be a string or an array of at most {MAX_STOPS} strings", param="stop",
-                       code="invalid_type")
+        raise ApiError(
+            400,
+            f"'stop' must be a string or an array of at most {MAX_STOPS} strings",
+            param="stop",
+            code="invalid_type",
+        )
     return tuple(stops)
 
 
@@ -219,12 +253,23 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     out = {}
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit()) or len(key) > 12:
-            raise ApiError(400, f"'logit_bias' keys must be token ids; {key[:40]!r} is not", param="logit_bias",
-                           code="invalid_type")
+            raise ApiError(
+                400,
+                f"'logit_bias' keys must be token ids; {key[:40]!r} is not",
+                param="logit_bias",
+                code="invalid_type",
+            )
         if int(key) >= vocab_size:
-            raise ApiError(400, f"'logit_bias' names token {key}, outside the vocabulary (0 to {vocab_size - 1})",
-                           param="logit_bias", code="invalid_value")
-        out[int(key)] = _number(bias, key, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE, param="logit_bias")
+            raise ApiError(
+                400,
+                f"'logit_bias' names token {key}, outside the vocabulary (0 to {vocab_size - 1})",
+                param="logit_bias",
+                code="invalid_value",
+            )
+        value = _number(bias, key, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE, param="logit_bias")
+        if value is None:
+            raise ApiError(400, f"'logit_bias' gives token {key} no number", param="logit_bias", code="invalid_type")
+        out[int(key)] = value
     return out
 
 
@@ -232,14 +277,19 @@ def _template_kwargs(body: dict, reserved: frozenset) -> dict:
     kwargs = _typed(body, "chat_template_kwargs", dict) or {}
     taken = sorted(reserved.intersection(kwargs))
     if taken:
-        raise ApiError(400, f"'chat_template_kwargs' may not set {', '.join(taken)}: the server sets them",
-                       param="chat_template_kwargs", code="invalid_value")
+        raise ApiError(
+            400,
+            f"'chat_template_kwargs' may not set {', '.join(taken)}: the server sets them",
+            param="chat_template_kwargs",
+            code="invalid_value",
+        )
     return kwargs
 
 
 def _refuse_constant(name: str):
-    raise ApiError(400, f"the request body holds {name}, which JSON does not allow; send finite numbers",
-                   code="invalid_json")
+    raise ApiError(
+        400, f"the request body holds {name}, which JSON does not allow; send finite numbers", code="invalid_json"
+    )
 
 
 def _finite_float(text: str) -> float:
@@ -274,8 +324,11 @@ def _check_text(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ApiError(400, f"the request holds a string that is not valid Unicode ({e.reason} at index {e.start}); "
-                       "send UTF-8 text", code="invalid_text") from None
+        raise ApiError(
+            400,
+            f"the request holds a string that is not valid Unicode ({e.reason} at index {e.start}); send UTF-8 text",
+            code="invalid_text",
+        ) from None
 
 
 def _content_text(content, i: int) -> str:
@@ -283,5 +336,9 @@ def _content_text(content, i: int) -> str:
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise ApiError(400, f"messages[{i}].content must be a string or an array of text parts", param=f"messages[{i}].content",
-                   code="invalid_type")
+    raise ApiError(
+        400,
+        f"messages[{i}].content must be a string or an array of text parts",
+        param=f"messages[{i}].content",
+        code="invalid_type",
+    )

@@ -24,10 +24,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ferrum_mac.engine import (
-    CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING, AnswerText, LocalEngine, Timing, done_event,
+    CANCELLED,
+    CONTEXT,
+    EOS,
+    MAX_TOKENS,
+    STOP_STRING,
+    AnswerText,
+    LocalEngine,
+    Timing,
+    done_event,
 )
 from ferrum_mac.errors import FerrumError, UnsupportedError
-from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, KV_CAPACITY_ENV, KvCapacityError
+from ferrum_mac.llm import KV_CAPACITY_ENV, DecodeItem, DecoderOnlyLLM, ForwardItem, KvCapacityError, Logits
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
 
 log = logging.getLogger("ferrum.serve")
@@ -78,15 +86,25 @@ class Sequence:
             pass
 
 
+def fed_token(seq: Sequence) -> int:
+    """The token a decoding sequence feeds this step: the one sampled at the last."""
+    assert seq.next_token is not None, "only a decoding sequence feeds a token"
+    return seq.next_token
+
+
 class Scheduler:
     def __init__(
-        self, open_engine: Callable[[], LocalEngine], *, max_batch: int = MAX_BATCH, step_tokens: int = STEP_TOKENS,
+        self,
+        open_engine: Callable[[], LocalEngine],
+        *,
+        max_batch: int = MAX_BATCH,
+        step_tokens: int = STEP_TOKENS,
         kv_budget: int | None = None,
     ):
         """`open_engine` runs on the scheduler's thread: MLX arrays belong to the thread that
         made them (another thread's lazy arrays fail to evaluate), so the model is opened there."""
         self._open_engine = open_engine
-        self.engine: LocalEngine | None = None
+        self._engine: LocalEngine | None = None
         self.max_batch = max_batch
         self.step_tokens = step_tokens
         self.kv_budget = kv_budget
@@ -100,6 +118,13 @@ class Scheduler:
         self._stopped = threading.Event()
         self._looping = False  # set while the loop runs; False before start, after stop and if it died
         self.death: str | None = None  # why the loop ended, when it ended by an error no guard caught
+
+    @property
+    def engine(self) -> LocalEngine:
+        """The engine `start` opened (on the scheduler's thread)."""
+        if self._engine is None:
+            raise FerrumError("the scheduler has not started; call start() first")
+        return self._engine
 
     # -- the client side ------------------------------------------------------------------
 
@@ -132,7 +157,8 @@ class Scheduler:
             raise KvCapacityError(
                 f"the prompt has {n} tokens but the context holds {self.capacity} (prompt and answer); "
                 f"shorten it or raise {KV_CAPACITY_ENV}",
-                needed=n + 1, capacity=self.capacity,
+                needed=n + 1,
+                capacity=self.capacity,
             )
         vocab = self.model.config.vocab_size
         if not all(0 <= t < vocab for t in request.prompt_ids):
@@ -145,8 +171,9 @@ class Scheduler:
 
     def _refuse_unless_alive(self) -> None:
         if self.death is not None:
-            raise FerrumError(f"the server's scheduler stopped after an internal error ({self.death}); "
-                              "restart the server")
+            raise FerrumError(
+                f"the server's scheduler stopped after an internal error ({self.death}); restart the server"
+            )
         if not self.alive:
             raise FerrumError("the scheduler is stopping; send the request again after a restart")
 
@@ -220,10 +247,10 @@ class Scheduler:
         self._waiting.clear()
 
     def _load(self) -> None:
-        self.engine = self._open_engine()
-        self.model: DecoderOnlyLLM = self.engine.model
-        self.tokenizer = self.engine.tokenizer
-        self.eos_ids = frozenset(self.engine.eos_ids)
+        self._engine = engine = self._open_engine()
+        self.model: DecoderOnlyLLM = engine.model
+        self.tokenizer = engine.tokenizer
+        self.eos_ids = frozenset(engine.eos_ids)
         self.capacity = self.model.kv_capacity()
         self.model.prepare(WARMUP_ID, 16)  # compiles kernels and captures graphs before any request
         self.model.release(WARMUP_ID)
@@ -298,13 +325,13 @@ class Scheduler:
             finals = self._split_step()
         self._accept_all(finals)
 
-    def _unified_step(self) -> list[tuple[Sequence, object]]:
+    def _unified_step(self) -> list[tuple[Sequence, Logits]]:
         """One unified_forward: every decoding sequence's token, then prefill chunks in
         admission order while the step's token budget lasts."""
         parts: list[tuple[Sequence, list[int], bool]] = []
         budget = self.step_tokens
         for seq in self._decoding():
-            parts.append((seq, [seq.next_token], True))
+            parts.append((seq, [fed_token(seq)], True))
             budget -= 1
         for seq in self._prefilling():
             if budget <= 0 and parts:
@@ -316,12 +343,12 @@ class Scheduler:
         logits = self.model.unified_forward(items)
         for seq, tokens, _ in parts:
             self._advance(seq, len(tokens))
-        return [(seq, row) for (seq, _, final), row in zip(parts, logits) if final]
+        return [(seq, row) for (seq, _, final), row in zip(parts, logits) if final and row is not None]
 
-    def _split_step(self) -> list[tuple[Sequence, object]]:
+    def _split_step(self) -> list[tuple[Sequence, Logits]]:
         """Whole prefills of new sequences, then one batched decode of the others."""
         decoding = self._decoding()
-        finals = []
+        finals: list[tuple[Sequence, Logits]] = []
         for seq in self._prefilling():
             logits = self.model.prefill(seq.cache_id, seq.unprefilled)
             self._advance(seq, len(seq.unprefilled))
@@ -330,17 +357,18 @@ class Scheduler:
             return finals
         if self.mode != SINGLE:
             try:
-                block = self.model.decode_batch([DecodeItem(s.cache_id, s.next_token, s.pos) for s in decoding])
+                block = self.model.decode_batch([DecodeItem(s.cache_id, fed_token(s), s.pos) for s in decoding])
                 rows = [block[i] for i in range(len(decoding))]
             except UnsupportedError:
                 self.mode = SINGLE
         if self.mode == SINGLE:
-            rows = [self.model.decode(s.cache_id, s.next_token, s.pos) for s in decoding]
+            rows = [self.model.decode(s.cache_id, fed_token(s), s.pos) for s in decoding]
         for seq in decoding:
             self._advance(seq, 1)
         return finals + list(zip(decoding, rows))
 
     def _decoding(self) -> list[Sequence]:
+        """The sequences with a sampled token to feed (`fed_token`) this step."""
         return [s for s in self._running if s.next_token is not None]
 
     def _prefilling(self) -> list[Sequence]:
@@ -354,7 +382,7 @@ class Scheduler:
         else:
             seq.next_token = None
 
-    def _accept_all(self, finals: list[tuple[Sequence, object]]) -> None:
+    def _accept_all(self, finals: list[tuple[Sequence, Logits]]) -> None:
         for (seq, _), token in zip(finals, self._sample_all(finals)):
             try:
                 self._accept(seq, token)
@@ -365,7 +393,7 @@ class Scheduler:
                     self._release(seq, "error")
 
     @staticmethod
-    def _sample_all(finals: list[tuple[Sequence, object]]) -> list[int]:
+    def _sample_all(finals: list[tuple[Sequence, Logits]]) -> list[int]:
         """One token id per row: in one call where the backend's sampler offers `sample_rows`,
         else every row sampled before any is read, so the device works on them together."""
         samplers = [seq.sampler for seq, _ in finals]

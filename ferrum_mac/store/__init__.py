@@ -21,6 +21,17 @@ from ferrum_mac.store.remove import Removal, plan_removal
 from ferrum_mac.store.resolve import resolve_model
 
 __all__ = [
-    "ALIASES", "LocalModel", "ModelFacts", "PullProgress", "Removal", "TerminalProgress", "alias_table",
-    "describe_model", "list_models", "parse_name", "plan_removal", "pull_model", "resolve_model",
+    "ALIASES",
+    "LocalModel",
+    "ModelFacts",
+    "PullProgress",
+    "Removal",
+    "TerminalProgress",
+    "alias_table",
+    "describe_model",
+    "list_models",
+    "parse_name",
+    "plan_removal",
+    "pull_model",
+    "resolve_model",
 ]

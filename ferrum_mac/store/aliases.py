@@ -80,7 +80,9 @@ def parse_name(name: str, backend: str = "mlx") -> RepoRef | BundledRef:
     name = name.strip()
     backend = "mlx" if backend == "auto" else backend  # MLX first; open_model passes the backend it chose
     if backend not in BACKENDS:
-        raise UnsupportedModelError(f"unknown backend {backend!r} for a model name; choose one of: {', '.join(BACKENDS)}")
+        raise UnsupportedModelError(
+            f"unknown backend {backend!r} for a model name; choose one of: {', '.join(BACKENDS)}"
+        )
     if is_alias_like(name):
         return _alias_ref(name, backend)
     return parse_repo_id(name)
@@ -103,12 +105,16 @@ def _alias_ref(name: str, backend: str) -> RepoRef | BundledRef:
     base, quant = _split_quant(name.lower())
     alias = _BY_NAME.get(base)
     if alias is None:
-        raise ModelNotFoundError(f"unknown model {name!r}{_did_you_mean(base)}; `ferrum list --available` shows the names")
+        raise ModelNotFoundError(
+            f"unknown model {name!r}{_did_you_mean(base)}; `ferrum list --available` shows the names"
+        )
     quant = quant or DEFAULT_QUANT[backend]
     if quant == "bf16":
         return RepoRef(alias.original)
     if backend == "torch":
-        raise UnsupportedModelError(f"the torch backend runs the original bf16 weights; use {alias.name} or {alias.name}-bf16")
+        raise UnsupportedModelError(
+            f"the torch backend runs the original bf16 weights; use {alias.name} or {alias.name}-bf16"
+        )
     if alias.bundled and quant == "4bit":
         return BundledRef(alias.name)
     if alias.mlx_stem is None:

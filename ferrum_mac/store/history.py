@@ -128,9 +128,7 @@ class History:
         args: tuple = ()
         if search:
             like = f"%{search}%"
-            query += (
-                " WHERE title LIKE ? OR id IN (SELECT conversation_id FROM messages WHERE content LIKE ?)"
-            )
+            query += " WHERE title LIKE ? OR id IN (SELECT conversation_id FROM messages WHERE content LIKE ?)"
             args = (like, like)
         rows = self._execute(query + " ORDER BY updated DESC, id DESC", args).fetchall()
         return [StoredConversation(i, t, json.loads(s), c, u) for i, t, s, c, u in rows]

@@ -35,7 +35,12 @@ def shown(text: str) -> str:
 
 def is_repo_id(repo_id: str) -> bool:
     """`org/name` as the Hub allows it (so never `org/..`, `../x`, `a--b/c` or 5,000 characters)."""
-    return bool(_REPO_ID.fullmatch(repo_id)) and ".." not in repo_id and "--" not in repo_id and not repo_id.endswith(".git")
+    return (
+        bool(_REPO_ID.fullmatch(repo_id))
+        and ".." not in repo_id
+        and "--" not in repo_id
+        and not repo_id.endswith(".git")
+    )
 
 
 def is_ref_name(revision: str) -> bool:

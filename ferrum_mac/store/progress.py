@@ -99,16 +99,27 @@ class TerminalProgress(PullProgress):
 
 def _rich_bars(console):
     from rich.progress import (
-        BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn,
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
         TransferSpeedColumn,
     )
 
     return Progress(
-        TextColumn("  {task.description:<24}"), BarColumn(bar_width=None), TaskProgressColumn(),
-        DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-        console=console, transient=False, expand=True,
+        TextColumn("  {task.description:<24}"),
+        BarColumn(bar_width=None),
+        TaskProgressColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+        expand=True,
     )
 
 
 def _short(path: str, width: int = 24) -> str:
-    return path if len(path) <= width else "…" + path[-(width - 1):]
+    return path if len(path) <= width else "…" + path[-(width - 1) :]

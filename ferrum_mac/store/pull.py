@@ -117,7 +117,11 @@ def _download_all(ref: RepoRef, name: str, commit: str, todo: list[RemoteFile], 
 def hub_errors(name: str, ref: RepoRef, endpoint: str, downloading: str | None = None):
     """Turn huggingface_hub and network exceptions into one-line messages that say what to do."""
     from huggingface_hub.errors import (
-        GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
 
     repo = ref.repo_id
@@ -134,7 +138,9 @@ def hub_errors(name: str, ref: RepoRef, endpoint: str, downloading: str | None =
         raise FerrumError(f"{repo} is gated: accept its terms at {endpoint}/{repo}, then {login}") from None
     except RepositoryNotFoundError as e:
         if _status(e) == 404:
-            raise ModelNotFoundError(f"no model {repo} on the Hub; check the name (`ferrum list --available` shows aliases)") from None
+            raise ModelNotFoundError(
+                f"no model {repo} on the Hub; check the name (`ferrum list --available` shows aliases)"
+            ) from None
         raise FerrumError(f"{repo} was not found or needs a login: check the name, or {login}") from None
     except RevisionNotFoundError:
         raise ModelNotFoundError(f"{repo} has no revision {ref.revision!r}; check the name after the @") from None

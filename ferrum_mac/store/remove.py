@@ -56,7 +56,9 @@ def plan_removal(name: str, backend: str = "mlx") -> Removal:
         close = _closest_local_name(name)
         if close is None:
             raise
-        raise ModelNotFoundError(f"{name} is not downloaded; did you mean {close}? (`ferrum list` shows what is)") from e
+        raise ModelNotFoundError(
+            f"{name} is not downloaded; did you mean {close}? (`ferrum list` shows what is)"
+        ) from e
 
 
 def _closest_local_name(name: str) -> str | None:
@@ -87,7 +89,9 @@ def _plan_repo(name: str, ref: RepoRef) -> Removal:
         kept = {c for other in (folder / "snapshots").iterdir() if other != snapshot for c in copies_of(other)}
         copies = tuple(c for c in copies_of(snapshot) if c not in kept)  # a blob another snapshot shares stays
         return Removal(name, f"{ref.repo_id} at {ref.revision}", size, folder, commit, copies)
-    return Removal(name, f"{ref.repo_id} (all its cached files)", _size(folder), folder, copies=tuple(copies_of(folder)))
+    return Removal(
+        name, f"{ref.repo_id} (all its cached files)", _size(folder), folder, copies=tuple(copies_of(folder))
+    )
 
 
 def _size(folder: Path) -> int:

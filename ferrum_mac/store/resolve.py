@@ -11,7 +11,9 @@ from ferrum_mac.store.paths import exists, is_broken_link, shown
 from ferrum_mac.store.progress import PullProgress
 
 
-def resolve_model(name: str | Path, backend: str = "mlx", pull: bool = True, progress: PullProgress | None = None) -> Path:
+def resolve_model(
+    name: str | Path, backend: str = "mlx", pull: bool = True, progress: PullProgress | None = None
+) -> Path:
     """A folder, .gguf file, alias (`qwen3:0.6b`) or repo id (`org/name[@rev][:QUANT]`) -> local path.
 
     Uses a complete cached copy when there is one (no network); otherwise downloads it when

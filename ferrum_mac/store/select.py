@@ -12,11 +12,22 @@ import re
 
 from ferrum_mac.errors import ModelNotFoundError, UnsupportedModelError
 
-SIDE_FILES = frozenset({
-    "config.json", "generation_config.json", "README.md",
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-})
+SIDE_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "README.md",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
 # GGUF tensor types ferrum loads, best first when a repository offers several.
 GGUF_PREFERENCE = ("Q4_0", "Q4_1", "Q8_0", "F16", "F32")
 _GGUF_QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d_[A-Z0-9_]*?|BF16|F16|F32)(?=[.-]|$)", re.IGNORECASE)

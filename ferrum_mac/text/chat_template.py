@@ -54,7 +54,9 @@ class ChatTemplate:
         try:
             self._template = _compile(source)
         except (jinja2.TemplateError, RecursionError, TypeError, ValueError) as e:
-            raise ChatTemplateError(f"the model's chat template does not compile ({_one_line(e)}); fix or replace it") from None
+            raise ChatTemplateError(
+                f"the model's chat template does not compile ({_one_line(e)}); fix or replace it"
+            ) from None
 
     def render(
         self,

@@ -61,7 +61,9 @@ def tokenizer_from_gguf(meta: dict, source: str = "the GGUF file") -> HfTokenize
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if not tokens:
-        raise CorruptModelError(f"{source} has no tokenizer.ggml.tokens; it cannot be used for chat, get a complete GGUF")
+        raise CorruptModelError(
+            f"{source} has no tokenizer.ggml.tokens; it cannot be used for chat, get a complete GGUF"
+        )
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if kind == "gpt2":
         backend = _byte_level_bpe(meta, tokens, source)
@@ -92,7 +94,9 @@ def _token(meta: dict, tokens: list[str], key: str) -> str | None:
 def _byte_level_bpe(meta: dict, tokens: list[str], source: str) -> tokenizers.Tokenizer:
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
-        raise CorruptModelError(f"{source} has a byte-level vocabulary without tokenizer.ggml.merges; get a complete GGUF")
+        raise CorruptModelError(
+            f"{source} has a byte-level vocabulary without tokenizer.ggml.merges; get a complete GGUF"
+        )
     vocab = _vocab(tokens)
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))

@@ -52,7 +52,8 @@ def chat_templates(path: str | Path) -> dict[str, str]:
         meta = _gguf_metadata(path)
         templates = {
             k[len(_GGUF_TEMPLATE) + 1 :]: v
-            for k, v in meta.items() if k.startswith(_GGUF_TEMPLATE + ".") and isinstance(v, str)
+            for k, v in meta.items()
+            if k.startswith(_GGUF_TEMPLATE + ".") and isinstance(v, str)
         }
         if isinstance(meta.get(_GGUF_TEMPLATE), str):
             templates["default"] = meta[_GGUF_TEMPLATE]
@@ -79,7 +80,7 @@ def load_chat_template(path: str | Path, tokenizer: Tokenizer, name: str | None 
     if "default" in templates:
         return ChatTemplate(templates["default"], tokenizer.template_tokens(), "default")
     if len(templates) == 1:
-        (only_name, source), = templates.items()
+        ((only_name, source),) = templates.items()
         return ChatTemplate(source, tokenizer.template_tokens(), only_name)
     has_chatml = tokenizer.piece_to_id("<|im_start|>") is not None and tokenizer.piece_to_id("<|im_end|>") is not None
     return ChatTemplate(fallback_template(has_chatml), tokenizer.template_tokens(), "fallback")
@@ -134,7 +135,8 @@ def _named_templates(value) -> dict[str, str]:
     if isinstance(value, list):
         return {
             t["name"]: t["template"]
-            for t in value if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in value
+            if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
         }
     return {}
 

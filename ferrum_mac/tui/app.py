@@ -28,8 +28,14 @@ class ChatApp(App):
     ENABLE_COMMAND_PALETTE = True
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]  # Textual's own, shown in the footer
 
-    def __init__(self, services, history, model: str | None = None, default_settings: dict | None = None,
-                 export_dir: Path | None = None):
+    def __init__(
+        self,
+        services,
+        history,
+        model: str | None = None,
+        default_settings: dict | None = None,
+        export_dir: Path | None = None,
+    ):
         super().__init__()
         self.services = services
         self.history = history
@@ -114,14 +120,21 @@ class ChatApp(App):
         yield SystemCommand("Export to Markdown", "Write this conversation to a .md file (F3)", chat.action_export)
         yield SystemCommand("Regenerate answer", "Answer the last message again (Ctrl+R)", chat.action_regenerate)
         yield SystemCommand("Stop answer", "Stop generating, keep the partial answer (Esc)", chat.action_stop)
-        yield SystemCommand("Toggle reasoning", "Show or hide the reasoning sections (Ctrl+T)", chat.action_toggle_reasoning)
+        yield SystemCommand(
+            "Toggle reasoning", "Show or hide the reasoning sections (Ctrl+T)", chat.action_toggle_reasoning
+        )
         yield SystemCommand("Copy last answer", "Copy the last answer to the clipboard", chat.action_copy_last_answer)
         yield SystemCommand("Key bindings", "Show the help screen (F1)", chat.action_help)
 
 
 def main(
-    model: str | None, backend: str, db: str | None, max_tokens: int | None = None,
-    remote: str | None = None, api_key: str | None = None, device: str | None = None,
+    model: str | None,
+    backend: str,
+    db: str | None,
+    max_tokens: int | None = None,
+    remote: str | None = None,
+    api_key: str | None = None,
+    device: str | None = None,
 ) -> None:
     from ferrum_mac.store.history import History
     from ferrum_mac.tui.chat_settings import stored_settings

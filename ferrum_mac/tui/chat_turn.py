@@ -82,9 +82,11 @@ def run_turn(conv, history: list[dict], text: str, cancel: threading.Event, post
             elif isinstance(event, Done):
                 batch.flush()
                 answer = conv.messages[-1]
-                post(AnswerDone(
-                    answer["content"], answer.get("reasoning_content", ""), event.as_dict(), len(conv.ledger)
-                ))
+                post(
+                    AnswerDone(
+                        answer["content"], answer.get("reasoning_content", ""), event.as_dict(), len(conv.ledger)
+                    )
+                )
     except Exception as e:  # the UI shows it in the conversation; the app keeps running
         batch.flush()
         post(AnswerFailed(str(e).splitlines()[0] if str(e) else type(e).__name__))

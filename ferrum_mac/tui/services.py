@@ -39,10 +39,7 @@ class Services:
         from ferrum_mac.store import list_models
         from ferrum_mac.store.units import human_bytes
 
-        return [
-            ModelEntry(m.name, f"{human_bytes(m.size)}  {m.format} {m.quant}")
-            for m in list_models() if m.complete
-        ]
+        return [ModelEntry(m.name, f"{human_bytes(m.size)}  {m.format} {m.quant}") for m in list_models() if m.complete]
 
     def pull(self, name: str, progress) -> None:
         from ferrum_mac.backends import choose

@@ -34,7 +34,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if path.is_dir() and not (path / "config.json").is_file() and find_gguf(path):
         path = find_gguf(path)
     if path.is_symlink() and not path.exists():
-        raise CorruptModelError(f"{path} is a link to a file that is missing (or a loop of links); fix the link or download it again")
+        raise CorruptModelError(
+            f"{path} is a link to a file that is missing (or a loop of links); fix the link or download it again"
+        )
     if not path.exists():
         raise ModelNotFoundError(f"{path} does not exist; give a model folder, a .gguf file or a model name")
     if path.is_file():

@@ -64,7 +64,9 @@ def read_json_object(path: Path) -> dict:
     except UnicodeDecodeError:
         raise CorruptModelError(f"{path} is not UTF-8 text; re-download the model") from None
     except json.JSONDecodeError as e:
-        raise CorruptModelError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-download the model") from None
+        raise CorruptModelError(
+            f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-download the model"
+        ) from None
     except RecursionError:
         raise CorruptModelError(f"{path} is nested too deeply to be a model's JSON; re-download the model") from None
     except OSError as e:  # a dangling or looping symlink, no permission
@@ -156,14 +158,20 @@ def wrong_types_are_corrupt(where: str):
     try:
         yield
     except (TypeError, ValueError, AttributeError, ArithmeticError) as e:
-        raise CorruptModelError(f"{where} has a value of the wrong type ({e}); re-download the model or fix it") from None
+        raise CorruptModelError(
+            f"{where} has a value of the wrong type ({e}); re-download the model or fix it"
+        ) from None
 
 
 def check_sizes(config: ModelConfig, where: str) -> ModelConfig:
     """Refuse sizes no model has (missing, zero, negative, not integers) before a backend builds from them."""
     sizes = {
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "num_layers": config.num_layers,
-        "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_layers,
+        "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
         "max_position_embeddings": config.max_position_embeddings,
     }
     for name, value in sizes.items():
@@ -172,7 +180,9 @@ def check_sizes(config: ModelConfig, where: str) -> ModelConfig:
     if type(config.intermediate_size) is not int or config.intermediate_size < 0:  # 0: none given (MoE)
         raise _impossible(where, "intermediate_size", config.intermediate_size)
     if config.num_heads % config.num_kv_heads:
-        raise CorruptModelError(f"{where}: {config.num_heads} attention heads cannot share {config.num_kv_heads} kv heads")
+        raise CorruptModelError(
+            f"{where}: {config.num_heads} attention heads cannot share {config.num_kv_heads} kv heads"
+        )
     for name in ("rope_theta", "rms_norm_eps"):
         if not math.isfinite(getattr(config, name)) or getattr(config, name) < 0:
             raise _impossible(where, name, getattr(config, name))

@@ -121,7 +121,9 @@ def load_gguf(path: Path) -> tuple[ModelConfig, "LazyTensors", int]:
     try:
         import mlx.core  # noqa: F401
     except ImportError:
-        raise UnsupportedModelError(f"{path}: reading GGUF files needs MLX (pip install mlx); use a safetensors checkpoint") from None
+        raise UnsupportedModelError(
+            f"{path}: reading GGUF files needs MLX (pip install mlx); use a safetensors checkpoint"
+        ) from None
 
     info = cached_gguf_info(path)  # the tokenizer reads the same header
     size = path.stat().st_size

@@ -25,15 +25,49 @@ from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
 
 # ggml tensor type ids -> names (the ones seen in published files)
 TYPES = {
-    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
-    11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
-    19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M", 30: "BF16", 39: "MXFP4",
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    29: "IQ1_M",
+    30: "BF16",
+    39: "MXFP4",
 }
 # type name -> (values per block, bytes per block), for the types whose size we check
 BLOCKS = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
-    "Q5_1": (32, 24), "Q8_0": (32, 34), "Q8_1": (32, 36), "Q2_K": (256, 84), "Q3_K": (256, 110),
-    "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q8_K": (256, 292),
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q8_1": (32, 36),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "Q8_K": (256, 292),
 }
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -71,7 +105,9 @@ def read_gguf_info(path: str | Path, arrays: bool = False) -> GgufInfo:
     try:
         f = open(path, "rb")
     except OSError as e:  # a dangling or looping link, no permission
-        raise CorruptModelError(f"{path} cannot be read ({e.strerror or e}); fix the link or download it again") from None
+        raise CorruptModelError(
+            f"{path} cannot be read ({e.strerror or e}); fix the link or download it again"
+        ) from None
     with f:
         size = os.fstat(f.fileno()).st_size
         if size < 4 or f.read(4) != b"GGUF":
@@ -126,7 +162,9 @@ class _Parser:
             name = self.string()
             dims = self.u32()
             if dims > MAX_DIMS:
-                raise CorruptModelError(f"{self.path}: tensor {name[:80]!r} claims {dims} dimensions; the file is damaged")
+                raise CorruptModelError(
+                    f"{self.path}: tensor {name[:80]!r} claims {dims} dimensions; the file is damaged"
+                )
             shape = tuple(self.u64() for _ in range(dims))[::-1]
             type_id = self.u32()
             kind = TYPES.get(type_id, f"type {type_id}")
@@ -149,7 +187,9 @@ class _Parser:
         if int.from_bytes(version.to_bytes(4, "little"), "big") in VERSIONS:
             raise UnsupportedModelError(f"{self.path} is a big-endian GGUF; ferrum reads little-endian GGUF files")
         if not 0 < version < 256:  # no GGUF was ever written so; the header is damaged
-            raise CorruptModelError(f"{self.path} has GGUF version {version}, which no GGUF file has; download it again")
+            raise CorruptModelError(
+                f"{self.path} has GGUF version {version}, which no GGUF file has; download it again"
+            )
         raise UnsupportedModelError(
             f"{self.path} is GGUF version {version}; ferrum reads versions {' and '.join(map(str, VERSIONS))} "
             "(convert the model again with a current llama.cpp)"
@@ -195,7 +235,9 @@ class _Parser:
         if item_kind in _SCALARS:
             width = struct.calcsize("<" + _SCALARS[item_kind])
             self.check_fits(count, width)
-            value = list(struct.unpack_from(f"<{count}{_SCALARS[item_kind]}", self.buf, self.pos)) if self.arrays else None
+            value = (
+                list(struct.unpack_from(f"<{count}{_SCALARS[item_kind]}", self.buf, self.pos)) if self.arrays else None
+            )
             self.pos += width * count
             return value, count
         self.check_fits(count, _MIN_ITEM_BYTES)

@@ -25,7 +25,9 @@ def shard_files(folder: Path) -> list[Path]:
         files = [folder / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ModelNotFoundError(f"{folder} lacks shard(s) {', '.join(missing)} named in its index; finish the download")
+            raise ModelNotFoundError(
+                f"{folder} lacks shard(s) {', '.join(missing)} named in its index; finish the download"
+            )
         return files
     # `model*.safetensors` first, as mlx-lm does: Mistral repos add a `consolidated.safetensors`
     # (the same weights under other names) and LoRA folders an `adapter_model.safetensors`.
@@ -58,8 +60,21 @@ def read_header(path: Path) -> tuple[int, dict]:
 
 # bytes per element of each safetensors dtype
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 
 
@@ -110,7 +125,9 @@ def check_complete(path: Path) -> None:
     except ValueError as e:
         raise CorruptModelError(f"{path} {e}; download it again") from None
     except OSError as e:  # a dangling or looping symlink, a file without read permission
-        raise CorruptModelError(f"{path} cannot be read ({e.strerror or e}); download it again or fix the link") from None
+        raise CorruptModelError(
+            f"{path} cannot be read ({e.strerror or e}); download it again or fix the link"
+        ) from None
     end = tensors_end(header_len, header)
     if end > size:
         raise CorruptModelError(f"{path} is truncated ({size} of {end} bytes); download it again")
@@ -119,7 +136,7 @@ def check_complete(path: Path) -> None:
 def canonical_name(name: str) -> str | None:
     if name.endswith(_IGNORED_SUFFIXES):
         return None
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name
 
 
 def _reader():

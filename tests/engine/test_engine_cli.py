@@ -41,9 +41,7 @@ def bundled_env(env, smollm2_gguf) -> dict:
 
 def ferrum(*args: str, env: dict, stdin: str | None = "", timeout: float = 120) -> subprocess.CompletedProcess:
     command = [str(FERRUM)] if FERRUM.exists() else [sys.executable, "-m", "ferrum_mac.cli"]
-    return subprocess.run(
-        command + list(args), input=stdin, capture_output=True, text=True, env=env, timeout=timeout
-    )
+    return subprocess.run(command + list(args), input=stdin, capture_output=True, text=True, env=env, timeout=timeout)
 
 
 # -- one answer ---------------------------------------------------------------------------
@@ -165,23 +163,28 @@ def test_bad_input_exits_with_one_clear_line(args, says, stories_path, tmp_path,
 
 
 def test_repl_through_a_pipe(stories_path, env):
-    script = "\n".join([
-        "/set temperature 0",
-        "/set parameter num_predict 8",
-        "/set system You tell stories.",
-        "/show system",
-        STORY,
-        '"""',
-        "Once upon",
-        'a time"""',
-        "/show parameters",
-        "/save chat1",
-        "/clear",
-        "/load chat1",
-        "/unknown",
-        "/bye",
-        "this line is never read",
-    ]) + "\n"
+    script = (
+        "\n".join(
+            [
+                "/set temperature 0",
+                "/set parameter num_predict 8",
+                "/set system You tell stories.",
+                "/show system",
+                STORY,
+                '"""',
+                "Once upon",
+                'a time"""',
+                "/show parameters",
+                "/save chat1",
+                "/clear",
+                "/load chat1",
+                "/unknown",
+                "/bye",
+                "this line is never read",
+            ]
+        )
+        + "\n"
+    )
     run = ferrum("run", str(stories_path), "--interactive", env=env, stdin=script)
     assert run.returncode == 0, run.stderr
     out = run.stdout
@@ -216,7 +219,12 @@ class Terminal:
 
         self.master, slave = pty.openpty()
         self.proc = subprocess.Popen(
-            command, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True,
+            command,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            start_new_session=True,
             preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
         )
         os.close(slave)
@@ -292,8 +300,15 @@ def test_a_prompt_word_that_is_not_a_model_stays_in_the_prompt(words, stories_pa
     (tmp_path / "docs").mkdir()
     env = {**env, "FERRUM_MODEL": str(stories_path)}
     command = [str(FERRUM)] if FERRUM.exists() else [sys.executable, "-m", "ferrum_mac.cli"]
-    run = subprocess.run(command + ["run", *words, "--max-tokens", "4", "--json"], input="", capture_output=True,
-                         text=True, env=env, timeout=120, cwd=tmp_path)
+    run = subprocess.run(
+        command + ["run", *words, "--max-tokens", "4", "--json"],
+        input="",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     answer = json.loads(run.stdout)
     assert answer["model"] == str(stories_path) and answer["stats"]["prompt_tokens"] > len(words)

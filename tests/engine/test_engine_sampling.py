@@ -145,8 +145,15 @@ def test_min_p_keeps_only_tokens_near_the_top(stories):
 
 @pytest.mark.parametrize(
     "bad",
-    [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=1.0), dict(top_k=-1),
-     dict(repetition_penalty=0.0), dict(penalty_window=-1)],
+    [
+        dict(temperature=-0.1),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(min_p=1.0),
+        dict(top_k=-1),
+        dict(repetition_penalty=0.0),
+        dict(penalty_window=-1),
+    ],
 )
 def test_out_of_range_settings_are_refused(bad):
     with pytest.raises(SamplingError):

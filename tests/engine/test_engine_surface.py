@@ -20,7 +20,10 @@ def declared(protocol) -> tuple[set[str], dict[str, inspect.Signature]]:
         if cls is object or not getattr(cls, "_is_protocol", False):
             continue
         attributes |= set(vars(cls).get("__annotations__", {}))
-        methods |= {n: inspect.signature(f) for n, f in vars(cls).items() if inspect.isfunction(f) and not n.startswith("_")}
+        attributes |= {n for n, f in vars(cls).items() if isinstance(f, property)}
+        methods |= {
+            n: inspect.signature(f) for n, f in vars(cls).items() if inspect.isfunction(f) and not n.startswith("_")
+        }
     return attributes, methods
 
 

@@ -8,7 +8,14 @@ import pytest
 
 from engine_helpers import STORY, answer, assert_consistent, done, greedy, notices, reasoning
 from ferrum_mac.engine import (
-    CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING, TRUNCATE_OLDEST, ContextLimitError, TextDelta,
+    CANCELLED,
+    CONTEXT,
+    EOS,
+    MAX_TOKENS,
+    STOP_STRING,
+    TRUNCATE_OLDEST,
+    ContextLimitError,
+    TextDelta,
 )
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.text import ChatTemplate

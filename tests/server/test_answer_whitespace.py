@@ -41,7 +41,12 @@ def test_scheduler_raw_text_keeps_the_first_space_and_newlines(scheduler):
 def test_completions_return_the_text_as_generated(client, scheduler, stream):
     the = forced_token(scheduler, " the")
     answer = client.completions.create(
-        model="m", prompt="Once upon a time", max_tokens=3, temperature=0, logit_bias={str(the): FORCE}, stream=stream,
+        model="m",
+        prompt="Once upon a time",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(the): FORCE},
+        stream=stream,
     )
     text = "".join(c.choices[0].text for c in answer if c.choices) if stream else answer.choices[0].text
     assert text == " the the the"
@@ -50,7 +55,10 @@ def test_completions_return_the_text_as_generated(client, scheduler, stream):
 def test_a_chat_reply_of_only_a_newline_is_not_empty(client, scheduler):
     newline = forced_token(scheduler, "\n")
     reply = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
+        model="m",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        temperature=0,
         logit_bias={str(newline): FORCE},
     )
     assert reply.choices[0].message.content == "\n\n"

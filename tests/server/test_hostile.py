@@ -36,8 +36,9 @@ def error_of(response: httpx.Response, status: int) -> dict:
 
 def post_raw(server, path: str, raw: bytes, **headers) -> httpx.Response:
     """A body sent as given (httpx's json= cannot send NaN or lone surrogates)."""
-    return httpx.post(server.url + path, content=raw, headers={"content-type": "application/json", **headers},
-                      timeout=60)
+    return httpx.post(
+        server.url + path, content=raw, headers={"content-type": "application/json", **headers}, timeout=60
+    )
 
 
 def chat(server, timeout: float = 60, **fields) -> httpx.Response:
@@ -61,21 +62,38 @@ def test_a_seed_outside_0_to_2_64_is_a_400_and_the_server_keeps_serving(server, 
     assert chat(server, seed=2**64 - 1, temperature=1.0).status_code == 200
 
 
-@pytest.mark.parametrize("bad", [
-    dict(seed=-1), dict(seed=2**64), dict(seed=1.5), dict(temperature=math.nan), dict(top_p=math.nan),
-    dict(repetition_penalty=math.inf), dict(presence_penalty=-math.inf), dict(frequency_penalty=math.nan),
-    dict(min_p=math.nan), dict(logit_bias={3: math.nan}), dict(logit_bias={-1: 1.0}), dict(top_k=2.5),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(seed=-1),
+        dict(seed=2**64),
+        dict(seed=1.5),
+        dict(temperature=math.nan),
+        dict(top_p=math.nan),
+        dict(repetition_penalty=math.inf),
+        dict(presence_penalty=-math.inf),
+        dict(frequency_penalty=math.nan),
+        dict(min_p=math.nan),
+        dict(logit_bias={3: math.nan}),
+        dict(logit_bias={-1: 1.0}),
+        dict(top_k=2.5),
+    ],
+)
 def test_sampling_params_refuse_bad_seeds_and_non_finite_numbers(bad):
     with pytest.raises(SamplingError):
         SamplingParams(**bad)
 
 
-@pytest.mark.parametrize("flag, value", [("--seed", "-1"), ("--seed", str(2**64)), ("--temperature", "nan"),
-                                         ("--repeat-penalty", "inf")])
+@pytest.mark.parametrize(
+    "flag, value", [("--seed", "-1"), ("--seed", str(2**64)), ("--temperature", "nan"), ("--repeat-penalty", "inf")]
+)
 def test_ferrum_run_refuses_bad_sampling_values_in_one_line(stories_path, flag, value):
-    result = subprocess.run([sys.executable, "-m", "ferrum_mac.cli", "run", str(stories_path), flag, value, "hi"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "ferrum_mac.cli", "run", str(stories_path), flag, value, "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith("ferrum: ") and result.stderr.count("\n") == 1, result.stderr
 
@@ -162,30 +180,49 @@ def test_a_dead_loop_answers_503_on_health_and_requests_and_says_so_in_metrics(s
 # -- 2. client errors are 400s, not 500s --------------------------------------------------------
 
 
-@pytest.mark.parametrize("path, raw", [
-    (CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}'),
-    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi", "name": "\\ud83d"}]}'),
-    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}'),
-    (COMPLETIONS, b'{"prompt": "Once \\udc00 upon"}'),
-    (COMPLETIONS, b'{"prompt": ["\\ud800"]}'),
-])
+@pytest.mark.parametrize(
+    "path, raw",
+    [
+        (CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+        (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}'),
+        (CHAT, b'{"messages": [{"role": "user", "content": "hi", "name": "\\ud83d"}]}'),
+        (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}'),
+        (COMPLETIONS, b'{"prompt": "Once \\udc00 upon"}'),
+        (COMPLETIONS, b'{"prompt": ["\\ud800"]}'),
+    ],
+)
 def test_lone_surrogates_are_a_400(server, path, raw):
     assert error_of(post_raw(server, path, raw), 400)["code"] == "invalid_text"
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"add_generation_prompt": False}, {"messages": []}, {"tools": "x"}, {"bos_token": "<evil>"},
-    {"raise_exception": 1}, "enable_thinking", [1, 2],
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"add_generation_prompt": False},
+        {"messages": []},
+        {"tools": "x"},
+        {"bos_token": "<evil>"},
+        {"raise_exception": 1},
+        "enable_thinking",
+        [1, 2],
+    ],
+)
 def test_chat_template_kwargs_that_collide_or_are_not_an_object_are_a_400(server, kwargs):
     assert error_of(chat(server, chat_template_kwargs=kwargs), 400)["param"] == "chat_template_kwargs"
 
 
-@pytest.mark.parametrize("bias, code", [
-    ({"999999": 5}, "invalid_value"), ({"512": 1}, "invalid_value"), ({"abc": 1}, "invalid_type"),
-    ({"-3": 1}, "invalid_type"), ({"5": 101}, "invalid_value"), ({"5": "x"}, "invalid_type"),
-])
+@pytest.mark.parametrize(
+    "bias, code",
+    [
+        ({"999999": 5}, "invalid_value"),
+        ({"512": 1}, "invalid_value"),
+        ({"abc": 1}, "invalid_type"),
+        ({"-3": 1}, "invalid_type"),
+        ({"5": 101}, "invalid_value"),
+        ({"5": "x"}, "invalid_type"),
+        ({"5": None}, "invalid_type"),
+    ],
+)
 def test_logit_bias_outside_the_vocabulary_or_range_is_a_400(server, bias, code):
     error = error_of(chat(server, logit_bias=bias), 400)
     assert error["param"] == "logit_bias" and error["code"] == code
@@ -200,8 +237,11 @@ def nested(depth: int):
 
 def test_deeply_nested_json_is_a_400(server):
     deep_kwargs = {"messages": MESSAGES, "chat_template_kwargs": {"a": nested(40)}}
-    for raw in (b"[" * 100_000 + b"]" * 100_000, json.dumps({"messages": nested(40)}).encode(),
-                json.dumps(deep_kwargs).encode()):
+    for raw in (
+        b"[" * 100_000 + b"]" * 100_000,
+        json.dumps({"messages": nested(40)}).encode(),
+        json.dumps(deep_kwargs).encode(),
+    ):
         assert error_of(post_raw(server, CHAT, raw), 400)["code"] == "invalid_json"
     assert chat(server).status_code == 200
 
@@ -209,24 +249,43 @@ def test_deeply_nested_json_is_a_400(server):
 # -- 3. every number finite and in range --------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, literal", [
-    ("temperature", "NaN"), ("repetition_penalty", "Infinity"), ("presence_penalty", "-Infinity"),
-    ("frequency_penalty", "NaN"), ("top_p", "NaN"), ("min_p", "NaN"), ("temperature", "1e400"),
-    ("logit_bias", '{"5": NaN}'), ("max_tokens", "1e400"),
-])
+@pytest.mark.parametrize(
+    "field, literal",
+    [
+        ("temperature", "NaN"),
+        ("repetition_penalty", "Infinity"),
+        ("presence_penalty", "-Infinity"),
+        ("frequency_penalty", "NaN"),
+        ("top_p", "NaN"),
+        ("min_p", "NaN"),
+        ("temperature", "1e400"),
+        ("logit_bias", '{"5": NaN}'),
+        ("max_tokens", "1e400"),
+    ],
+)
 def test_nan_and_infinity_are_a_400(server, field, literal):
     raw = f'{{"messages": {json.dumps(MESSAGES)}, "max_tokens": 4, "{field}": {literal}}}'.encode()
     assert error_of(post_raw(server, CHAT, raw), 400)["code"] == "invalid_json"
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k"),
-    ({"min_p": -0.1}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
-    ({"max_tokens": 1.5}, "max_tokens"), ({"max_completion_tokens": -4}, "max_completion_tokens"),
-    ({"n": 2.0}, "n"), ({"n": "1"}, "n"), ({"stream": "yes"}, "stream"),
-    ({"stream_options": {"include_usage": "yes"}}, "include_usage"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_completion_tokens": -4}, "max_completion_tokens"),
+        ({"n": 2.0}, "n"),
+        ({"n": "1"}, "n"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": "yes"}}, "include_usage"),
+    ],
+)
 def test_numbers_out_of_range_or_of_the_wrong_type_are_a_400(server, fields, param):
     assert error_of(chat(server, **fields), 400)["param"] == param
 
@@ -252,8 +311,10 @@ def raw_exchange(port: int, data: bytes, timeout: float = 10) -> bytes:
 
 
 def test_a_body_declared_over_the_limit_is_a_413_before_it_is_sent(server):
-    head = (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {20 * 1024 * 1024}\r\n\r\n").encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {20 * 1024 * 1024}\r\n\r\n"
+    ).encode()
     start = time.monotonic()
     answer = raw_exchange(server.port, head + b'{"messages": ', timeout=10)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
@@ -266,8 +327,9 @@ def test_a_chunked_body_over_the_limit_is_a_413(server):
         for _ in range(5 * 16):  # 5 MiB
             yield b"a" * 65536
 
-    response = httpx.post(server.url + COMPLETIONS, content=chunks(), headers={"content-type": "application/json"},
-                          timeout=60)
+    response = httpx.post(
+        server.url + COMPLETIONS, content=chunks(), headers={"content-type": "application/json"}, timeout=60
+    )
     assert error_of(response, 413)["code"] == "request_too_large"
 
 
@@ -312,8 +374,9 @@ def origin_server(scheduler):
     live.stop()
 
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
-                                          None])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+)
 def test_json_endpoints_require_a_json_content_type(server, content_type):
     headers = {"content-type": content_type} if content_type else {}
     body = json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode()
@@ -321,29 +384,38 @@ def test_json_endpoints_require_a_json_content_type(server, content_type):
     assert error_of(response, 415)["code"] == "unsupported_media_type"
 
 
-@pytest.mark.parametrize("origin", ["http://evil.example", "https://localhost.evil.example", "null",
-                                    "http://127.0.0.1.evil.example:8000"])
+@pytest.mark.parametrize(
+    "origin", ["http://evil.example", "https://localhost.evil.example", "null", "http://127.0.0.1.evil.example:8000"]
+)
 def test_a_web_page_from_another_origin_is_refused(origin_server, origin):
     body = {"messages": MESSAGES, "max_tokens": 2}
     response = httpx.post(origin_server.url + CHAT, json=body, headers={"origin": origin})
     assert error_of(response, 403)["code"] == "origin_not_allowed"
-    preflight = httpx.options(origin_server.url + CHAT, headers={
-        "origin": origin, "access-control-request-method": "POST"})
+    preflight = httpx.options(
+        origin_server.url + CHAT, headers={"origin": origin, "access-control-request-method": "POST"}
+    )
     assert preflight.status_code == 403 and "access-control-allow-origin" not in preflight.headers
 
 
-@pytest.mark.parametrize("origin", ["http://localhost:5173", "http://127.0.0.1:8080", "http://[::1]:3000",
-                                    "https://app.example"])
+@pytest.mark.parametrize(
+    "origin", ["http://localhost:5173", "http://127.0.0.1:8080", "http://[::1]:3000", "https://app.example"]
+)
 def test_loopback_and_allowed_origins_get_cors_answers(origin_server, origin):
-    preflight = httpx.options(origin_server.url + CHAT, headers={
-        "origin": origin, "access-control-request-method": "POST",
-        "access-control-request-headers": "authorization, content-type"})
+    preflight = httpx.options(
+        origin_server.url + CHAT,
+        headers={
+            "origin": origin,
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization, content-type",
+        },
+    )
     assert preflight.status_code == 204
     assert preflight.headers["access-control-allow-origin"] == origin
     assert "POST" in preflight.headers["access-control-allow-methods"]
     assert "content-type" in preflight.headers["access-control-allow-headers"].lower()
-    response = httpx.post(origin_server.url + CHAT, json={"messages": MESSAGES, "max_tokens": 2},
-                          headers={"origin": origin}, timeout=30)
+    response = httpx.post(
+        origin_server.url + CHAT, json={"messages": MESSAGES, "max_tokens": 2}, headers={"origin": origin}, timeout=30
+    )
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == origin
 
 
@@ -443,8 +515,9 @@ def test_other_schemes_and_keys_are_refused(keyed_server, value):
 
 
 def ferrum_serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ferrum_mac.cli", "serve", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ferrum_mac.cli", "serve", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_a_taken_port_is_one_line(stories_path):

@@ -10,7 +10,7 @@ import httpx
 
 from ferrum_mac.engine import Done
 from ferrum_mac.serve import EventQueue, GenerationRequest, Scheduler
-from conftest import open_stories
+from serve_support import open_stories
 
 TIMEOUT = 60
 IDLE = 256  # the scheduler's warm-up prepares 16 tokens: one slot of the grow step
@@ -37,7 +37,9 @@ def run_all(scheduler, requests: list[dict]) -> list[int]:
 
 def wait_idle(scheduler) -> None:
     deadline = time.monotonic() + TIMEOUT
-    while (scheduler.stats.active or scheduler.stats.waiting or scheduler.stats.kv_tokens_used) and time.monotonic() < deadline:
+    while (
+        scheduler.stats.active or scheduler.stats.waiting or scheduler.stats.kv_tokens_used
+    ) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert scheduler.stats.active == 0 and scheduler.stats.kv_tokens_used == 0
 
@@ -67,7 +69,9 @@ def test_metrics_show_allocated_and_used_kv(server, scheduler):
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # the gauges are written once per loop turn
         samples = dict(
-            line.rsplit(" ", 1) for line in httpx.get(server.url + "/metrics").text.splitlines() if not line.startswith("#")
+            line.rsplit(" ", 1)
+            for line in httpx.get(server.url + "/metrics").text.splitlines()
+            if not line.startswith("#")
         )
         if samples["ferrum_kv_tokens_allocated"] == str(IDLE):
             break
@@ -81,10 +85,13 @@ def test_admission_budgets_for_the_pools_shape(stories_path):
     together the pool holds two slots of 512: with a budget of 900 the long one waits."""
     scheduler = Scheduler(open_stories(stories_path), kv_budget=900).start()
     try:
-        held = run_all(scheduler, [
-            dict(prompt_ids=[1, 20, 30, 40, 50], max_tokens=100, ignore_eos=True),
-            dict(prompt_ids=long_prompt(450), max_tokens=8, ignore_eos=True),
-        ])
+        held = run_all(
+            scheduler,
+            [
+                dict(prompt_ids=[1, 20, 30, 40, 50], max_tokens=100, ignore_eos=True),
+                dict(prompt_ids=long_prompt(450), max_tokens=8, ignore_eos=True),
+            ],
+        )
         assert max(held) <= 900
         assert max(held) == 512  # the long one ran, alone
     finally:

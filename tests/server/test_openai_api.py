@@ -4,8 +4,6 @@ mid-stream or while a whole answer is computed, and OpenAI-style errors after wh
 
 from __future__ import annotations
 
-import json
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,37 +28,55 @@ def test_chat_whole_and_streamed_agree(client):
     assert choice.message.role == "assistant" and choice.message.content
     assert choice.finish_reason == "length"
     assert whole.usage.completion_tokens == 16 and whole.usage.prompt_tokens > 0
-    chunks = list(client.chat.completions.create(
-        model="stories260K", messages=MESSAGES, max_completion_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="stories260K",
+            messages=MESSAGES,
+            max_completion_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
 def test_stop_and_seed(client):
-    text = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=24, temperature=0).choices[0].message.content
+    text = (
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=24, temperature=0)
+        .choices[0]
+        .message.content
+    )
     word = text.split()[2]
     stopped = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=24, temperature=0, stop=[word])
     assert stopped.choices[0].finish_reason == "stop" and word not in stopped.choices[0].message.content
-    seeded = [client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=12, temperature=1.0, top_p=0.9,
-                                             seed=5).choices[0].message.content for _ in range(2)]
+    seeded = [
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=12, temperature=1.0, top_p=0.9, seed=5)
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
 
 
 def test_completions_models_and_health(client, server):
     whole = client.completions.create(model="m", prompt="Once upon a time", max_tokens=12, temperature=0)
     assert whole.choices[0].text and whole.usage.completion_tokens == 12
-    streamed = client.completions.create(model="m", prompt="Once upon a time", max_tokens=12, temperature=0, stream=True)
+    streamed = client.completions.create(
+        model="m", prompt="Once upon a time", max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
     assert [m.id for m in client.models.list()] == ["stories260K"]
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
 def test_sixteen_concurrent_streams_equal_one_at_a_time(client):
-    conversations = [[{"role": "user", "content": f"Tell me a story about {name}."}]
-                     for name in ["Lily", "Tom", "a cat", "the sun"] * 4]
+    conversations = [
+        [{"role": "user", "content": f"Tell me a story about {name}."}]
+        for name in ["Lily", "Tom", "a cat", "the sun"] * 4
+    ]
     alone = [stream_text(client, m, max_tokens=20) for m in conversations]
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda m: stream_text(client, m, max_tokens=20), conversations))
@@ -111,28 +127,38 @@ def error_of(response: httpx.Response, status: int) -> dict:
     return error
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
-    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
-    ({"messages": "hello"}, "messages"),
-    ({"messages": [{"content": "no role"}]}, "messages[0]"),
-    ({"messages": MESSAGES, "n": 2}, "n"),
-    ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": MESSAGES, "logprobs": True}, "logprobs"),
-    ({"messages": MESSAGES, "stop": [1, 2]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+        ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+        ({"messages": "hello"}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages[0]"),
+        ({"messages": MESSAGES, "n": 2}, "n"),
+        ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": MESSAGES, "logprobs": True}, "logprobs"),
+        ({"messages": MESSAGES, "stop": [1, 2]}, "stop"),
+    ],
+)
 def test_bad_fields_get_a_400_naming_them(server, body, param):
     error = error_of(httpx.post(server.url + "/v1/chat/completions", json=body), 400)
     assert error["param"] == param and error["type"] == "invalid_request_error"
 
 
 def test_malformed_json_unknown_route_and_the_server_keeps_serving(server, client):
-    error = error_of(httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
-                                headers={"content-type": "application/json"}), 400)
+    error = error_of(
+        httpx.post(
+            server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        ),
+        400,
+    )
     assert error["code"] == "invalid_json"
     error_of(httpx.post(server.url + "/v1/completions", json=[1, 2]), 400)
     error_of(httpx.get(server.url + "/v1/nothing"), 404)
-    assert "vocabulary" in error_of(httpx.post(server.url + "/v1/completions", json={"prompt": [1, 10**6]}), 400)["message"]
+    assert (
+        "vocabulary"
+        in error_of(httpx.post(server.url + "/v1/completions", json={"prompt": [1, 10**6]}), 400)["message"]
+    )
     assert client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4).usage.completion_tokens == 4
 
 
@@ -140,7 +166,9 @@ def test_prompt_past_capacity_is_a_400(small_server):
     long = [{"role": "user", "content": "Once upon a time there was a little girl " * 10}]
     error = error_of(httpx.post(small_server.url + "/v1/chat/completions", json={"messages": long}), 400)
     assert error["code"] == "context_length_exceeded" and "48" in error["message"]
-    short = httpx.post(small_server.url + "/v1/completions", json={"prompt": "Tom", "max_tokens": 100, "temperature": 0})
+    short = httpx.post(
+        small_server.url + "/v1/completions", json={"prompt": "Tom", "max_tokens": 100, "temperature": 0}
+    )
     assert short.status_code == 200 and short.json()["choices"][0]["finish_reason"] == "length"
 
 

@@ -26,14 +26,27 @@ def ferrum(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
 
 
 def test_ferrum_run_remote_one_shot_and_json(server, client):
-    expected = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Tell me about Lily"}], max_tokens=12, temperature=0
-    ).choices[0].message.content
+    expected = (
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Tell me about Lily"}], max_tokens=12, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
     shot = ferrum("run", "--remote", server.url, "--temperature", "0", "--max-tokens", "12", "Tell me about Lily")
     assert shot.returncode == 0, shot.stderr
     assert shot.stdout.strip() == expected.strip()
-    out = ferrum("run", "--remote", server.url + "/v1", "--json", "--temperature", "0", "--max-tokens", "12",
-                 "Tell me about Lily")
+    out = ferrum(
+        "run",
+        "--remote",
+        server.url + "/v1",
+        "--json",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "12",
+        "Tell me about Lily",
+    )
     data = json.loads(out.stdout)
     assert data["text"] == expected and data["model"] == "stories260K"
     assert data["stats"]["generated_tokens"] == 12 and data["stats"]["stop_reason"] == MAX_TOKENS
@@ -81,12 +94,14 @@ def test_remote_key_and_unreachable_server(keyed_server):
 
 
 def test_reasoning_fields_of_other_servers_become_reasoning_events():
-    chunks = iter([
-        {"choices": [{"delta": {"reasoning_content": "think "}}]},
-        {"choices": [{"delta": {"reasoning": "more"}}]},
-        {"choices": [{"delta": {"content": "Answer"}, "finish_reason": "length"}]},
-        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}},
-    ])
+    chunks = iter(
+        [
+            {"choices": [{"delta": {"reasoning_content": "think "}}]},
+            {"choices": [{"delta": {"reasoning": "more"}}]},
+            {"choices": [{"delta": {"content": "Answer"}, "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}},
+        ]
+    )
     turn = RemoteTurn()
     events = list(turn.read(chunks, threading.Event()))
     assert events == [ReasoningDelta("think "), ReasoningDelta("more"), TextDelta("Answer")]

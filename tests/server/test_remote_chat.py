@@ -21,9 +21,13 @@ async def wait_for(pilot, condition, what: str, timeout: float = 60.0) -> None:
 
 
 def test_chat_app_answers_through_a_remote_server(server, client, tmp_path):
-    expected = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0
-    ).choices[0].message.content
+    expected = (
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=12, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
     history = History.open(tmp_path / "history.sqlite3")
     app = ChatApp(RemoteServices(server.url), history, None, {"temperature": 0, "max_tokens": 12})
 

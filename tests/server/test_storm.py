@@ -33,9 +33,21 @@ def ferrum_serve(stories_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("storm") / "serve.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "ferrum_mac.cli", "serve", str(stories_path), "--port", str(port),
-             "--max-body", str(MAX_BODY), "--allow-origin", "https://app.example"],
-            stderr=out, stdout=out,
+            [
+                sys.executable,
+                "-m",
+                "ferrum_mac.cli",
+                "serve",
+                str(stories_path),
+                "--port",
+                str(port),
+                "--max-body",
+                str(MAX_BODY),
+                "--allow-origin",
+                "https://app.example",
+            ],
+            stderr=out,
+            stdout=out,
         )
     deadline = time.monotonic() + 60
     while "serving" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
@@ -56,18 +68,29 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def valid_chat(rng, http, url):
-    body = {"messages": [{"role": "user", "content": rng.choice(["Lily", "Tom had a ball.", "Once upon a time"])}],
-            "max_tokens": rng.randint(1, 12), "temperature": rng.choice([0, 0.7, 1.0]),
-            "seed": rng.randint(0, 2**64 - 1),
-            "top_p": rng.choice([0.5, 1.0]), "top_k": rng.choice([0, 5, 10_000]), "min_p": rng.choice([0, 0.1]),
-            "repetition_penalty": rng.choice([1.0, 1.3]), "logit_bias": {"2": rng.choice([-100, 0, 100])},
-            "stop": rng.choice([None, ["the"], ["\n", ".", "!", "?"]])}
+    body = {
+        "messages": [{"role": "user", "content": rng.choice(["Lily", "Tom had a ball.", "Once upon a time"])}],
+        "max_tokens": rng.randint(1, 12),
+        "temperature": rng.choice([0, 0.7, 1.0]),
+        "seed": rng.randint(0, 2**64 - 1),
+        "top_p": rng.choice([0.5, 1.0]),
+        "top_k": rng.choice([0, 5, 10_000]),
+        "min_p": rng.choice([0, 0.1]),
+        "repetition_penalty": rng.choice([1.0, 1.3]),
+        "logit_bias": {"2": rng.choice([-100, 0, 100])},
+        "stop": rng.choice([None, ["the"], ["\n", ".", "!", "?"]]),
+    }
     return http.post(url + CHAT, json=body).status_code
 
 
 def valid_stream(rng, http, url):
-    body = {"messages": MESSAGES, "max_tokens": rng.randint(1, 16), "stream": True, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": rng.randint(1, 16),
+        "stream": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     with http.stream("POST", url + CHAT, json=body) as r:
         text = "".join(r.iter_text())
     assert "generation_failed" not in text and "server_error" not in text, text
@@ -81,8 +104,19 @@ def valid_completion(rng, http, url):
 
 
 def gets(rng, http, url):
-    path = rng.choice(["/health", "/metrics", "/v1/models", "/v1/models/stories260K", "/v1/models/x/y",
-                       "/v1/nothing", CHAT, "/../../etc/passwd", "/v1/models/%00"])
+    path = rng.choice(
+        [
+            "/health",
+            "/metrics",
+            "/v1/models",
+            "/v1/models/stories260K",
+            "/v1/models/x/y",
+            "/v1/nothing",
+            CHAT,
+            "/../../etc/passwd",
+            "/v1/models/%00",
+        ]
+    )
     return http.get(url + path).status_code
 
 
@@ -103,8 +137,16 @@ def give_up_on_a_whole_answer(rng, http, url):
 
 
 MALFORMED_BODIES = [
-    b"", b"{", b"null", b"[]", b'"x"', b"{not json", b'{"messages": []}', b'{"messages": "hi"}',
-    b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', b'{"prompt": "\\udfff"}',
+    b"",
+    b"{",
+    b"null",
+    b"[]",
+    b'"x"',
+    b"{not json",
+    b'{"messages": []}',
+    b'{"messages": "hi"}',
+    b'{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+    b'{"prompt": "\\udfff"}',
     b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
     b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": Infinity}',
     b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": -Infinity}',
@@ -129,11 +171,19 @@ MALFORMED_BODIES = [
     b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
     b'{"messages": [{"role": 5, "content": "hi"}]}',
     b'{"messages": [{"role": "user", "content": "hi", "name": {"x": [1, 2]}}]}',
-    b'{"prompt": []}', b'{"prompt": [1, 2, 99999999]}', b'{"prompt": [-1]}', b'{"prompt": [true]}',
-    b'{"prompt": ["a", "b"]}', b'{"prompt": ""}', b'{"prompt": 5}',
-    b"[" * 50_000 + b"]" * 50_000, b'{"a":' * 5000 + b"1" + b"}" * 5000,
-    b'{"prompt": "' + b"9" * 5000 + b'"}', b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
-    b"\xff\xfe\x00garbage", b'{"prompt": "Once upon a time ' + b"little girl " * 3000 + b'"}',
+    b'{"prompt": []}',
+    b'{"prompt": [1, 2, 99999999]}',
+    b'{"prompt": [-1]}',
+    b'{"prompt": [true]}',
+    b'{"prompt": ["a", "b"]}',
+    b'{"prompt": ""}',
+    b'{"prompt": 5}',
+    b"[" * 50_000 + b"]" * 50_000,
+    b'{"a":' * 5000 + b"1" + b"}" * 5000,
+    b'{"prompt": "' + b"9" * 5000 + b'"}',
+    b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+    b"\xff\xfe\x00garbage",
+    b'{"prompt": "Once upon a time ' + b"little girl " * 3000 + b'"}',
 ]
 
 
@@ -145,14 +195,18 @@ def malformed(rng, http, url):
 
 def wrong_headers(rng, http, url):
     body = json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode()
-    headers = rng.choice([
-        {"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}, {},
-        {"content-type": "application/json", "origin": "https://evil.example"},
-        {"content-type": "application/json", "origin": "null"},
-        {"content-type": "application/json", "origin": "http://localhost:3000"},
-        {"content-type": "application/json", "origin": "https://app.example"},
-        {"content-type": "application/json; charset=utf-8", "authorization": "bearer whatever"},
-    ])
+    headers = rng.choice(
+        [
+            {"content-type": "text/plain"},
+            {"content-type": "application/x-www-form-urlencoded"},
+            {},
+            {"content-type": "application/json", "origin": "https://evil.example"},
+            {"content-type": "application/json", "origin": "null"},
+            {"content-type": "application/json", "origin": "http://localhost:3000"},
+            {"content-type": "application/json", "origin": "https://app.example"},
+            {"content-type": "application/json; charset=utf-8", "authorization": "bearer whatever"},
+        ]
+    )
     return http.post(url + CHAT, content=body, headers=headers).status_code
 
 
@@ -180,15 +234,19 @@ JSON_POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applicat
 
 def raw_socket(rng, http, url, port):
     """Bytes no HTTP client would send; the answer's status, or 0 when the server just closes."""
-    data = rng.choice([
-        b"GARBAGE\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
-        JSON_POST + b"Content-Length: 999999999\r\n\r\n{",
-        JSON_POST + b"Content-Length: 40\r\n\r\n{\"pro",
-        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
-        b"GET /health HTTP/1.0\r\n\r\n",
-        b"GET /health HTTP/1.1\r\nHost: x\r\nConn",
-    ])
+    data = rng.choice(
+        [
+            b"GARBAGE\r\n\r\n",
+            b"GET / HTTP/9.9\r\n\r\n",
+            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+            JSON_POST + b"Content-Length: 999999999\r\n\r\n{",
+            JSON_POST + b'Content-Length: 40\r\n\r\n{"pro',
+            b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+            b"GET /health HTTP/1.0\r\n\r\n",
+            b"GET /health HTTP/1.1\r\nHost: x\r\nConn",
+        ]
+    )
     with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
         try:
             s.sendall(data)
@@ -200,9 +258,19 @@ def raw_socket(rng, http, url, port):
     return int(answer.split()[1]) if answer.startswith(b"HTTP/") else 0
 
 
-KINDS = [(valid_chat, 5), (valid_stream, 3), (valid_completion, 4), (gets, 3), (disconnect_mid_stream, 1),
-         (give_up_on_a_whole_answer, 1), (malformed, 8), (wrong_headers, 3), (preflight, 1), (too_big, 1),
-         (raw_socket, 2)]
+KINDS = [
+    (valid_chat, 5),
+    (valid_stream, 3),
+    (valid_completion, 4),
+    (gets, 3),
+    (disconnect_mid_stream, 1),
+    (give_up_on_a_whole_answer, 1),
+    (malformed, 8),
+    (wrong_headers, 3),
+    (preflight, 1),
+    (too_big, 1),
+    (raw_socket, 2),
+]
 
 
 def test_storm(ferrum_serve):
@@ -238,8 +306,12 @@ def test_storm(ferrum_serve):
     allocated = [name for name in idle if name.startswith("ferrum_kv_") and "allocated" in name]
 
     def settled(m: dict) -> bool:  # the gauges are written once per turn of the scheduler's loop
-        return not (m["ferrum_active_sequences"] or m["ferrum_waiting_requests"] or m["ferrum_kv_tokens_in_use"]
-                    or any(m[name] > idle[name] for name in allocated))
+        return not (
+            m["ferrum_active_sequences"]
+            or m["ferrum_waiting_requests"]
+            or m["ferrum_kv_tokens_in_use"]
+            or any(m[name] > idle[name] for name in allocated)
+        )
 
     deadline = time.monotonic() + 20
     after = metrics(url)

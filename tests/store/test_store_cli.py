@@ -35,8 +35,14 @@ def test_pull_list_show_rm(hub):
     assert re.match(rf"{REPO_ID}\s+\d+\.\d kB\s+fp32\s+safetensors\s+just now$", lines[1])
 
     shown = ferrum("show", REPO_ID).stdout
-    for expected in (r"architecture\s+LlamaForCausalLM \(llama\)", r"parameters\s+\d+\.\d\dK \([\d,]+\)",
-                     r"context length\s+512", r"quantization\s+fp32", r"chat template\s+yes", r"license\s+mit"):
+    for expected in (
+        r"architecture\s+LlamaForCausalLM \(llama\)",
+        r"parameters\s+\d+\.\d\dK \([\d,]+\)",
+        r"context length\s+512",
+        r"quantization\s+fp32",
+        r"chat template\s+yes",
+        r"license\s+mit",
+    ):
         assert re.search(expected, shown), (expected, shown)
 
     result = ferrum("rm", REPO_ID, input="n\n")
@@ -53,8 +59,9 @@ def test_unfinished_pull_is_not_listed_as_a_model(hub):
     assert result.exit_code == 1 and "resumes the download" in str(result.exception)
     result = ferrum("list")
     assert "no models yet" in result.stdout
-    assert re.search(r"unfinished: tiny-org/tiny-llama \(.*\); `ferrum pull tiny-org/tiny-llama` finishes it",
-                     result.stderr)
+    assert re.search(
+        r"unfinished: tiny-org/tiny-llama \(.*\); `ferrum pull tiny-org/tiny-llama` finishes it", result.stderr
+    )
     assert ferrum("show", REPO_ID).exit_code == 1  # not downloaded: a FerrumError, not a half model
 
 
@@ -62,16 +69,25 @@ def test_list_available_prints_the_alias_table():
     out = ferrum("list", "--available").stdout
     assert re.search(r"qwen3:0\.6b\s+mlx-community/Qwen3-0\.6B-4bit", out)
     assert re.search(r"smollm2:135m\s+bundled GGUF", out)
-    assert re.search(r"qwen3:0\.6b\s+Qwen/Qwen3-0\.6B$", ferrum("list", "--available", "--backend", "torch").stdout, re.M)
+    assert re.search(
+        r"qwen3:0\.6b\s+Qwen/Qwen3-0\.6B$", ferrum("list", "--available", "--backend", "torch").stdout, re.M
+    )
 
 
 def test_bundled_model_is_listed_and_shown(hf_home, tmp_path):
     from ferrum_mac.store import bundled
 
     gguf = bundled.models_dir() / bundled.SMOLLM2.name / bundled.SMOLLM2.filename
-    write_gguf_header(gguf, {"general.architecture": "llama", "llama.context_length": 8192,
-                             "tokenizer.chat_template": "{{ x }}", "general.license": "apache-2.0"},
-                      [("blk.0.ffn_up.weight", (576, 1536), 3)])
+    write_gguf_header(
+        gguf,
+        {
+            "general.architecture": "llama",
+            "llama.context_length": 8192,
+            "tokenizer.chat_template": "{{ x }}",
+            "general.license": "apache-2.0",
+        },
+        [("blk.0.ffn_up.weight", (576, 1536), 3)],
+    )
     assert re.search(r"smollm2:135m\s+\S+ B\s+Q4_1\s+gguf", ferrum("list").stdout)
     shown = ferrum("show", "smollm2:135m").stdout
     assert re.search(r"context length\s+8,192", shown) and re.search(r"license\s+apache-2.0", shown)
@@ -80,11 +96,17 @@ def test_bundled_model_is_listed_and_shown(hf_home, tmp_path):
 def test_errors_are_one_line_on_stderr(hub):
     """Through the real entry point (`main`), as the installed `ferrum` script runs it."""
     env = {**os.environ, "HF_ENDPOINT": hub.url}
-    proc = subprocess.run([sys.executable, "-c", "from ferrum_mac.cli import main; main()", "pull", "tiny-org/nope"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", "from ferrum_mac.cli import main; main()", "pull", "tiny-org/nope"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
-        "ferrum: no model tiny-org/nope on the Hub; check the name (`ferrum list --available` shows aliases)"]
+        "ferrum: no model tiny-org/nope on the Hub; check the name (`ferrum list --available` shows aliases)"
+    ]
 
 
 @pytest.mark.parametrize("args", [["rm", "tiny-org/never-pulled", "--yes"], ["show", "qwen3:0.6b"]])
@@ -108,8 +130,9 @@ def test_rm_counts_and_removes_the_dense_copy(hub):
     assert re.match(rf"{REPO_ID}\s+\d+\.\d kB \+ 2\.0 MB dense copy\s+fp32", ferrum("list").stdout.splitlines()[1])
 
     result = ferrum("rm", REPO_ID, input="n\n")
-    assert re.search(r"Remove tiny-org/tiny-llama \(all its cached files\), \d+\.\d kB and its dense copy, 2\.0 MB\?",
-                     result.stdout)
+    assert re.search(
+        r"Remove tiny-org/tiny-llama \(all its cached files\), \d+\.\d kB and its dense copy, 2\.0 MB\?", result.stdout
+    )
     assert copy.is_file()
     result = ferrum("rm", REPO_ID, "--yes")
     assert result.exit_code == 0 and re.search(r"removed tiny-org/tiny-llama \(2\.\d MB freed\)", result.stdout)

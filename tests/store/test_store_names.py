@@ -16,27 +16,37 @@ from ferrum_mac.store.select import gguf_quant_of, needed_files
 from ferrum_mac.store.units import human_age, human_bytes
 
 
-@pytest.mark.parametrize("name, backend, expected", [
-    ("qwen3:0.6b", "mlx", RepoRef("mlx-community/Qwen3-0.6B-4bit")),
-    ("qwen3:0.6b", "torch", RepoRef("Qwen/Qwen3-0.6B")),
-    ("Qwen3:8B-8bit", "mlx", RepoRef("mlx-community/Qwen3-8B-8bit")),
-    ("qwen3:30b-a3b", "mlx", RepoRef("mlx-community/Qwen3-30B-A3B-4bit")),
-    ("llama3.1:8b-bf16", "mlx", RepoRef("meta-llama/Llama-3.1-8B-Instruct")),
-    ("smollm2:135m", "mlx", BundledRef("smollm2:135m")),
-    ("smollm2:135m", "torch", RepoRef("HuggingFaceTB/SmolLM2-135M-Instruct")),
-    ("org/model", "mlx", RepoRef("org/model")),
-    ("org/model@v1.0", "mlx", RepoRef("org/model", "v1.0")),
-    ("org/Model-GGUF:Q8_0", "mlx", RepoRef("org/Model-GGUF", gguf_quant="Q8_0")),
-])
+@pytest.mark.parametrize(
+    "name, backend, expected",
+    [
+        ("qwen3:0.6b", "mlx", RepoRef("mlx-community/Qwen3-0.6B-4bit")),
+        ("qwen3:0.6b", "torch", RepoRef("Qwen/Qwen3-0.6B")),
+        ("Qwen3:8B-8bit", "mlx", RepoRef("mlx-community/Qwen3-8B-8bit")),
+        ("qwen3:30b-a3b", "mlx", RepoRef("mlx-community/Qwen3-30B-A3B-4bit")),
+        ("llama3.1:8b-bf16", "mlx", RepoRef("meta-llama/Llama-3.1-8B-Instruct")),
+        ("smollm2:135m", "mlx", BundledRef("smollm2:135m")),
+        ("smollm2:135m", "torch", RepoRef("HuggingFaceTB/SmolLM2-135M-Instruct")),
+        ("org/model", "mlx", RepoRef("org/model")),
+        ("org/model@v1.0", "mlx", RepoRef("org/model", "v1.0")),
+        ("org/Model-GGUF:Q8_0", "mlx", RepoRef("org/Model-GGUF", gguf_quant="Q8_0")),
+    ],
+)
 def test_names(name, backend, expected):
     assert parse_name(name, backend) == expected
 
 
-@pytest.mark.parametrize("name, error, message", [
-    ("qwen3:7b", ModelNotFoundError, r"unknown model 'qwen3:7b' \(did you mean qwen3:[\d.]+b\?\); `ferrum list --available`"),
-    ("qwen3:8b-8bit", UnsupportedModelError, "torch backend runs the original bf16 weights"),
-    ("not a name", ModelNotFoundError, "is not a model name"),
-])
+@pytest.mark.parametrize(
+    "name, error, message",
+    [
+        (
+            "qwen3:7b",
+            ModelNotFoundError,
+            r"unknown model 'qwen3:7b' \(did you mean qwen3:[\d.]+b\?\); `ferrum list --available`",
+        ),
+        ("qwen3:8b-8bit", UnsupportedModelError, "torch backend runs the original bf16 weights"),
+        ("not a name", ModelNotFoundError, "is not a model name"),
+    ],
+)
 def test_bad_names(name, error, message):
     with pytest.raises(error, match=message):
         parse_name(name, "torch" if "8bit" in name else "mlx")
@@ -44,9 +54,22 @@ def test_bad_names(name, error, message):
 
 def test_issue_aliases_exist_and_map_back():
     names = {a.name for a in ALIASES}
-    for required in ("qwen3:0.6b", "qwen3:1.7b", "qwen3:4b", "qwen3:8b", "qwen3:30b-a3b", "qwen2.5:0.5b",
-                     "qwen2.5:1.5b", "qwen2.5:3b", "qwen2.5:7b", "llama3.2:1b", "llama3.2:3b", "llama3.1:8b",
-                     "mistral:7b", "smollm2:135m"):
+    for required in (
+        "qwen3:0.6b",
+        "qwen3:1.7b",
+        "qwen3:4b",
+        "qwen3:8b",
+        "qwen3:30b-a3b",
+        "qwen2.5:0.5b",
+        "qwen2.5:1.5b",
+        "qwen2.5:3b",
+        "qwen2.5:7b",
+        "llama3.2:1b",
+        "llama3.2:3b",
+        "llama3.1:8b",
+        "mistral:7b",
+        "smollm2:135m",
+    ):
         assert required in names
     assert alias_for_repo("mlx-community/Qwen3-0.6B-4bit") == "qwen3:0.6b"
     assert alias_for_repo("Qwen/Qwen3-0.6B") == "qwen3:0.6b-bf16"
@@ -62,16 +85,32 @@ SIDE = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_co
 
 
 def test_selection_prefers_safetensors_and_skips_copies():
-    repo = SIDE + ["model.safetensors", "pytorch_model.bin", "model-Q4_0.gguf", "original/consolidated.00.pth",
-                   "original/params.json", ".gitattributes", "flax_model.msgpack", "onnx/model.onnx"]
+    repo = SIDE + [
+        "model.safetensors",
+        "pytorch_model.bin",
+        "model-Q4_0.gguf",
+        "original/consolidated.00.pth",
+        "original/params.json",
+        ".gitattributes",
+        "flax_model.msgpack",
+        "onnx/model.onnx",
+    ]
     assert needed_files(repo) == sorted(SIDE) + ["model.safetensors"]
 
 
 def test_selection_takes_transformers_shards_over_mistral_consolidated():
-    repo = SIDE + ["consolidated.safetensors", "model-00001-of-00002.safetensors",
-                   "model-00002-of-00002.safetensors", "model.safetensors.index.json", "params.json"]
-    assert needed_files(repo)[-3:] == ["model.safetensors.index.json", "model-00001-of-00002.safetensors",
-                                       "model-00002-of-00002.safetensors"]
+    repo = SIDE + [
+        "consolidated.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "params.json",
+    ]
+    assert needed_files(repo)[-3:] == [
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
 
 
 def test_selection_of_gguf_repositories():
@@ -80,8 +119,9 @@ def test_selection_of_gguf_repositories():
     assert needed_files(repo, "q4_k_m") == ["README.md", "x-Q4_K_M.gguf"]
     with pytest.raises(UnsupportedModelError, match="no GGUF of a type ferrum loads"):
         needed_files(["a-Q4_K_M.gguf", "a-Q6_K.gguf"])
-    assert [gguf_quant_of(n) for n in ("SmolLM2-135M-Instruct.Q4_1.gguf", "m-IQ4_XS.gguf", "m-bf16.gguf", "m.gguf")] \
-        == ["Q4_1", "IQ4_XS", "BF16", None]
+    assert [
+        gguf_quant_of(n) for n in ("SmolLM2-135M-Instruct.Q4_1.gguf", "m-IQ4_XS.gguf", "m-bf16.gguf", "m.gguf")
+    ] == ["Q4_1", "IQ4_XS", "BF16", None]
 
 
 def test_pickle_only_repositories_are_refused():
@@ -104,7 +144,9 @@ def _model_folder(folder, shards=("model.safetensors",), index=False, truncate=0
 def test_completeness(tmp_path):
     assert missing_parts(_model_folder(tmp_path / "whole")) == []
     assert missing_parts(_model_folder(tmp_path / "short", truncate=8)) == ["model.safetensors"]
-    assert missing_parts(_model_folder(tmp_path / "shard", ("model-1.safetensors",), index=True)) == ["model-2.safetensors"]
+    assert missing_parts(_model_folder(tmp_path / "shard", ("model-1.safetensors",), index=True)) == [
+        "model-2.safetensors"
+    ]
     dangling = _model_folder(tmp_path / "dangling")
     (dangling / "tokenizer.json").unlink()
     (dangling / "tokenizer.json").symlink_to(tmp_path / "gone")
@@ -115,22 +157,43 @@ def test_parameters_of_an_mlx_quantized_checkpoint(tmp_path):
     folder = tmp_path / "q"
     folder.mkdir()
     # a 4-bit (256, 512) matrix packs into (256, 64) uint32 with group size 64: 8 groups per row
-    write_safetensors_header(folder / "model.safetensors", {
-        "embed.weight": ("BF16", (100, 512)),
-        "proj.weight": ("U32", (256, 64)), "proj.scales": ("BF16", (256, 8)), "proj.biases": ("BF16", (256, 8)),
-    })
+    write_safetensors_header(
+        folder / "model.safetensors",
+        {
+            "embed.weight": ("BF16", (100, 512)),
+            "proj.weight": ("U32", (256, 64)),
+            "proj.scales": ("BF16", (256, 8)),
+            "proj.biases": ("BF16", (256, 8)),
+        },
+    )
     config = {"quantization": {"group_size": 64, "bits": 4}}
     assert count_parameters(folder, config) == 100 * 512 + 256 * 512
 
 
 def test_gguf_facts(tmp_path):
-    path = write_gguf_header(tmp_path / "m.gguf", {
-        "general.architecture": "llama", "general.license": "apache-2.0", "llama.context_length": 8192,
-        "tokenizer.ggml.tokens": ["<s>", "</s>", "hello"], "tokenizer.chat_template": "{{ messages }}",
-    }, [("token_embd.weight", (1000, 64), 8), ("blk.0.attn_q.weight", (64, 64), 3),
-        ("blk.0.ffn_up.weight", (256, 64), 3), ("blk.0.ffn_down.weight", (64, 256), 3)])
+    path = write_gguf_header(
+        tmp_path / "m.gguf",
+        {
+            "general.architecture": "llama",
+            "general.license": "apache-2.0",
+            "llama.context_length": 8192,
+            "tokenizer.ggml.tokens": ["<s>", "</s>", "hello"],
+            "tokenizer.chat_template": "{{ messages }}",
+        },
+        [
+            ("token_embd.weight", (1000, 64), 8),
+            ("blk.0.attn_q.weight", (64, 64), 3),
+            ("blk.0.ffn_up.weight", (256, 64), 3),
+            ("blk.0.ffn_down.weight", (64, 256), 3),
+        ],
+    )
     facts = describe(path)
-    assert (facts.format, facts.architecture, facts.context_length, facts.license) == ("gguf", "llama", 8192, "apache-2.0")
+    assert (facts.format, facts.architecture, facts.context_length, facts.license) == (
+        "gguf",
+        "llama",
+        8192,
+        "apache-2.0",
+    )
     assert facts.chat_template and facts.parameters == 1000 * 64 + 64 * 64 + 2 * 256 * 64
     assert facts.quantization == "Q8_0"  # the embedding holds most of this toy's weights
 

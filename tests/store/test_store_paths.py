@@ -56,10 +56,35 @@ def test_a_revision_that_climbs_out_of_refs_is_refused_before_asking_the_hub(hub
         resolve_model(f"{REPO_ID}@{revision}", pull=False)
 
 
-@pytest.mark.parametrize("revision", [
-    "../x", "a/../b", "/abs", "-rf", "a\\b", "a b", "a\nb", "a\x00b", "a~1", "a^", "a?", "a*", "a[", "a@{1}", "@",
-    ".hidden", "a/.b", "a.lock", "a/", "a.", "a//b", "", "x" * 300,
-], ids=repr)
+@pytest.mark.parametrize(
+    "revision",
+    [
+        "../x",
+        "a/../b",
+        "/abs",
+        "-rf",
+        "a\\b",
+        "a b",
+        "a\nb",
+        "a\x00b",
+        "a~1",
+        "a^",
+        "a?",
+        "a*",
+        "a[",
+        "a@{1}",
+        "@",
+        ".hidden",
+        "a/.b",
+        "a.lock",
+        "a/",
+        "a.",
+        "a//b",
+        "",
+        "x" * 300,
+    ],
+    ids=repr,
+)
 def test_revisions_follow_git_ref_name_rules(revision):
     with pytest.raises(ModelNotFoundError, match=r"is not a revision|is not a model name"):
         parse_name(f"org/name@{revision}")
@@ -70,9 +95,25 @@ def test_ordinary_revisions_pass(revision):
     assert parse_name(f"org/name@{revision}").revision == revision
 
 
-@pytest.mark.parametrize("name", ["org/..", "org/.", "../x", "./x", "a/" + "b" * 5000, "b" * 5000, "a--b/c",
-                                  "org/name.git", "-org/name", "org/name-", "org/na me", "org/námé", "org/x\ny"],
-                         ids=lambda name: repr(name[:24]))
+@pytest.mark.parametrize(
+    "name",
+    [
+        "org/..",
+        "org/.",
+        "../x",
+        "./x",
+        "a/" + "b" * 5000,
+        "b" * 5000,
+        "a--b/c",
+        "org/name.git",
+        "-org/name",
+        "org/name-",
+        "org/na me",
+        "org/námé",
+        "org/x\ny",
+    ],
+    ids=lambda name: repr(name[:24]),
+)
 def test_bad_repository_ids_are_one_line_errors(hf_home, name):
     for action in (lambda: pull(name), lambda: resolve_model(name, pull=False), lambda: plan_removal(name)):
         with pytest.raises(ModelNotFoundError, match=r"is not a model name|does not exist") as e:

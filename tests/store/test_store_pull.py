@@ -10,8 +10,16 @@ from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.store import hub_cache, list_models, resolve_model
 from ferrum_mac.store import pull_model as pull
 
-WANTED = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
-          "tokenizer_config.json", "chat_template.jinja", "README.md"}
+WANTED = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "README.md",
+}
 
 
 def downloaded(hub) -> set[str]:
@@ -85,10 +93,13 @@ def test_private_repository_names_the_login_fix_and_honours_HF_TOKEN(hub, monkey
     assert to_repo and all(r["auth"] == "Bearer hf_good" for r in to_repo)
 
 
-@pytest.mark.parametrize("code, expected", [
-    ("GatedRepo", r"is gated: accept its terms at http://127\.0\.0\.1:\d+/tiny-org/tiny-llama, then log in"),
-    (None, r"access to tiny-org/tiny-llama is denied \(403\): log in with `hf auth login`"),
-])
+@pytest.mark.parametrize(
+    "code, expected",
+    [
+        ("GatedRepo", r"is gated: accept its terms at http://127\.0\.0\.1:\d+/tiny-org/tiny-llama, then log in"),
+        (None, r"access to tiny-org/tiny-llama is denied \(403\): log in with `hf auth login`"),
+    ],
+)
 def test_forbidden_repository(hub, code, expected):
     hub.deny[REPO_ID] = (403, code)
     with pytest.raises(FerrumError, match=expected):
@@ -107,7 +118,10 @@ def test_corrupted_file_is_deleted_and_never_listed(hub):
     hub.corrupt.clear()
     hub.requests.clear()
     pull(REPO_ID)
-    assert [r["range"] for r in hub.file_requests("model.safetensors")] == [None, None]  # from byte 0: nothing damaged kept
+    assert [r["range"] for r in hub.file_requests("model.safetensors")] == [
+        None,
+        None,
+    ]  # from byte 0: nothing damaged kept
     assert listed(REPO_ID)[0].complete
 
 
@@ -156,8 +170,12 @@ def test_models_fetched_by_the_hub_library_are_listed(hub):
 
 
 def test_gguf_repository_takes_one_quantization(hub):
-    files = {"README.md": b"---\nlicense: apache-2.0\n---\n", "m-Q4_K_M.gguf": b"x" * 100, "m-Q8_0.gguf": b"y" * 100,
-             "m-Q4_0.gguf": b"z" * 100}
+    files = {
+        "README.md": b"---\nlicense: apache-2.0\n---\n",
+        "m-Q4_K_M.gguf": b"x" * 100,
+        "m-Q8_0.gguf": b"y" * 100,
+        "m-Q4_0.gguf": b"z" * 100,
+    }
     hub.add(FakeRepo("tiny-org/gguf", files))
     assert pull("tiny-org/gguf").name == "m-Q4_0.gguf"  # the first type ferrum loads
     assert pull("tiny-org/gguf:q8_0").name == "m-Q8_0.gguf"

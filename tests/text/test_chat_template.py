@@ -51,7 +51,9 @@ def test_tojson_keeps_unicode_and_html():
 
 
 def test_raise_exception_becomes_a_one_line_error():
-    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user turn') }}{% endif %}")
+    template = ChatTemplate(
+        "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user turn') }}{% endif %}"
+    )
     with pytest.raises(ChatTemplateError, match="must start with a user turn") as info:
         template.render(MESSAGES)
     assert "\n" not in str(info.value)
@@ -68,13 +70,16 @@ def test_sandbox_refuses_attribute_escapes():
         ChatTemplate("{{ messages.append(1) }}").render([])  # immutable sandbox
 
 
-@pytest.mark.parametrize("source, error", [
-    ("{% for i in range(10 ** 9) %}{% endfor %}", "OverflowError: Range too big"),  # the sandbox's range limit
-    ("{{ messages.append(1) }}", "is unsafe"),  # the sandbox's SecurityError
-    ("{{ 1 / 0 }}", "ZeroDivisionError"),
-    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
-    ("{{ messages[0].content + 5 }}", "TypeError"),
-])
+@pytest.mark.parametrize(
+    "source, error",
+    [
+        ("{% for i in range(10 ** 9) %}{% endfor %}", "OverflowError: Range too big"),  # the sandbox's range limit
+        ("{{ messages.append(1) }}", "is unsafe"),  # the sandbox's SecurityError
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+        ("{{ messages[0].content + 5 }}", "TypeError"),
+    ],
+)
 def test_whatever_a_template_raises_is_a_one_line_error(source, error):
     with pytest.raises(ChatTemplateError, match="the chat template") as info:
         ChatTemplate(source).render(MESSAGES)
@@ -107,7 +112,10 @@ def test_fallback_is_chatml_when_the_vocabulary_speaks_it(tmp_path, qwen3_dir, s
     (tmp_path / "tokenizer.json").write_bytes((qwen3_dir / "tokenizer.json").read_bytes())
     template = load_chat_template(tmp_path, load_tokenizer(tmp_path))
     assert template.name == "fallback" and template.source == CHATML
-    assert template.render([{"role": "user", "content": "Hi"}]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        template.render([{"role": "user", "content": "Hi"}])
+        == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_fallback_is_plain_text_for_a_base_model(stories_dir):

@@ -120,9 +120,14 @@ def test_byte_level_gguf_encodes_like_its_tokenizer_json(qwen3_dir, tmp_path):
 
 def test_named_gguf_chat_templates(tmp_path):
     path = write_gguf(
-        tmp_path / "named.gguf", model="llama",
-        tokens=["<unk>", "<s>", "</s>", "▁", "a", "▁a"], types=[2, 3, 3, 1, 1, 1], scores=[0, 0, 0, -1, -2, -3],
-        bos=1, eos=2, chat_template=[{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}],
+        tmp_path / "named.gguf",
+        model="llama",
+        tokens=["<unk>", "<s>", "</s>", "▁", "a", "▁a"],
+        types=[2, 3, 3, 1, 1, 1],
+        scores=[0, 0, 0, -1, -2, -3],
+        bos=1,
+        eos=2,
+        chat_template=[{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}],
     )
     assert chat_templates(path) == {"default": "D", "tool_use": "T"}
     tokenizer = load_tokenizer(path)

@@ -90,7 +90,9 @@ def test_old_reasoning_is_dropped_from_history_but_kept_in_the_last_turn(qwen3):
     history = template.render(CONVERSATIONS["multi-turn-with-reasoning"])
     assert "That is 4." not in history  # before the last user turn: dropped by the template
     last = [*HISTORY[:1], HISTORY[1]]
-    assert "<think>\nThe user asks for 2 + 2.\nThat is 4.\n</think>" in template.render(last, add_generation_prompt=False)
+    assert "<think>\nThe user asks for 2 + 2.\nThat is 4.\n</think>" in template.render(
+        last, add_generation_prompt=False
+    )
 
 
 def test_tools_render_like_transformers(qwen3, hf_qwen3):

@@ -33,7 +33,12 @@ REASONING_CASES = [
     ("<think>\nLet me think.\n</think>\n\nParis.", False, "Let me think.", "Paris."),
     ("Let me think.\n</think>\n\nParis.", True, "Let me think.", "Paris."),  # template opened <think>
     ("\n\n</think>\n\nParis.", True, "", "Paris."),  # thinking switched off: an empty block
-    ("Just an answer with a < and <b>bold</b> and </thin", False, "", "Just an answer with a < and <b>bold</b> and </thin"),
+    (
+        "Just an answer with a < and <b>bold</b> and </thin",
+        False,
+        "",
+        "Just an answer with a < and <b>bold</b> and </thin",
+    ),
     ("<think>never closed  \n", False, "never closed", ""),
     ("<thi", False, "", "<thi"),  # a tag that never completed is text
     ("<think>a < b </thinking> c</think>ok", False, "a < b </thinking> c", "ok"),

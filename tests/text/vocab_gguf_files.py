@@ -25,8 +25,12 @@ def write_gguf(path: Path, *, model: str, tokens, types, scores=None, merges=Non
         writer.add_token_scores(list(scores))
     if merges is not None:
         writer.add_token_merges(list(merges))
-    for name, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+    for name, add in (
+        ("bos", writer.add_bos_token_id),
+        ("eos", writer.add_eos_token_id),
+        ("unk", writer.add_unk_token_id),
+        ("pad", writer.add_pad_token_id),
+    ):
         if ids.get(name) is not None:
             add(ids[name])
     if "add_bos" in ids:
@@ -49,17 +53,25 @@ def sentencepiece_gguf(model_file: Path, path: Path) -> Path:
     n = sp.get_piece_size()
 
     def kind(i: int) -> int:
-        for test, value in ((sp.is_unknown, UNKNOWN), (sp.is_control, CONTROL), (sp.is_byte, BYTE), (sp.is_unused, UNUSED)):
+        for test, value in (
+            (sp.is_unknown, UNKNOWN),
+            (sp.is_control, CONTROL),
+            (sp.is_byte, BYTE),
+            (sp.is_unused, UNUSED),
+        ):
             if test(i):
                 return value
         return NORMAL
 
     return write_gguf(
-        path, model="llama",
+        path,
+        model="llama",
         tokens=[sp.id_to_piece(i) for i in range(n)],
         types=[kind(i) for i in range(n)],
         scores=[sp.get_score(i) for i in range(n)],
-        bos=sp.bos_id(), eos=sp.eos_id(), unk=sp.unk_id(),
+        bos=sp.bos_id(),
+        eos=sp.eos_id(),
+        unk=sp.unk_id(),
     )
 
 
@@ -75,4 +87,6 @@ def byte_level_gguf(tokenizer_json: Path, path: Path, pre: str) -> Path:
     for i, token in added.items():
         tokens[i], types[i] = token["content"], CONTROL if token["special"] else USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-    return write_gguf(path, model="gpt2", pre=pre, tokens=tokens, types=types, merges=merges, eos=tokens.index("<|im_end|>"))
+    return write_gguf(
+        path, model="gpt2", pre=pre, tokens=tokens, types=types, merges=merges, eos=tokens.index("<|im_end|>")
+    )

@@ -8,16 +8,38 @@ import sys
 
 import pytest
 
-MICRO = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-         "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 512, "tie_word_embeddings": True}
-MICRO_MOE = {**MICRO, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
-             "moe_intermediate_size": 32, "norm_topk_prob": True, "tie_word_embeddings": False}
+MICRO = {
+    "model_type": "qwen3",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+MICRO_MOE = {
+    **MICRO,
+    "model_type": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+}
 
 
 @pytest.fixture
 def no_mlx(monkeypatch):
-    for name in [m for m in sys.modules if m == "mlx" or m.startswith(("mlx.", "mlx_lm"))] + ["mlx", "mlx.core", "mlx_lm"]:
+    for name in [m for m in sys.modules if m == "mlx" or m.startswith(("mlx.", "mlx_lm"))] + [
+        "mlx",
+        "mlx.core",
+        "mlx_lm",
+    ]:
         monkeypatch.setitem(sys.modules, name, None)
 
 
@@ -30,8 +52,24 @@ def test_bench_runs_without_mlx(monkeypatch, no_mlx, capsys, shape):
 
     monkeypatch.setitem(SHAPES, "micro", MICRO)
     monkeypatch.setitem(SHAPES, "micro-moe", MICRO_MOE)
-    args = ["bench", "--backend", "torch", "--device", "cpu", "--shape", shape, "--prompt-tokens", "12",
-            "--new-tokens", "6", "--runs", "1", "--batch", "3", "--json"]
+    args = [
+        "bench",
+        "--backend",
+        "torch",
+        "--device",
+        "cpu",
+        "--shape",
+        shape,
+        "--prompt-tokens",
+        "12",
+        "--new-tokens",
+        "6",
+        "--runs",
+        "1",
+        "--batch",
+        "3",
+        "--json",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -57,7 +95,9 @@ def test_bytes_per_token_counts_only_what_a_step_reads():
         c = config_from_dict(SHAPES[shape])
         runtime = LlmRuntimeConfig(c.hidden_size, c.num_layers, c.num_kv_heads, c.head_dim, c.vocab_size, 4096)
         moe = moe_config(c) if c.model_type == "qwen3_moe" else None
-        return SimpleNamespace(model_config=c, config=runtime, dtype=__import__("torch").bfloat16, model=SimpleNamespace(moe=moe))
+        return SimpleNamespace(
+            model_config=c, config=runtime, dtype=__import__("torch").bfloat16, model=SimpleNamespace(moe=moe)
+        )
 
     assert decode_bytes_per_token(fake("qwen3-8b"), 0) / 1e9 == pytest.approx(15.14, abs=0.01)
     assert decode_bytes_per_token(fake("qwen3-30b-a3b"), 0) / 1e9 == pytest.approx(6.08, abs=0.01)

@@ -127,8 +127,16 @@ def test_mlx_quantized_checkpoint_matches_the_mlx_backend(mlx_lm_converted, name
     assert_close(open_torch(folder).forward_verify("q", PROMPT), want, 1e-5)
 
 
-GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "F16",
-              "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "token_embd": "Q8_0"}
+GGUF_TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "attn_output": "F16",
+    "ffn_gate": "Q8_0",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q4_1",
+    "token_embd": "Q8_0",
+}
 
 
 def test_gguf_matches_the_mlx_backend(zoo, tmp_path):

@@ -140,7 +140,12 @@ def test_without_torch_asking_for_it_says_how_to_install(monkeypatch):
 
 @pytest.mark.parametrize(
     "installed, gpu, chosen",
-    [({"mlx", "torch"}, True, "torch"), ({"mlx", "torch"}, False, "mlx"), ({"mlx"}, True, "mlx"), ({"torch"}, False, "torch")],
+    [
+        ({"mlx", "torch"}, True, "torch"),
+        ({"mlx", "torch"}, False, "mlx"),
+        ({"mlx"}, True, "mlx"),
+        ({"torch"}, False, "torch"),
+    ],
 )
 def test_auto_prefers_torch_on_an_nvidia_gpu_else_mlx(monkeypatch, installed, gpu, chosen):
     from ferrum_mac import backends
@@ -220,8 +225,16 @@ def test_sampled_tokens_drive_decode(zoo):
 
 @pytest.mark.parametrize(
     "slots, pool, run",
-    [([0], 1, (0, 1)), ([5], 8, (5, 1)), ([0, 2], 4, (0, 4)), ([2, 3], 4, (2, 2)), ([3, 5], 8, (3, 4)),
-     ([6, 7, 5], 8, (4, 4)), ([0, 15], 16, (0, 16)), ([9, 11, 12], 16, (9, 4))],
+    [
+        ([0], 1, (0, 1)),
+        ([5], 8, (5, 1)),
+        ([0, 2], 4, (0, 4)),
+        ([2, 3], 4, (2, 2)),
+        ([3, 5], 8, (3, 4)),
+        ([6, 7, 5], 8, (4, 4)),
+        ([0, 15], 16, (0, 16)),
+        ([9, 11, 12], 16, (9, 4)),
+    ],
 )
 def test_run_of_slots_covers_the_batch_in_a_power_of_two(slots, pool, run):
     from ferrum_mac.backends.torch.runtime import run_of_slots

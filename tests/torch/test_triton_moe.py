@@ -100,7 +100,9 @@ def test_route_matches_router(dtype, experts, top_k, tokens, renormalise):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("experts, top_k, tokens", [(8, 2, 1), (16, 4, 5), (14, 3, 3)])  # 14: a partial block of experts
+@pytest.mark.parametrize(
+    "experts, top_k, tokens", [(8, 2, 1), (16, 4, 5), (14, 3, 3)]
+)  # 14: a partial block of experts
 @pytest.mark.parametrize("renormalise", [True, False])
 def test_gate_route_matches_router(dtype, experts, top_k, tokens, renormalise):
     """The gate projection too, its logits rounded as F.linear's; the last of a token's

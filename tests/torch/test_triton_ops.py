@@ -18,7 +18,16 @@ from triton_interpreter import DEVICE, like_a_gpu  # noqa: E402  (before triton:
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import attention, ops, pointwise, steps, triton_gemv, triton_ops, triton_qkv, triton_splits  # noqa: E402
+from ferrum_mac.backends.torch import (  # noqa: E402
+    attention,
+    ops,
+    pointwise,
+    steps,
+    triton_gemv,
+    triton_ops,
+    triton_qkv,
+    triton_splits,
+)
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope  # noqa: E402
@@ -137,7 +146,9 @@ def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_hea
 
     out = triton_ops.decode_attention(q, pool.kv[0], first, positions, dim**-0.5, splits=splits)
 
-    torch.testing.assert_close(out, attention_by_row(q, pool.kv[0], first, positions, dim**-0.5), rtol=ulps(dtype), atol=ulps(dtype))
+    torch.testing.assert_close(
+        out, attention_by_row(q, pool.kv[0], first, positions, dim**-0.5), rtol=ulps(dtype), atol=ulps(dtype)
+    )
     assert not triton_splits.split_counters(DEVICE).any()
 
 
@@ -157,7 +168,9 @@ def test_swiglu_matches_torch(dtype, lead, weighted):
     torch.manual_seed(3)
     gate_up = (2 * torch.randn(*lead, 2 * 1100, device=DEVICE)).to(dtype)  # two blocks and a partial one
     weights = torch.rand(*lead, 1, device=DEVICE).to(dtype) if weighted else None
-    torch.testing.assert_close(triton_ops.swiglu(gate_up, weights), torch_swiglu(gate_up, weights), rtol=ulps(dtype), atol=ulps(dtype))
+    torch.testing.assert_close(
+        triton_ops.swiglu(gate_up, weights), torch_swiglu(gate_up, weights), rtol=ulps(dtype), atol=ulps(dtype)
+    )
 
 
 def test_swiglu_keeps_torch_for_weights_it_cannot_take():

@@ -48,12 +48,16 @@ def like_a_gpu():
     def cast_rounding_to_nearest(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             floats = torch.from_numpy(np.ascontiguousarray(src.data))
-            return interpreter.TensorHandle(floats.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+            return interpreter.TensorHandle(
+                floats.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), tl.bfloat16
+            )
         return cast(self, src, dst_type)
 
     def dot_of_bfloat16_as_float32(self, a, b, acc, *args):
         if a.dtype.scalar == tl.bfloat16:  # bf16 bits are a float32's top half
-            a, b = (interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32) for x in (a, b))
+            a, b = (
+                interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32) for x in (a, b)
+            )
         return dot(self, a, b, acc, *args)
 
     patch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor_with_index)

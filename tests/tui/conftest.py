@@ -11,7 +11,6 @@ from tui_fakes import FakeEngine, FakeServices
 from tui_pilot import SIZE, ready, send, wait_for  # noqa: F401  (fixtures and tests share them)
 
 
-
 @pytest.fixture
 def history(tmp_path):
     h = History.open(tmp_path / "history.sqlite3")

@@ -22,7 +22,10 @@ async def test_answer_streams_and_is_saved(make_app, history):
         await ready(pilot)
         assert app.chat.query("#welcome")
         await send(pilot, "What is the capital of France?")
-        assert texts(app) == [("user", "What is the capital of France?"), ("assistant", "Paris is the **capital** of France.")]
+        assert texts(app) == [
+            ("user", "What is the capital of France?"),
+            ("assistant", "Paris is the **capital** of France."),
+        ]
         assert not app.chat.query("#welcome")
         chat = history.conversations()[0]
         assert chat.title == "What is the capital of France?"
@@ -65,7 +68,8 @@ async def test_a_failing_turn_shows_the_error_and_loses_nothing(make_app, histor
         assert stored(history)[-2:] == [("user", "again"), ("assistant", "Recovered.")]
         # the engine saw the saved turns (not the error line) before the new message
         assert app.engine.turns[-1]["history"] == [
-            {"role": "user", "content": "first"}, {"role": "assistant", "content": "Half an"},
+            {"role": "user", "content": "first"},
+            {"role": "assistant", "content": "Half an"},
         ]
 
 
@@ -109,8 +113,11 @@ async def test_regenerate_and_edit_resend_replace_later_messages(make_app, histo
 async def test_reasoning_is_collapsible_and_notices_show(make_app, history):
     from textual.widgets import Collapsible
 
-    reply = [("notice", "dropped the 1 oldest turn to fit the 2048-token context"),
-             ("reasoning", "The user greets me."), ("text", "Hello!")]
+    reply = [
+        ("notice", "dropped the 1 oldest turn to fit the 2048-token context"),
+        ("reasoning", "The user greets me."),
+        ("text", "Hello!"),
+    ]
     app = make_app([reply])
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)

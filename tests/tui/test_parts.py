@@ -45,8 +45,17 @@ async def test_palette_entries_and_help(make_app):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         titles = {c.title for c in app.get_system_commands(app.screen)}
-        assert {"New conversation", "Conversation settings", "Choose model", "Export to Markdown",
-                "Regenerate answer", "Stop answer", "Toggle reasoning", "Key bindings", "Theme"} <= titles
+        assert {
+            "New conversation",
+            "Conversation settings",
+            "Choose model",
+            "Export to Markdown",
+            "Regenerate answer",
+            "Stop answer",
+            "Toggle reasoning",
+            "Key bindings",
+            "Theme",
+        } <= titles
         await pilot.press("f1")
         await pilot.pause()
         assert type(app.screen).__name__ == "HelpScreen"

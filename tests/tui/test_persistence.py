@@ -8,7 +8,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +69,9 @@ async def test_a_process_killed_mid_answer_keeps_what_it_saved(tmp_path):
             assert [c.title for c in history.conversations()] == ["first question"]
             assert len(app.chat.query_one("#conversations").children) == 1
             assert shown(app) == [
-                ("user", "first question"), ("assistant", "The first answer."), ("user", "second question"),
+                ("user", "first question"),
+                ("assistant", "The first answer."),
+                ("user", "second question"),
             ]
     finally:
         history.close()
@@ -92,7 +93,8 @@ def test_an_older_schema_migrates(tmp_path):
         chat = history.conversations()[0]
         assert (chat.title, chat.settings) == ("Old chat", {})
         assert [(m.role, m.content, m.reasoning, m.stats) for m in history.messages(1)] == [
-            ("user", "hello", "", {}), ("assistant", "hi", "", {}),
+            ("user", "hello", "", {}),
+            ("assistant", "hi", "", {}),
         ]
         history.add_message(1, "assistant", "more", reasoning="thought", stats={"decode_tps": 1.0})
         assert history.messages(1)[-1].reasoning == "thought"

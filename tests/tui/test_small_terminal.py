@@ -15,8 +15,10 @@ from tui_fakes import FakeEngine, FakeServices
 from tui_pilot import ready, send, wait_for
 
 SMALL = (80, 24)
-PULL_ERROR = ("no model someone/missing-model on the Hub; check the name (`ferrum list --available` shows aliases)\n"
-              "a gated repository needs a login first: `hf auth login`")
+PULL_ERROR = (
+    "no model someone/missing-model on the Hub; check the name (`ferrum list --available` shows aliases)\n"
+    "a gated repository needs a login first: `hf auth login`"
+)
 
 
 def visible(widget, width: int = SMALL[0]) -> bool:

@@ -58,8 +58,9 @@ class FakeEngine:
     def send(self, conv: Conversation, text: str, cancel: threading.Event | None = None):
         cancel = cancel or threading.Event()
         self._cancel = cancel
-        self.turns.append({"history": list(conv.messages), "text": text, "settings": conv.settings,
-                           "cached": len(conv.ledger)})
+        self.turns.append(
+            {"history": list(conv.messages), "text": text, "settings": conv.settings, "cached": len(conv.ledger)}
+        )
         reply = self.replies.pop(0) if self.replies else [("text", f"You said: {text}")]
         conv.messages.append({"role": "user", "content": text})
         answer, reasoning, pieces, reason = [], [], 0, "eos"
@@ -90,8 +91,15 @@ class FakeEngine:
             conv.messages.append(message)
             conv.ledger = list(range(TOKENS_PER_MESSAGE * len(conv.messages) + pieces))
             self._cancel = None
-        yield Done(reason, prompt_tokens=12, cached_tokens=0, generated_tokens=pieces, ttft_s=0.25,
-                   prefill_tps=48.0, decode_tps=42.0)
+        yield Done(
+            reason,
+            prompt_tokens=12,
+            cached_tokens=0,
+            generated_tokens=pieces,
+            ttft_s=0.25,
+            prefill_tps=48.0,
+            decode_tps=42.0,
+        )
 
 
 def _pieces(text: str) -> list[str]:

@@ -117,7 +117,9 @@ class Attention:
         (a scalar offset), else `(T, heads, dim)` (one position per token)."""
         one = positions.ndim == 0
         q, k, v = self.qkv(x)
-        q, k, v = (split_heads(a, n, self.head_dim, one) for a, n in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads)))
+        q, k, v = (
+            split_heads(a, n, self.head_dim, one) for a, n in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads))
+        )
         if self.q_norm is not None:
             q = mx.fast.rms_norm(q, self.q_norm, self.eps)
             k = mx.fast.rms_norm(k, self.k_norm, self.eps)
@@ -146,7 +148,9 @@ class Attention:
         for seg in plan.segments:
             if seg.start not in batched:
                 rows = slice(seg.start, seg.start + seg.length)
-                pieces[seg.start] = merge_heads(self._attend_segment(heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg))
+                pieces[seg.start] = merge_heads(
+                    self._attend_segment(heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg)
+                )
         return mx.concatenate([pieces[start] for start in sorted(pieces)], axis=1)
 
     def _attend_batch(self, q, k, v, plan: Plan) -> mx.array:
@@ -155,7 +159,9 @@ class Attention:
         B = q.shape[0]
         keys, values = plan.pool.write_batch(self.layer, plan.write_index, k, v)
         if self.by_length:
-            out = cuda_attention.decode_attention(q, keys, values, plan.slots, plan.decode_positions, self.scale, plan.width)
+            out = cuda_attention.decode_attention(
+                q, keys, values, plan.slots, plan.decode_positions, self.scale, plan.width
+            )
         else:
             keys, values = keys[plan.slots, :, : plan.width, :], values[plan.slots, :, : plan.width, :]
             out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=self.scale, mask=plan.mask)

@@ -140,13 +140,18 @@ _WALK = """
 """
 
 # One split: the block's result is the output.
-_WHOLE = _WALK + """
+_WHOLE = (
+    _WALK
+    + """
     out[h * D + d] = static_cast<T>(num / den);
   }
 """
+)
 
 # Several splits: partial results (max, sum of weights, weighted values; float32) per split.
-_PARTIAL = _WALK + """
+_PARTIAL = (
+    _WALK
+    + """
     part_acc[(h * S + split) * D + d] = num;
     if (d == 0) {
       part_m[h * S + split] = top;
@@ -154,6 +159,7 @@ _PARTIAL = _WALK + """
     }
   }
 """
+)
 
 # part_m, part_l (B*heads, S), part_acc (B*heads, S, D) -> out (B, heads, D). Thread (d, row).
 _MERGE = """
@@ -211,7 +217,12 @@ def splits_for(batch: int, kv_heads: int, longest: int) -> int:
 
 
 def decode_attention(
-    q: mx.array, keys: mx.array, values: mx.array, slots: mx.array, positions: mx.array, scale: float,
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    slots: mx.array,
+    positions: mx.array,
+    scale: float,
     longest: int | None = None,
 ) -> mx.array:
     """q `(B, heads, dim)`; keys/values the whole pool `(slots, kv_heads, tokens, dim)`; row b
@@ -225,7 +236,9 @@ def decode_attention(
     template = [("T", q.dtype), ("D", dim), ("G", group), ("NW", WARPS), ("U", UNROLL)]
     launch = dict(grid=(32 * WARPS, kv_heads, B * S), threadgroup=(32 * WARPS, 1, 1))
     if S == 1:
-        (out,) = _kernel("whole")(inputs=inputs, template=template, output_shapes=[q.shape], output_dtypes=[q.dtype], **launch)
+        (out,) = _kernel("whole")(
+            inputs=inputs, template=template, output_shapes=[q.shape], output_dtypes=[q.dtype], **launch
+        )
         return out
     rows = B * heads
     part_m, part_l, part_acc = _kernel("partial")(

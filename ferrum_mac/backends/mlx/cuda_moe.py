@@ -22,7 +22,9 @@ from ferrum_mac.backends.mlx.cuda_qmatmul import WARP_SUM
 WARPS = 8  # output rows per block (one warp each)
 MAX_PAIRS = 128  # token-expert pairs up to which these kernels run (decode steps and batches)
 
-_HEADER = WARP_SUM + """
+_HEADER = (
+    WARP_SUM
+    + """
 
 // One lane's share of a packed row (affine-quantized: value = scale * q + bias per group):
 // its words, every one loaded before any is used so the loads overlap, then its share of the
@@ -70,6 +72,7 @@ struct FerrumQRow {
   }
 };
 """
+)
 
 # logits (T, E) -> experts (T, K) uint32, weights (T, K). One warp per token.
 _ROUTER = """
@@ -177,12 +180,20 @@ def _kernel(name: str):
         "gate_up": (["x", "w", "scales", "biases", "experts", "weights"], ["out"], _GATE_UP),
         "down": (["a", "w", "scales", "biases", "experts"], ["out"], _DOWN),
     }[name]
-    return mx.fast.cuda_kernel(name=f"ferrum_moe_{name}", input_names=inputs, output_names=outputs, source=source, header=_HEADER)
+    return mx.fast.cuda_kernel(
+        name=f"ferrum_moe_{name}", input_names=inputs, output_names=outputs, source=source, header=_HEADER
+    )
 
 
 def supports(hidden: int, inter: int, top_k: int, group_size: int, bits: int) -> bool:
     """Shapes these kernels take: 4/8-bit groups dividing both dims, inputs fitting shared memory."""
-    return bits in (4, 8) and hidden % group_size == 0 and inter % group_size == 0 and hidden * 4 <= 40_000 and top_k * inter * 4 <= 40_000
+    return (
+        bits in (4, 8)
+        and hidden % group_size == 0
+        and inter % group_size == 0
+        and hidden * 4 <= 40_000
+        and top_k * inter * 4 <= 40_000
+    )
 
 
 def route(logits: mx.array, top_k: int, renormalise: bool, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
@@ -207,7 +218,15 @@ def gate_up_swiglu(x: mx.array, linear, experts: mx.array, weights: mx.array, in
     k = experts.shape[1]
     (out,) = _kernel("gate_up")(
         inputs=[x, linear.weight, linear.scales, linear.biases, experts, weights],
-        template=[("T", x.dtype), ("H", H), ("I", inter), ("K", k), ("BITS", linear.bits), ("GROUP", linear.group_size), ("NW", WARPS)],
+        template=[
+            ("T", x.dtype),
+            ("H", H),
+            ("I", inter),
+            ("K", k),
+            ("BITS", linear.bits),
+            ("GROUP", linear.group_size),
+            ("NW", WARPS),
+        ],
         grid=(32 * WARPS * -(-inter // WARPS), T * k, 1),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(T, k, inter)],
@@ -221,7 +240,15 @@ def down_sum(a: mx.array, linear, experts: mx.array, hidden: int) -> mx.array:
     T, k, inter = a.shape
     (out,) = _kernel("down")(
         inputs=[a, linear.weight, linear.scales, linear.biases, experts],
-        template=[("T", a.dtype), ("H", hidden), ("I", inter), ("K", k), ("BITS", linear.bits), ("GROUP", linear.group_size), ("NW", WARPS)],
+        template=[
+            ("T", a.dtype),
+            ("H", hidden),
+            ("I", inter),
+            ("K", k),
+            ("BITS", linear.bits),
+            ("GROUP", linear.group_size),
+            ("NW", WARPS),
+        ],
         grid=(32 * WARPS * -(-hidden // WARPS), T, 1),
         threadgroup=(32 * WARPS, 1, 1),
         output_shapes=[(T, hidden)],

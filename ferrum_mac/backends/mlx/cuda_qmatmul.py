@@ -159,7 +159,16 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
     nw, r = launch_shape(N, warps, rows_per_warp)
     (out,) = _kernel()(
         inputs=[flat, weight, scales, biases],
-        template=[("T", x.dtype), ("M", M), ("K", K), ("N", N), ("BITS", bits), ("GROUP", group_size), ("NW", nw), ("R", r)],
+        template=[
+            ("T", x.dtype),
+            ("M", M),
+            ("K", K),
+            ("N", N),
+            ("BITS", bits),
+            ("GROUP", group_size),
+            ("NW", nw),
+            ("R", r),
+        ],
         grid=(32 * nw * -(-N // (nw * r)), 1, 1),
         threadgroup=(32 * nw, 1, 1),
         output_shapes=[(M, N)],

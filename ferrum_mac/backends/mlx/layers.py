@@ -26,7 +26,9 @@ class TensorSource:
 
     def take(self, name: str, shape: tuple[int, ...], cast: bool = True) -> mx.array:
         if name not in self.tensors:
-            raise CorruptModelError(f"{self.where} lacks tensor {name!r}; the checkpoint is incomplete or not a {self.config.model_type} model")
+            raise CorruptModelError(
+                f"{self.where} lacks tensor {name!r}; the checkpoint is incomplete or not a {self.config.model_type} model"
+            )
         array = self.tensors[name]
         if tuple(array.shape) != tuple(shape):
             raise CorruptModelError(
@@ -64,7 +66,13 @@ def dequantized(tensors, config: ModelConfig, dtype: mx.Dtype) -> dict:
     for name, weight in tensors.items():
         module, _, suffix = name.rpartition(".")
         quant = config.quant_for(module)
-        if suffix != "weight" or quant is None or weight.ndim != 2 or ".experts." in name or f"{module}.scales" not in tensors:
+        if (
+            suffix != "weight"
+            or quant is None
+            or weight.ndim != 2
+            or ".experts." in name
+            or f"{module}.scales" not in tensors
+        ):
             continue
         # in float32, where scale * q + bias is exact (MLX's CPU build emulates float16, slowly)
         scales, biases = (out.pop(f"{module}.{part}").astype(mx.float32) for part in ("scales", "biases"))
@@ -85,7 +93,9 @@ class Linear:
         return self.scales is not None
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.quantized and cuda_qmatmul.runs(x.size // x.shape[-1], self.weight.shape[0], x.shape[-1], self.group_size, self.bits):
+        if self.quantized and cuda_qmatmul.runs(
+            x.size // x.shape[-1], self.weight.shape[0], x.shape[-1], self.group_size, self.bits
+        ):
             y = cuda_qmatmul.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
         elif self.quantized:
             y = mx.quantized_matmul(
@@ -115,7 +125,8 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
     """Stack linears that read the same input into one matmul, or None if their formats differ."""
     first = linears[0]
     same = all(
-        (l.quantized, l.group_size, l.bits, l.bias is None) == (first.quantized, first.group_size, first.bits, first.bias is None)
+        (l.quantized, l.group_size, l.bits, l.bias is None)
+        == (first.quantized, first.group_size, first.bits, first.bias is None)
         for l in linears
     )
     if not same:
@@ -168,7 +179,13 @@ class Rope:
 
     def __call__(self, x: mx.array, offset) -> mx.array:
         return mx.fast.rope(
-            x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset, freqs=self.freqs
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self.freqs,
         )
 
 

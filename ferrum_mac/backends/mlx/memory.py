@@ -36,7 +36,9 @@ def use_device(device: str | None) -> None:
         return
     has = {"gpu": _metal() or _cuda(), "metal": _metal(), "cuda": _cuda()}[device.partition(":")[0]]
     if not has:
-        raise UnsupportedError(f"MLX has no {device} device on this machine (it runs on {device_name()}); use --device cpu or leave --device out")
+        raise UnsupportedError(
+            f"MLX has no {device} device on this machine (it runs on {device_name()}); use --device cpu or leave --device out"
+        )
     mx.set_default_device(mx.gpu)
 
 

@@ -51,7 +51,9 @@ def dequantize_on_cpu(checkpoint: Checkpoint, dtype: mx.Dtype) -> bool:
         return False
     weights = checkpoint.quantized_weights
     if weights is None:  # at most 8 weights per uint32 (4-bit)
-        weights = 8 * sum(t.size for n, t in checkpoint.tensors.items() if n.endswith(".weight") and t.dtype == mx.uint32)
+        weights = 8 * sum(
+            t.size for n, t in checkpoint.tensors.items() if n.endswith(".weight") and t.dtype == mx.uint32
+        )
     return weights * dtype.size < free_memory_bytes() // 3
 
 

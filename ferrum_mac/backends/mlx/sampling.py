@@ -108,7 +108,9 @@ def _top_p(logprobs: mx.array, top_p: float) -> mx.array:
 def _check_bias_ids(bias, vocab_size: int) -> None:
     bad = [int(t) for t in bias if not 0 <= int(t) < vocab_size]
     if bad:
-        raise FerrumError(f"logit bias names token id {bad[0]}, outside the vocabulary (0 to {vocab_size - 1}); fix the id")
+        raise FerrumError(
+            f"logit bias names token id {bad[0]}, outside the vocabulary (0 to {vocab_size - 1}); fix the id"
+        )
 
 
 def _bias_vector(bias, width: int) -> mx.array:

@@ -135,7 +135,7 @@ class DecodePlan:
                  base_places: torch.Tensor | None = None, ops: Ops = TORCH_OPS):  # fmt: skip
         self.pool, self.first, self.positions, self.ops = pool, first, positions, ops
         self.total = rows = positions.shape[0]
-        tokens, heads, device = pool.tokens, pool.kv_heads, positions.device
+        tokens, device = pool.tokens, positions.device
         if not ops.triton:  # (Triton's attention reads the lengths from positions)
             # Which token columns each row sees: an additive bias instead of lengths known on
             # the host. Built once per step, shared by every layer.

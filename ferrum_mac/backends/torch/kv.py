@@ -37,7 +37,9 @@ class SequenceCache(Slot):
 class KvManager(SlotPool):
     slot_type = SequenceCache
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int):
+    def __init__(
+        self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int
+    ):
         super().__init__(capacity)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
@@ -52,7 +54,9 @@ class KvManager(SlotPool):
         self.kv = []
         for layer in range(self.num_layers):
             # zeros, not empty: masked-out slots still enter the attention product, and 0 * NaN is NaN
-            fresh = torch.zeros((2, slots, self.kv_heads, tokens + 1, self.head_dim), dtype=self.dtype, device=self.device)
+            fresh = torch.zeros(
+                (2, slots, self.kv_heads, tokens + 1, self.head_dim), dtype=self.dtype, device=self.device
+            )
             if old:
                 if n and copied:
                     fresh[:, :n, :, :copied] = old[layer][:, rows, :, :copied]

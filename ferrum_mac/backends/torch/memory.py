@@ -27,7 +27,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise UnsupportedError("the torch backend runs on cuda or cpu; for Metal use --backend mlx")
     name = "cuda" if device == "gpu" else device
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UnsupportedError(f"torch sees no CUDA GPU on this machine, so it cannot use --device {device}; use --device cpu")
+        raise UnsupportedError(
+            f"torch sees no CUDA GPU on this machine, so it cannot use --device {device}; use --device cpu"
+        )
     return torch.device(name)
 
 

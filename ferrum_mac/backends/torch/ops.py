@@ -64,7 +64,9 @@ class Ops:
         """swiglu(gate_up(norm(x)))."""
         return self.swiglu(gate_up(self.rms_norm(x, norm)))
 
-    def attention(self, attn, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, attn, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """`attn` (an `attention.Attention`) on the block's input `h` `(T, hidden)` -> `(T, heads * dim)`."""
         q, k, v = attn.project(self.norm_matmul(h, norm, attn.qkv), cos, sin)
         return plan.attend(attn.layer, q, k, v, attn.scale)
@@ -123,7 +125,9 @@ class TritonOps(Ops):
 
         return triton_gemv.norm_swiglu(x, norm.weight, norm.eps, gate_up.weight, gate_up.bias)
 
-    def attention(self, attn, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, attn, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """For a few rows norm, projection, q/k norm, RoPE and KV write in one kernel
         (`triton_qkv`), else the projection, then those in one (`triton_ops.norm_rope_write`);
         then attention reading each row's keys up to its position (`plan`: a `DecodePlan`)."""

@@ -26,7 +26,9 @@ class TorchSampler:
         self.params, self.vocab_size, self.device = params, vocab_size, device
         bad = [int(t) for t in params.logit_bias if not 0 <= int(t) < vocab_size]
         if bad:
-            raise FerrumError(f"logit bias names token id {bad[0]}, outside the vocabulary (0 to {vocab_size - 1}); fix the id")
+            raise FerrumError(
+                f"logit bias names token id {bad[0]}, outside the vocabulary (0 to {vocab_size - 1}); fix the id"
+            )
         self.bias = None  # built at the first step, as wide as the logits
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator(device=device).manual_seed(seed)

@@ -35,7 +35,11 @@ class DecodeStep:
         self.model, self.pool, self.first, self.rows = model, pool, first, rows
         self.dtype, self.device, self.graphs = dtype, device, graphs
         self.inputs = torch.zeros(3 * rows, dtype=torch.int64, device=device)  # tokens, positions, columns
-        self.tokens, self.positions, self.columns = self.inputs[:rows], self.inputs[rows : 2 * rows], self.inputs[2 * rows :]
+        self.tokens, self.positions, self.columns = (
+            self.inputs[:rows],
+            self.inputs[rows : 2 * rows],
+            self.inputs[2 * rows :],
+        )
         self.base_places = slot_places(pool, first, rows, device)  # (steps die with their pool)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured = device.type == "cuda" and USE_GRAPHS
@@ -117,7 +121,9 @@ class DecodeSteps:
         key = (first, rows)
         step = self.steps.get(key)
         if step is None:
-            step = self.steps[key] = DecodeStep(self.model, self.pool, first, rows, self.dtype, self.device, self.graphs)
+            step = self.steps[key] = DecodeStep(
+                self.model, self.pool, first, rows, self.dtype, self.device, self.graphs
+            )
             while len(self.steps) > MAX_STEPS:
                 self.steps.popitem(last=False)
         self.steps.move_to_end(key)

@@ -41,7 +41,9 @@ def norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up:
     return _gemv(x, gate_up, bias, norm_weight=norm_weight, eps=eps, swiglu=True, splits=splits)
 
 
-def matmul_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+def matmul_residual(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, splits: int | None = None
+) -> torch.Tensor:
     """residual + x W^T for a few rows (what `torch.addmm(residual, x, W.t())` gives)."""
     return _gemv(x, weight, None, residual=residual, splits=splits)
 
@@ -162,9 +164,37 @@ if triton is not None:
                 acc = sum_of_splits(partials_ptr, here, mine, splits, split_stride)
                 if SWIGLU:
                     up_acc = sum_of_splits(partials_ptr, N + here, mine, splits, split_stride)
-                _finish_gemv(acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU)
+                _finish_gemv(
+                    acc,
+                    up_acc,
+                    bias_ptr,
+                    residual_ptr,
+                    out_ptr,
+                    row_ids,
+                    live,
+                    columns,
+                    inside,
+                    N,
+                    HAS_BIAS,
+                    HAS_RESIDUAL,
+                    SWIGLU,
+                )
         else:
-            _finish_gemv(acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU)
+            _finish_gemv(
+                acc,
+                up_acc,
+                bias_ptr,
+                residual_ptr,
+                out_ptr,
+                row_ids,
+                live,
+                columns,
+                inside,
+                N,
+                HAS_BIAS,
+                HAS_RESIDUAL,
+                SWIGLU,
+            )
 
     @triton.jit
     def matmul_columns(
@@ -206,7 +236,9 @@ if triton is not None:
             if SWIGLU:
                 up_acc += tl.load(bias_ptr + N + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
         if HAS_RESIDUAL:  # as addmm: added to the float32 sum, rounded once
-            acc += tl.load(residual_ptr + row_ids[:, None] * N + columns[None, :], mask=live[:, None] & inside[None, :], other=0.0).to(tl.float32)
+            acc += tl.load(
+                residual_ptr + row_ids[:, None] * N + columns[None, :], mask=live[:, None] & inside[None, :], other=0.0
+            ).to(tl.float32)
         if SWIGLU:  # rounded where the torch path stores: gate, up, silu(gate), the product
             gate = acc.to(dtype).to(tl.float32)
             up = up_acc.to(dtype).to(tl.float32)

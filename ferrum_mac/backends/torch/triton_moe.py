@@ -185,13 +185,17 @@ if triton is not None:
             hidden = start + tl.arange(0, BLOCK_H)
             inside = hidden < HIDDEN
             x = tl.load(x_ptr + token * x_row_stride + hidden, mask=inside, other=0.0).to(tl.float32)
-            w = tl.load(gate_ptr + experts[:, None] * HIDDEN + hidden[None, :], mask=real[:, None] & inside[None, :], other=0.0)
+            w = tl.load(
+                gate_ptr + experts[:, None] * HIDDEN + hidden[None, :], mask=real[:, None] & inside[None, :], other=0.0
+            )
             acc += w.to(tl.float32) * x[None, :]
         logits = tl.sum(acc, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(logits_ptr + token * EXPERTS + experts, logits, mask=real)
         if arrived_last(counters_ptr + token, tl.num_programs(1)):
             every = tl.arange(0, EXPERTS_PAD)
-            row = tl.load(logits_ptr + token * EXPERTS + every, mask=every < EXPERTS, other=-float("inf"), cache_modifier=".cg")
+            row = tl.load(
+                logits_ptr + token * EXPERTS + every, mask=every < EXPERTS, other=-float("inf"), cache_modifier=".cg"
+            )
             _route_token(row, token, ids_ptr, weights_ptr, EXPERTS, K, EXPERTS_PAD, K_PAD, RENORMALISE)
 
     @triton.jit
@@ -262,9 +266,15 @@ if triton is not None:
         for start in range(0, HIDDEN, BLOCK_H):
             hidden = start + tl.arange(0, BLOCK_H)
             in_hidden = hidden < HIDDEN
-            x = tl.load(x_ptr + rows[:, None] * x_row_stride + hidden[None, :], mask=uses[:, None] & in_hidden[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + rows[:, None] * x_row_stride + hidden[None, :],
+                mask=uses[:, None] & in_hidden[None, :],
+                other=0.0,
+            )
             both = in_hidden[:, None] & in_columns[None, :]
-            gate = tl.dot(x, tl.load(gate_rows + hidden[:, None], mask=both, other=0.0), gate, input_precision=PRECISION)
+            gate = tl.dot(
+                x, tl.load(gate_rows + hidden[:, None], mask=both, other=0.0), gate, input_precision=PRECISION
+            )
             up = tl.dot(x, tl.load(up_rows + hidden[:, None], mask=both, other=0.0), up, input_precision=PRECISION)
 
         weight = tl.load(weights_ptr + pair_of, mask=uses, other=0.0).to(tl.float32)

@@ -87,7 +87,9 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: t
     out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
     pdl = pdl_for(q.device)
     block_d = triton.next_power_of_2(dim)
-    block_n = KEYS_PER_BLOCK if q.element_size() == 2 else KEYS_PER_BLOCK // 2  # float32 blocks that size spill registers
+    block_n = (
+        KEYS_PER_BLOCK if q.element_size() == 2 else KEYS_PER_BLOCK // 2
+    )  # float32 blocks that size spill registers
     if splits == 1:
         partial_acc = partial_max = partial_sum = counters = out  # (any pointer: never read)
     else:
@@ -276,7 +278,9 @@ if triton is not None:
             tl.store(partial_max_ptr + parts, running_max, mask=in_group)
             tl.store(partial_sum_ptr + parts, running_sum, mask=in_group)
             if arrived_last(counters_ptr + row_kv_head, SPLITS):
-                out = _merge_splits(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims, SPLITS, BLOCK_D)
+                out = _merge_splits(
+                    partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims, SPLITS, BLOCK_D
+                )
                 tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
@@ -286,19 +290,28 @@ if triton is not None:
         first split), each split's sums rescaled to the heads' top max, in split order."""
         top = tl.full(first_part.shape, -float("inf"), dtype=tl.float32)
         for split in range(SPLITS):
-            top = tl.maximum(top, tl.load(partial_max_ptr + first_part + split, mask=in_group, other=0.0, cache_modifier=".cg"))
+            top = tl.maximum(
+                top, tl.load(partial_max_ptr + first_part + split, mask=in_group, other=0.0, cache_modifier=".cg")
+            )
         total = tl.zeros(first_part.shape, dtype=tl.float32)
         acc = tl.zeros([first_part.shape[0], BLOCK_D], dtype=tl.float32)
         for split in range(SPLITS):
             parts = first_part + split
             weight = tl.exp2(tl.load(partial_max_ptr + parts, mask=in_group, other=0.0, cache_modifier=".cg") - top)
             total += tl.load(partial_sum_ptr + parts, mask=in_group, other=0.0, cache_modifier=".cg") * weight
-            part = tl.load(partial_acc_ptr + parts[:, None] * BLOCK_D + dims[None, :], mask=in_group[:, None], other=0.0, cache_modifier=".cg")
+            part = tl.load(
+                partial_acc_ptr + parts[:, None] * BLOCK_D + dims[None, :],
+                mask=in_group[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
             acc += part * weight[:, None]
         return acc / tl.where(in_group, total, 1.0)[:, None]
 
     @triton.jit
-    def _swiglu_kernel(gate_up_ptr, row_stride, weights_ptr, out_ptr, width, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+    def _swiglu_kernel(
+        gate_up_ptr, row_stride, weights_ptr, out_ptr, width, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
         columns = block * BLOCK + tl.arange(0, BLOCK)
         inside = columns < width
@@ -311,7 +324,9 @@ if triton is not None:
         tl.store(out_ptr + row * width + columns, out.to(raw.dtype), mask=inside)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, row_stride, weight_ptr, out_ptr, eps, WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr, row_stride, weight_ptr, out_ptr, eps, WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):
         # F.rms_norm's rounding: normalised and weighed in float32, rounded once.
         wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)

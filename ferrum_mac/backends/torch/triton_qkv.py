@@ -53,7 +53,9 @@ def norm_qkv_rope_write(
     rows, hidden = x.shape
     dim, kv_heads = kv.shape[-1], kv.shape[2]
     all_heads = heads + 2 * kv_heads
-    assert fits(dim, rows) and weight.shape == (all_heads * dim, hidden) and weight.is_contiguous() and kv.is_contiguous()
+    assert (
+        fits(dim, rows) and weight.shape == (all_heads * dim, hidden) and weight.is_contiguous() and kv.is_contiguous()
+    )
     x = x.contiguous()
     cos, sin = cos.reshape(rows, dim).contiguous(), sin.reshape(rows, dim).contiguous()
     q = torch.empty((rows, heads, dim), dtype=x.dtype, device=x.device)
@@ -143,7 +145,9 @@ if triton is not None:
             table = row_ids[:, None] * DIM + dims[None, :]
             cos = tl.load(cos_ptr + table, mask=live[:, None], other=0.0).to(tl.float32)
             sin = tl.load(sin_ptr + table, mask=live[:, None], other=0.0).to(tl.float32)
-            roped = qk_norm_rope(raw, _partners(raw.to(tl.float32), INTERLEAVED), w, partner_w, cos, sin, eps, DIM, HAS_QK_WEIGHT)
+            roped = qk_norm_rope(
+                raw, _partners(raw.to(tl.float32), INTERLEAVED), w, partner_w, cos, sin, eps, DIM, HAS_QK_WEIGHT
+            )
             if head < HEADS:
                 tl.store(q_ptr + (row_ids[:, None] * HEADS + head) * DIM + dims[None, :], roped, mask=live[:, None])
             else:

@@ -51,7 +51,7 @@ def to_torch(array) -> torch.Tensor:
 
 
 def dtype_name(array) -> str:
-    """"bfloat16", "float16", ... of an mx.array or torch tensor."""
+    """ "bfloat16", "float16", ... of an mx.array or torch tensor."""
     return str(array.dtype).rsplit(".", 1)[-1]
 
 

@@ -22,8 +22,15 @@ from ferrum_mac.errors import FerrumError
 from ferrum_mac.tui.chat_settings import engine_settings, stored_settings
 from ferrum_mac.tui.chat_turn import run_turn
 from ferrum_mac.tui.messages import (
-    AnswerChunk, AnswerDone, AnswerFailed, AnswerNotice, ConversationChosen, CopyRequested, EditRequested,
-    PromptSubmitted, SearchChanged,
+    AnswerChunk,
+    AnswerDone,
+    AnswerFailed,
+    AnswerNotice,
+    ConversationChosen,
+    CopyRequested,
+    EditRequested,
+    PromptSubmitted,
+    SearchChanged,
 )
 from ferrum_mac.tui.widgets.conversation_list import ConversationList
 from ferrum_mac.tui.widgets.message_list import MessageList
@@ -106,7 +113,11 @@ class ChatScreen(Screen):
         if m.role in NOTICE_ROLES:
             return NoticeLine(m.content, error=m.role == "error")
         return MessageView(
-            m.role, m.content, m.reasoning, message_id=m.id, show_reasoning=self.show_reasoning,
+            m.role,
+            m.content,
+            m.reasoning,
+            message_id=m.id,
+            show_reasoning=self.show_reasoning,
             footer=answer_footer(m.stats) if m.role == "assistant" else "",
         )
 
@@ -419,5 +430,7 @@ def answer_footer(stats: dict) -> str:
         parts.append(f"{stats['generated_tokens']} tokens")
     reason = stats.get("stop_reason")
     if reason and reason != "eos":
-        parts.append({"cancelled": "stopped", "max_tokens": "max tokens reached", "context": "context full"}.get(reason, reason))
+        parts.append(
+            {"cancelled": "stopped", "max_tokens": "max tokens reached", "context": "context full"}.get(reason, reason)
+        )
     return " · ".join(parts)

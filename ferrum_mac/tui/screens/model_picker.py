@@ -46,7 +46,9 @@ class ModelPicker(ModalScreen[str | None]):
         options = self.query_one(OptionList)
         options.clear_options()
         options.add_options(
-            Option(Text.assemble(("● " if m.name == self.current else "  ") + m.name, (f"  {m.detail}", "dim")), id=m.name)
+            Option(
+                Text.assemble(("● " if m.name == self.current else "  ") + m.name, (f"  {m.detail}", "dim")), id=m.name
+            )
             for m in models
         )
         names = [m.name for m in models]

@@ -45,8 +45,12 @@ class SettingsScreen(ModalScreen[dict | None]):
                 yield Label("Thinking")
                 yield Select(THINKING, value=think, allow_blank=False, id="think")
                 yield Label("When the context is full")
-                yield Select([(p, p) for p in CONTEXT_POLICIES], value=s["context_policy"], allow_blank=False,
-                             id="context_policy")
+                yield Select(
+                    [(p, p) for p in CONTEXT_POLICIES],
+                    value=s["context_policy"],
+                    allow_blank=False,
+                    id="context_policy",
+                )
             with Horizontal(id="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
@@ -74,7 +78,9 @@ class SettingsScreen(ModalScreen[dict | None]):
             raise ValueError("max tokens must be at least 1")
         return stored_settings(
             system=self.query_one("#system", TextArea).text.strip() or None,
-            temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
             think=THINK_VALUES[self.query_one("#think", Select).value],
             context_policy=self.query_one("#context_policy", Select).value,
         )

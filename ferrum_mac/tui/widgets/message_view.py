@@ -24,8 +24,14 @@ class MessageView(Vertical, can_focus=True):
     ]
 
     def __init__(
-        self, role: str, content: str = "", reasoning: str = "", *, message_id: int | None = None,
-        show_reasoning: bool = False, footer: str = "",
+        self,
+        role: str,
+        content: str = "",
+        reasoning: str = "",
+        *,
+        message_id: int | None = None,
+        show_reasoning: bool = False,
+        footer: str = "",
     ):
         super().__init__(classes=role)
         self.role = role
@@ -70,7 +76,7 @@ class MessageView(Vertical, can_focus=True):
             self.content = content
             await self.query_one(ChatMarkdown).update(content)
         if reasoning != self.reasoning:
-            await self.append("", reasoning[len(self.reasoning):] if reasoning.startswith(self.reasoning) else "")
+            await self.append("", reasoning[len(self.reasoning) :] if reasoning.startswith(self.reasoning) else "")
         self.set_footer(footer)
 
     def set_footer(self, footer: str) -> None:

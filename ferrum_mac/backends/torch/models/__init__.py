@@ -4,5 +4,10 @@ from __future__ import annotations
 
 from ferrum_mac.backends.torch.models import llama, qwen3_moe
 
-FAMILIES = {"llama": llama.Model, "mistral": llama.Model, "qwen2": llama.Model, "qwen3": llama.Model,
-            "qwen3_moe": qwen3_moe.Model}
+FAMILIES = {
+    "llama": llama.Model,
+    "mistral": llama.Model,
+    "qwen2": llama.Model,
+    "qwen3": llama.Model,
+    "qwen3_moe": qwen3_moe.Model,
+}

@@ -47,7 +47,11 @@ def grouped_mm_runs(weight: torch.Tensor) -> bool:
         return False
     if weight.device.type == "cpu":
         return True
-    return weight.device.type == "cuda" and weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device) >= (8, 0)
+    return (
+        weight.device.type == "cuda"
+        and weight.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(weight.device) >= (8, 0)
+    )
 
 
 def expert_weights(src: TensorSource, prefix: str, moe: MoeConfig, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +64,7 @@ def expert_weights(src: TensorSource, prefix: str, moe: MoeConfig, hidden: int) 
         shapes = {"gate_proj": (E, inter, hidden), "up_proj": (E, inter, hidden), "down_proj": (E, hidden, inter)}
         gate, up, down = (src.take(f"{prefix}.switch_mlp.{name}.weight", shape) for name, shape in shapes.items())
     else:  # one tensor per expert (released Hugging Face checkpoints)
+
         def stacked(name, shape):
             return torch.stack([src.take(f"{prefix}.experts.{e}.{name}.weight", shape) for e in range(E)])
 
@@ -136,7 +141,9 @@ class Experts:
 class SparseMoe:
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int, moe: MoeConfig):
         p = f"layers.{layer}.mlp"
-        self.router = Router(linear(src, f"{p}.gate", moe.num_experts, config.hidden_size), moe.top_k, moe.norm_topk_prob)
+        self.router = Router(
+            linear(src, f"{p}.gate", moe.num_experts, config.hidden_size), moe.top_k, moe.norm_topk_prob
+        )
         self.experts = Experts(src, p, moe, config.hidden_size)
 
     def __call__(self, h: torch.Tensor, norm: RmsNorm, ops: Ops) -> torch.Tensor:

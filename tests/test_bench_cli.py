@@ -11,6 +11,7 @@ import pytest
 FERRUM = [sys.executable, "-c", "from ferrum_mac.cli import main; main()"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
 def test_bench_fits_the_defaults_into_a_short_context(shared_assets, backend):
     if backend == "torch":

@@ -32,6 +32,7 @@ def _open_and_write(path: str, start_at: float) -> str:
     return "ok"
 
 
+@pytest.mark.slow
 def test_processes_opening_a_new_database_at_once_all_succeed(tmp_path):
     context = multiprocessing.get_context("spawn")  # a fresh interpreter each, as separate ferrum runs are
     with context.Pool(PROCESSES) as pool:

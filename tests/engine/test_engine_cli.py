@@ -121,6 +121,7 @@ def test_an_answer_cut_by_a_full_context_says_so(stories_path, env):
     assert lines[0].endswith(" tokens: the context is full")
 
 
+@pytest.mark.slow
 def test_torch_runs_the_bundled_model_offline(bundled_env):
     """torch reads the bundled GGUF: no trip to the Hub for the default model."""
     pytest.importorskip("torch")

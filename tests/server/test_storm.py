@@ -273,6 +273,7 @@ KINDS = [
 ]
 
 
+@pytest.mark.slow
 def test_storm(ferrum_serve):
     url, port, log = ferrum_serve
     with httpx.Client(timeout=60) as http:

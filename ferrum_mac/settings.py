@@ -247,7 +247,7 @@ SETTINGS: tuple[Setting, ...] = (
         "FERRUM_TEST_REFRESH_REFERENCE",
         "bool",
         False,
-        "tests/test_real_weights.py",
+        "tests/backends/test_real_weights.py",
         "1: recompute the real-weights test's cached reference logits.",
     ),
 )

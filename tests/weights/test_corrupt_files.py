@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
 
@@ -164,7 +165,7 @@ def test_side_files_that_are_not_objects_are_one_line_errors(tiny_copy, name):
 def test_tokenizer_side_files_that_are_damaged_are_one_line_errors(name, content, tmp_path):
     from ferrum_mac.text.loader import chat_templates, load_tokenizer
 
-    stories = Path(__file__).resolve().parents[1].parent / "shared" / "assets" / "stories260K"
+    stories = helpers.ASSETS / "stories260K"
     if not stories.is_dir():
         pytest.skip("shared assets not found")
     folder = tmp_path / "stories"

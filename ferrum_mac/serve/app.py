@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
+import socket
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -46,10 +48,14 @@ def build_app(
     *,
     max_body: int = MAX_BODY,
     allow_origins: tuple[str, ...] = (),
+    loopback_only: bool = False,
 ) -> Starlette:
-    """The ASGI app; `allow_origins`: web origins besides loopback ones that may call it."""
+    """The ASGI app; `allow_origins`: web origins besides loopback ones that may call it;
+    `loopback_only` (a server bound to loopback): refuse requests whose Host names another machine."""
     server = Server(scheduler, model_name, max_body)
     middleware = [Middleware(OriginCheck, allowed=allow_origins)]
+    if loopback_only:
+        middleware.insert(0, Middleware(HostCheck, allowed=loopback_host_names(allow_origins)))
     if api_key:
         middleware.append(Middleware(ApiKeyCheck, api_key=api_key))
     return Starlette(
@@ -430,6 +436,52 @@ class OriginCheck:
     def accepts(self, origin: str) -> bool:
         origin = origin.rstrip("/").lower()
         return origin in self.allowed or is_loopback_origin(origin)
+
+
+class HostCheck:
+    """A web page can point a name of its own at 127.0.0.1 (DNS rebinding) and then read this
+    server as "same origin", sending no Origin at all. Its requests still name its own host,
+    so a server bound to loopback refuses (403) every Host but loopback names, this machine's
+    name and the hosts of allowed origins."""
+
+    def __init__(self, app, allowed: frozenset[str]):
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = host_name(dict(scope["headers"]).get(b"host", b"").decode("latin-1"))
+            if host and not (host in self.allowed or host.endswith(".localhost") or is_loopback_ip(host)):
+                error = api.ApiError(
+                    403,
+                    f"requests for the host {host[:200]!r} are refused: this server answers on loopback "
+                    "names only (or start it with --allow-origin for a page's origin)",
+                    code="host_not_allowed",
+                )
+                return await JSONResponse(error.body(), status_code=403)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def loopback_host_names(allow_origins: tuple[str, ...]) -> frozenset[str]:
+    """Host names a loopback server answers to: loopback ones, this machine's, allowed origins' hosts."""
+    names = {"localhost", "127.0.0.1", "[::1]", socket.gethostname().lower()}
+    names |= {host_name(origin.partition("://")[2]) for origin in allow_origins}
+    return frozenset(names)
+
+
+def is_loopback_ip(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(host: str) -> str:
+    """`host[:port]` or `[v6][:port]` without the port, lower case."""
+    host = host.strip().lower().rstrip("/")
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def is_loopback_origin(origin: str) -> bool:

@@ -43,7 +43,14 @@ def serve_command(
         ).start()
         try:
             name = scheduler.engine.name
-            app = build_app(scheduler, name, api_key, max_body=max_body, allow_origins=allow_origins)
+            app = build_app(
+                scheduler,
+                name,
+                api_key,
+                max_body=max_body,
+                allow_origins=allow_origins,
+                loopback_only=is_loopback(host),
+            )
             server = uvicorn.Server(uvicorn_config(app, host=host, port=port, max_connections=max_connections))
             sock.listen(max_connections)
             print(

@@ -374,6 +374,29 @@ def origin_server(scheduler):
     live.stop()
 
 
+@pytest.fixture(scope="module")
+def loopback_server(scheduler):
+    live = LiveServer(build_app(scheduler, "stories260K", allow_origins=("https://app.example",), loopback_only=True))
+    yield live
+    live.stop()
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "192.168.1.20:80"])
+def test_a_loopback_server_refuses_other_hosts_names_dns_rebinding(loopback_server, host):
+    for response in (
+        httpx.get(loopback_server.url + "/v1/models", headers={"host": host}),
+        httpx.post(loopback_server.url + CHAT, json={"messages": MESSAGES, "max_tokens": 2}, headers={"host": host}),
+    ):
+        assert error_of(response, 403)["code"] == "host_not_allowed"
+
+
+@pytest.mark.parametrize(
+    "host", ["localhost", "127.0.0.1:1234", "127.0.0.2", "[::1]:8000", "app.localhost", "app.example"]
+)
+def test_a_loopback_server_answers_loopback_names_and_allowed_origins_hosts(loopback_server, host):
+    assert httpx.get(loopback_server.url + "/v1/models", headers={"host": host}).status_code == 200
+
+
 @pytest.mark.parametrize(
     "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
 )

@@ -9,7 +9,16 @@ from typing import Optional
 import typer
 
 from ferrum_mac.cli.bench import bench_app
-from ferrum_mac.cli.options import NAME_HELP, AliasBackend, ApiKey, Backend, Device, Remote, ServerApiKey
+from ferrum_mac.cli.options import (
+    NAME_HELP,
+    AliasBackend,
+    ApiKey,
+    Backend,
+    Device,
+    KvCapacity,
+    Remote,
+    ServerApiKey,
+)
 from ferrum_mac.errors import FerrumError
 
 app = typer.Typer(
@@ -42,9 +51,6 @@ def _group(
     ),
 ) -> None:
     """Local LLM chat, Apple-Silicon-first."""
-
-
-KV_CAPACITY_HELP = "Most tokens in one context (default $FERRUM_KV_CAPACITY, else the model's maximum)."
 
 
 app.add_typer(bench_app, name="bench")
@@ -122,7 +128,7 @@ def run(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, reasoning, stats."),
     backend: Backend = "auto",
     device: Device = None,
-    kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", help=KV_CAPACITY_HELP),
+    kv_capacity: KvCapacity = None,
     context: str = typer.Option("error", help="When the context is full: error or truncate-oldest."),
     pull: bool = typer.Option(True, "--pull/--no-pull", help="Download the model when it is not on disk."),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="The REPL, even with stdin piped."),
@@ -171,7 +177,7 @@ def serve(
     api_key: ServerApiKey = None,
     backend: Backend = "auto",
     device: Device = None,
-    kv_capacity: Optional[int] = typer.Option(None, "--kv-capacity", min=2, help=KV_CAPACITY_HELP),
+    kv_capacity: KvCapacity = None,
     max_body: int = typer.Option(
         4 * 1024 * 1024, "--max-body", min=1024, help="Largest request body in bytes (413 beyond)."
     ),

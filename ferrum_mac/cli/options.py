@@ -28,6 +28,14 @@ ApiKey = Annotated[
 ServerApiKey = Annotated[
     Optional[str], typer.Option("--api-key", envvar=API_KEY_ENV, help="Require 'Authorization: Bearer KEY'.")
 ]
+KvCapacity = Annotated[
+    Optional[int],
+    typer.Option(
+        "--kv-capacity",
+        min=2,
+        help="Most tokens in one context (default $FERRUM_KV_CAPACITY, else the model's maximum).",
+    ),
+]
 # pull, list, rm and show: which backend's repository an alias names (not where a model runs)
 AliasBackend = Annotated[
     str,

@@ -21,6 +21,7 @@ from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, SEED_LIMIT, Done, 
 from ferrum_mac.errors import FerrumError
 
 MAX_STOPS = 4
+MAX_STOP_CHARS = 1000  # the answer is searched for each at every token
 MAX_DEPTH = 32  # JSON nesting a request may have; real requests nest under ten deep
 LOGIT_BIAS_RANGE = 100  # OpenAI's: biases from -100 (ban) to 100 (force)
 # The variables ChatTemplate.render passes itself; chat_template_kwargs may not replace them.
@@ -242,6 +243,10 @@ def _stops(body: dict) -> tuple[str, ...]:
             f"'stop' must be a string or an array of at most {MAX_STOPS} strings",
             param="stop",
             code="invalid_type",
+        )
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(
+            400, f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters", param="stop", code="invalid_value"
         )
     return tuple(stops)
 

@@ -131,7 +131,7 @@ class History:
             query += " WHERE title LIKE ? OR id IN (SELECT conversation_id FROM messages WHERE content LIKE ?)"
             args = (like, like)
         rows = self._execute(query + " ORDER BY updated DESC, id DESC", args).fetchall()
-        return [StoredConversation(i, t, json.loads(s), c, u) for i, t, s, c, u in rows]
+        return [StoredConversation(i, t, stored_object(s), c, u) for i, t, s, c, u in rows]
 
     def conversation(self, conversation_id: int) -> StoredConversation:
         row = self._execute(
@@ -140,7 +140,7 @@ class History:
         if row is None:
             raise FerrumError(f"no conversation {conversation_id} in the chat history")
         i, t, s, c, u = row
-        return StoredConversation(i, t, json.loads(s), c, u)
+        return StoredConversation(i, t, stored_object(s), c, u)
 
     def rename(self, conversation_id: int, title: str) -> None:
         self._update(conversation_id, "title = ?", title)
@@ -180,7 +180,7 @@ class History:
             " WHERE conversation_id = ? ORDER BY id",
             (conversation_id,),
         ).fetchall()
-        return [StoredMessage(i, c, r, t, reason, json.loads(s)) for i, c, r, t, reason, s in rows]
+        return [StoredMessage(i, c, r, t, reason, stored_object(s)) for i, c, r, t, reason, s in rows]
 
     def delete_from(self, conversation_id: int, message_id: int) -> None:
         """Forget message `message_id` and every later one (edit and resend, regenerate)."""
@@ -189,6 +189,16 @@ class History:
     def _execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with _locked_is_clear(self.path, self.timeout):
             return self.db.execute(sql, args)
+
+
+def stored_object(text: str | None) -> dict:
+    """A settings or figures column: a JSON object, or {} where the row was damaged (by hand or
+    another program), so one bad row costs its settings, not the conversation."""
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def migrate(db: sqlite3.Connection) -> None:

@@ -284,6 +284,9 @@ def test_nan_and_infinity_are_a_400(server, field, literal):
         ({"n": "1"}, "n"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": "yes"}}, "include_usage"),
+        ({"stop": ["x" * 1001]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ],
 )
 def test_numbers_out_of_range_or_of_the_wrong_type_are_a_400(server, fields, param):

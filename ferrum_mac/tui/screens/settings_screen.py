@@ -41,7 +41,7 @@ class SettingsScreen(ModalScreen[dict | None]):
                 yield Label("Top-p")
                 yield Input(_text(s.get("top_p")), placeholder="model default", id="top_p", type="number")
                 yield Label("Max tokens")
-                yield Input(_text(s.get("max_tokens")), placeholder="no limit", id="max_tokens", type="integer")
+                yield Input(_text(s.get("max_tokens")), placeholder="model default", id="max_tokens", type="integer")
                 yield Label("Thinking")
                 yield Select(THINKING, value=think, allow_blank=False, id="think")
                 yield Label("When the context is full")

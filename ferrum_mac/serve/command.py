@@ -3,10 +3,10 @@ with uvicorn on the bound socket (so "serving ... on" is printed only once the p
 
 from __future__ import annotations
 
-import ipaddress
 import sys
 
 from ferrum_mac.serve.app import MAX_BODY
+from ferrum_mac.serve.guards import is_loopback_host
 from ferrum_mac.serve.listener import MAX_CONNECTIONS, bind_socket, uvicorn_config
 
 LOOPBACK = "127.0.0.1"
@@ -31,7 +31,7 @@ def serve_command(
     from ferrum_mac.serve.app import build_app
     from ferrum_mac.serve.scheduler import Scheduler
 
-    if not is_loopback(host) and not api_key:
+    if not is_loopback_host(host) and not api_key:
         print(
             f"ferrum: serving on {host} without --api-key: anyone who can reach this port can use the model",
             file=sys.stderr,
@@ -49,7 +49,7 @@ def serve_command(
                 api_key,
                 max_body=max_body,
                 allow_origins=allow_origins,
-                loopback_only=is_loopback(host),
+                loopback_only=is_loopback_host(host),
             )
             server = uvicorn.Server(uvicorn_config(app, host=host, port=port, max_connections=max_connections))
             sock.listen(max_connections)
@@ -62,15 +62,6 @@ def serve_command(
             scheduler.stop()
     finally:
         sock.close()
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def url_host(host: str) -> str:

@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import uvicorn
 
 from ferrum_mac.serve.listener import uvicorn_config
@@ -46,3 +47,28 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+# -- requests and their errors, for the hostile-input tests ---------------------------------
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about Lily."}]
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def post_raw(server, path: str, raw: bytes, **headers) -> httpx.Response:
+    """A body sent as given (httpx's json= cannot send NaN or lone surrogates)."""
+    return httpx.post(
+        server.url + path, content=raw, headers={"content-type": "application/json", **headers}, timeout=60
+    )
+
+
+def chat(server, timeout: float = 60, **fields) -> httpx.Response:
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, **fields}
+    return httpx.post(server.url + CHAT, json=body, timeout=timeout)

@@ -12,8 +12,9 @@ from ferrum_mac import settings
 
 def default_device() -> torch.device:
     """`FERRUM_DEVICE` (cuda, cuda:1, cpu) when set, else CUDA when present, else the CPU."""
-    if settings.value("FERRUM_DEVICE"):
-        return torch.device(settings.value("FERRUM_DEVICE"))
+    named = settings.value("FERRUM_DEVICE")
+    if named:
+        return torch.device(named)
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

@@ -23,13 +23,21 @@ of those lengths at once, which is what a scheduler admits against.
 Positions: a cache holds `kv_len(cache_id)` tokens; `decode(..., pos)` and
 `ForwardItem.pos_offset` must equal that length (the token goes right after what is
 cached). To rewrite history, `truncate_kv` first.
+
+Prefix cache: a backend that keeps KV in shared blocks finds what was computed before. A
+caller tells it which token ids a sequence holds (`kv_remember`, after a prefill and before
+a release), and starts a sequence with `kv_reuse`, which attaches the longest cached prefix
+of its prompt and says how many tokens it holds; only the rest is prefilled. The output is
+the same as without the cache (the attached keys and values are the ones the same tokens
+produce). `kv_prefix_stats` counts hits, misses and their reasons. A backend without a
+cache reuses nothing, and callers need not know which kind they drive.
 """
 
 from __future__ import annotations
 
 import abc
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeAlias
 
 from ferrum_mac.errors import (  # noqa: F401  (re-exported: the contract's errors)
@@ -86,6 +94,41 @@ class LlmRuntimeConfig:
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+# Why `kv_reuse` found nothing (more) to reuse.
+MISS_NO_PREFIX = "no prefix"  # no cached sequence starts like this prompt
+MISS_EVICTED = "evicted"  # one did, but its blocks were evicted for memory
+MISS_CHANGED = "changed earlier tokens"  # a cached sequence continues the match, but the prompt differs from it early
+MISS_OTHER_MODEL = "different model"  # cached for another model (or dtype) only
+MISS_OFF = "no prefix cache"  # the backend keeps none
+
+
+@dataclass(frozen=True)
+class PrefixReuse:
+    """What `kv_reuse` attached: the cache holds `tokens` of the prompt now, `cached` of them
+    taken from the prefix cache; `miss` says why no more was found (None: all but the last
+    token was found)."""
+
+    tokens: int
+    cached: int = 0
+    miss: str | None = None
+
+
+@dataclass
+class PrefixStats:
+    """The prefix cache's counters since the model was loaded (`kv_prefix_stats`)."""
+
+    lookups: int = 0  # kv_reuse calls
+    hits: int = 0  # lookups that reused at least one cached token
+    reused_tokens: int = 0  # tokens taken from the cache instead of computed
+    missed_tokens: int = 0  # prompt tokens the lookups left to compute
+    misses: dict = field(default_factory=dict)  # reason (MISS_*) -> lookups that stopped there
+    cached_tokens: int = 0  # tokens the cache holds now (blocks found by the index)
+    evicted_blocks: int = 0
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
+    disk_tokens_loaded: int = 0
 
 
 @dataclass(frozen=True)
@@ -221,6 +264,27 @@ class DecoderOnlyLLM(abc.ABC):
         what admitting them costs. The default is their sum (a cache per sequence, sized to
         it); a pool whose buffers are shared (every slot as long as the longest) says more."""
         return sum(lengths)
+
+    def kv_reuse(self, cache_id: str, tokens: Sequence[int]) -> PrefixReuse:
+        """Start `cache_id` on the prompt `tokens` without computing what is cached: it takes
+        the longest cached prefix of `tokens` that is longer than what it holds, always leaving
+        the last token to compute (its logits are the next step's). The caller then prefills
+        `tokens[result.tokens:]`.
+
+        `cache_id` must hold nothing or a prefix of `tokens` (truncate it to the common part
+        first). Changes no logits: the same tokens give the same keys and values."""
+        held = self.kv_len(cache_id)
+        return PrefixReuse(held, 0, None if held >= len(tokens) - 1 else MISS_OFF)
+
+    def kv_remember(self, cache_id: str, tokens: Sequence[int]) -> None:
+        """Say that `cache_id`'s first `len(tokens)` positions hold `tokens` (at most
+        `kv_len`), so a later `kv_reuse` of any sequence may share them; they stay cached
+        after a release until memory is needed. Call it after a prompt is prefilled (two
+        requests in flight share it) and before a release (an answer is kept too)."""
+
+    def kv_prefix_stats(self) -> PrefixStats | None:
+        """The prefix cache's counters, or None when the backend keeps no prefix cache."""
+        return None
 
     def decode_batch(self, items: Sequence[DecodeItem]) -> Logits:
         """One decode step for each item; returns `[len(items), vocab]` logits in item order.

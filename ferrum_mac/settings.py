@@ -128,6 +128,24 @@ SETTINGS: tuple[Setting, ...] = (
         "The folder for files ferrum derives from models, instead of the user cache folder.",
         shown_default="the user cache folder",
     ),
+    Setting(
+        "FERRUM_PREFIX_CACHE_MB",
+        "int",
+        4096,
+        "backends/pooled_llm.py: the prefix cache in memory",
+        "Memory (MiB) the prefix cache may keep for prompts no request is using (at most a quarter "
+        "of what is free after loading); 0 turns the prefix cache off.",
+        minimum=0,
+    ),
+    Setting(
+        "FERRUM_PREFIX_DISK_MB",
+        "int",
+        4096,
+        "backends/prefix_disk.py: the prefix cache on disk",
+        "Disk space (MiB) for prompt prefixes kept across restarts, under the cache folder's "
+        "prefix-cache/; 0 keeps nothing on disk.",
+        minimum=0,
+    ),
     # MLX's CPU build (Linux)
     Setting(
         "FERRUM_DENSE_CACHE",
@@ -299,6 +317,11 @@ def cache_dir() -> Path:
 def dense_weights_dir() -> Path:
     """The dense copies of quantized checkpoints that MLX's CPU build loads."""
     return cache_dir() / "dense-weights"
+
+
+def prefix_cache_dir() -> Path:
+    """Prompt prefixes' KV blocks kept across restarts (`backends/prefix_disk.py`)."""
+    return cache_dir() / "prefix-cache"
 
 
 def bundled_models_dir() -> Path:

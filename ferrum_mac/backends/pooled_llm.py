@@ -1,11 +1,12 @@
-"""`PooledLLM`: the half of a runtime both backends share, on top of their `SlotPool`.
+"""`PooledLLM`: the half of a runtime both backends share, on top of their `BlockPool`.
 
 Every call is checked (`DecoderOnlyLLM.check_call`) before any cache changes, then runs as
 one forward over a list of (cache_id, tokens, offset) segments: `prefill` one segment (in
 chunks, so activations stay bounded), `forward_verify` one, `unified_forward` a mix of
 decode steps and prefill chunks. This class keeps the slots' bookkeeping around that
-forward (acquire a slot, make room, record what each sequence now holds) and the rows of
-the result each call returns; a backend adds only what runs on its device:
+forward (acquire a sequence's blocks, make room, record what each sequence now holds), the
+prefix cache's calls (`kv_reuse`, `kv_remember`: the pool's) and the rows of the result each
+call returns; a backend adds only what runs on its device:
 
 - `_hidden(token_parts, segments)`: the model over the segments' tokens -> hidden states;
 - `_token_ids(tokens)`: one segment's tokens as the backend's ids (device tokens clipped);
@@ -20,18 +21,24 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Sequence
 
-from ferrum_mac.backends.slot_pool import SlotPool
+from ferrum_mac import settings
+from ferrum_mac.backends.block_pool import BlockPool
 from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import (
+    KV_MEMORY_SHARE,
     DecodeItem,
     DecoderOnlyLLM,
     ForwardItem,
     LlmRuntimeConfig,
     Logits,
+    PrefixReuse,
+    PrefixStats,
     Token,
     host_tokens,
     token_count,
 )
+
+CACHE_SHARE = 0.25  # of the memory free after loading, the most the prefix cache keeps unused
 
 
 def model_family(families: dict, model_type: str, backend: str):
@@ -44,6 +51,15 @@ def model_family(families: dict, model_type: str, backend: str):
     return family
 
 
+def pool_limits(config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int, block_tokens: int) -> tuple[int, int]:
+    """(max_blocks, cache_blocks) for a pool: the blocks free memory holds (its KV share), and
+    those the prefix cache may keep unused (FERRUM_PREFIX_CACHE_MB, at most CACHE_SHARE of it)."""
+    block_bytes = config.kv_bytes_per_token(bytes_per_element) * block_tokens
+    max_blocks = max(2, int(free_bytes * KV_MEMORY_SHARE) // block_bytes)
+    cache_bytes = min(settings.value("FERRUM_PREFIX_CACHE_MB") << 20, int(free_bytes * CACHE_SHARE))
+    return max_blocks, cache_bytes // block_bytes
+
+
 def named_dtype(name: str, dtypes: dict):
     """The backend's dtype called `name` (float32, float16, bfloat16), or a clear error."""
     if name not in dtypes:
@@ -54,7 +70,7 @@ def named_dtype(name: str, dtypes: dict):
 class PooledLLM(DecoderOnlyLLM):
     """A `DecoderOnlyLLM` whose sequences live in the slots of one KV pool (`kv`)."""
 
-    kv: SlotPool
+    kv: BlockPool
     _config: LlmRuntimeConfig
     _capacity: int
     segment_type: type  # the backend plan's segment: (cache, start, length, offset)
@@ -106,6 +122,21 @@ class PooledLLM(DecoderOnlyLLM):
 
     def kv_tokens_for(self, lengths: Sequence[int]) -> int:
         return self.kv.allocation_for(lengths)
+
+    def kv_reuse(self, cache_id: str, tokens: Sequence[int]) -> PrefixReuse:
+        tokens = host_tokens(cache_id, tokens)
+        self.check_token_ids(cache_id, tokens)
+        with self._computing():  # a partly matched block is copied on the device
+            return self.kv.reuse(cache_id, tokens)
+
+    def kv_remember(self, cache_id: str, tokens: Sequence[int]) -> None:
+        tokens = host_tokens(cache_id, tokens)
+        self.check_token_ids(cache_id, tokens)
+        with self._computing():  # the disk tier may read blocks back
+            self.kv.remember(cache_id, tokens)
+
+    def kv_prefix_stats(self) -> PrefixStats | None:
+        return self.kv.prefix_stats() if self.kv.cache_blocks else None
 
     def prefill(self, cache_id: str, tokens: Sequence[int]) -> Logits:
         tokens = host_tokens(cache_id, tokens)
@@ -162,14 +193,14 @@ class PooledLLM(DecoderOnlyLLM):
     # -- one forward over segments ----------------------------------------------------
 
     def _forward(self, segments: Sequence[tuple[str, Any, int]]) -> Any:
-        """Run `segments` (checked) as one forward: each sequence's slot gets room for its
-        tokens, and holds them afterwards."""
+        """Run `segments` (checked) as one forward: each sequence gets blocks of its own for
+        its tokens (`BlockPool.reserve`), and holds them afterwards."""
         placed, token_parts, start = [], [], 0
         for cache_id, tokens, offset in segments:
             ids = self._token_ids(tokens)
             n = token_count(ids)
             cache = self.kv.acquire(cache_id)
-            self.kv.reserve(cache, offset + n)
+            self.kv.reserve(cache, offset, offset + n)
             placed.append(self.segment_type(cache, start, n, offset))
             token_parts.append(ids)
             start += n

@@ -6,14 +6,14 @@ the plan writes each sequence's keys/values to its cache and attends.
 
 - `Plan`: segments of any length at host-known offsets (prefill, verify, mixed batches).
   Exact-length attention; causal within a segment.
-- `DecodePlan`: one token per sequence for a run of neighbouring pool slots, positions in
-  a device tensor, every shape fixed by the pool. Nothing reads a position on the host, so
-  the step can be captured once as a CUDA graph and replayed at any position; the batch
-  writes its keys/values with one kernel and attends with one. With Triton's ops (a CUDA
+- `DecodePlan`: one token per sequence, positions and block tables in device tensors, every
+  shape fixed by the pool and the table's `(rows, width)`. Nothing reads a position on the
+  host, so the step can be captured once as a CUDA graph and replayed at any position; the
+  batch writes its keys/values with one kernel and attends with one. With Triton's ops (a CUDA
   decode step: `ops.TritonOps.attention`) one Triton kernel norms and ropes q/k and writes
   k/v into the pool (for a few rows the same kernel also norms the block's input and runs
   the qkv projection: `triton_qkv`), and attention reads each row's keys up to its
-  position, no further.
+  position through its block table, no further.
 
 Each plan carries the ops its forward runs (`ops.py`): torch's own for a `Plan`, the
 decode step's for a `DecodePlan`.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ferrum_mac.backends.torch.kv import KvManager, SequenceCache
+from ferrum_mac.backends.torch.kv import KvManager, SequenceBlocks
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope, fuse, linear
 from ferrum_mac.backends.torch.ops import TORCH_OPS, Ops
 from ferrum_mac.backends.torch.pointwise import norm_and_rope
@@ -81,10 +81,21 @@ class Attention:
 
 @dataclass
 class Segment:
-    cache: SequenceCache
+    cache: SequenceBlocks
     start: int  # its first row in the flat batch
     length: int
     offset: int  # absolute position of its first token
+
+
+def positions_rows(seq: SequenceBlocks, start: int, end: int) -> torch.Tensor | slice:
+    """The token rows of `seq`'s positions `start .. end - 1`: a slice of the pool's token axis
+    where their blocks follow each other, else an index."""
+    pool, B = seq.pool, seq.pool.block_tokens
+    rows = pool.rows_of(seq.blocks[start // B : -(-end // B)])
+    skip = start % B
+    if isinstance(rows, slice):
+        return slice(rows.start + skip, rows.start + skip + end - start)
+    return rows[skip : skip + end - start]
 
 
 class Plan:
@@ -94,21 +105,24 @@ class Plan:
         self.segments = segments
         self.total = sum(s.length for s in segments)
         self.positions = torch.cat([torch.arange(s.offset, s.offset + s.length, device=device) for s in segments])
+        # each segment's rows on the pool's token axis: where it writes, and what it reads (0 .. end)
+        self.writes = [positions_rows(s.cache, s.offset, s.offset + s.length) for s in segments]
+        self.reads = [positions_rows(s.cache, 0, s.offset + s.length) for s in segments]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q `(T, heads, dim)`, k/v `(T, kv_heads, dim)` -> `(T, heads * dim)`."""
         outs = []
-        for seg in self.segments:
+        for seg, writes, reads in zip(self.segments, self.writes, self.reads):
             rows = slice(seg.start, seg.start + seg.length)
-            outs.append(self._attend_segment(layer, q[rows], k[rows], v[rows], seg, scale))
+            kv = seg.cache.pool.kv[layer]  # (2, kv_heads, token rows, dim)
+            kv[:, :, writes] = torch.stack((k[rows], v[rows])).transpose(1, 2)
+            outs.append(self._attend_segment(q[rows], kv[:, :, reads], seg, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
-    def _attend_segment(layer, q, k, v, seg: Segment, scale: float) -> torch.Tensor:
+    def _attend_segment(q, kv: torch.Tensor, seg: Segment, scale: float) -> torch.Tensor:
+        """q `(length, heads, dim)` over `kv` `(2, kv_heads, offset + length, dim)`, the segment's keys."""
         end = seg.offset + seg.length
-        keys, values = seg.cache.keys(layer), seg.cache.values(layer)
-        keys[:, seg.offset : end] = k.transpose(0, 1)
-        values[:, seg.offset : end] = v.transpose(0, 1)
         mask, causal = None, False
         if seg.length > 1 and seg.offset == 0:
             causal = True
@@ -116,53 +130,49 @@ class Plan:
             rows = torch.arange(seg.offset, end, device=q.device)[:, None]
             mask = torch.arange(end, device=q.device)[None, :] <= rows
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None, :, :end], values[None, :, :end],
+            q.transpose(0, 1)[None], kv[0][None], kv[1][None],
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
         )  # fmt: skip
         return out[0].transpose(0, 1).reshape(seg.length, -1)
 
 
 class DecodePlan:
-    """Row `i` is the next token of the sequence in slot `first + i` of the pool, at position
-    `positions[i]`, its key/value written to token column `columns[i]` (the pool's scratch
-    column for a slot outside the batch). Every shape is fixed by the pool and the run of
-    slots; positions and columns are device tensors the host never reads.
+    """Row `i` is the next token of a sequence at position `positions[i]`, whose blocks are
+    `table[i]` (`(rows, width)`, block 0, the scratch block, past its end and for a row outside
+    the batch, whose position is 0). Every shape is fixed by the pool and `(rows, width)`;
+    positions and the table are device tensors the host never reads, and where each row's
+    key/value goes (`places`) is computed from them on the device, so the step can be
+    captured once as a CUDA graph and replayed at any position.
 
     `ops` run the step: with torch's, `attend` takes roped q, k, v; Triton's take the block's
     input and do the rest in their kernels (`TritonOps.attention`)."""
 
-    def __init__(self, pool: KvManager, first: int, positions: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype,
-                 base_places: torch.Tensor | None = None, ops: Ops = TORCH_OPS):  # fmt: skip
-        self.pool, self.first, self.positions, self.ops = pool, first, positions, ops
+    def __init__(self, pool: KvManager, table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                 ops: Ops = TORCH_OPS):  # fmt: skip
+        self.pool, self.table, self.positions, self.ops = pool, table, positions, ops
         self.total = rows = positions.shape[0]
-        tokens, device = pool.tokens, positions.device
-        if not ops.triton:  # (Triton's attention reads the lengths from positions)
-            # Which token columns each row sees: an additive bias instead of lengths known on
-            # the host. Built once per step, shared by every layer.
-            visible = torch.arange(tokens, device=device)[None, :] <= positions[:, None]
-            self.bias = attention_bias(visible, dtype).view(rows, 1, 1, tokens)
-        # Each (row, kv head)'s place among a layer's `slots * kv_heads * (tokens + 1)` key rows.
-        base = slot_places(pool, first, rows, device) if base_places is None else base_places
-        self.places = (base + columns[:, None]).reshape(-1)
+        B, device = pool.block_tokens, positions.device
+        # Each (row, kv head)'s place among a layer's `kv_heads * token_rows` key rows.
+        block = table.gather(1, (positions // B)[:, None])  # (rows, 1)
+        token_row = block * B + positions[:, None] % B
+        heads = torch.arange(pool.kv_heads, device=device)[None, :]
+        self.places = (heads * pool.token_rows + token_row).reshape(-1)
+        if not ops.triton:  # (Triton's attention reads through the table itself)
+            keys = table.shape[1] * B
+            self.key_rows = (table[:, :, None] * B + torch.arange(B, device=device)).reshape(rows, keys)
+            # Which keys each row sees: an additive bias instead of lengths known on the host.
+            # Built once per step, shared by every layer.
+            visible = torch.arange(keys, device=device)[None, :] <= positions[:, None]
+            self.bias = attention_bias(visible, dtype).view(rows, 1, 1, keys)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        kv_heads, dim, tokens = k.shape[1], k.shape[2], self.pool.tokens
-        kv = self.pool.kv[layer]  # (2, slots, kv_heads, tokens + 1, dim)
+        dim = k.shape[2]
+        kv = self.pool.kv[layer]  # (2, kv_heads, token rows, dim)
         kv.view(2, -1, dim)[:, self.places] = torch.stack((k, v)).view(2, -1, dim)
-        rows = slice(self.first, self.first + self.total)
-        keys, values = kv[0, rows, :, :tokens], kv[1, rows, :, :tokens]
-        grouped_q = q.reshape(self.total, kv_heads, -1, dim)  # (rows, kv_heads, group, dim)
-        out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=self.bias, scale=scale)
+        gathered = kv[:, :, self.key_rows].transpose(1, 2)  # (2, rows, kv_heads, width * B, dim)
+        grouped_q = q.reshape(self.total, k.shape[1], -1, dim)  # (rows, kv_heads, group, dim)
+        out = F.scaled_dot_product_attention(grouped_q, gathered[0], gathered[1], attn_mask=self.bias, scale=scale)
         return out.reshape(self.total, -1)
-
-
-def slot_places(pool: KvManager, first: int, rows: int, device: torch.device) -> torch.Tensor:
-    """`(rows, kv_heads)`: where the key rows of slot `first + row`, kv head h begin among a pool
-    layer's `slots * kv_heads * (tokens + 1)`; a token's place adds its column. Fixed for a
-    run of slots, so a decode step computes it once, outside its CUDA graph."""
-    slots = torch.arange(first, first + rows, device=device)
-    slot_heads = slots[:, None] * pool.kv_heads + torch.arange(pool.kv_heads, device=device)[None, :]
-    return slot_heads * (pool.tokens + 1)
 
 
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,75 +1,107 @@
-"""The KV manager: a pool of cache slots, one `(2, slots, kv_heads, tokens + 1, head_dim)`
-buffer per layer holding every sequence's keys and values, with a slot for each `cache_id`
-(the bookkeeping is `SlotPool`'s).
+"""The KV manager: the torch buffers of a `BlockPool`, one `(2, kv_heads, blocks * B, head_dim)`
+buffer per layer (keys, values; B = `block_tokens`). Block `b` is the token rows
+`b * B .. b * B + B - 1` of the long token axis, so a sequence's keys are the rows its block
+table names (`SequenceBlocks.places`), and one slice of the axis where its blocks follow each
+other (`first_row_if_contiguous`). Block 0 is scratch: a decode step sends the rows it does not
+serve there.
 
-Writes are in place. The pool grows and shrinks as `SlotPool` says; a reallocation goes
-layer by layer, so it holds the old and the new pool at once only for one layer, and bumps
-`version`, so a CUDA graph captured over the old buffers is never replayed over the new
-ones. Sequences decoding together sit in neighbouring slots, so a batched decode over a run
-of slots reads their keys as one view and writes them with one kernel.
-
-The extra last token column is scratch: a decode step writes the rows of slots it does not
-serve there, so it never touches a sequence outside its batch.
+Writes are in place. The pool grows and shrinks as `BlockPool` says; a reallocation goes
+layer by layer, so it holds the old and the new buffers at once only for one layer, and bumps
+`version`, so a CUDA graph captured over the old buffers is never replayed over the new ones.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ferrum_mac.backends.slot_pool import GROW_STEP, Slot, SlotPool
+from ferrum_mac.backends.block_pool import BLOCK_TOKENS, BlockPool, SequenceBlocks
 
-__all__ = ["GROW_STEP", "KvManager", "SequenceCache"]
-
-
-class SequenceCache(Slot):
-    @property
-    def allocated(self) -> int:
-        return self.pool.tokens
-
-    def keys(self, layer: int) -> torch.Tensor:
-        """`(kv_heads, tokens + 1, head_dim)`, a view into the pool."""
-        return self.pool.kv[layer][0, self.slot]
-
-    def values(self, layer: int) -> torch.Tensor:
-        return self.pool.kv[layer][1, self.slot]
+__all__ = ["BLOCK_TOKENS", "KvManager", "SequenceBlocks"]
 
 
-class KvManager(SlotPool):
-    slot_type = SequenceCache
-
+class KvManager(BlockPool):
     def __init__(
-        self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int,
+        max_blocks: int | None = None,
+        cache_blocks: int = 0,
+        disk=None,
     ):
-        super().__init__(capacity)
+        super().__init__(capacity, max_blocks, cache_blocks, disk)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.kv: list[torch.Tensor] = []  # one buffer per layer; empty when nothing is allocated
         self.version = 0  # bumped on every reallocation
 
-    def _resize(self, slots: int, tokens: int, keep: list[int]) -> None:
-        n, copied = len(keep), min(tokens, self.tokens)
-        rows = slice(0, n) if keep == list(range(n)) else torch.tensor(keep, device=self.device)
-        shrinking = slots * tokens < self.slots * self.tokens
+    @property
+    def token_rows(self) -> int:
+        """Rows of a layer's token axis (per kv head): every block's."""
+        return self.blocks * self.block_tokens
+
+    def rows_of(self, blocks: list[int]) -> torch.Tensor | slice:
+        """The token rows of `blocks`, in order: a slice when they follow each other."""
+        B = self.block_tokens
+        if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+            return slice(blocks[0] * B, (blocks[-1] + 1) * B)
+        table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        return (table[:, None] * B + torch.arange(B, device=self.device)).flatten()
+
+    # -- BlockPool's hooks ------------------------------------------------------------
+
+    def _resize(self, blocks: int, keep: list[int]) -> None:
+        kept = self.rows_of(keep) if keep else None
+        shrinking = blocks < self.blocks
         old = self.kv
         self.kv = []
         for layer in range(self.num_layers):
-            # zeros, not empty: masked-out slots still enter the attention product, and 0 * NaN is NaN
+            # zeros, not empty: masked-out keys still enter the attention product, and 0 * NaN is NaN
             fresh = torch.zeros(
-                (2, slots, self.kv_heads, tokens + 1, self.head_dim), dtype=self.dtype, device=self.device
+                (2, self.kv_heads, blocks * self.block_tokens, self.head_dim), dtype=self.dtype, device=self.device
             )
             if old:
-                if n and copied:
-                    fresh[:, :n, :, :copied] = old[layer][:, rows, :, :copied]
+                if kept is not None:
+                    fresh[:, :, : len(keep) * self.block_tokens] = old[layer][:, :, kept]
                 old[layer] = None  # freed before the next layer's buffer is allocated
             self.kv.append(fresh)
         self.version += 1
         if shrinking:
             self._give_back()
 
+    def _copy_block(self, src: int, dst: int, tokens: int) -> None:
+        B = self.block_tokens
+        for kv in self.kv:
+            kv[:, :, dst * B : dst * B + tokens] = kv[:, :, src * B : src * B + tokens]
+
     def _drop(self) -> None:
         self.kv = []
         self.version += 1
         self._give_back()
+
+    def _read_blocks(self, blocks: list[int]) -> np.ndarray:
+        """`(layers, 2, kv_heads, len(blocks) * B, head_dim)` on the host; bfloat16 as its
+        uint16 bits (numpy has no bfloat16)."""
+        rows = self.rows_of(blocks)
+        host = torch.stack([kv[:, :, rows] for kv in self.kv]).cpu()
+        if self.dtype == torch.bfloat16:
+            return host.view(torch.int16).numpy().view(np.uint16)
+        return host.numpy()
+
+    def _write_blocks(self, blocks: list[int], array: np.ndarray) -> None:
+        """The inverse of `_read_blocks`."""
+        array = np.ascontiguousarray(array)
+        if self.dtype == torch.bfloat16:
+            host = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        else:
+            host = torch.from_numpy(array)
+        rows = self.rows_of(blocks)
+        for kv, layer in zip(self.kv, host.to(self.device, self.dtype)):
+            kv[:, :, rows] = layer
 
     def _give_back(self) -> None:
         """Hand freed buffers back to the device (PyTorch's allocator keeps them otherwise)."""

@@ -133,7 +133,7 @@ class TritonOps(Ops):
         then attention reading each row's keys up to its position (`plan`: a `DecodePlan`)."""
         from ferrum_mac.backends.torch import triton_ops, triton_qkv
 
-        kv = plan.pool.kv[attn.layer]  # (2, slots, kv_heads, tokens + 1, dim)
+        kv = plan.pool.kv[attn.layer]  # (2, kv_heads, token rows, dim)
         interleaved, places = attn.rope.interleaved, plan.places
         if self.gemv("norm_qkv_rope", h) and triton_qkv.fits(attn.head_dim, h.shape[0]):
             q = triton_qkv.norm_qkv_rope_write(
@@ -143,7 +143,7 @@ class TritonOps(Ops):
         else:
             qkv = self.norm_matmul(h, norm, attn.qkv)
             q = triton_ops.norm_rope_write(qkv, attn.heads, attn.qk_norm, cos, sin, attn.eps, interleaved, kv, places)
-        return triton_ops.decode_attention(q, kv, plan.first, plan.positions, attn.scale)
+        return triton_ops.decode_attention(q, kv, plan.table, plan.positions, attn.scale, plan.pool.block_tokens)
 
     def sparse_moe(self, moe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Gate projection with the router, gate_up with SwiGLU, down with the sum over k and

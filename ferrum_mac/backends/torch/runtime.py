@@ -14,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype
+from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
 from ferrum_mac.backends.torch.attention import Plan, Segment
-from ferrum_mac.backends.torch.kv import KvManager
+from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
 from ferrum_mac.backends.torch.models import FAMILIES
 from ferrum_mac.backends.torch.steps import DecodeSteps
@@ -36,14 +36,10 @@ def compute_dtype(checkpoint: Checkpoint, override: str | None) -> torch.dtype:
     return DTYPES.get(checkpoint.config.dtype, torch.float16)
 
 
-def run_of_slots(slots: list[int], pool_slots: int) -> tuple[int, int]:
-    """The first slot and size of the run a decode step covers: every slot of the batch, the
-    size rounded up to a power of two so a server's changing batches share few steps (each
-    one a CUDA graph to capture), moved down where it would pass the pool's end (the pool's
-    slot count is a power of two)."""
-    first = min(slots)
-    size = 1 << (max(slots) - first).bit_length()
-    return min(first, pool_slots - size), size
+def power_of_two_above(n: int) -> int:
+    """The least power of two >= n (>= 1): decode steps' sizes, so changing batches and growing
+    sequences share few steps (each one a CUDA graph to capture)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 class TorchLLM(PooledLLM):
@@ -72,19 +68,23 @@ class TorchLLM(PooledLLM):
         self._capacity = kv_capacity_within(self._config, free_memory_bytes(self.device), element, kv_capacity)
         with torch.inference_mode():
             self.model.rope.build(self._capacity)
-        self.kv = KvManager(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity)
+        max_blocks, cache_blocks = pool_limits(self._config, free_memory_bytes(self.device), element, BLOCK_TOKENS)
+        self.kv = KvManager(
+            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity,
+            max_blocks, cache_blocks, disk=None,
+        )  # fmt: skip
         self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
 
     # -- contract -------------------------------------------------------------------
 
     @torch.inference_mode()
     def prepare(self, cache_id: str, max_tokens: int) -> None:
-        """Size `cache_id`'s buffer, then warm up on it: a short prefill and one decode step past
-        what it holds (captured as its CUDA graph), cut off again. Graphs belong to a cache's
-        buffer, so a throw-away cache would warm up nothing the sequence uses."""
+        """Make room for `max_tokens` more of `cache_id`, then warm up on it: a short prefill and
+        one decode step past what it holds (a one-row step, captured as its CUDA graph), cut
+        off again."""
         cache = self.kv.prepare(cache_id, min(max(1, max_tokens), self._capacity))
         held = cache.length
-        warm = min(WARMUP_TOKENS, cache.allocated - held - 1)
+        warm = min(WARMUP_TOKENS, self._capacity - held - 1)
         if warm >= 1:
             self._forward([(cache_id, [0] * warm, held)])
             self.decode(cache_id, 0, held + warm)
@@ -114,17 +114,15 @@ class TorchLLM(PooledLLM):
         return self.model.logits(h if rows == slice(None) else h[rows])
 
     def _decode_batch(self, items: Sequence[DecodeItem]) -> torch.Tensor:
-        """One `DecodeStep` over the run of slots that holds the batch's sequences."""
+        """One `DecodeStep` over the batch's sequences: rows and table width rounded up to
+        powers of two, so a server's changing batches share few steps."""
         caches = [self.kv.acquire(it.cache_id) for it in items]
         for cache, it in zip(caches, items):
-            self.kv.reserve(cache, it.pos + 1)
-        first, size = run_of_slots([c.slot for c in caches], self.kv.slots)
-        rows = [c.slot - first for c in caches]
-        step = self.steps.get(first, size)
-        step.load({row: (it.token, it.pos) for row, it in zip(rows, items)})
+            self.kv.reserve(cache, it.pos, it.pos + 1)
+        width = power_of_two_above(max(len(cache.blocks) for cache in caches))
+        step = self.steps.get(power_of_two_above(len(items)), width)
+        step.load([(it.token, it.pos, cache.blocks) for cache, it in zip(caches, items)])
         logits = step.run()
         for cache, it in zip(caches, items):
             cache.length = it.pos + 1
-        if rows == list(range(step.rows)):
-            return logits
-        return logits[torch.tensor(rows, device=logits.device)]
+        return logits if len(items) == step.rows else logits[: len(items)]

@@ -1,16 +1,18 @@
-"""Decode steps: one token for each slot of a run of neighbouring KV pool slots, run from
-static input buffers.
+"""Decode steps: one token for each of `rows` sequences whose blocks fit a block table
+`width` blocks wide, run from static input buffers.
 
-A step's shapes depend only on the pool (its version) and the run of slots, never on
-positions or tokens, which it reads from device buffers. On CUDA each step is therefore
-captured once as a CUDA graph and replayed for every later token: one launch instead of
-hundreds of kernel launches from Python, which is most of a decode step's time otherwise.
-Elsewhere (the CPU) the same step runs eagerly from the same buffers.
+A step's shapes depend only on the pool (its version) and `(rows, width)`, never on
+positions, tokens or which blocks a sequence holds, which it reads from device buffers. On
+CUDA each step is therefore captured once as a CUDA graph and replayed for every later
+token: one launch instead of hundreds of kernel launches from Python, which is most of a
+decode step's time otherwise. Elsewhere (the CPU) the same step runs eagerly from the same
+buffers.
 
-A run may hold slots whose sequences are not in the batch (finished, or between turns):
-their rows decode token 0 at position 0 into the pool's scratch column and are dropped.
-Steps are kept per run of slots; when the pool is reallocated every step is dropped, so a
-stale graph is never replayed.
+Rows past the batch decode token 0 at position 0 into the scratch block and are dropped.
+A row's table goes up only when its blocks change (a sequence gains a block every
+`block_tokens` tokens), so a step's host work is the batch's tokens and positions. Steps are
+kept per `(rows, width)`; when the pool is reallocated every step is dropped, so a stale
+graph is never replayed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections import OrderedDict
 
 import torch
 
-from ferrum_mac.backends.torch.attention import DecodePlan, slot_places
+from ferrum_mac.backends.torch.attention import DecodePlan
 from ferrum_mac.backends.torch.kv import KvManager
 from ferrum_mac.backends.torch.ops import decode_ops
 from ferrum_mac import settings
@@ -31,43 +33,49 @@ MAX_STEPS = 16  # captured graphs kept (least recently used dropped first)
 
 
 class DecodeStep:
-    def __init__(self, model, pool: KvManager, first: int, rows: int, dtype: torch.dtype, device: torch.device, graphs):
-        self.model, self.pool, self.first, self.rows = model, pool, first, rows
+    def __init__(self, model, pool: KvManager, rows: int, width: int, dtype: torch.dtype, device: torch.device, graphs):
+        self.model, self.pool, self.rows, self.width = model, pool, rows, width
         self.dtype, self.device, self.graphs = dtype, device, graphs
-        self.inputs = torch.zeros(3 * rows, dtype=torch.int64, device=device)  # tokens, positions, columns
-        self.tokens, self.positions, self.columns = (
-            self.inputs[:rows],
-            self.inputs[rows : 2 * rows],
-            self.inputs[2 * rows :],
-        )
-        self.base_places = slot_places(pool, first, rows, device)  # (steps die with their pool)
+        self.inputs = torch.zeros(2 * rows, dtype=torch.int64, device=device)  # tokens, positions
+        self.tokens, self.positions = self.inputs[:rows], self.inputs[rows:]
+        self.table = torch.zeros((rows, width), dtype=torch.int64, device=device)  # all scratch
+        self.uploaded: list[list[int]] = [[] for _ in range(rows)]  # each row's blocks in `table`
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured = device.type == "cuda" and USE_GRAPHS
         self.ops = decode_ops(device)  # Triton's kernels on CUDA: captured once, so their launches cost nothing
         self.out: torch.Tensor | None = None
 
-    def load(self, batch: dict[int, tuple]) -> None:
-        """Copy this step's inputs to its buffers without waiting on the device. `batch` maps
-        a row to its (token, position); other rows go to the scratch column. Host ids go up
-        in one pinned copy; device tokens (a sampled token not read yet) are copied on the device."""
-        scratch = self.pool.tokens
-        tokens, positions, columns = [0] * self.rows, [0] * self.rows, [scratch] * self.rows
+    def load(self, batch: list[tuple]) -> None:
+        """Copy this step's inputs to its buffers without waiting on the device. `batch`: row i's
+        (token, position, blocks); later rows go to the scratch block. Host ids go up in one
+        pinned copy; device tokens (a sampled token not read yet) are copied on the device."""
+        tokens, positions = [0] * self.rows, [0] * self.rows
         on_device = {}
-        for row, (token, pos) in batch.items():
+        for row, (token, pos, blocks) in enumerate(batch):
             if isinstance(token, torch.Tensor):
                 on_device[row] = token
             else:
                 tokens[row] = int(token)
-            positions[row] = columns[row] = pos
-        host = torch.tensor(tokens + positions + columns, dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()  # a pageable copy would wait for the queued steps
-        self.inputs.copy_(host, non_blocking=True)
+            positions[row] = pos
+            self._load_table_row(row, blocks)
+        for row in range(len(batch), self.rows):
+            self._load_table_row(row, [])
+        self.inputs.copy_(self._to_send(tokens + positions), non_blocking=True)
         if len(on_device) == self.rows:
             self.tokens.copy_(torch.stack([on_device[r].reshape(()) for r in range(self.rows)]))
         else:
             for row, token in on_device.items():
                 self.tokens[row].copy_(token.reshape(()))
+
+    def _load_table_row(self, row: int, blocks: list[int]) -> None:
+        """Send row `row`'s blocks (scratch past them) unless its table holds them already."""
+        if self.uploaded[row] != blocks:
+            self.table[row].copy_(self._to_send(blocks + [0] * (self.width - len(blocks))), non_blocking=True)
+            self.uploaded[row] = list(blocks)
+
+    def _to_send(self, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.int64)
+        return host.pin_memory() if self.device.type == "cuda" else host  # a pageable copy would wait for queued steps
 
     def run(self) -> torch.Tensor:
         """`(rows, vocab)` logits of a new tensor (a graph's output buffer is reused)."""
@@ -81,7 +89,7 @@ class DecodeStep:
         return self.out.clone()
 
     def forward(self) -> torch.Tensor:
-        plan = DecodePlan(self.pool, self.first, self.positions, self.columns, self.dtype, self.base_places, self.ops)
+        plan = DecodePlan(self.pool, self.table, self.positions, self.dtype, self.ops)
         # device tokens are never read on the host: clip them so an id past the vocabulary
         # cannot index past the embedding (a device assert that ends the CUDA context)
         tokens = self.tokens.clamp(0, self.model.config.vocab_size - 1)
@@ -106,7 +114,7 @@ class DecodeStep:
 
 
 class DecodeSteps:
-    """Decode steps by the run of slots they serve, least recently used dropped first."""
+    """Decode steps by their `(rows, width)`, least recently used dropped first."""
 
     def __init__(self, model, pool: KvManager, dtype: torch.dtype, device: torch.device):
         self.model, self.pool, self.dtype, self.device = model, pool, dtype, device
@@ -114,15 +122,15 @@ class DecodeSteps:
         self.steps: OrderedDict[tuple, DecodeStep] = OrderedDict()
         self.version = pool.version
 
-    def get(self, first: int, rows: int) -> DecodeStep:
+    def get(self, rows: int, width: int) -> DecodeStep:
         if self.pool.version != self.version:  # the pool was reallocated: every graph is stale
             self.clear()
             self.version = self.pool.version
-        key = (first, rows)
+        key = (rows, width)
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = DecodeStep(
-                self.model, self.pool, first, rows, self.dtype, self.device, self.graphs
+                self.model, self.pool, rows, width, self.dtype, self.device, self.graphs
             )
             while len(self.steps) > MAX_STEPS:
                 self.steps.popitem(last=False)

@@ -4,8 +4,8 @@ the RMSNorm before them or the SwiGLU after, are `triton_gemv`'s.
 
 - `norm_rope_write`: q/k RMSNorm + RoPE on the fused qkv projection's output, q returned, k
   and v written straight into the KV pool at a `DecodePlan`'s places.
-- `decode_attention`: one query per row over its slot of the pool, reading only the row's
-  `positions[i] + 1` keys (lengths read on the device, so a CUDA graph replays it at any
+- `decode_attention`: one query per row over its blocks of the pool (a block table per row),
+  reading only the row's `positions[i] + 1` keys (lengths read on the device, so a CUDA graph replays it at any
   position). A program takes a kv head with all the query heads it serves (one `tl.dot`
   over the group), so a key is read once per row, not once per query head. Split-K: each
   (row, kv head) spreads its keys over several programs, so a small batch still fills the
@@ -44,12 +44,12 @@ except ImportError:
 def norm_rope_write(qkv: torch.Tensor, heads: int, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     eps: float, interleaved: bool, kv: torch.Tensor, places: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """qkv `(T, (heads + 2 * kv_heads) * dim)` -> roped q `(T, heads, dim)`; roped k and v go
-    into the pool layer `kv` `(2, slots, kv_heads, tokens + 1, dim)` at `places` `(T * kv_heads,)`,
-    flat indices among its `slots * kv_heads * (tokens + 1)` rows (`DecodePlan.places`).
+    into the pool layer `kv` `(2, kv_heads, token rows, dim)` at `places` `(T * kv_heads,)`,
+    flat indices among its `kv_heads * token rows` rows (`DecodePlan.places`).
 
     `weight` `(heads + kv_heads, dim)`: each q and k head's RMSNorm weight, or None for no
     norm. cos and signed sin: each row's `Rope.tables`, `(T, 1, dim)` in the activations' dtype."""
-    rows, dim, kv_heads = qkv.shape[0], kv.shape[-1], kv.shape[2]
+    rows, dim, kv_heads = qkv.shape[0], kv.shape[-1], kv.shape[1]
     assert qkv.shape[1] == (heads + 2 * kv_heads) * dim and qkv.stride(1) == 1 and kv.is_contiguous()
     cos, sin = cos.reshape(rows, dim).contiguous(), sin.reshape(rows, dim).contiguous()
     q = torch.empty((rows, heads, dim), dtype=qkv.dtype, device=qkv.device)
@@ -69,20 +69,20 @@ MAX_SPLITS = 32
 MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: a query group, or a GEMV's few rows, is padded to it
 
 
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: torch.Tensor, scale: float,
-                     splits: int | None = None) -> torch.Tensor:  # fmt: skip
-    """q `(T, heads, dim)`; row i attends over slot `first + i` of the pool layer `kv`
-    `(2, slots, kv_heads, tokens + 1, dim)`, key columns `0 .. positions[i]` -> `(T, heads * dim)`.
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, scale: float,
+                     block_tokens: int, splits: int | None = None) -> torch.Tensor:  # fmt: skip
+    """q `(T, heads, dim)`; row i attends over its keys `0 .. positions[i]` in the pool layer `kv`
+    `(2, kv_heads, token rows, dim)`, key j at token row `table[i, j // block_tokens] *
+    block_tokens + j % block_tokens` (`table` `(T, width)`: each row's blocks) -> `(T, heads * dim)`.
 
     Query head h reads kv head `h // (heads / kv_heads)`; one program serves a kv head's whole
     group, so each key is read once per row. `splits`: programs per (row, kv head), a power of
     two (by default enough to give every SM two programs)."""
     rows, heads, dim = q.shape
-    kv_heads, tokens = kv.shape[2], kv.shape[3] - 1
-    kv = kv[:, first : first + rows]  # row i reads slot i of this view (and `first` is no kernel argument)
-    assert q.stride(2) == 1 and kv.stride(4) == 1 and heads % kv_heads == 0
+    kv_heads, width = kv.shape[1], table.shape[1]
+    assert q.stride(2) == 1 and kv.stride(3) == 1 and table.is_contiguous() and heads % kv_heads == 0
     group = heads // kv_heads
-    splits = splits or default_splits(rows * kv_heads, tokens, q.device)
+    splits = splits or default_splits(rows * kv_heads, width * block_tokens, q.device)
     assert splits & (splits - 1) == 0, "splits: a power of two"
     out = torch.empty((rows, heads * dim), dtype=q.dtype, device=q.device)
     pdl = pdl_for(q.device)
@@ -99,10 +99,10 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, first: int, positions: t
         partial_sum = torch.empty_like(partial_max)
         counters = split_counters(q.device)
     _decode_attention_kernel[(rows * kv_heads, splits)](
-        q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), kv.stride(2), table, width,
         positions, scale * math.log2(math.e), out, partial_acc, partial_max, partial_sum, counters,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        DIM=dim, SPLITS=splits, BLOCK_N=block_n, BLOCK_D=block_d,
+        DIM=dim, BLOCK_TOKENS=block_tokens, SPLITS=splits, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=4,
         **launch_options(pdl),
     )  # fmt: skip
@@ -221,14 +221,15 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(
         q_ptr, q_row_stride, q_head_stride,
-        kv_ptr, kv_half_stride, kv_slot_stride, kv_head_stride, kv_token_stride,
+        kv_ptr, kv_half_stride, kv_head_stride, kv_token_stride, table_ptr, table_width,
         positions_ptr, scale_log2, out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, counters_ptr,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-        SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # One program per (row, kv head, split): the kv head's query heads (padded to GROUP_PAD
         # rows, the padding masked) against the split's share of the row's keys, in blocks of
-        # BLOCK_N, with an online softmax per query head. Scores are in log2 units (exp2 is the
+        # BLOCK_N (each key's token row read from the row's block table), with an online
+        # softmax per query head. Scores are in log2 units (exp2 is the
         # fast one); both products accumulate in float32, as flash attention does.
         wait_for_previous(PDL)
         row_kv_head, split = tl.program_id(0), tl.program_id(1)
@@ -245,8 +246,9 @@ if triton is not None:
         inside = dims < DIM
         q_offsets = row * q_row_stride + heads[:, None] * q_head_stride + dims[None, :]
         q = tl.load(q_ptr + q_offsets, mask=in_group[:, None] & inside[None, :], other=0.0)
-        keys_ptr = kv_ptr + row.to(tl.int64) * kv_slot_stride + kv_head * kv_head_stride
+        keys_ptr = kv_ptr + kv_head.to(tl.int64) * kv_head_stride
         values_ptr = keys_ptr + kv_half_stride
+        row_table = table_ptr + row.to(tl.int64) * table_width
 
         running_max = tl.full([GROUP_PAD], -float("inf"), dtype=tl.float32)
         running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -254,7 +256,9 @@ if triton is not None:
         for block in range(start, end, BLOCK_N):
             columns = block + tl.arange(0, BLOCK_N)
             seen = columns < end
-            offsets = columns[:, None] * kv_token_stride + dims[None, :]
+            blocks = tl.load(row_table + columns // BLOCK_TOKENS, mask=seen, other=0)
+            token_rows = blocks.to(tl.int64) * BLOCK_TOKENS + columns % BLOCK_TOKENS
+            offsets = token_rows[:, None] * kv_token_stride + dims[None, :]
             both = seen[:, None] & inside[None, :]
             k = tl.load(keys_ptr + offsets, mask=both, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2

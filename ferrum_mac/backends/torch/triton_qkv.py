@@ -44,14 +44,14 @@ def norm_qkv_rope_write(
     kv: torch.Tensor, places: torch.Tensor, splits: int | None = None, block_k: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x `(T, hidden)` -> roped q `(T, heads, dim)`; roped k and v go into the pool layer `kv`
-    `(2, slots, kv_heads, tokens + 1, dim)` at `places` (as `triton_ops.norm_rope_write`).
+    `(2, kv_heads, token rows, dim)` at `places` (as `triton_ops.norm_rope_write`).
 
     `weight` `((heads + 2 * kv_heads) * dim, hidden)`: q, k and v stacked (+ `bias`);
     `norm_weight`: the block's RMSNorm; `qk_weight` `(heads + kv_heads, dim)`: each q and k
     head's RMSNorm weight, or None; cos and signed sin: `Rope.tables`, `(T, 1, dim)`.
     `splits` of K and `block_k` (for timing): by default `gemv_splits`' and TILE_BYTES'."""
     rows, hidden = x.shape
-    dim, kv_heads = kv.shape[-1], kv.shape[2]
+    dim, kv_heads = kv.shape[-1], kv.shape[1]
     all_heads = heads + 2 * kv_heads
     assert (
         fits(dim, rows) and weight.shape == (all_heads * dim, hidden) and weight.is_contiguous() and kv.is_contiguous()

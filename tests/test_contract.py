@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import ferrum_mac
+from ferrum_mac.backends.block_pool import BLOCK_TOKENS
 from ferrum_mac.errors import CacheStateError, FerrumError, KvCapacityError
 from ferrum_mac.llm import KV_CAPACITY_ENV, DecodeItem, ForwardItem
 import helpers
@@ -113,19 +114,20 @@ def test_long_prefill_in_chunks_equals_one_forward(model, monkeypatch):
 
 
 def test_cache_growth_keeps_history(model):
-    """Decoding across the KV buffers' grow step (256) and preparing a larger cache keep every key."""
-    GROW_STEP = backend_module(model, "kv").GROW_STEP
-    tokens = random_tokens(GROW_STEP + 6, seed=3)
+    """Decoding across block boundaries and the KV buffers' growth, and preparing a larger
+    cache, keep every key."""
+    n = 8 * BLOCK_TOKENS  # past the buffers' first size (GROW_BLOCKS blocks, scratch included)
+    tokens = random_tokens(n + 6, seed=3)
     ref = reference(model, tokens)
     cid = fresh_id()
-    model.prefill(cid, tokens[: GROW_STEP - 3])
-    for pos in range(GROW_STEP - 3, len(tokens)):
+    model.prefill(cid, tokens[: n - 3])
+    for pos in range(n - 3, len(tokens)):
         assert_close(model.decode(cid, tokens[pos], pos), ref[pos], REL, f"decode at {pos}")
     model.release(cid)
 
     grown = fresh_id()
     model.prefill(grown, tokens[:40])
-    model.prepare(grown, 3 * GROW_STEP)  # grows the live cache in place
+    model.prepare(grown, 3 * n)  # grows the buffers under the live cache
     assert model.kv_len(grown) == 40
     assert_close(model.decode(grown, tokens[40], 40), ref[40])
     model.release(grown)

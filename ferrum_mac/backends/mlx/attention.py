@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import mlx.core as mx
+import numpy as np
 
 from ferrum_mac import settings
+from ferrum_mac.backends.block_pool import SCRATCH
 from ferrum_mac.backends.mlx import cuda_attention
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
@@ -28,6 +30,11 @@ class Segment:
     start: int
     length: int
     offset: int
+
+    @cached_property
+    def placement(self) -> tuple:
+        """Where its keys are written and read on the pool's token axis (`SequenceCache.placement`)."""
+        return self.cache.placement(self.offset, self.offset + self.length)
 
 
 class Plan:
@@ -57,18 +64,39 @@ class Plan:
         self.decoding = singles if len(singles) > 1 else []
         if self.decoding:
             self.pool = singles[0].cache.pool
-            self.slots = mx.array([s.cache.slot for s in singles])
             all_singles = len(singles) == len(segments)
             self.decode_positions = self.positions if all_singles else mx.array([s.offset for s in singles])
-            self.write_index = self.pool.batch_index(self.slots, self.decode_positions)  # shared by every layer
+            rows = mx.array([s.cache.places(s.offset, s.offset + 1)[0] for s in singles])
+            self.write_index = self.pool.batch_index(rows)  # shared by every layer
             self.width = max(s.offset for s in singles) + 1
             # The decode rows' place in the flat batch: all of it, a leading run, or scattered.
             self.decode_rows = None if len(singles) == len(segments) else decode_rows(singles)
 
     @cached_property
+    def host_tables(self) -> np.ndarray:
+        """The decoding sequences' block tables `(B, blocks)` up to the longest's position,
+        shorter ones padded with the scratch block (masked: past their length)."""
+        n = self.pool.blocks_for(self.width)
+        tables = np.full((len(self.decoding), n), SCRATCH, dtype=np.int32)
+        for i, seg in enumerate(self.decoding):
+            blocks = seg.cache.blocks[:n]
+            tables[i, : len(blocks)] = blocks
+        return tables
+
+    @cached_property
+    def tables(self) -> mx.array:
+        return mx.array(self.host_tables)
+
+    @cached_property
+    def gather_index(self) -> tuple:
+        """Indices gathering each decoding sequence's keys through its block table (`KvManager.gather_index`)."""
+        return self.pool.gather_index(self.host_tables)
+
+    @cached_property
     def mask(self) -> mx.array:
-        """For decode rows under a mask: each sequence sees its own keys up to its offset."""
-        return (mx.arange(self.width)[None, :] <= self.decode_positions[:, None])[:, None, None, :]
+        """For the gathered keys of decode rows: each sequence sees its own keys up to its offset."""
+        width = self.host_tables.shape[1] * self.pool.block_tokens
+        return (mx.arange(width)[None, :] <= self.decode_positions[:, None])[:, None, None, :]
 
 
 def decode_rows(singles: list[Segment]) -> slice | mx.array:
@@ -154,22 +182,23 @@ class Attention:
         return mx.concatenate([pieces[start] for start in sorted(pieces)], axis=1)
 
     def _attend_batch(self, q, k, v, plan: Plan) -> mx.array:
-        """B one-token sequences `(B, heads, dim)`: one write and one attention for all, by
-        length from the pool on CUDA, else over the gathered keys under a length mask."""
+        """B one-token sequences `(B, heads, dim)`: one write and one attention for all, on
+        CUDA by length through their block tables, else over keys gathered through them under a
+        length mask."""
         B = q.shape[0]
         keys, values = plan.pool.write_batch(self.layer, plan.write_index, k, v)
         if self.by_length:
             out = cuda_attention.decode_attention(
-                q, keys, values, plan.slots, plan.decode_positions, self.scale, plan.width
+                q, keys, values, plan.tables, plan.decode_positions, self.scale, plan.width, plan.pool.block_tokens
             )
         else:
-            keys, values = keys[plan.slots, :, : plan.width, :], values[plan.slots, :, : plan.width, :]
+            keys, values = keys[plan.gather_index], values[plan.gather_index]
             out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=self.scale, mask=plan.mask)
         return out.reshape(1, B, self.heads * self.head_dim)
 
     def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:
         """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`."""
-        keys, values = seg.cache.write(self.layer, k, v, seg.offset)
+        keys, values = seg.cache.write(self.layer, k, v, seg.placement)
         mask = "causal" if seg.length > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
 

@@ -1,5 +1,6 @@
 """Batched decode attention for MLX's CUDA build: one custom kernel that reads each
-sequence's keys and values straight from the KV pool, up to that sequence's own length.
+sequence's keys and values straight from the KV pool through its block table, up to that
+sequence's own length.
 
 MLX's fused `scaled_dot_product_attention` takes no per-sequence lengths, and with an array
 mask its CUDA build leaves the fused kernel for a general path several times slower
@@ -20,6 +21,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from ferrum_mac.backends.block_pool import BLOCK_TOKENS
+
 WARPS = 4  # per block; each walks every WARPS-th run of UNROLL keys (at the 160 registers a thread
 # ncu counted, 3 such blocks fit an SM, against 1 of 8 warps)
 UNROLL = 4  # keys loaded per warp before any is used, so loads overlap
@@ -37,10 +40,11 @@ __device__ __forceinline__ float ferrum_warp_sum(float x) {
 }
 """
 
-# Inputs: q (B, heads, D); keys/values (slots, kv_heads, tokens, D); slots, positions (B,)
-# int32; scale (1,) float32. Template: T, D, G (group), NW, U. Grid z: B * S blocks, S splits
-# of each sequence's keys (a launch value, not a template one: no new compile as sequences
-# grow). Each block walks keys [begin, end) of its split.
+# Inputs: q (B, heads, D); keys/values (1, kv_heads, rows, D): block k is rows k*BT .. k*BT+BT-1;
+# tables (B, blocks) int32: sequence b's key t is in row tables[b, t / BT] * BT + t % BT;
+# positions (B,) int32; scale (1,) float32. Template: T, D, G (group), NW, U, BT (tokens a
+# block). Grid z: B * S blocks, S splits of each sequence's keys (a launch value, not a
+# template one: no new compile as sequences grow). Each block walks keys [begin, end) of its split.
 _WALK = """
   constexpr int DPL = D / 32;  // dims per lane
   using Pack = FerrumPack<T, DPL>;
@@ -51,13 +55,14 @@ _WALK = """
   const int b = blockIdx.z / S;
   const int split = blockIdx.z % S;
   const int kv_heads = keys_shape[1];
-  const int tokens = keys_shape[2];
+  const int rows = keys_shape[2];
   const int heads = kv_heads * G;
   const int length = positions[b] + 1;
   const int chunk = (length + S - 1) / S;
   const int begin = split * chunk;
   const int end = min(length, begin + chunk);
-  const size_t base = ((size_t)slots[b] * kv_heads + kvh) * tokens * D + lane * DPL;
+  const int* table = tables + (size_t)b * tables_shape[1];
+  const size_t base = (size_t)kvh * rows * D + lane * DPL;
   const float s = scale[0];
 
   float qr[G][DPL];
@@ -82,8 +87,10 @@ _WALK = """
     #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (t0 + u < end) {
-        kp[u] = *reinterpret_cast<const Pack*>(keys + base + (size_t)(t0 + u) * D);
-        vp[u] = *reinterpret_cast<const Pack*>(values + base + (size_t)(t0 + u) * D);
+        const int t = t0 + u;
+        const size_t at = base + ((size_t)table[t / BT] * BT + t % BT) * D;
+        kp[u] = *reinterpret_cast<const Pack*>(keys + at);
+        vp[u] = *reinterpret_cast<const Pack*>(values + at);
       }
     }
     #pragma unroll
@@ -188,7 +195,7 @@ def supports(head_dim: int, group: int) -> bool:
 
 @lru_cache(maxsize=None)
 def _kernel(name: str):
-    inputs = ["q", "keys", "values", "slots", "positions", "scale"]
+    inputs = ["q", "keys", "values", "tables", "positions", "scale"]
     outputs, source = {
         "whole": (["out"], _WHOLE),
         "partial": (["part_m", "part_l", "part_acc"], _PARTIAL),
@@ -220,20 +227,22 @@ def decode_attention(
     q: mx.array,
     keys: mx.array,
     values: mx.array,
-    slots: mx.array,
+    tables: mx.array,
     positions: mx.array,
     scale: float,
     longest: int | None = None,
+    block_tokens: int = BLOCK_TOKENS,
 ) -> mx.array:
-    """q `(B, heads, dim)`; keys/values the whole pool `(slots, kv_heads, tokens, dim)`; row b
-    attends slot `slots[b]`'s keys 0..`positions[b]`; `longest` (a host bound on the lengths,
-    default the pool's tokens) picks how many blocks share a sequence. Returns `(B, heads, dim)`."""
+    """q `(B, heads, dim)`; keys/values the whole pool `(1, kv_heads, rows, dim)`, in blocks of
+    `block_tokens` rows; row b attends keys 0..`positions[b]` of the sequence whose block table
+    is `tables[b]` (`(B, blocks)`); `longest` (a host bound on the lengths, default what the
+    tables hold) picks how many thread blocks share a sequence. Returns `(B, heads, dim)`."""
     B, heads, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    S = splits_for(B, kv_heads, keys.shape[2] if longest is None else longest)
-    inputs = [q, keys, values, int32(slots), int32(positions), _scale_array(scale)]
-    template = [("T", q.dtype), ("D", dim), ("G", group), ("NW", WARPS), ("U", UNROLL)]
+    S = splits_for(B, kv_heads, tables.shape[1] * block_tokens if longest is None else longest)
+    inputs = [q, keys, values, int32(tables), int32(positions), _scale_array(scale)]
+    template = [("T", q.dtype), ("D", dim), ("G", group), ("NW", WARPS), ("U", UNROLL), ("BT", block_tokens)]
     launch = dict(grid=(32 * WARPS, kv_heads, B * S), threadgroup=(32 * WARPS, 1, 1))
     if S == 1:
         (out,) = _kernel("whole")(
@@ -257,9 +266,12 @@ def warm_up(dtype: mx.Dtype, heads: int, kv_heads: int, dim: int) -> None:
     """Compile every kernel here for this layout now (once a process: every `prepare` asks): a
     first compile takes seconds, which a server would otherwise spend inside the first step
     that splits keys."""
-    pool = mx.zeros((2, kv_heads, 2 * MIN_KEYS_PER_SPLIT, dim), dtype)
-    q, slots, positions = mx.zeros((2, heads, dim), dtype), mx.array([0, 1]), mx.array([2 * MIN_KEYS_PER_SPLIT - 1, 3])
+    longest = 2 * MIN_KEYS_PER_SPLIT
+    blocks = -(-longest // BLOCK_TOKENS)
+    pool = mx.zeros((1, kv_heads, 2 * blocks * BLOCK_TOKENS, dim), dtype)
+    tables = mx.arange(2 * blocks, dtype=mx.int32).reshape(2, blocks)
+    q, positions = mx.zeros((2, heads, dim), dtype), mx.array([longest - 1, 3])
     mx.eval(
-        decode_attention(q, pool, pool, slots, positions, 1.0, longest=1),  # one block a sequence
-        decode_attention(q, pool, pool, slots, positions, 1.0, longest=2 * MIN_KEYS_PER_SPLIT),  # split, merged
+        decode_attention(q, pool, pool, tables, positions, 1.0, longest=1),  # one thread block a sequence
+        decode_attention(q, pool, pool, tables, positions, 1.0, longest=longest),  # split, merged
     )

@@ -1,66 +1,152 @@
-"""The KV manager: a pool of cache slots, one `(slots, kv_heads, tokens, head_dim)` key
-buffer and one value buffer per layer, with a slot for each `cache_id` (the bookkeeping is
-`SlotPool`'s).
+"""The KV manager: MLX buffers for `BlockPool`'s blocks. Per layer one key buffer and one
+value buffer `(1, kv_heads, blocks * BLOCK_TOKENS, head_dim)`: block `b` is the token rows
+`b * BLOCK_TOKENS ...` of one long token axis (the leading 1 lets a segment's
+`(1, kv_heads, n, head_dim)` keys go in and come out with no reshape node).
 
-Writes are in-place slice updates. The pool grows and shrinks as `SlotPool` says; a
-reallocation goes layer by layer, each new buffer computed and the old one freed (MLX's
-buffer cache cleared) before the next, so it holds the old and the new pool at once only
-for one layer. Keeping every sequence in one buffer lets a batched decode write and
-attend all of them with one operation each, instead of one per sequence.
+A sequence whose blocks are consecutive (the usual case for one sequence) is written with a
+slice update and read as one slice of the token axis, as a dense cache would be; otherwise
+its rows are scattered and gathered through its block table (`SequenceBlocks.places`).
+
+A reallocation goes layer by layer, each new buffer computed and the old one freed (MLX's
+buffer cache cleared) before the next, so it holds the old and the new buffers at once only
+for one layer. Keeping every sequence in one buffer lets a batched decode write and attend
+all of them with one operation each, instead of one per sequence.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
-from ferrum_mac.backends.slot_pool import GROW_STEP, Slot, SlotPool
+from ferrum_mac.backends.block_pool import BLOCK_TOKENS, BlockPool, SequenceBlocks
 
-__all__ = ["GROW_STEP", "KvManager", "SequenceCache"]
+__all__ = ["BLOCK_TOKENS", "KvManager", "SequenceCache"]
 
 
-class SequenceCache(Slot):
-    def write(self, layer: int, k: mx.array, v: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """Store k/v `(1, kv_heads, n, head_dim)` at `offset`; return every cached key/value up to them."""
-        end, s = offset + k.shape[2], self.slot
+class SequenceCache(SequenceBlocks):
+    def placement(self, offset: int, end: int) -> tuple[slice | mx.array, slice | mx.array]:
+        """Where a segment writing positions `offset .. end - 1` goes on the token axis and
+        where it reads keys `0 .. end - 1` from: slices where the blocks are consecutive,
+        else row indices (scattered and gathered). Once per segment, for every layer."""
+        read_from = self.first_row_if_contiguous(end)
+        if read_from is not None:
+            return slice(read_from + offset, read_from + end), slice(read_from, read_from + end)
+        first = self.first_row_if_consecutive(offset, end)
+        write = slice(first, first + end - offset) if first is not None else mx.array(self.places(offset, end))
+        return write, mx.array(self.places(0, end))
+
+    def first_row_if_consecutive(self, start: int, end: int) -> int | None:
+        """The token row of position `start` when positions `start .. end - 1` lie in
+        consecutive blocks (one slice of the token axis), else None."""
+        B = self.pool.block_tokens
+        blocks = self.blocks[start // B : -(-end // B)]
+        if any(b - a != 1 for a, b in zip(blocks, blocks[1:])):
+            return None
+        return blocks[0] * B + start % B
+
+    def write(self, layer: int, k: mx.array, v: mx.array, placement: tuple) -> tuple[mx.array, mx.array]:
+        """Store k/v `(1, kv_heads, n, head_dim)` where `placement` says; return every cached
+        key/value up to them `(1, kv_heads, end, head_dim)`."""
+        write, read = placement
         keys, values = self.pool.keys[layer], self.pool.values[layer]
-        keys[s : s + 1, :, offset:end, :] = k
-        values[s : s + 1, :, offset:end, :] = v
-        return keys[s : s + 1, :, :end, :], values[s : s + 1, :, :end, :]
+        keys[:, :, write, :] = k
+        values[:, :, write, :] = v
+        return keys[:, :, read, :], values[:, :, read, :]
 
 
-class KvManager(SlotPool):
-    slot_type = SequenceCache
+class KvManager(BlockPool):
+    sequence_type = SequenceCache
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, capacity: int):
-        super().__init__(capacity)
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        capacity: int,
+        max_blocks: int | None = None,
+        cache_blocks: int = 0,
+        disk=None,
+    ):
+        super().__init__(capacity, max_blocks, cache_blocks, disk)
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
         self.heads = mx.arange(kv_heads)
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
 
-    def _resize(self, slots: int, tokens: int, keep: list[int]) -> None:
-        shape = (slots, self.kv_heads, tokens, self.head_dim)
-        n, copied = len(keep), min(tokens, self.tokens)
-        rows = slice(0, n) if keep == list(range(n)) else mx.array(keep)
+    # -- BlockPool's hooks --------------------------------------------------------------
+
+    def _resize(self, blocks: int, keep: list[int]) -> None:
+        B = self.block_tokens
+        shape = (1, self.kv_heads, blocks * B, self.head_dim)
+        kept = len(keep) * B
+        rows = slice(0, kept) if keep == list(range(len(keep))) else mx.array(self.rows_of(keep))
         for buffers in (self.keys, self.values):
             for layer in range(self.num_layers):
                 fresh = mx.zeros(shape, dtype=self.dtype)
                 old = buffers[layer]
-                if old is not None and n and copied:
-                    fresh[:n, :, :copied, :] = old[rows, :, :copied, :]
+                if old is not None and kept:
+                    fresh[:, :, :kept, :] = old[:, :, rows, :]
                 mx.eval(fresh)
                 buffers[layer] = fresh
                 del old
                 mx.clear_cache()  # MLX keeps freed buffers for reuse; the old layer's must go now
 
-    def batch_index(self, slots: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Where a batched write puts sequence b's key: slot `slots[b]`, every head, token
-        `offsets[b]` (indices broadcasting to `(B, kv_heads)`)."""
-        return slots[:, None], self.heads[None, :], offsets[:, None]
+    def _copy_block(self, src: int, dst: int, tokens: int) -> None:
+        B = self.block_tokens
+        for buffers in (self.keys, self.values):
+            for buffer in buffers:
+                buffer[:, :, dst * B : dst * B + tokens, :] = buffer[:, :, src * B : src * B + tokens, :]
+
+    def _drop(self) -> None:
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        mx.clear_cache()
+
+    def _read_blocks(self, blocks: list[int]) -> np.ndarray:
+        """`(layers, 2, kv_heads, len(blocks) * BLOCK_TOKENS, head_dim)`; bfloat16 as its uint16
+        bits (numpy has no bfloat16)."""
+        rows = mx.array(self.rows_of(blocks))
+        layers = [
+            mx.stack([mx.take(k[0], rows, axis=1), mx.take(v[0], rows, axis=1)]) for k, v in zip(self.keys, self.values)
+        ]
+        array = mx.stack(layers)
+        return np.array(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+
+    def _write_blocks(self, blocks: list[int], array: np.ndarray) -> None:
+        """The inverse of `_read_blocks`."""
+        data = mx.array(array)
+        if self.dtype == mx.bfloat16:
+            data = data.view(mx.bfloat16)
+        data = data.astype(self.dtype)
+        rows = mx.array(self.rows_of(blocks))
+        for layer in range(self.num_layers):
+            self.keys[layer][:, :, rows, :] = data[layer, 0][None]
+            self.values[layer][:, :, rows, :] = data[layer, 1][None]
+        mx.eval(self.arrays())
+
+    # -- for attention ---------------------------------------------------------------
+
+    def rows_of(self, blocks: list[int]) -> list[int]:
+        """The token rows of `blocks`, in order."""
+        B = self.block_tokens
+        return [b * B + r for b in blocks for r in range(B)]
+
+    def batch_index(self, rows: mx.array) -> tuple:
+        """Where a batched write puts sequence b's key: token row `rows[b]`, every head
+        (indices broadcasting to `(B, kv_heads)`)."""
+        return 0, self.heads[None, :], rows[:, None]
+
+    def gather_index(self, tables: np.ndarray) -> tuple:
+        """Indices reading `(B, kv_heads, blocks * BLOCK_TOKENS, head_dim)` keys through
+        block tables `(B, blocks)` (one gather, shared by every layer)."""
+        B = self.block_tokens
+        rows = (tables[:, :, None] * B + np.arange(B)).reshape(tables.shape[0], -1)
+        return 0, self.heads[None, :, None], mx.array(rows)[:, None, :]
 
     def write_batch(self, layer: int, index: tuple, k: mx.array, v: mx.array):
         """One new key/value `(B, kv_heads, head_dim)` per sequence at `index` (`batch_index`);
-        returns the layer's whole key and value pools."""
+        returns the layer's whole key and value buffers."""
         keys, values = self.keys[layer], self.values[layer]
         keys[index] = k
         values[index] = v
@@ -68,8 +154,3 @@ class KvManager(SlotPool):
 
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]
-
-    def _drop(self) -> None:
-        self.keys = [None] * self.num_layers
-        self.values = [None] * self.num_layers
-        mx.clear_cache()

@@ -17,11 +17,11 @@ import mlx.core as mx
 from ferrum_mac import settings
 from ferrum_mac.backends.mlx.attention import Plan, Segment
 from ferrum_mac.backends.mlx.dense_cache import dense_tensors
-from ferrum_mac.backends.mlx.kv import KvManager
+from ferrum_mac.backends.mlx.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
-from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype
+from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
 from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
@@ -79,8 +79,12 @@ class MlxLLM(PooledLLM):
         self.model_config = c
         self.source = checkpoint
         self._config = LlmRuntimeConfig.of_model(c, str(self.dtype).split(".")[-1])
-        self._capacity = kv_capacity_within(self._config, free_memory_bytes(), self.dtype.size, kv_capacity)
-        self.kv = KvManager(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity)
+        free = free_memory_bytes()
+        self._capacity = kv_capacity_within(self._config, free, self.dtype.size, kv_capacity)
+        max_blocks, cache_blocks = pool_limits(self._config, free, self.dtype.size, BLOCK_TOKENS)
+        self.kv = KvManager(
+            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, cache_blocks, disk=None
+        )
 
     # -- contract -------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from typing import Sequence
 
 from ferrum_mac.backends.prefix_index import Match, PrefixIndex
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.llm import PrefixReuse, PrefixStats
+from ferrum_mac.llm import MISS_NO_PREFIX, MISS_OTHER_MODEL, PrefixReuse, PrefixStats
 
 BLOCK_TOKENS = 32  # token positions per block: the prefix cache's unit of sharing
 GROW_BLOCKS = 8  # the buffers grow by at least this many blocks, and by half their size
@@ -276,6 +276,10 @@ class BlockPool:
                 self._unref(match.partial.block)
                 match.partial, match.partial_tokens = None, 0
             match.miss = None
+        if match.miss == MISS_NO_PREFIX and not match.nodes:
+            first = next(self.index.digests_after([], tokens, limit), None)
+            if first is not None and self.disk.other_model_has(first):
+                match.miss = MISS_OTHER_MODEL  # the prompt was seen, by another model, dtype or backend
 
     # -- blocks -----------------------------------------------------------------------
 

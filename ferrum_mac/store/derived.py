@@ -11,13 +11,28 @@ from __future__ import annotations
 from pathlib import Path
 
 from ferrum_mac import settings
-from ferrum_mac.weights.safetensors import read_header
+from ferrum_mac.errors import FerrumError
+from ferrum_mac.weights import Checkpoint
+from ferrum_mac.weights.safetensors import read_header, shard_files
 
 SOURCE_KEY = "ferrum_source"
 
 
 def dense_dir() -> Path:
     return settings.dense_weights_dir()
+
+
+def checkpoint_files(checkpoint: Checkpoint) -> list[Path]:
+    """The files a checkpoint's weights come from (resolved): what a derived file is keyed by."""
+    path = Path(checkpoint.path)
+    if checkpoint.format == "gguf":
+        return [path.resolve()] if path.is_file() else []
+    if path.is_dir():
+        try:
+            return [f.resolve() for f in [path / "config.json", *shard_files(path)] if f.is_file()]
+        except FerrumError:
+            return []
+    return []
 
 
 def recorded_source(entry: Path) -> str | None:

@@ -29,7 +29,7 @@ import mlx.core as mx
 from ferrum_mac import settings
 from ferrum_mac.backends.mlx.layers import dequantized
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.store.derived import SOURCE_KEY, sweep_orphans
+from ferrum_mac.store.derived import SOURCE_KEY, checkpoint_files, sweep_orphans
 from ferrum_mac.store.derived import dense_dir as cache_dir
 from ferrum_mac.store.paths import inside
 from ferrum_mac.weights import Checkpoint
@@ -70,20 +70,6 @@ def entry_path(checkpoint: Checkpoint, dtype: mx.Dtype) -> Path | None:
         return None
     key = hashlib.sha256(json.dumps([FORMAT, str(dtype), stats]).encode()).hexdigest()[:20]
     return cache_dir() / f"{_source_prefix(checkpoint)}-{key}.safetensors"
-
-
-def checkpoint_files(checkpoint: Checkpoint) -> list[Path]:
-    path = Path(checkpoint.path)
-    if checkpoint.format == "gguf":
-        return [path.resolve()] if path.is_file() else []
-    if path.is_dir():
-        from ferrum_mac.weights.safetensors import shard_files
-
-        try:
-            return [f.resolve() for f in [path / "config.json", *shard_files(path)] if f.is_file()]
-        except FerrumError:
-            return []
-    return []
 
 
 def load(entry: Path) -> dict | None:

@@ -41,36 +41,40 @@ def test_decode_step_never_reads_the_device(zoo, monkeypatch, family, route):
     assert out.shape == (2, model.config.vocab_size) and out.device.type == "meta"
 
 
-def test_steps_belong_to_runs_of_pool_slots(zoo):
-    """A released slot keeps its step for the next sequence that takes it; growing the pool
-    drops every step (their graphs read the old buffer)."""
-    from ferrum_mac.backends.torch.kv import GROW_STEP
+def test_steps_are_kept_by_rows_and_width(zoo):
+    """A later sequence of the same shape reuses a step (on CUDA its captured graph); growing
+    the pool drops every step (their graphs read the old buffers)."""
+    from ferrum_mac.backends.torch.kv import BLOCK_TOKENS
 
     model = torch_model(zoo, "llama")
     model.reset()  # the model is shared: earlier tests left caches in its pool
-    model.prepare("first", 40)  # warms up (captures, on CUDA) the step of its slot
-    assert len(model.steps.steps) == 1
-    step = next(iter(model.steps.steps.values()))
+    model.prepare("first", 40)  # warms up (captures, on CUDA) a one-row step
+    assert list(model.steps.steps) == [(1, 1)]
+    step = model.steps.steps[(1, 1)]
     model.release("first")
-    model.prefill("second", PROMPT)  # takes the released slot
+    model.prefill("second", PROMPT)
     model.decode("second", 3, len(PROMPT))
     assert list(model.steps.steps.values()) == [step]
-    model.prefill("second", random_tokens(GROW_STEP - len(PROMPT) - 1, seed=3))
-    model.decode("second", 3, GROW_STEP)  # past the pool's tokens: a new pool, a new step
-    assert list(model.steps.steps) == [(0, 1)] and model.steps.steps[(0, 1)] is not step
-    assert model.kv.get("second").allocated == 2 * GROW_STEP
+    blocks = model.kv.blocks
+    held = model.kv_len("second")
+    longer = random_tokens(blocks * BLOCK_TOKENS - held, seed=3)  # more blocks than the pool holds
+    model.prefill("second", longer)
+    model.decode("second", 3, held + len(longer))
+    assert model.kv.blocks > blocks
+    width = 1 << (len(model.kv.get("second").blocks) - 1).bit_length()
+    assert list(model.steps.steps) == [(1, width)] and model.steps.steps[(1, width)] is not step
     model.release("second")
 
 
-def test_decode_batch_leaves_slots_outside_the_batch_alone(zoo):
-    """A batch over slots 0 and 2 runs one step over slots 0-3; slot 1's sequence, not in the
-    batch, keeps its cache (its row writes only the scratch column)."""
+def test_decode_batch_leaves_sequences_outside_the_batch_alone(zoo):
+    """A batch of three runs a four-row step (the last row on the scratch block); "b", not in
+    the batch, keeps its cache."""
     model = torch_model(zoo, "llama")
     model.reset()
-    for cid in ("a", "b", "c"):
+    for cid in ("a", "b", "c", "d"):
         model.prefill(cid, PROMPT)
-    model.decode_batch([DecodeItem("a", 5, len(PROMPT)), DecodeItem("c", 6, len(PROMPT))])
-    assert list(model.steps.steps) == [(0, 4)]
+    model.decode_batch([DecodeItem(cid, 5, len(PROMPT)) for cid in ("a", "c", "d")])
+    assert list(model.steps.steps) == [(4, 1)]
     got = model.decode("b", 7, len(PROMPT))
     model.prefill("fresh", PROMPT)
     want = model.decode("fresh", 7, len(PROMPT))
@@ -223,22 +227,8 @@ def test_sampled_tokens_drive_decode(zoo):
     model.release("g")
 
 
-@pytest.mark.parametrize(
-    "slots, pool, run",
-    [
-        ([0], 1, (0, 1)),
-        ([5], 8, (5, 1)),
-        ([0, 2], 4, (0, 4)),
-        ([2, 3], 4, (2, 2)),
-        ([3, 5], 8, (3, 4)),
-        ([6, 7, 5], 8, (4, 4)),
-        ([0, 15], 16, (0, 16)),
-        ([9, 11, 12], 16, (9, 4)),
-    ],
-)
-def test_run_of_slots_covers_the_batch_in_a_power_of_two(slots, pool, run):
-    from ferrum_mac.backends.torch.runtime import run_of_slots
+@pytest.mark.parametrize("n, size", [(0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (16, 16), (17, 32)])
+def test_decode_steps_take_powers_of_two(n, size):
+    from ferrum_mac.backends.torch.runtime import power_of_two_above
 
-    first, size = run_of_slots(slots, pool)
-    assert (first, size) == run
-    assert first >= 0 and first + size <= pool and first <= min(slots) and max(slots) < first + size
+    assert power_of_two_above(n) == size

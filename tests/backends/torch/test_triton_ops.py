@@ -45,12 +45,25 @@ def ulps(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
 
 
-def random_pool(kv_heads: int, dim: int, slots: int, tokens: int, dtype: torch.dtype, seed: int) -> KvManager:
+B = KvManager.block_tokens
+
+
+def random_pool(kv_heads: int, dim: int, blocks: int, dtype: torch.dtype, seed: int) -> KvManager:
     torch.manual_seed(seed)
-    pool = KvManager(1, kv_heads, dim, dtype, DEVICE, capacity=slots * tokens)
-    pool._grow(slots, tokens)
+    pool = KvManager(1, kv_heads, dim, dtype, DEVICE, capacity=blocks * B)
+    pool._grow(blocks)
     pool.kv[0].normal_()
     return pool
+
+
+def block_table(rows: list[list[int]]) -> torch.Tensor:
+    """Each row's blocks, scratch (block 0) past them: `(rows, widest)`."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64, device=DEVICE)
+
+
+# Three rows' blocks, scattered and out of order: positions 5, 0 (a row outside the batch: scratch) and 39
+WRITE_TABLE = [[3, 6], [], [5, 2]]
 
 
 def rope_tables(dim: int, interleaved: bool, positions: torch.Tensor, dtype: torch.dtype):
@@ -72,11 +85,10 @@ SHAPES = [(2, 2, 64), (4, 2, 128), (4, 1, 64), (16, 2, 128)]
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_norm_rope_write_matches_torch(dtype, heads, kv_heads, dim, interleaved, qk_norm):
-    rows, first, tokens = 3, 1, 40
-    pool, expected = (random_pool(kv_heads, dim, 5, tokens, dtype, seed=1) for _ in range(2))
+    rows = 3
+    pool, expected = (random_pool(kv_heads, dim, 8, dtype, seed=1) for _ in range(2))
     positions = torch.tensor([5, 0, 39], device=DEVICE)
-    columns = torch.tensor([5, tokens, 39], device=DEVICE)  # the middle row writes to scratch
-    plan = DecodePlan(pool, first, positions, columns, dtype)
+    plan = DecodePlan(pool, block_table(WRITE_TABLE), positions, dtype)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, device=DEVICE).to(dtype)
     weight = (1 + 0.3 * torch.randn(heads + kv_heads, dim, device=DEVICE)).to(dtype) if qk_norm else None
     cos, sin = rope_tables(dim, interleaved, positions, dtype)
@@ -97,11 +109,10 @@ def test_norm_rope_write_matches_torch(dtype, heads, kv_heads, dim, interleaved,
 def test_norm_qkv_rope_write_matches_torch(dtype, heads, kv_heads, dim, interleaved, qk_norm, bias, splits):
     """One kernel for the block's norm, the qkv projection and what norm_rope_write does; split
     over K, the last program of a head finishes it and leaves its counter at zero."""
-    rows, first, tokens, hidden = 3, 1, 40, 80  # 80: K in 16-wide chunks, 5 of them
-    pool, expected = (random_pool(kv_heads, dim, 5, tokens, dtype, seed=3) for _ in range(2))
+    rows, hidden = 3, 80  # 80: K in 16-wide chunks, 5 of them
+    pool, expected = (random_pool(kv_heads, dim, 8, dtype, seed=3) for _ in range(2))
     positions = torch.tensor([5, 0, 39], device=DEVICE)
-    columns = torch.tensor([5, tokens, 39], device=DEVICE)
-    plan = DecodePlan(pool, first, positions, columns, dtype)
+    plan = DecodePlan(pool, block_table(WRITE_TABLE), positions, dtype)
     x, norm, weight, b = gemv_inputs(rows, hidden, (heads + 2 * kv_heads) * dim, dtype, bias)
     qk_weight = (1 + 0.3 * torch.randn(heads + kv_heads, dim, device=DEVICE)).to(dtype) if qk_norm else None
     cos, sin = rope_tables(dim, interleaved, positions, dtype)
@@ -121,11 +132,13 @@ def test_norm_qkv_rope_write_matches_torch(dtype, heads, kv_heads, dim, interlea
 # -- attention over the pool --------------------------------------------------------------------
 
 
-def attention_by_row(q, kv, first, positions, scale):
-    """Each row on its own: exact-length SDPA over its slot's first `position + 1` keys."""
+def attention_by_row(q, kv, table, positions, scale):
+    """Each row on its own: exact-length SDPA over its first `position + 1` keys, gathered
+    through its blocks."""
     out = []
     for i, pos in enumerate(positions.tolist()):
-        keys, values = kv[0, first + i, :, : pos + 1], kv[1, first + i, :, : pos + 1]
+        rows = [table[i, j // B].item() * B + j % B for j in range(pos + 1)]
+        keys, values = kv[0, :, rows], kv[1, :, rows]
         grouped = q[i].unflatten(0, (keys.shape[0], -1)).float()  # (kv_heads, group, dim)
         out.append(F.scaled_dot_product_attention(grouped, keys.float(), values.float(), scale=scale).flatten())
     return torch.stack(out).to(q.dtype)
@@ -135,21 +148,47 @@ def attention_by_row(q, kv, first, positions, scale):
 @pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_heads, dim, splits):
-    """Split, the last program of each (row, kv head) to finish merges the splits and leaves
-    its arrival counter at zero for the next launch."""
-    first, tokens = 1, 150
-    pool = random_pool(kv_heads, dim, 5, tokens, dtype, seed=2)
-    positions = torch.tensor([0, 149, 64], device=DEVICE)  # one key; three blocks, the last partial; one past a block
-    for i, pos in enumerate(positions.tolist()):  # what a row must not read: NaN would spread
-        pool.kv[0][:, first + i, :, pos + 1 :] = float("nan")
+    """Each row reads its keys through its own scattered, out-of-order blocks, and nothing past
+    its position (NaN there, and in the scratch block its table ends with, would spread).
+    Split, the last program of each (row, kv head) to finish merges the splits and leaves its
+    arrival counter at zero for the next launch."""
+    pool = random_pool(kv_heads, dim, 16, dtype, seed=2)
+    # one key; three 64-key blocks, the last partial; one past a 64-key block
+    positions = torch.tensor([0, 149, 64], device=DEVICE)
+    table = block_table([[7], [12, 2, 9, 4, 11], [13, 1, 8]])
+    kv = pool.kv[0]
+    kv[:, :, :B] = float("nan")  # scratch
+    for i, pos in enumerate(positions.tolist()):
+        last = table[i, pos // B].item()
+        kv[:, :, last * B + pos % B + 1 : (last + 1) * B] = float("nan")
     q = torch.randn(len(positions), heads, dim, device=DEVICE).to(dtype)
 
-    out = triton_ops.decode_attention(q, pool.kv[0], first, positions, dim**-0.5, splits=splits)
+    out = triton_ops.decode_attention(q, kv, table, positions, dim**-0.5, B, splits=splits)
 
     torch.testing.assert_close(
-        out, attention_by_row(q, pool.kv[0], first, positions, dim**-0.5), rtol=ulps(dtype), atol=ulps(dtype)
+        out, attention_by_row(q, kv, table, positions, dim**-0.5), rtol=ulps(dtype), atol=ulps(dtype)
     )
     assert not triton_splits.split_counters(DEVICE).any()
+
+
+def test_torch_decode_plan_reads_through_scattered_blocks():
+    """The torch decode path (`DecodePlan.attend`) writes each row's key at its table's place
+    and attends as `attention_by_row` does."""
+    heads, kv_heads, dim, dtype = 4, 2, 64, torch.float32
+    pool = random_pool(kv_heads, dim, 16, dtype, seed=4)
+    positions = torch.tensor([0, 70, 33], device=DEVICE)
+    table = block_table([[7, 3], [12, 2, 9], [13, 1]])
+    plan = DecodePlan(pool, table, positions, dtype)
+    q = torch.randn(3, heads, dim, device=DEVICE)
+    k, v = torch.randn(3, kv_heads, dim, device=DEVICE), torch.randn(3, kv_heads, dim, device=DEVICE)
+
+    out = plan.attend(0, q, k, v, dim**-0.5)
+
+    for i, pos in enumerate(positions.tolist()):
+        row = table[i, pos // B].item() * B + pos % B
+        torch.testing.assert_close(pool.kv[0][0, :, row], k[i])
+        torch.testing.assert_close(pool.kv[0][1, :, row], v[i])
+    torch.testing.assert_close(out, attention_by_row(q, pool.kv[0], table, positions, dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
 def test_default_splits_fill_the_gpu_in_powers_of_two():

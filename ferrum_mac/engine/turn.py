@@ -1,5 +1,10 @@
 """One turn of a conversation: fit the prompt, reuse the cache, prefill the rest, stream the answer.
 
+The cache is reused twice over: the conversation's own cache is cut back to what it shares
+with the new prompt, then the model's prefix cache (`kv_reuse`) attaches whatever more of the
+prompt any sequence computed before (another conversation with the same system prompt, the
+turn before an edit). What the turn computes is remembered (`kv_remember`) for later ones.
+
 Whatever ends the turn (the answer's end, cancel, Ctrl-C, an error, the caller dropping
 the stream), the conversation is left consistent: the answer so far is its last assistant
 message and its ledger equals what the cache holds.
@@ -42,7 +47,8 @@ def run_turn(engine: "Engine", conv: Conversation, text: str, cancel: threading.
     sampler = model.sampler(settings.sampling, ids)
     dropped = _user_turns(conv.messages) + 1 - _user_turns(messages)
     conv.messages = messages  # nothing changed before this line: errors above leave the conversation as it was
-    reused = _trim_cache(engine, conv, ids)
+    _trim_cache(engine, conv, ids)
+    reused = 0
     known = list(ids)  # every token the cache may hold, in order; the ledger is a prefix of it
     answer = AnswerText(engine.tokenizer, settings.stop, prompt_opens_reasoning(prompt_text))
     generated = 0
@@ -53,7 +59,9 @@ def run_turn(engine: "Engine", conv: Conversation, text: str, cancel: threading.
                 f"dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} to fit the "
                 f"{model.kv_capacity()}-token context"
             )
+        reused = model.kv_reuse(conv.cache_id, ids).tokens
         logits = model.prefill(conv.cache_id, ids[reused:])
+        model.kv_remember(conv.cache_id, ids)  # a conversation started alike shares it from now on
         tokens = sampled_tokens(model, sampler, conv.cache_id, logits, settings.max_tokens)
         for token in tokens:
             timing.token()
@@ -97,14 +105,13 @@ def _user_turns(messages: list[dict]) -> int:
     return sum(m.get("role") == "user" for m in messages)
 
 
-def _trim_cache(engine: "Engine", conv: Conversation, ids: list[int]) -> int:
+def _trim_cache(engine: "Engine", conv: Conversation, ids: list[int]) -> None:
     """Cut the cache back to its longest prefix shared with `ids`; at least one id is left to prefill."""
     held = engine.model.kv_len(conv.cache_id)
     reused = min(common_prefix(conv.ledger[:held], ids), len(ids) - 1)
     if held > reused:
         engine.model.truncate_kv(conv.cache_id, reused)
     conv.ledger = ids[:reused]
-    return reused
 
 
 def _commit(engine: "Engine", conv: Conversation, known: list[int], answer: AnswerText) -> None:
@@ -118,6 +125,7 @@ def _commit(engine: "Engine", conv: Conversation, known: list[int], answer: Answ
         engine.model.truncate_kv(conv.cache_id, len(known))
         held = len(known)
     conv.ledger = known[:held]
+    engine.model.kv_remember(conv.cache_id, conv.ledger)  # the answer too: the next turn starts with it
 
 
 def done_event(reason: str, prompt: int, cached: int, generated: int, timing: Timing, stop: str | None) -> Done:

@@ -50,6 +50,9 @@ def private_cache_dir(tmp_path_factory):
     not the user's; subprocesses inherit it."""
     folder = tmp_path_factory.mktemp("ferrum-cache")
     os.environ["FERRUM_CACHE_DIR"] = str(folder)
+    # The prefix cache's disk tier off unless a test turns it on: a prompt one test's model
+    # wrote to disk must not be a hit for another test's.
+    os.environ["FERRUM_PREFIX_DISK_MB"] = "0"
     yield folder
     shutil.rmtree(folder, ignore_errors=True)  # copies of real models are hundreds of MB
 

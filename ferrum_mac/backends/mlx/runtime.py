@@ -22,6 +22,7 @@ from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
 from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.prefix_disk import for_checkpoint
 from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
@@ -83,8 +84,9 @@ class MlxLLM(PooledLLM):
         self._capacity = kv_capacity_within(self._config, free, self.dtype.size, kv_capacity)
         max_blocks, cache_blocks = pool_limits(self._config, free, self.dtype.size, BLOCK_TOKENS)
         self.kv = KvManager(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, cache_blocks, disk=None
-        )
+            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, cache_blocks,
+            disk=for_checkpoint(checkpoint, self._config.dtype, "mlx-cpu" if on_cpu() else "mlx-gpu", BLOCK_TOKENS),
+        )  # fmt: skip
 
     # -- contract -------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.prefix_disk import for_checkpoint
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
@@ -71,7 +72,8 @@ class TorchLLM(PooledLLM):
         max_blocks, cache_blocks = pool_limits(self._config, free_memory_bytes(self.device), element, BLOCK_TOKENS)
         self.kv = KvManager(
             c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity,
-            max_blocks, cache_blocks, disk=None,
+            max_blocks, cache_blocks,
+            disk=for_checkpoint(checkpoint, self._config.dtype, f"torch-{self.device.type}", BLOCK_TOKENS),
         )  # fmt: skip
         self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
 

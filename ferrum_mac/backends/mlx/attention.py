@@ -36,6 +36,19 @@ class Segment:
         """Where its keys are written and read on the pool's token axis (`SequenceCache.placement`)."""
         return self.cache.placement(self.offset, self.offset + self.length)
 
+    @property
+    def scattered(self) -> bool:
+        """Its keys are read through its block table, not as one slice."""
+        return not isinstance(self.placement[1], slice)
+
+    @cached_property
+    def table(self) -> mx.array:
+        return self.cache.table(self.offset + self.length)
+
+    @cached_property
+    def position(self) -> mx.array:
+        return mx.array([self.offset], dtype=mx.int32)
+
 
 class Plan:
     """Which rows of the flat batch belong to which sequence. A unified step that prefills
@@ -198,9 +211,21 @@ class Attention:
 
     def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:
         """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`."""
+        if seg.length == 1 and self.by_length and seg.scattered:
+            return self._decode_through_table(q, k, v, seg)
         keys, values = seg.cache.write(self.layer, k, v, seg.placement)
         mask = "causal" if seg.length > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+
+    def _decode_through_table(self, q, k, v, seg: Segment) -> mx.array:
+        """One token of a sequence whose blocks are not consecutive, on CUDA: the decode kernel
+        reads its keys through its block table (a gather would copy them all, every layer)."""
+        keys, values = seg.cache.store(self.layer, k, v, seg.placement[0])
+        out = cuda_attention.decode_attention(
+            q.reshape(1, self.heads, self.head_dim), keys, values, seg.table, seg.position, self.scale,
+            seg.offset + 1, seg.cache.pool.block_tokens,
+        )  # fmt: skip
+        return out.reshape(1, self.heads, 1, self.head_dim)
 
 
 # Layout changes are graph nodes too, and a decode step's cost is mostly per node: a single

@@ -32,8 +32,20 @@ class SequenceCache(SequenceBlocks):
         if read_from is not None:
             return slice(read_from + offset, read_from + end), slice(read_from, read_from + end)
         first = self.first_row_if_consecutive(offset, end)
-        write = slice(first, first + end - offset) if first is not None else mx.array(self.places(offset, end))
-        return write, mx.array(self.places(0, end))
+        write = slice(first, first + end - offset) if first is not None else self.rows(offset, end)
+        return write, self.rows(0, end)
+
+    def rows(self, start: int, end: int) -> mx.array:
+        """`places(start, end)` as an array, computed from the block table in numpy (a long
+        sequence's rows are many: one Python int each would cost a step milliseconds)."""
+        B = self.pool.block_tokens
+        table = np.array(self.blocks[start // B : -(-end // B)], dtype=np.int32)
+        rows = (table[:, None] * B + np.arange(B, dtype=np.int32)).reshape(-1)
+        return mx.array(rows[start % B : start % B + end - start])
+
+    def table(self, end: int) -> mx.array:
+        """The block table of positions `0 .. end - 1`, `(1, blocks)` (a batch of one)."""
+        return mx.array(np.array(self.blocks[: -(-end // self.pool.block_tokens)], dtype=np.int32)[None])
 
     def first_row_if_consecutive(self, start: int, end: int) -> int | None:
         """The token row of position `start` when positions `start .. end - 1` lie in
@@ -47,11 +59,17 @@ class SequenceCache(SequenceBlocks):
     def write(self, layer: int, k: mx.array, v: mx.array, placement: tuple) -> tuple[mx.array, mx.array]:
         """Store k/v `(1, kv_heads, n, head_dim)` where `placement` says; return every cached
         key/value up to them `(1, kv_heads, end, head_dim)`."""
-        write, read = placement
+        keys, values = self.store(layer, k, v, placement[0])
+        read = placement[1]
+        return keys[:, :, read, :], values[:, :, read, :]
+
+    def store(self, layer: int, k: mx.array, v: mx.array, write: slice | mx.array) -> tuple[mx.array, mx.array]:
+        """Store k/v `(1, kv_heads, n, head_dim)` at the token rows `write`; returns the layer's
+        whole key and value buffers."""
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         keys[:, :, write, :] = k
         values[:, :, write, :] = v
-        return keys[:, :, read, :], values[:, :, read, :]
+        return keys, values
 
 
 class KvManager(BlockPool):

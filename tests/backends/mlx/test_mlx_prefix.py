@@ -132,11 +132,36 @@ def test_sequences_sharing_a_prefix_hold_its_full_blocks_once(fresh_model):
         model.release(f"s{i}")
 
 
-def test_batched_decode_over_scattered_blocks_equals_each_alone(fresh_model):
+def kernel_on_the_cpu(q, keys, values, tables, positions, scale, longest=None, block_tokens=B):
+    """What `cuda_attention.decode_attention` computes, in MLX ops: each row attends the keys
+    its block table names, up to its position."""
+    kernel_on_the_cpu.calls += 1
+    out = []
+    for b, (table, p) in enumerate(zip(tables.tolist(), positions.tolist())):
+        rows = mx.array([table[t // block_tokens] * block_tokens + t % block_tokens for t in range(p + 1)])
+        k, v = keys[:, :, rows], values[:, :, rows]
+        out.append(mx.fast.scaled_dot_product_attention(q[b : b + 1, :, None, :], k, v, scale=scale)[0, :, 0])
+    return mx.stack(out)
+
+
+@pytest.fixture(params=["gather", "kernel"])
+def attention_route(request, monkeypatch):
+    """How decode rows attend: keys gathered under a mask (Metal, CPU), or the CUDA kernel's
+    route through block tables (here with the kernel computed by MLX ops on the CPU)."""
+    from ferrum_mac.backends.mlx import cuda_attention
+
+    monkeypatch.setattr(cuda_attention, "decode_attention", kernel_on_the_cpu)
+    kernel_on_the_cpu.calls = 0
+    return request.param
+
+
+def test_batched_decode_over_scattered_blocks_equals_each_alone(zoo, attention_route):
     """Sequences that grow together take turns at the free blocks, so their tables interleave
-    (and two share a prefix): the batched write and gathered read, a lone decode and a prefill
-    that continue such a table all give the logits of a fresh forward."""
-    model = fresh_model
+    (and two share a prefix): the batched write and read, a lone decode and a prefill that
+    continue such a table all give the logits of a fresh forward."""
+    model = ferrum_mac.open_model(zoo.path("llama"), backend="mlx", dtype="float32")
+    for block in model.model.layers:
+        block.attn.by_length = attention_route == "kernel"
     history = {f"s{i}": random_tokens(B - 2 + i, seed=40 + i) for i in range(3)}
     for cid, prompt in history.items():
         model.prefill(cid, prompt)
@@ -165,6 +190,7 @@ def test_batched_decode_over_scattered_blocks_equals_each_alone(fresh_model):
     more = random_tokens(B + 5, seed=99)
     want = reference_logits(model, h + [3] + more)[-1]
     assert_close(model.prefill(scattered, more), want, REL, "prefill after scattered blocks")
+    assert (kernel_on_the_cpu.calls > 0) == (attention_route == "kernel")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

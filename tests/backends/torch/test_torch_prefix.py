@@ -143,8 +143,8 @@ def test_sequences_sharing_a_prefix_hold_its_full_blocks_once(fresh_model):
 
 
 def test_a_shared_block_is_copied_before_it_is_written(fresh_model):
-    """"b" shares "a"'s blocks, cuts its history inside the second and writes other tokens
-    there: it writes a copy of its own, and "a"'s keys stay as they were."""
+    """Sequence b shares a's blocks, cuts its history inside the second and writes other tokens
+    there: it writes a copy of its own, and a's keys stay as they were."""
     model = fresh_model
     prompt = random_tokens(3 * B, seed=70)
     model.prefill("a", prompt)

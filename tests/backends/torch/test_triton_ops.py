@@ -32,6 +32,8 @@ from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope  # noqa: E402
 from ferrum_mac.backends.torch.pointwise import norm_and_rope, torch_swiglu  # noqa: E402
+from ferrum_mac.llm import DecodeItem  # noqa: E402
+from helpers import random_tokens  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -366,6 +368,38 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv
     for got, want in zip(got, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert all(calls.values()), calls  # a decode step's two rows went through every GEMV and the norm
+
+
+def test_decode_batch_through_triton_over_shared_blocks_matches_torch(zoo, monkeypatch):
+    """Two sequences sharing a prefix's first block (the second copied its partial block) and
+    growing side by side, so their tables interleave: Triton's decode step equals torch's."""
+    model = zoo.ferrum("qwen3", "torch")
+    prompt = random_tokens(B + 6, seed=8)
+
+    def decode_shared(tag: str) -> list[torch.Tensor]:
+        model.reset()
+        model.prefill(f"{tag}-a", prompt)
+        model.kv_remember(f"{tag}-a", prompt)
+        other = prompt[: B + 2] + [4]
+        found = model.kv_reuse(f"{tag}-b", other).tokens
+        model.prefill(f"{tag}-b", other[found:])
+        lengths = {"a": len(prompt), "b": len(other)}
+        logits = []
+        for step in range(B):
+            items = [DecodeItem(f"{tag}-{n}", 3 + step, lengths[n] + step) for n in lengths]
+            out = model.decode_batch(items)
+            if step in (0, B - 1):
+                logits.append(out.clone())
+        a, b = model.kv.get(f"{tag}-a"), model.kv.get(f"{tag}-b")
+        assert found == B + 2 and a.blocks[0] == b.blocks[0] and b.first_row_if_contiguous(b.length) is None
+        model.reset()
+        return logits
+
+    monkeypatch.setattr(steps, "decode_ops", lambda device: ops.TORCH_OPS)
+    expected = decode_shared("torch")
+    monkeypatch.setattr(steps, "decode_ops", lambda device: ops.TritonOps())
+    for got, want in zip(decode_shared("triton"), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def counted(fn, name: str, calls: dict):

@@ -35,12 +35,15 @@ import heapq
 import math
 from typing import Sequence
 
+import numpy as np
+
 from ferrum_mac.backends.prefix_index import Match, PrefixIndex
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import MISS_NO_PREFIX, MISS_OTHER_MODEL, PrefixReuse, PrefixStats
 
 BLOCK_TOKENS = 32  # token positions per block: the prefix cache's unit of sharing
 GROW_BLOCKS = 8  # the buffers grow by at least this many blocks, and by half their size
+DISK_WRITE_AT_ONCE = 16  # blocks read from disk copied to the device in one call (bounds the host copy)
 EVICT_AT_ONCE = 32  # blocks evicted together when memory is full (each eviction sorts the leaves)
 SCRATCH = 0
 
@@ -257,12 +260,18 @@ class BlockPool:
         """Extend `match` with full blocks the disk tier holds, read into new blocks, indexed and pinned."""
         if self.disk is None:
             return
+        loaded: list[tuple[int, object]] = []  # (block, its keys and values): written together, fewer device calls
         for digest in list(self.index.digests_after(match.nodes, tokens, limit)):
             array = self.disk.load(digest)
             if array is None:
                 break
-            block = self._take_block()  # the index's reference
-            self._write_blocks([block], array)
+            try:
+                block = self._take_block()  # the index's reference
+            except FerrumError:
+                break  # memory is full: what is loaded so far is used, the rest computed (or refused) later
+            loaded.append((block, array))
+            if len(loaded) == DISK_WRITE_AT_ONCE:
+                self._write_loaded(loaded)
             start = len(match.nodes) * self.block_tokens
             parent = match.nodes[-1] if match.nodes else self.index.root
             node = self.index.add(parent, tuple(tokens[start : start + self.block_tokens]), block)
@@ -276,10 +285,17 @@ class BlockPool:
                 self._unref(match.partial.block)
                 match.partial, match.partial_tokens = None, 0
             match.miss = None
+        self._write_loaded(loaded)
         if match.miss == MISS_NO_PREFIX and not match.nodes:
             first = next(self.index.digests_after([], tokens, limit), None)
             if first is not None and self.disk.other_model_has(first):
                 match.miss = MISS_OTHER_MODEL  # the prompt was seen, by another model, dtype or backend
+
+    def _write_loaded(self, loaded: list) -> None:
+        """Copy blocks read from disk into the buffers (and forget them: `loaded` is emptied)."""
+        if loaded:
+            self._write_blocks([block for block, _ in loaded], np.concatenate([a for _, a in loaded], axis=3))
+            loaded.clear()
 
     # -- blocks -----------------------------------------------------------------------
 

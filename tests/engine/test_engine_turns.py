@@ -27,11 +27,12 @@ def test_second_turn_prefills_only_the_new_tokens(stories):
     conv = greedy(stories, max_tokens=12)
     first = done(list(conv.send(STORY)))
     held = len(conv.ledger)
-    assert first.cached_tokens == 0 and held == first.prompt_tokens + first.generated_tokens - 1
+    # (the session's engine may have answered this prompt before: its prefix cache holds it)
+    assert held == first.cached_tokens + first.prompt_tokens + first.generated_tokens - 1
     _, prompt2 = stories.render(conv.settings, conv.messages + [{"role": "user", "content": "And then?"}])
     second = done(list(conv.send("And then?")))
-    assert second.cached_tokens == held  # the whole cache was reused...
-    assert second.prompt_tokens == len(prompt2) - held  # ...and only the rest prefilled
+    assert second.cached_tokens >= held  # the whole cache was reused (and the prefix cache's, if it holds more)...
+    assert second.prompt_tokens == len(prompt2) - second.cached_tokens  # ...and only the rest prefilled
     assert conv.ledger[: len(prompt2)] == prompt2
     assert_consistent(stories, conv)
 

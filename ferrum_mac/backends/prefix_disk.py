@@ -62,13 +62,14 @@ MIN_FREE_BYTES = 2 << 30  # never fill the disk past this
 QUEUE_BYTES = 256 << 20  # blocks waiting to be written at most; more is dropped
 READ_AT_ONCE = 16  # blocks copied to the host in one read (bounds one copy's memory)
 STALE_TEMP_SECONDS = 600  # a temporary file this old is a dead writer's even if its pid was reused
+WRITER_IDLE_SECONDS = 30.0  # the writer thread ends after this long without work (a model reloaded leaves none)
 EXIT_WAIT_SECONDS = 5.0  # at exit, how long the writes still queued may take
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 TENSOR = "kv"
 
 # the compute dtype -> (safetensors dtype, the numpy dtype the backends hand over)
-DTYPES = {
+DTYPES: dict[str, tuple[str, np.dtype]] = {
     "float32": ("F32", np.dtype(np.float32)),
     "float16": ("F16", np.dtype(np.float16)),
     "bfloat16": ("BF16", np.dtype(np.uint16)),
@@ -230,7 +231,14 @@ class PrefixDisk:
 
     def _write_queued(self) -> None:
         while True:
-            digest, block = self.jobs.get()
+            try:
+                digest, block = self.jobs.get(timeout=WRITER_IDLE_SECONDS)
+            except queue.Empty:
+                with self.lock:  # (`_queue` puts and starts a writer under this lock: no job is left behind)
+                    if self.jobs.empty():
+                        self.writer = None
+                        return
+                continue
             try:
                 written = self._write(digest, np.ascontiguousarray(block))
             except (OSError, ValueError):
@@ -314,7 +322,7 @@ class PrefixDisk:
             if self.block_shape is not None and shape != self.block_shape:
                 raise ValueError("another shape")
             array = np.empty(shape, self.np_dtype)
-            if f.readinto(memoryview(array).cast("B")) != array.nbytes or f.read(1):
+            if f.readinto(array.data.cast("B")) != array.nbytes or f.read(1):
                 raise ValueError("truncated or too long")
         if str(zlib.crc32(array.data)) != meta.get("crc32"):
             raise ValueError("damaged")

@@ -231,3 +231,15 @@ def test_for_checkpoint_follows_the_budget_setting(tmp_path, monkeypatch):
     disk = for_checkpoint(checkpoint, "float32", "torch-cpu", B)
     assert disk is not None and disk.budget == 64 << 20
     assert disk.folder.parent == tmp_path / "prefix-cache"
+
+
+def test_the_writer_thread_ends_when_idle_and_comes_back_for_new_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(prefix_disk, "WRITER_IDLE_SECONDS", 0.05)
+    pool, _ = serve(tmp_path, ids(40 * B, 9))
+    deadline = time.monotonic() + 10
+    while pool.disk.writer is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.disk.writer is None  # a model reloaded many times leaves no thread per load behind
+    pool.start("b", ids(40 * B, 10))
+    assert pool.disk.wait_for_writes(10)
+    assert len(block_files(tmp_path / "model")) == 80

@@ -148,6 +148,7 @@ class BlockPool:
                     self._copy_block(block, fresh, kept)
                 self._unref(block)
                 seq.blocks[i] = fresh
+        self._make_room(self.blocks_for(end) - len(seq.blocks))
         while len(seq.blocks) < self.blocks_for(end):
             seq.blocks.append(self._take_block())
 
@@ -195,6 +196,7 @@ class BlockPool:
             return PrefixReuse(held, 0, None)
         match = self.index.match(tokens, limit)
         pinned = self._pin(match)  # nothing taken below may evict what was found
+        self._make_room(self.blocks_for(len(tokens)) - len(match.nodes))  # loaded or computed: one growth
         self._load_from_disk(match, tokens, limit, pinned)
         found = match.tokens(self.block_tokens)
         if match.miss:
@@ -274,16 +276,20 @@ class BlockPool:
                 self._write_loaded(loaded)
             start = len(match.nodes) * self.block_tokens
             parent = match.nodes[-1] if match.nodes else self.index.root
-            node = self.index.add(parent, tuple(tokens[start : start + self.block_tokens]), block)
+            key = tuple(tokens[start : start + self.block_tokens])
+            if match.partial is not None:  # a partial match ended where the disk's blocks go on
+                pinned.remove(match.partial.block)
+                self._unref(match.partial.block)
+                match.partial, match.partial_tokens = None, 0
+            for old in self.index.drop_partials_within(parent, key):  # the full block holds what they hold
+                self.cached_unused -= self.refs[old] == 1
+                self._unref(old)
+            node = self.index.add(parent, key, block)
             self.cached_unused += 1  # only the index holds it, until the pin below
             self._ref(block)
             pinned.append(block)
             match.nodes.append(node)
             self.stats.disk_tokens_loaded += self.block_tokens
-            if match.partial is not None:  # a partial match ended where the disk's blocks go on
-                pinned.remove(match.partial.block)
-                self._unref(match.partial.block)
-                match.partial, match.partial_tokens = None, 0
             match.miss = None
         self._write_loaded(loaded)
         if match.miss == MISS_NO_PREFIX and not match.nodes:
@@ -309,6 +315,15 @@ class BlockPool:
         block = heapq.heappop(self.free)
         self.refs[block] = 1
         return block
+
+    def _make_room(self, wanted: int) -> None:
+        """Grow once for `wanted` more blocks where they will be needed (rather than once per
+        block taken), when memory and the cache's budget leave growing as `_take_block`'s choice."""
+        short = wanted - len(self.free)
+        if short <= 0 or self.cached_unused > self.cache_blocks:
+            return
+        if self.max_blocks is None or self.blocks + short <= self.max_blocks:
+            self._grow(self.blocks + short)
 
     def _ref(self, block: int) -> None:
         self.refs[block] += 1

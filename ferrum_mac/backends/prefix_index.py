@@ -164,7 +164,7 @@ class PrefixIndex:
             if len(key) == B:
                 child = node.children.get(key)
                 if child is None:
-                    dropped += self._drop_partials_within(node, key)
+                    dropped += self.drop_partials_within(node, key)
                     child = self.add(node, key, block)
                     added.append(block)
             else:
@@ -174,7 +174,7 @@ class PrefixIndex:
                 if longer:
                     child = longer[0]
                 else:
-                    dropped += self._drop_partials_within(node, key)
+                    dropped += self.drop_partials_within(node, key)
                     child = self.add(node, key, block)
                     added.append(block)
             child.used = now
@@ -190,7 +190,7 @@ class PrefixIndex:
         self.evicted.pop(node.digest, None)
         return node
 
-    def _drop_partials_within(self, parent: Node, key: tuple[int, ...]) -> list[int]:
+    def drop_partials_within(self, parent: Node, key: tuple[int, ...]) -> list[int]:
         """Remove `parent`'s partial nodes that `key` continues (it holds all they hold)."""
         gone = [p for p in parent.partials.values() if common_start(p.key, key) == len(p.key)]
         for p in gone:

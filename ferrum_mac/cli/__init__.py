@@ -187,6 +187,9 @@ def serve(
         help="A web origin (https://app.example) whose pages may call the server; repeatable. "
         "Loopback origins always may; others get 403.",
     ),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Log a line per request: prompt tokens reused from the prefix cache."
+    ),
 ) -> None:
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from ferrum_mac.serve.command import serve_command
@@ -201,6 +204,7 @@ def serve(
         kv_capacity=kv_capacity,
         max_body=max_body,
         allow_origins=tuple(allow_origin or ()),
+        verbose=verbose,
     )
 
 

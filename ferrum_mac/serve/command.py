@@ -3,6 +3,7 @@ with uvicorn on the bound socket (so "serving ... on" is printed only once the p
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from ferrum_mac.serve.app import MAX_BODY
@@ -24,6 +25,7 @@ def serve_command(
     max_body: int = MAX_BODY,
     allow_origins: tuple[str, ...] = (),
     max_connections: int = MAX_CONNECTIONS,
+    verbose: bool = False,
 ) -> None:
     import uvicorn
 
@@ -36,6 +38,8 @@ def serve_command(
             f"ferrum: serving on {host} without --api-key: anyone who can reach this port can use the model",
             file=sys.stderr,
         )
+    if verbose:
+        log_requests()
     sock = bind_socket(host, port)  # first: a taken port fails before the model loads
     try:
         scheduler = Scheduler(
@@ -62,6 +66,15 @@ def serve_command(
             scheduler.stop()
     finally:
         sock.close()
+
+
+def log_requests() -> None:
+    """`--verbose`: the scheduler's per-request lines (prefix cache reuse) on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ferrum: %(message)s"))
+    log = logging.getLogger("ferrum.serve")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
 
 
 def url_host(host: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ferrum_mac.llm import PrefixStats
 from ferrum_mac.serve.scheduler import SchedulerStats
 
 
@@ -30,7 +31,47 @@ def prometheus_text(stats: SchedulerStats, up: bool = True) -> str:
         *metric("ferrum_kv_tokens_used", "gauge", "Tokens cached in the KV buffers.", stats.kv_tokens_used),
         *metric("ferrum_scheduler_steps_total", "counter", "Forward steps run.", stats.steps),
     ]
+    if stats.prefix is not None:
+        lines += prefix_cache_lines(stats.prefix)
     return "\n".join(lines) + "\n"
+
+
+def prefix_cache_lines(p: PrefixStats) -> list[str]:
+    """The model's prefix cache counters (absent when it keeps none)."""
+    lines = [
+        *metric("ferrum_prefix_lookups_total", "counter", "Prompts looked up in the prefix cache.", p.lookups),
+        *metric("ferrum_prefix_hits_total", "counter", "Lookups that reused at least one cached token.", p.hits),
+        *metric("ferrum_prefix_reused_tokens_total", "counter", "Prompt tokens taken from the cache.", p.reused_tokens),
+        *metric(
+            "ferrum_prefix_missed_tokens_total",
+            "counter",
+            "Prompt tokens the lookups left to compute.",
+            p.missed_tokens,
+        ),
+        "# HELP ferrum_prefix_misses_total Lookups that stopped short of the prompt, by why.",
+        "# TYPE ferrum_prefix_misses_total counter",
+    ]
+    lines += [f'ferrum_prefix_misses_total{{reason="{reason}"}} {n}' for reason, n in sorted(p.misses.items())]
+    lines += [
+        *metric("ferrum_prefix_cached_tokens", "gauge", "Tokens the prefix cache holds.", p.cached_tokens),
+        *metric("ferrum_prefix_evicted_blocks_total", "counter", "KV blocks evicted from the cache.", p.evicted_blocks),
+        *metric(
+            "ferrum_prefix_disk_written_bytes_total",
+            "counter",
+            "Bytes of KV blocks written to disk.",
+            p.disk_bytes_written,
+        ),
+        *metric(
+            "ferrum_prefix_disk_read_bytes_total", "counter", "Bytes of KV blocks read from disk.", p.disk_bytes_read
+        ),
+        *metric(
+            "ferrum_prefix_disk_loaded_tokens_total",
+            "counter",
+            "Prompt tokens loaded from disk instead of computed.",
+            p.disk_tokens_loaded,
+        ),
+    ]
+    return lines
 
 
 def metric(name: str, kind: str, help_text: str, value) -> list[str]:

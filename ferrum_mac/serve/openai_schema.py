@@ -174,6 +174,7 @@ def usage(done: Done) -> dict:
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.generated_tokens,
         "total_tokens": done.prompt_tokens + done.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
     }
 
 

@@ -9,6 +9,12 @@ them all at their full length (prompt plus max_tokens; the pool's whole shape) f
 free memory held at start; a decoding sequence gets a token every step, so a
 long prompt never stalls the others for more than one chunk.
 
+Prefix cache: an admitted request first takes what the model's prefix cache holds of its
+prompt (`kv_reuse`) and prefills only the rest. A prompt is remembered (`kv_remember`) once
+it is prefilled, and again with its answer before its cache is released. A request that
+shares a long prefix with one still being prefilled waits for that prefix to be computed
+rather than computing it a second time (16 requests with one system prompt hold it once).
+
 The thread owns the model. Clients talk to it only through `submit` (a queue) and
 `RequestHandle.cancel`; events go back through each request's `emit`. The scheduler never
 imports MLX or torch: it asks the model for a sampler per request, as the engine does.
@@ -16,6 +22,7 @@ imports MLX or torch: it asks the model for a sampler per request, as the engine
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -35,7 +42,17 @@ from ferrum_mac.engine import (
     done_event,
 )
 from ferrum_mac.errors import FerrumError, UnsupportedError
-from ferrum_mac.llm import KV_CAPACITY_ENV, DecodeItem, DecoderOnlyLLM, ForwardItem, KvCapacityError, Logits
+from ferrum_mac.engine.context import common_prefix
+from ferrum_mac.llm import (
+    KV_CAPACITY_ENV,
+    DecodeItem,
+    DecoderOnlyLLM,
+    ForwardItem,
+    KvCapacityError,
+    Logits,
+    PrefixReuse,
+    PrefixStats,
+)
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
 
 log = logging.getLogger("ferrum.serve")
@@ -44,6 +61,9 @@ MAX_BATCH = 32  # sequences decoding together
 STEP_TOKENS = 512  # tokens one forward may carry (decode tokens plus prefill chunks)
 UNIFIED, SPLIT, SINGLE = "unified_forward", "decode_batch", "decode"
 WARMUP_ID = "scheduler-warm-up"
+# A request waits for an earlier one's prefill when they share at least this many prompt
+# tokens beyond what the cache gave it: below that, computing them again costs less than waiting.
+SHARE_WAIT_TOKENS = 64
 
 
 @dataclass
@@ -59,6 +79,7 @@ class SchedulerStats:
     kv_tokens_allocated: int = 0  # positions the model's KV buffers hold, used or not
     kv_tokens_used: int = 0  # tokens every cache of the model holds (active sequences and any other)
     steps: int = 0
+    prefix: PrefixStats | None = None  # the model's prefix cache counters (None: it keeps none)
 
 
 class Sequence:
@@ -76,6 +97,21 @@ class Sequence:
         self.pos = 0  # tokens in its cache
         self.next_token: int | None = None  # sampled, to go into the cache next step
         self.generated = 0
+        self.answer: list[int] = []  # the tokens generated so far
+        self.cached = 0  # prompt tokens taken from the prefix cache
+        self.miss: str | None = None  # why the prefix cache gave no more (`PrefixReuse.miss`)
+        self.leader: Sequence | None = None  # an earlier sequence prefilling a prefix this one shares
+        self.shared = 0  # prompt tokens in common with `leader`: this one waits until it holds them
+
+    def attach(self, reuse: PrefixReuse) -> None:
+        """Start from what `kv_reuse` attached: prefill only the rest of the prompt."""
+        prompt = self.request.prompt_ids
+        self.pos, self.cached, self.miss = reuse.tokens, reuse.tokens, reuse.miss
+        self.unprefilled = list(prompt[reuse.tokens :])
+
+    def held_tokens(self, held: int) -> list[int]:
+        """The ids of the first `held` positions of its cache: the prompt, then the answer."""
+        return (list(self.request.prompt_ids) + self.answer)[:held]
 
     def emit(self, event) -> None:
         if self.request.emit is None:
@@ -118,6 +154,7 @@ class Scheduler:
         self._stopped = threading.Event()
         self._looping = False  # set while the loop runs; False before start, after stop and if it died
         self.death: str | None = None  # why the loop ended, when it ended by an error no guard caught
+        self.prefix_cache = False  # whether the model keeps a prefix cache (known once it is loaded)
 
     @property
     def engine(self) -> LocalEngine:
@@ -215,6 +252,7 @@ class Scheduler:
                 self._take_new(block=not self._running and not self._waiting)
                 self._drop_cancelled()
                 self._admit()
+                self._wake_followers()
                 if self._running:
                     self._step_or_fail()
                 self._update_gauges()
@@ -254,6 +292,8 @@ class Scheduler:
         self.capacity = self.model.kv_capacity()
         self.model.prepare(WARMUP_ID, 16)  # compiles kernels and captures graphs before any request
         self.model.release(WARMUP_ID)
+        self.stats.prefix = _snapshot(self.model.kv_prefix_stats())
+        self.prefix_cache = self.stats.prefix is not None
         if self.kv_budget is None:
             self.kv_budget = self.model.kv_free_tokens()  # None: only the batch size limits admission
 
@@ -285,13 +325,54 @@ class Scheduler:
             try:
                 sampler = self.model.sampler(request.sampling, request.prompt_ids)
                 text = AnswerText(self.tokenizer, request.stop, request.opens_reasoning, raw=request.raw)
-            except Exception as e:  # this request's settings or a bug: only this request fails
+                seq = Sequence(handle, sampler, text, need, timing)
+                self._attach_prefix(seq)
+            except Exception as e:  # this request's settings, its cache lookup or a bug: only this request fails
                 if not isinstance(e, FerrumError):
                     log.exception("admitting a request failed")
                 self._fail_one(handle, _one_line(e))
+                self._release_cache(handle.cache_id)
                 continue
-            self._running.append(Sequence(handle, sampler, text, need, timing))
+            self._running.append(seq)
             self.stats.prompt_tokens += len(request.prompt_ids)
+
+    def _attach_prefix(self, seq: Sequence) -> None:
+        """Give `seq` what the prefix cache holds of its prompt; when a sequence still prefilling
+        shares a longer prefix with it, make `seq` wait for that one (its `leader`)."""
+        prompt = seq.request.prompt_ids
+        seq.attach(self.model.kv_reuse(seq.cache_id, prompt))
+        if not self.prefix_cache:
+            return
+        for other in self._running:
+            if other is seq or not other.unprefilled:
+                continue
+            shared = min(common_prefix(prompt, other.request.prompt_ids), len(prompt) - 1)
+            if shared < seq.pos + SHARE_WAIT_TOKENS:
+                continue
+            if other.pos > seq.pos:  # it computed part of the prefix already: take that now
+                self.model.kv_remember(other.cache_id, other.held_tokens(other.pos))
+                seq.attach(self.model.kv_reuse(seq.cache_id, prompt))
+            if shared >= seq.pos + SHARE_WAIT_TOKENS and shared > seq.shared:
+                seq.leader, seq.shared = other, shared
+
+    def _wake_followers(self) -> None:
+        """Sequences whose leader now holds the prefix they share (or has gone) take it from the
+        prefix cache and prefill the rest (or wait for another leader)."""
+        for seq in [s for s in self._running if s.leader is not None]:
+            leader = seq.leader
+            assert leader is not None
+            running = leader in self._running
+            if running and leader.unprefilled and leader.pos < seq.shared:
+                continue
+            try:
+                if running:
+                    self.model.kv_remember(leader.cache_id, leader.held_tokens(leader.pos))
+                seq.leader, seq.shared = None, 0
+                self._attach_prefix(seq)
+            except Exception as e:  # its lookup failed: only this request fails
+                log.exception("taking a shared prefix failed")
+                seq.emit(Failed(_one_line(e)))
+                self._release(seq, "error")
 
     def _kv_need(self, request: GenerationRequest) -> int:
         answer = request.max_tokens or self.capacity
@@ -372,7 +453,8 @@ class Scheduler:
         return [s for s in self._running if s.next_token is not None]
 
     def _prefilling(self) -> list[Sequence]:
-        return [s for s in self._running if s.unprefilled]
+        """The sequences with prompt tokens to compute, but those waiting for their leader."""
+        return [s for s in self._running if s.unprefilled and s.leader is None]
 
     @staticmethod
     def _advance(seq: Sequence, n: int) -> None:
@@ -406,8 +488,12 @@ class Scheduler:
         return [s.read(token) for s, token in zip(samplers, lazy)]
 
     def _accept(self, seq: Sequence, token: int) -> None:
+        if seq.generated == 0:  # its prompt is in the cache: requests that start alike share it now
+            self.model.kv_remember(seq.cache_id, seq.request.prompt_ids)
+            log.info("%s", prefix_line(seq))
         seq.timing.token()
         seq.generated += 1
+        seq.answer.append(token)
         self.stats.generated_tokens += 1
         if token in self.eos_ids and not seq.request.ignore_eos:
             return self._finish(seq, EOS)
@@ -426,16 +512,28 @@ class Scheduler:
         for event in seq.text.finish():
             seq.emit(event)
         prompt = len(seq.request.prompt_ids)
-        seq.emit(done_event(reason, prompt, 0, seq.generated, seq.timing, seq.text.stop_string))
+        seq.emit(done_event(reason, prompt, seq.cached, seq.generated, seq.timing, seq.text.stop_string))
+        self._remember_answer(seq)
         self._release(seq, reason)
+
+    def _remember_answer(self, seq: Sequence) -> None:
+        """Keep the prompt and answer cached after the release (a client's next request
+        sends both back); a failure here must not stop the loop."""
+        try:
+            self.model.kv_remember(seq.cache_id, seq.held_tokens(self.model.kv_len(seq.cache_id)))
+        except Exception:
+            log.exception("remembering %s failed", seq.cache_id)
 
     def _release(self, seq: Sequence, reason: str) -> None:
         self._running.remove(seq)  # first: a release that fails must not leave it running
         self._count(reason)
+        self._release_cache(seq.cache_id)
+
+    def _release_cache(self, cache_id: str) -> None:
         try:
-            self.model.release(seq.cache_id)
+            self.model.release(cache_id)
         except Exception:  # release is idempotent; a broken one must not stop the loop
-            log.exception("releasing %s failed", seq.cache_id)
+            log.exception("releasing %s failed", cache_id)
 
     def _fail_one(self, handle: RequestHandle, message: str) -> None:
         if handle.request.emit is not None:
@@ -454,6 +552,19 @@ class Scheduler:
         self.stats.kv_tokens = sum(self.model.kv_len(s.cache_id) for s in self._running)
         self.stats.kv_tokens_allocated = self.model.kv_allocated_tokens() or 0
         self.stats.kv_tokens_used = self.model.kv_used_tokens() or 0
+        self.stats.prefix = _snapshot(self.model.kv_prefix_stats())
+
+
+def prefix_line(seq: Sequence) -> str:
+    """What `ferrum serve --verbose` logs of a request once its prompt is in the cache."""
+    prompt = len(seq.request.prompt_ids)
+    line = f"{seq.cache_id}: {seq.cached} of {prompt} prompt tokens reused from the prefix cache"
+    return f"{line} (miss: {seq.miss})" if seq.miss else line
+
+
+def _snapshot(prefix: PrefixStats | None) -> PrefixStats | None:
+    """A copy /metrics may read on another thread while the model counts on."""
+    return None if prefix is None else dataclasses.replace(prefix, misses=dict(prefix.misses))
 
 
 def _one_line(e: BaseException) -> str:

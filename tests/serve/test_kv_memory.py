@@ -1,30 +1,34 @@
-"""The scheduler's KV memory on stories260K: after a burst the pool goes back to its idle size,
-a long request after the burst holds one slot of its own room, admission budgets for the
-pool's whole shape (every slot as long as the longest), and `/metrics` says what is held."""
+"""The scheduler's KV memory on stories260K: a burst holds blocks for its tokens, a long
+request after it only its own, released sequences' blocks stay in the prefix cache,
+admission budgets for the blocks requests need, and `/metrics` says what is held."""
 
 from __future__ import annotations
 
 import time
 
 import httpx
+import pytest
 
+from ferrum_mac.backends.block_pool import BLOCK_TOKENS
 from ferrum_mac.engine import Done
 from ferrum_mac.serve import EventQueue, GenerationRequest, Scheduler
 from serve_support import open_stories
 
 TIMEOUT = 60
-IDLE = 256  # the scheduler's warm-up prepares 16 tokens: one slot of the grow step
 
 
-def run_all(scheduler, requests: list[dict]) -> list[int]:
+def run_all(scheduler, requests: list[dict], note=None) -> list[int]:
     """Submit every request at once and wait for them; returns the KV positions the model
-    held at each event (read on the scheduler's thread, where the model lives)."""
+    held at each event (read on the scheduler's thread, where the model lives); `note` is
+    called with each event there too."""
     held, queues = [], []
     for options in requests:
         queue = EventQueue()
 
         def emit(event, put=queue.put):
             held.append(scheduler.model.kv_allocated_tokens())
+            if note is not None:
+                note(event)
             put(event)
 
         scheduler.submit(GenerationRequest(emit=emit, **options))
@@ -48,18 +52,33 @@ def long_prompt(n: int) -> list[int]:
     return [1] + [(7 * i) % 500 + 10 for i in range(n - 1)]
 
 
-def test_a_burst_then_one_long_request_holds_one_slot(scheduler):
-    wait_idle(scheduler)
+def blocks_of(tokens: int) -> int:
+    return -(-tokens // BLOCK_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def fresh_scheduler(stories_path):
+    """A scheduler of its own: its KV holds only what these tests put there."""
+    scheduler = Scheduler(open_stories(stories_path)).start()
+    yield scheduler
+    scheduler.stop()
+
+
+def test_memory_follows_the_tokens_held(fresh_scheduler):
+    scheduler, model = fresh_scheduler, fresh_scheduler.model
     burst = [dict(prompt_ids=[1, 20 + i, 30, 40], max_tokens=4, ignore_eos=True) for i in range(32)]
     held = run_all(scheduler, burst)
-    assert max(held) == 32 * 256  # 32 slots of the grow step
+    # 32 sequences of one block each, and each prompt's block in the prefix cache (a sequence
+    # copies it on its first write), and scratch: the buffers grow by at most half again
+    assert max(held) <= 2 * (2 * 32 + 1) * BLOCK_TOKENS
     wait_idle(scheduler)
-    assert scheduler.model.kv_allocated_tokens() == IDLE
+    after_burst = model.kv_allocated_tokens()
+    assert after_burst <= max(held)
+    assert model.kv_prefix_stats().cached_tokens >= 32 * 4  # released, their blocks stay cached
 
     held = run_all(scheduler, [dict(prompt_ids=long_prompt(450), max_tokens=8, ignore_eos=True)])
-    assert max(held) == 512  # one slot of the long one's room (it was 32 such slots)
+    assert max(held) <= 2 * (after_burst + blocks_of(458) * BLOCK_TOKENS)  # its own blocks, not 32 slots of them
     wait_idle(scheduler)
-    assert scheduler.model.kv_allocated_tokens() == IDLE
 
 
 def test_metrics_show_allocated_and_used_kv(server, scheduler):
@@ -73,26 +92,33 @@ def test_metrics_show_allocated_and_used_kv(server, scheduler):
             for line in httpx.get(server.url + "/metrics").text.splitlines()
             if not line.startswith("#")
         )
-        if samples["ferrum_kv_tokens_allocated"] == str(IDLE):
+        if samples["ferrum_kv_tokens_used"] == "0":
             break
         time.sleep(0.05)
-    assert samples["ferrum_kv_tokens_allocated"] == str(IDLE)
     assert samples["ferrum_kv_tokens_used"] == "0"
+    assert int(samples["ferrum_kv_tokens_allocated"]) >= blocks_of(300) * BLOCK_TOKENS  # its blocks stay cached
 
 
-def test_admission_budgets_for_the_pools_shape(stories_path):
-    """A short request (room 256) and a long one (room 512) need 563 tokens between them, but
-    together the pool holds two slots of 512: with a budget of 900 the long one waits."""
-    scheduler = Scheduler(open_stories(stories_path), kv_budget=900).start()
+def test_admission_budgets_for_the_blocks_requests_need(stories_path):
+    """A short request and a long one need more blocks together than a budget allows: the long
+    one waits for the short one to end."""
+    scheduler = Scheduler(open_stories(stories_path)).start()
+    short, long = [1, 20, 30, 40, 50], long_prompt(450)
+    scheduler.kv_budget = scheduler.model.kv_tokens_for([len(short) + 100, len(long) + 8]) - 1
+    running = []
+
+    def note_running(event, scheduler=scheduler):
+        running.append(scheduler.stats.active)
+
     try:
-        held = run_all(
+        run_all(
             scheduler,
             [
-                dict(prompt_ids=[1, 20, 30, 40, 50], max_tokens=100, ignore_eos=True),
-                dict(prompt_ids=long_prompt(450), max_tokens=8, ignore_eos=True),
+                dict(prompt_ids=short, max_tokens=100, ignore_eos=True),
+                dict(prompt_ids=long, max_tokens=8, ignore_eos=True),
             ],
+            note_running,
         )
-        assert max(held) <= 900
-        assert max(held) == 512  # the long one ran, alone
+        assert running and max(running) == 1
     finally:
         scheduler.stop()

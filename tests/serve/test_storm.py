@@ -1,7 +1,7 @@
 """A storm against a real `ferrum serve` on stories260K: a few hundred malformed, hostile and
 valid requests at once. It ends with no 5xx (nor an error inside a 200 stream), no traceback
 in the server's output, the server answering as fast as before, and /metrics showing no live
-sequence and no KV held beyond what the idle server held."""
+sequence and no KV held by any sequence (blocks past the idle pool are the prefix cache's)."""
 
 from __future__ import annotations
 
@@ -304,14 +304,12 @@ def test_storm(ferrum_serve):
     assert sum(1 for _, s in results if 400 <= s < 500) > REQUESTS // 4  # hostile ones were refused
     assert storm_s < 60
 
-    allocated = [name for name in idle if name.startswith("ferrum_kv_") and "allocated" in name]
-
     def settled(m: dict) -> bool:  # the gauges are written once per turn of the scheduler's loop
         return not (
             m["ferrum_active_sequences"]
             or m["ferrum_waiting_requests"]
             or m["ferrum_kv_tokens_in_use"]
-            or any(m[name] > idle[name] for name in allocated)
+            or m["ferrum_kv_tokens_used"]
         )
 
     deadline = time.monotonic() + 20
@@ -322,7 +320,7 @@ def test_storm(ferrum_serve):
     assert after["ferrum_scheduler_up"] == 1
     assert after["ferrum_active_sequences"] == 0 and after["ferrum_waiting_requests"] == 0
     assert after["ferrum_kv_tokens_in_use"] == 0
-    assert all(after[name] <= idle[name] for name in allocated), after  # no more KV than the idle pool held
+    assert after["ferrum_kv_tokens_used"] == 0, after  # no cache left behind (what stays is the prefix cache's)
     errors = 'ferrum_requests_total{reason="error"}'
     assert after.get(errors, 0) == idle.get(errors, 0)  # no request failed inside the scheduler
 

@@ -428,6 +428,8 @@ def answer_footer(stats: dict) -> str:
         parts.append(f"{stats['decode_tps']:.1f} tok/s")
     if stats.get("generated_tokens"):
         parts.append(f"{stats['generated_tokens']} tokens")
+    if stats.get("cached_tokens"):  # prompt tokens taken from the KV cache rather than computed
+        parts.append(f"{stats['cached_tokens']} cached")
     reason = stats.get("stop_reason")
     if reason and reason != "eos":
         parts.append(

@@ -32,14 +32,19 @@ class Segment:
     offset: int
 
     @cached_property
-    def placement(self) -> tuple:
-        """Where its keys are written and read on the pool's token axis (`SequenceCache.placement`)."""
-        return self.cache.placement(self.offset, self.offset + self.length)
+    def write_rows(self) -> slice | mx.array:
+        """Where its keys go on the pool's token axis (`SequenceCache.rows`)."""
+        return self.cache.rows(self.offset, self.offset + self.length)
 
-    @property
+    @cached_property
+    def read_rows(self) -> slice | mx.array:
+        """Where its sequence's keys up to its own are read from."""
+        return self.cache.rows(0, self.offset + self.length)
+
+    @cached_property
     def scattered(self) -> bool:
-        """Its keys are read through its block table, not as one slice."""
-        return not isinstance(self.placement[1], slice)
+        """Its sequence's keys are not one slice of the token axis."""
+        return self.cache.first_row_if_contiguous(self.offset + self.length) is None
 
     @cached_property
     def table(self) -> mx.array:
@@ -213,14 +218,14 @@ class Attention:
         """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`."""
         if seg.length == 1 and self.by_length and seg.scattered:
             return self._decode_through_table(q, k, v, seg)
-        keys, values = seg.cache.write(self.layer, k, v, seg.placement)
+        keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
         mask = "causal" if seg.length > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
 
     def _decode_through_table(self, q, k, v, seg: Segment) -> mx.array:
         """One token of a sequence whose blocks are not consecutive, on CUDA: the decode kernel
         reads its keys through its block table (a gather would copy them all, every layer)."""
-        keys, values = seg.cache.store(self.layer, k, v, seg.placement[0])
+        keys, values = seg.cache.store(self.layer, k, v, seg.write_rows)
         out = cuda_attention.decode_attention(
             q.reshape(1, self.heads, self.head_dim), keys, values, seg.table, seg.position, self.scale,
             seg.offset + 1, seg.cache.pool.block_tokens,

@@ -24,20 +24,16 @@ __all__ = ["BLOCK_TOKENS", "KvManager", "SequenceCache"]
 
 
 class SequenceCache(SequenceBlocks):
-    def placement(self, offset: int, end: int) -> tuple[slice | mx.array, slice | mx.array]:
-        """Where a segment writing positions `offset .. end - 1` goes on the token axis and
-        where it reads keys `0 .. end - 1` from: slices where the blocks are consecutive,
-        else row indices (scattered and gathered). Once per segment, for every layer."""
-        read_from = self.first_row_if_contiguous(end)
-        if read_from is not None:
-            return slice(read_from + offset, read_from + end), slice(read_from, read_from + end)
-        first = self.first_row_if_consecutive(offset, end)
-        write = slice(first, first + end - offset) if first is not None else self.rows(offset, end)
-        return write, self.rows(0, end)
+    def rows(self, start: int, end: int) -> slice | mx.array:
+        """The token rows of positions `start .. end - 1`: a slice where they lie in
+        consecutive blocks, else an index array (scattered writes, gathered reads). A
+        segment asks once, for every layer."""
+        first = self.first_row_if_consecutive(start, end)
+        return slice(first, first + end - start) if first is not None else self.places_array(start, end)
 
-    def rows(self, start: int, end: int) -> mx.array:
-        """`places(start, end)` as an array, computed from the block table in numpy (a long
-        sequence's rows are many: one Python int each would cost a step milliseconds)."""
+    def places_array(self, start: int, end: int) -> mx.array:
+        """`places(start, end)` as an array, built in numpy from the block table (a long
+        sequence has many rows, too many for a Python int each on every step)."""
         B = self.pool.block_tokens
         table = np.array(self.blocks[start // B : -(-end // B)], dtype=np.int32)
         rows = (table[:, None] * B + np.arange(B, dtype=np.int32)).reshape(-1)
@@ -56,11 +52,10 @@ class SequenceCache(SequenceBlocks):
             return None
         return blocks[0] * B + start % B
 
-    def write(self, layer: int, k: mx.array, v: mx.array, placement: tuple) -> tuple[mx.array, mx.array]:
-        """Store k/v `(1, kv_heads, n, head_dim)` where `placement` says; return every cached
-        key/value up to them `(1, kv_heads, end, head_dim)`."""
-        keys, values = self.store(layer, k, v, placement[0])
-        read = placement[1]
+    def write(self, layer: int, k: mx.array, v: mx.array, write: slice | mx.array, read: slice | mx.array):
+        """Store k/v `(1, kv_heads, n, head_dim)` at the token rows `write`; return every
+        cached key/value up to them, the rows `read` `(1, kv_heads, end, head_dim)`."""
+        keys, values = self.store(layer, k, v, write)
         return keys[:, :, read, :], values[:, :, read, :]
 
     def store(self, layer: int, k: mx.array, v: mx.array, write: slice | mx.array) -> tuple[mx.array, mx.array]:

@@ -217,6 +217,6 @@ def test_a_single_sequence_decode_reads_a_slice_of_the_pool(fresh_model):
     model = fresh_model
     model.prefill("a", random_tokens(3 * B + 4, seed=60))
     seq = model.kv.get("a")
-    write, read = seq.placement(seq.length, seq.length + 1)
+    write, read = seq.rows(seq.length, seq.length + 1), seq.rows(0, seq.length + 1)
     assert isinstance(write, slice) and isinstance(read, slice)
     mx.eval(model.decode("a", 3, seq.length))

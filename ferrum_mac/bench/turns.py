@@ -5,7 +5,9 @@ fresh conversation that re-prefills the same history.
 
 Turns 1..N-1 are real greedy answers (at most --answer-tokens each). Each timed run asks
 turn N with a different question, so the reused side prefills just that question; the
-re-prefill side opens a new conversation holding the same history. Best of --runs each.
+re-prefill side opens a new conversation holding the same history on a second copy of the
+model whose caches are dropped first (else its prefix cache would hold the history). Best of
+--runs each.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ QUESTIONS = [
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
 
-def measure(engine: Engine, turns: int, answer_tokens: int, runs: int, say=print) -> dict:
+def measure(engine: Engine, turns: int, answer_tokens: int, runs: int, say=print, cold: Engine | None = None) -> dict:
+    """`cold`: the engine the re-prefill side runs on (default `engine`, whose prefix cache may
+    then hold the history)."""
+    cold = cold or engine
     sampling = engine.default_sampling.replace(temperature=0.0)
     conv = engine.conversation(sampling=sampling, max_tokens=answer_tokens, system=SYSTEM)
     for turn in range(1, turns):
@@ -46,7 +51,9 @@ def measure(engine: Engine, turns: int, answer_tokens: int, runs: int, say=print
         question = f"{run + 1}. {QUESTIONS[(turns - 1 + run) % len(QUESTIONS)]}"
         conv.messages = [dict(m) for m in history]
         reused.append(_first_token(conv.send(question)))
-        other = engine.conversation(conv.settings, prepare=False)
+        if cold is not engine:
+            cold.model.reset()  # nothing cached: the history is computed again
+        other = cold.conversation(conv.settings, prepare=False)
         other.messages = [dict(m) for m in history]
         fresh.append(_first_token(other.send(question)))
         other.close()
@@ -84,8 +91,8 @@ def _ttft(done: Done) -> float:
 
 def run_turns(model: str | None, turns: int, answer_tokens: int, runs: int, json_out: bool) -> None:
     """`ferrum bench turns`: measure, progress on stderr, then one line (or one JSON object) on stdout."""
-    engine = Engine.open(model)
-    result = measure(engine, turns, answer_tokens, runs, say=lambda s: print(s, file=sys.stderr))
+    engine, cold = Engine.open(model), Engine.open(model)
+    result = measure(engine, turns, answer_tokens, runs, say=lambda s: print(s, file=sys.stderr), cold=cold)
     if json_out:
         print(json.dumps(result, indent=1))
         return

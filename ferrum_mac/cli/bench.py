@@ -1,6 +1,6 @@
 """`ferrum bench`: prefill and decode speed beside a peer (`ferrum bench [MODEL] --shape ...`), and
-its subcommands `turns` (time to first token with the KV cache reused) and `first-token` (a cold
-`ferrum run` up to its first byte). Each imports its implementation only when it runs."""
+its subcommands `turns` (time to first token with the KV cache reused), `first-token` (a cold
+`ferrum run` up to its first byte) and `prefix` (the prefix cache against cold prompts). Each imports its implementation only when it runs."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ SUBCOMMAND_FIRST = "ferrum.bench.subcommand_first"
 bench_app = typer.Typer(
     cls=BenchGroup,
     invoke_without_command=True,
-    subcommand_metavar="[turns|first-token [ARGS]...]",
+    subcommand_metavar="[turns|first-token|prefix [ARGS]...]",
     rich_markup_mode=None,
 )
 
@@ -124,3 +124,40 @@ def first_token(
     from ferrum_mac.bench.first_token import run_first_token
 
     run_first_token(run_args or ["hi"], runs)
+
+
+@bench_app.command()
+def prefix(
+    model: Annotated[
+        Optional[str],
+        typer.Option(help="Model to open (default $FERRUM_MODEL or smollm2:135m; not with --shape)."),
+    ] = None,
+    shape: Annotated[Optional[str], typer.Option(help=f"Random weights of a real shape: {', '.join(SHAPES)}.")] = None,
+    quant: Annotated[str, typer.Option(help="With --shape: bf16 or 4bit (mlx).")] = "bf16",
+    backend: Annotated[str, typer.Option(help="auto, mlx or torch.")] = "auto",
+    device: Device = None,
+    conversation_tokens: Annotated[int, typer.Option(help="(a), (b): the conversation sent again.")] = 1500,
+    last_message_tokens: Annotated[int, typer.Option(help="(a), (b): its last message, which changes.")] = 40,
+    steps: Annotated[int, typer.Option(help="(c): requests in the agent replay.")] = 20,
+    step_tokens: Annotated[int, typer.Option(help="(c): new tokens each step adds.")] = 300,
+    answer_tokens: Annotated[int, typer.Option(help="(c), (d): tokens in each answer.")] = 16,
+    shared_tokens: Annotated[int, typer.Option(help="(d): the system prompt the requests share.")] = 4000,
+    requests: Annotated[int, typer.Option(help="(d): requests sent together.")] = 16,
+    own_tokens: Annotated[int, typer.Option(help="(d): each request's own message.")] = 64,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of lines.")] = False,
+) -> None:
+    """The prefix cache beside cold prompts: (a) a conversation sent again, (b) after a restart,
+    (c) an agent replay, (d) concurrent requests sharing a system prompt, each with its goal."""
+    from ferrum_mac.bench.prefix import PrefixBenchSizes, run_prefix
+
+    sizes = PrefixBenchSizes(
+        conversation_tokens=conversation_tokens,
+        last_message_tokens=last_message_tokens,
+        steps=steps,
+        step_tokens=step_tokens,
+        answer_tokens=answer_tokens,
+        shared_tokens=shared_tokens,
+        requests=requests,
+        own_tokens=own_tokens,
+    )
+    run_prefix(model, shape, quant, backend, device, sizes, json_out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -37,6 +38,34 @@ def test_bench_turns_reuses_the_cache(shared_assets):
     assert report["turn"] == 2 and report["model"] == str(model)
     assert report["reuse"]["cached"] > 0 and report["re_prefill"]["cached"] == 0
     assert report["reuse"]["prefilled"] < report["re_prefill"]["prefilled"] == report["history_tokens"]
+
+
+def test_bench_prefix_prints_each_figure_beside_its_cold_one(shared_assets, tmp_path):
+    model = shared_assets / "stories260K"
+    sizes = ["--conversation-tokens", "200", "--last-message-tokens", "20", "--steps", "4", "--step-tokens", "40"]
+    sizes += ["--answer-tokens", "8", "--shared-tokens", "150", "--requests", "4", "--own-tokens", "16"]
+    env = {**os.environ, "FERRUM_CACHE_DIR": str(tmp_path), "FERRUM_PREFIX_DISK_MB": "64"}  # (b) reads the disk
+    proc = subprocess.run(
+        FERRUM + ["bench", "prefix", "--model", str(model), *sizes, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    again, restart, replay, concurrent = (report[k] for k in ("again", "restart", "replay", "concurrent"))
+    assert again["cached_tokens"] == 180 and again["prompt_tokens"] == 200  # all but the new last message
+    assert again["ttft_cached_s"] < again["ttft_cold_s"]
+    assert restart["cached_tokens"] >= 160 and restart["disk_tokens_loaded"] >= 160  # full blocks, from disk
+    assert replay["new_tokens"] <= replay["computed_tokens"] <= replay["new_tokens"] + 4 * 32  # (a block a step)
+    assert concurrent["cached_tokens"] >= 3 * 128  # three of the four took the shared prompt's full blocks
+    assert set(report["goals"]) >= {"ttft_cached_over_cold", "computed_over_new", "peak_over_alone_plus_own"}
+
+    proc = subprocess.run(
+        FERRUM + ["bench", "prefix", "--model", str(model), "--steps", "0"], capture_output=True, text=True
+    )
+    assert proc.returncode == 1 and proc.stderr.strip() == "ferrum: --steps must be at least 1"
 
 
 def test_bench_first_token_passes_its_arguments_to_run(shared_assets):

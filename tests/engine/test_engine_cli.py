@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import pty
 import select
@@ -313,3 +314,14 @@ def test_a_prompt_word_that_is_not_a_model_stays_in_the_prompt(words, stories_pa
     assert run.returncode == 0, run.stderr
     answer = json.loads(run.stdout)
     assert answer["model"] == str(stories_path) and answer["stats"]["prompt_tokens"] > len(words)
+
+
+def test_repl_after_clear_and_load_reuses_what_was_computed(stories_path, env):
+    lines = ["/set temperature 0", "/set num_predict 6", STORY, "And then?", "/save c", "/clear", "Hi", "/load c"]
+    run = ferrum("run", str(stories_path), "-i", "-v", env=env, stdin="\n".join([*lines, "More."]) + "\n")
+    assert run.returncode == 0, run.stderr
+    stats = [line for line in run.stderr.splitlines() if line.startswith("prompt ")]
+    second, after_clear, after_load = (re.match(r"prompt (\d+) tokens \((\d+) cached\)", s).groups() for s in stats[1:])
+    assert int(after_clear[1]) > 0  # the template's start, kept across /clear
+    # the loaded history was computed before /clear: the prefix cache holds it
+    assert int(after_load[1]) > int(second[0]) + int(second[1])

@@ -171,3 +171,30 @@ def test_verbose_logs_reuse_per_request(live, caplog):
     assert f"miss: {MISS_NO_PREFIX}" in lines[0]
     cached, prompt = second.usage.prompt_tokens_details.cached_tokens, second.usage.prompt_tokens
     assert f"{cached} of {prompt} prompt tokens reused" in lines[1]
+
+
+def test_a_failing_lookup_fails_only_its_request(live, monkeypatch):
+    from ferrum_mac.serve import Failed
+
+    _, scheduler, _ = live()
+    model, poisoned = scheduler.model, 77
+    real_reuse = model.kv_reuse
+
+    def kv_reuse(cache_id, tokens):
+        if poisoned in tokens:
+            raise RuntimeError("the prefix index broke")
+        return real_reuse(cache_id, tokens)
+
+    monkeypatch.setattr(model, "kv_reuse", kv_reuse)
+    tokenizer = scheduler.engine.tokenizer
+    good = tokenizer.encode(SYSTEM)
+    queues = [submit(scheduler, good), submit(scheduler, good[:5] + [poisoned] + good[5:]), submit(scheduler, good)]
+    bad = list(queues[1].events(timeout=TIMEOUT))
+    assert bad == [Failed("the prefix index broke")]
+    first, third = result(queues[0]), result(queues[2])
+    assert first[0] == third[0] and third[1].cached_tokens >= len(good) - 1
+    assert scheduler.alive
+    deadline = time.monotonic() + 10
+    while scheduler.stats.kv_tokens_used and time.monotonic() < deadline:  # (a gauge: written once per loop)
+        time.sleep(0.05)
+    assert scheduler.stats.kv_tokens_used == 0  # the failed request's cache was released too

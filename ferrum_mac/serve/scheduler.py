@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -64,6 +65,7 @@ WARMUP_ID = "scheduler-warm-up"
 # A request waits for an earlier one's prefill when they share at least this many prompt
 # tokens beyond what the cache gave it: below that, computing them again costs less than waiting.
 SHARE_WAIT_TOKENS = 64
+PREFIX_STATS_S = 0.25  # the prefix cache's counters are read this often (a read walks its index)
 
 
 @dataclass
@@ -155,6 +157,7 @@ class Scheduler:
         self._looping = False  # set while the loop runs; False before start, after stop and if it died
         self.death: str | None = None  # why the loop ended, when it ended by an error no guard caught
         self.prefix_cache = False  # whether the model keeps a prefix cache (known once it is loaded)
+        self._prefix_read = 0.0  # when the prefix cache's counters were last read
 
     @property
     def engine(self) -> LocalEngine:
@@ -294,6 +297,7 @@ class Scheduler:
         self.model.release(WARMUP_ID)
         self.stats.prefix = _snapshot(self.model.kv_prefix_stats())
         self.prefix_cache = self.stats.prefix is not None
+        self._prefix_read = time.monotonic()
         if self.kv_budget is None:
             self.kv_budget = self.model.kv_free_tokens()  # None: only the batch size limits admission
 
@@ -552,7 +556,10 @@ class Scheduler:
         self.stats.kv_tokens = sum(self.model.kv_len(s.cache_id) for s in self._running)
         self.stats.kv_tokens_allocated = self.model.kv_allocated_tokens() or 0
         self.stats.kv_tokens_used = self.model.kv_used_tokens() or 0
-        self.stats.prefix = _snapshot(self.model.kv_prefix_stats())
+        now = time.monotonic()
+        if self.prefix_cache and (now - self._prefix_read >= PREFIX_STATS_S or not self._running):
+            self.stats.prefix = _snapshot(self.model.kv_prefix_stats())
+            self._prefix_read = now
 
 
 def prefix_line(seq: Sequence) -> str:

@@ -1,8 +1,9 @@
 """Engine conversations kept resident (their KV cache alive) for the most recently used chats.
 
 Switching back to a resident chat reuses its cache, so only the new message is prefilled; a
-chat that was released prefills its history once on its next turn. Past `max_resident`
-conversations or `token_budget` tokens of cache in all, the least recently used is released.
+chat that was released finds its history in the model's prefix cache while memory keeps it
+there (else it prefills it once). Past `max_resident` conversations or `token_budget` tokens
+of cache in all, the least recently used is released.
 """
 
 from __future__ import annotations

@@ -70,3 +70,25 @@ def test_an_answers_stats_line_shows_its_cached_prompt_tokens():
     stats = {"decode_tps": 31.25, "generated_tokens": 40, "cached_tokens": 512, "stop_reason": "eos"}
     assert answer_footer(stats) == "31.2 tok/s · 40 tokens · 512 cached"
     assert "cached" not in answer_footer({**stats, "cached_tokens": 0})
+
+
+def test_a_released_chat_finds_its_history_in_the_prefix_cache(shared_assets):
+    from ferrum_mac.engine import Engine
+
+    engine = Engine.open(shared_assets / "stories260K")
+    resident = ResidentConversations(engine, max_resident=1)
+    settings = engine.settings(max_tokens=8, sampling=engine.default_sampling.replace(temperature=0.0))
+
+    def answer(chat: int, history: list[dict], text: str) -> AnswerDone:
+        posted = []
+        run_turn(resident.get(chat, settings), history, text, threading.Event(), posted.append)
+        assert isinstance(posted[-1], AnswerDone), posted[-1]
+        return posted[-1]
+
+    first = answer(1, [], "Tell me a story.")
+    history = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": first.content}]
+    answer(2, [], "Once upon a time")  # switching to another chat releases the first (one resident)
+    assert not resident.is_resident(1)
+    back = answer(1, history, "And then?")
+    # its history was computed before: only what follows the cached part is prefilled
+    assert back.stats["cached_tokens"] >= first.context_used - 1

@@ -20,6 +20,13 @@ from ferrum_mac.backends.block_pool import BLOCK_TOKENS, BlockPool, SequenceBloc
 __all__ = ["BLOCK_TOKENS", "KvManager", "SequenceBlocks"]
 
 
+def host_ids(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ids (int64) to copy to `device` with `non_blocking=True`: in pinned memory for CUDA,
+    as a copy from pageable memory would wait for the work queued there."""
+    host = torch.tensor(values, dtype=torch.int64)
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 class KvManager(BlockPool):
     def __init__(
         self,
@@ -49,7 +56,7 @@ class KvManager(BlockPool):
         B = self.block_tokens
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
             return slice(blocks[0] * B, (blocks[-1] + 1) * B)
-        table = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        table = host_ids(blocks, self.device).to(self.device, non_blocking=True)
         return (table[:, None] * B + torch.arange(B, device=self.device)).flatten()
 
     # -- BlockPool's hooks ------------------------------------------------------------

@@ -23,7 +23,7 @@ from collections import OrderedDict
 import torch
 
 from ferrum_mac.backends.torch.attention import DecodePlan
-from ferrum_mac.backends.torch.kv import KvManager
+from ferrum_mac.backends.torch.kv import KvManager, host_ids
 from ferrum_mac.backends.torch.ops import decode_ops
 from ferrum_mac import settings
 
@@ -60,7 +60,7 @@ class DecodeStep:
             self._load_table_row(row, blocks)
         for row in range(len(batch), self.rows):
             self._load_table_row(row, [])
-        self.inputs.copy_(self._to_send(tokens + positions), non_blocking=True)
+        self.inputs.copy_(host_ids(tokens + positions, self.device), non_blocking=True)
         if len(on_device) == self.rows:
             self.tokens.copy_(torch.stack([on_device[r].reshape(()) for r in range(self.rows)]))
         else:
@@ -70,12 +70,8 @@ class DecodeStep:
     def _load_table_row(self, row: int, blocks: list[int]) -> None:
         """Send row `row`'s blocks (scratch past them) unless its table holds them already."""
         if self.uploaded[row] != blocks:
-            self.table[row].copy_(self._to_send(blocks + [0] * (self.width - len(blocks))), non_blocking=True)
+            self.table[row].copy_(host_ids(blocks + [0] * (self.width - len(blocks)), self.device), non_blocking=True)
             self.uploaded[row] = list(blocks)
-
-    def _to_send(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.int64)
-        return host.pin_memory() if self.device.type == "cuda" else host  # a pageable copy would wait for queued steps
 
     def run(self) -> torch.Tensor:
         """`(rows, vocab)` logits of a new tensor (a graph's output buffer is reused)."""

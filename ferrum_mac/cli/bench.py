@@ -139,9 +139,11 @@ def prefix(
     conversation_tokens: Annotated[int, typer.Option(help="(a), (b): the conversation sent again.")] = 1500,
     last_message_tokens: Annotated[int, typer.Option(help="(a), (b): its last message, which changes.")] = 40,
     steps: Annotated[int, typer.Option(help="(c): requests in the agent replay.")] = 20,
-    step_tokens: Annotated[int, typer.Option(help="(c): new tokens each step adds.")] = 300,
+    step_tokens: Annotated[int, typer.Option(help="(c): new tokens each step adds (the issue's goal: 300).")] = 100,
     answer_tokens: Annotated[int, typer.Option(help="(c), (d): tokens in each answer.")] = 16,
-    shared_tokens: Annotated[int, typer.Option(help="(d): the system prompt the requests share.")] = 4000,
+    shared_tokens: Annotated[
+        int, typer.Option(help="(d): the system prompt the requests share (the issue's goal: 4000).")
+    ] = 1000,
     requests: Annotated[int, typer.Option(help="(d): requests sent together.")] = 16,
     own_tokens: Annotated[int, typer.Option(help="(d): each request's own message.")] = 64,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of lines.")] = False,

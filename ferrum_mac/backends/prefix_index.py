@@ -112,7 +112,8 @@ class PrefixIndex:
         if partial is not None:
             partial.used = now
         result = Match(found, partial, partial_tokens)
-        result.miss = self._why_stopped(node, tokens, start, limit, partial_tokens)
+        ended = partial is not None and partial_tokens == len(partial.key)  # a cached sequence's last block
+        result.miss = self._why_stopped(node, tokens, start, limit, partial_tokens, ended)
         return result
 
     def _longest_start(self, node: Node, rest: Sequence[int]) -> tuple[Node | None, int]:
@@ -124,12 +125,14 @@ class PrefixIndex:
         return best, best_n
 
     def _why_stopped(
-        self, node: Node, tokens: Sequence[int], start: int, limit: int, partial_tokens: int
+        self, node: Node, tokens: Sequence[int], start: int, limit: int, partial_tokens: int, ended: bool = False
     ) -> str | None:
         if start + partial_tokens >= limit:
             return None  # the whole prompt (but the token left to compute) was found
         if self.next_digest(node, tokens, start) in self.evicted:
             return MISS_EVICTED
+        if ended:
+            return None  # the prompt goes on past the end of a cached sequence (an agent's next step)
         if node is self.root:
             return MISS_NO_PREFIX
         if not node.is_leaf:

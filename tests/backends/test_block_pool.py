@@ -122,6 +122,15 @@ def test_miss_reasons():
     assert stats.evicted_blocks > 0 and stats.misses[MISS_EVICTED] == 1
 
 
+def test_a_prompt_going_on_past_a_cached_sequence_is_no_miss():
+    pool = RowPool(4096, cache_blocks=100)
+    first = ids(2 * B + 5, 8)  # ends inside a block: the index holds its last block partly filled
+    pool.start("a", first)
+    pool.release("a")
+    found = pool.start("b", first + ids(40, 9))  # an agent's next step: all of it, and more
+    assert (found.tokens, found.miss) == (len(first), None)
+
+
 def test_memory_follows_the_blocks_held():
     pool = RowPool(1 << 16, cache_blocks=0)
     for i in range(16):

@@ -1,0 +1,84 @@
+"""A compiled grammar and the per-sequence matcher that turns it into each step's token bitmask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import llguidance
+import numpy as np
+
+from ferrum_mac.grammar.schema import GrammarError
+from ferrum_mac.grammar.tokens import GrammarVocab
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar checked against one model's vocabulary; matchers for many sequences share it."""
+
+    text: str
+    vocab: GrammarVocab
+
+
+def compile_grammar(grammar: str, vocab: GrammarVocab) -> Grammar:
+    """Check `grammar` (from `schema`) against `vocab`; a grammar the engine rejects is a `GrammarError`."""
+    matcher = llguidance.LLMatcher(vocab.engine_tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(f"the grammar cannot be compiled: {' '.join(matcher.get_error().split())[:300]}")
+    return Grammar(grammar, vocab)
+
+
+class GrammarMatcher:
+    """One sequence's place in a grammar.
+
+    `start_after`: token ids that must appear (as a run) before the grammar begins, e.g. the ids
+    of `</think>`, so a thinking model reasons freely and only its answer is constrained. Until
+    then every id of the tokenizer is allowed (the reasoning may use special tokens). Once the grammar is complete only the model's EOS ids are.
+    """
+
+    def __init__(self, grammar: Grammar, start_after: Sequence[int] = ()):
+        self.vocab = grammar.vocab
+        self._matcher = llguidance.LLMatcher(self.vocab.engine_tokenizer, grammar.text, log_level=0)
+        if self._matcher.is_error():
+            raise GrammarError(f"the grammar cannot be compiled: {self._matcher.get_error()}")
+        self._start_after = tuple(start_after)
+        self._seen: list[int] = []  # recent tokens while waiting for `start_after`
+        self._started = not self._start_after
+
+    @property
+    def started(self) -> bool:
+        """Whether the grammar constrains the next token (the `start_after` prefix has been seen)."""
+        return self._started
+
+    def fill_mask(self, out: np.ndarray, row: int = 0) -> None:
+        """Write the allowed ids into `out[row]` (int32 words, `vocab.words` per row)."""
+        target = out[row]
+        if target.shape != (self.vocab.words,) or target.dtype != np.int32 or not target.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"a mask row must be {self.vocab.words} contiguous int32 words")
+        if not self._started:
+            target[:] = self.vocab.free_mask
+            return
+        self._matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
+
+    def accept(self, token_id: int) -> None:
+        """Advance past the sampled `token_id`; one the mask did not allow is a `GrammarError`."""
+        if not self._started:
+            self._seen.append(token_id)
+            del self._seen[: -len(self._start_after)]
+            self._started = tuple(self._seen) == self._start_after
+            return
+        if not self._matcher.consume_token(token_id):
+            raise GrammarError(f"token {token_id} does not fit the grammar: {self._matcher.get_error()}")
+
+    def is_finished(self) -> bool:
+        """Whether the grammar is complete and EOS has been accepted (or nothing else could follow)."""
+        return self._started and self._matcher.is_stopped()
+
+    def is_complete(self) -> bool:
+        """Whether the text so far is a whole match (EOS would be accepted now)."""
+        return self._started and self._matcher.is_accepting()
+
+    def rollback(self, count: int) -> None:
+        """Take back the last `count` accepted tokens of the grammar (not of a `start_after` prefix)."""
+        if count and not self._matcher.rollback(count):
+            raise GrammarError(f"cannot roll a grammar back {count} tokens: {self._matcher.get_error()}")

@@ -41,7 +41,10 @@ def _text_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
     if tokenizer.unk_token is not None and token_id == tokenizer.piece_to_id(tokenizer.unk_token):
         # `<unk>` decodes to a placeholder, not to bytes the model means: never let a grammar pick it.
         return b""
-    return tokenizer.token_bytes(token_id)
+    data = tokenizer.token_bytes(token_id)
+    # 0xFF never occurs in UTF-8 text and the engine reserves it to mark special tokens: a
+    # byte-level vocabulary's lone 0xFF byte can never be part of a grammar's text anyway.
+    return b"" if SPECIAL_PREFIX in data else data
 
 
 def _special_name(tokenizer: Tokenizer, token_id: int) -> str:

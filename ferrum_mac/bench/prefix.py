@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 REQUEST_TIMEOUT_S = 600
 WARM_UP_TOKENS = 256
+# The disk tier names a model by its files: random weights have none (and FERRUM_PREFIX_DISK_MB=0 turns it off).
+NO_DISK = " (none: the disk tier is off, or the model has no files; give --model a folder of weights)"
 GOALS = {  # issue 17's goals, as the ratios below are computed
     "ttft_cached_over_cold": 0.15,
     "cached_share": 0.90,
@@ -292,7 +294,8 @@ def report_lines(r: dict) -> list[str]:
         f"= {a['cached_share']:.0%} (goal >= {g['cached_share']:.0%})",
         f"(b) after a restart: first token {b['ttft_restart_s']:.3f} s vs {b['ttft_cold_s']:.3f} s cold = "
         f"{b['ttft_restart_over_cold']:.2f}x (goal <= {g['ttft_restart_over_cold']}); cached {b['cached_tokens']}, "
-        f"{b['disk_tokens_loaded']} tokens ({b['disk_bytes_read']} bytes) read from disk",
+        f"{b['disk_tokens_loaded']} tokens ({b['disk_bytes_read']} bytes) read from disk"
+        + ("" if b["disk_tokens_loaded"] else NO_DISK),
         f"(c) agent replay, {s['steps']} steps of {s['step_tokens']} new tokens: computed {p['computed_tokens']} "
         f"prompt tokens for {p['new_tokens']} new = {p['computed_over_new']:.2f}x (goal <= "
         f"{g['computed_over_new']}); first token at the last step {p['ttft_last_s']:.3f} s vs "

@@ -28,7 +28,11 @@ SCHEMA = {
         "role": {"enum": ["admin", "editor", "viewer"]},
         "address": {
             "type": "object",
-            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["street", "city"],
         },
         "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 5},
@@ -137,14 +141,18 @@ ENGINES = {"llguidance": probe_llguidance, "xgrammar": probe_xgrammar, "outlines
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", action="append", required=True, help="a model folder or .gguf file (repeatable)")
-    parser.add_argument("--walks", type=int, default=20, help="walks through the answer, each with a freshly compiled grammar")
+    parser.add_argument(
+        "--walks", type=int, default=20, help="walks through the answer, each with a freshly compiled grammar"
+    )
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: " + ", ".join(ENGINES))
     args = parser.parse_args()
     for path in args.tokenizer:
         tokenizer = load_tokenizer(path)
         ids = tokenizer.encode(answer_text(), add_special_tokens=False)
         print(f"\n{path}: vocabulary {tokenizer.vocab_size}, answer {len(ids)} tokens, {args.walks} walks")
-        print(f"  {'engine':<11} {'vocab setup':>12} {'compile':>10} {'mask mean':>10} {'mask p99':>10} {'mask max':>10}")
+        print(
+            f"  {'engine':<11} {'vocab setup':>12} {'compile':>10} {'mask mean':>10} {'mask p99':>10} {'mask max':>10}"
+        )
         for name in args.engines.split(","):
             try:
                 setup, compiles, times = ENGINES[name](tokenizer, ids, args.walks)

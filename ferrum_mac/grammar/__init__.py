@@ -6,7 +6,13 @@ package without pulling in either framework.
 """
 
 from ferrum_mac.grammar.engine import Grammar, GrammarMatcher, compile_grammar
-from ferrum_mac.grammar.schema import GrammarError, UnsupportedSchemaError, json_object_grammar, json_schema_grammar, tool_call_grammar
+from ferrum_mac.grammar.schema import (
+    GrammarError,
+    UnsupportedSchemaError,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 from ferrum_mac.grammar.tokens import GrammarVocab, full_mask, mask_words
 
 __all__ = [

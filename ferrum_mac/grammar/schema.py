@@ -12,7 +12,7 @@ from ferrum_mac.errors import FerrumError
 
 # Compact JSON with a space after ',' and ':' (how models write it), and no free whitespace:
 # flexible whitespace lets a small model pad its output with newlines until it runs out of tokens.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
 
 
@@ -78,7 +78,8 @@ def check_grammar(grammar: str, what: str) -> None:
         keywords = [k.strip().strip('"') for k in found.group(1).split(",") if k.strip()]
         names = ", ".join(f"'{k}'" for k in keywords)
         raise UnsupportedSchemaError(
-            f"{what} uses {names}, which constrained decoding does not support; remove or rewrite that keyword", keywords
+            f"{what} uses {names}, which constrained decoding does not support; remove or rewrite that keyword",
+            keywords,
         )
     raise GrammarError(f"{what} cannot be compiled: {_one_line(message)}")
 

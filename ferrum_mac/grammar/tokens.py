@@ -80,7 +80,9 @@ class GrammarVocab:
         self.words = mask_words(self.width)
         self.eos_ids = tuple(eos)
         wrapper = llguidance.TokenizerWrapper(_TableTokenizer(tokenizer, self.table, eos))
-        self.engine_tokenizer = llguidance.LLTokenizer(wrapper, eos_token=list(eos), slices=llguidance.LLTokenizer.json_slices())
+        self.engine_tokenizer = llguidance.LLTokenizer(
+            wrapper, eos_token=list(eos), slices=llguidance.LLTokenizer.json_slices()
+        )
 
     @functools.cached_property
     def free_mask(self) -> np.ndarray:

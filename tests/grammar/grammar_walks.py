@@ -15,7 +15,9 @@ def allowed_ids(matcher: GrammarMatcher) -> np.ndarray:
     return np.flatnonzero(bits)
 
 
-def random_walk(matcher: GrammarMatcher, rng: np.random.Generator, max_tokens: int = 400, eos_weight: float = 0.3) -> list[int]:
+def random_walk(
+    matcher: GrammarMatcher, rng: np.random.Generator, max_tokens: int = 400, eos_weight: float = 0.3
+) -> list[int]:
     """Tokens sampled uniformly among the allowed ones (EOS, when allowed, taken with `eos_weight`)
     until the grammar finishes; fails if it has not within `max_tokens`. Half the steps sample
     only among tokens that can close a string, number, object or array: uniform sampling alone

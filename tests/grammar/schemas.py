@@ -23,7 +23,10 @@ SCHEMAS: dict[str, dict] = {
     },
     "bounded_number": {
         "type": "object",
-        "properties": {"probability": {"type": "number", "minimum": 0, "maximum": 1}, "temp": {"type": "number", "exclusiveMinimum": -273.15}},
+        "properties": {
+            "probability": {"type": "number", "minimum": 0, "maximum": 1},
+            "temp": {"type": "number", "exclusiveMinimum": -273.15},
+        },
         "required": ["probability", "temp"],
     },
     "string_enum": {
@@ -39,10 +42,17 @@ SCHEMAS: dict[str, dict] = {
     },
     "array_min_max": {
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 2, "maxItems": 4}},
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 2, "maxItems": 4}
+        },
         "required": ["tags"],
     },
-    "top_level_array": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 100}, "minItems": 1, "maxItems": 6},
+    "top_level_array": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 100},
+        "minItems": 1,
+        "maxItems": 6,
+    },
     "nested_objects": {
         "type": "object",
         "properties": {
@@ -52,7 +62,10 @@ SCHEMAS: dict[str, dict] = {
                     "name": {"type": "string", "maxLength": 20},
                     "address": {
                         "type": "object",
-                        "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                        "properties": {
+                            "city": {"type": "string", "maxLength": 20},
+                            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                        },
                         "required": ["city", "zip"],
                         "additionalProperties": False,
                     },
@@ -71,7 +84,10 @@ SCHEMAS: dict[str, dict] = {
                 "type": "array",
                 "items": {
                     "type": "object",
-                    "properties": {"sku": {"type": "string", "maxLength": 8}, "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
+                    "properties": {
+                        "sku": {"type": "string", "maxLength": 8},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                    },
                     "required": ["sku", "qty"],
                     "additionalProperties": False,
                 },
@@ -83,12 +99,19 @@ SCHEMAS: dict[str, dict] = {
     },
     "any_of_types": {
         "type": "object",
-        "properties": {"value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 10}, {"type": "null"}]}},
+        "properties": {
+            "value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 10}, {"type": "null"}]}
+        },
         "required": ["value"],
     },
     "any_of_objects": {
         "anyOf": [
-            {"type": "object", "properties": {"circle": {"type": "number", "minimum": 0}}, "required": ["circle"], "additionalProperties": False},
+            {
+                "type": "object",
+                "properties": {"circle": {"type": "number", "minimum": 0}},
+                "required": ["circle"],
+                "additionalProperties": False,
+            },
             {
                 "type": "object",
                 "properties": {"w": {"type": "number", "minimum": 0}, "h": {"type": "number", "minimum": 0}},
@@ -118,7 +141,14 @@ SCHEMAS: dict[str, dict] = {
         "required": ["day", "id"],
     },
     "defs_and_refs": {
-        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"], "additionalProperties": False}},
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
         "type": "object",
         "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
         "required": ["start", "end"],
@@ -127,7 +157,10 @@ SCHEMAS: dict[str, dict] = {
         "$defs": {
             "node": {
                 "type": "object",
-                "properties": {"label": {"type": "string", "maxLength": 8}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+                "properties": {
+                    "label": {"type": "string", "maxLength": 8},
+                    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                },
                 "required": ["label"],
                 "additionalProperties": False,
             }
@@ -141,8 +174,16 @@ SCHEMAS: dict[str, dict] = {
             {"properties": {"b": {"type": "boolean"}}, "required": ["b"]},
         ]
     },
-    "multiple_of": {"type": "object", "properties": {"step": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100}}, "required": ["step"]},
-    "tuple_prefix_items": {"type": "array", "prefixItems": [{"type": "string", "maxLength": 5}, {"type": "integer"}], "items": False},
+    "multiple_of": {
+        "type": "object",
+        "properties": {"step": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100}},
+        "required": ["step"],
+    },
+    "tuple_prefix_items": {
+        "type": "array",
+        "prefixItems": [{"type": "string", "maxLength": 5}, {"type": "integer"}],
+        "items": False,
+    },
     "pydantic_style": {
         "title": "Event",
         "type": "object",
@@ -157,7 +198,22 @@ SCHEMAS: dict[str, dict] = {
 }
 
 TOOLS = [
-    {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}},
-    {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"], "additionalProperties": False}},
+    {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+    {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
     {"name": "now"},
 ]

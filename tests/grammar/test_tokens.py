@@ -24,7 +24,9 @@ def unk_id(tokenizer):
 
 def never_text(tokenizer, token_id: int) -> bool:
     """Special ids, `<unk>`, and bytes no UTF-8 text holds (0xFF, which the engine uses to mark specials)."""
-    return token_id in tokenizer.special_ids or token_id == unk_id(tokenizer) or b"\xff" in tokenizer.token_bytes(token_id)
+    return (
+        token_id in tokenizer.special_ids or token_id == unk_id(tokenizer) or b"\xff" in tokenizer.token_bytes(token_id)
+    )
 
 
 def assert_table_matches(tokenizer, vocab: GrammarVocab) -> None:
@@ -45,7 +47,11 @@ def assert_same_as_engine_reading(tokenizer_json: str, tokenizer, vocab: Grammar
     """The engine's own reading of the tokenizer.json agrees with our bytes for every text id."""
     reference = llguidance.LLTokenizer(tokenizer_json, eos_token=sorted(vocab.eos_ids))
     texts = [i for i in range(tokenizer.vocab_size) if not never_text(tokenizer, i)]
-    mismatched = [(i, reference.decode_bytes([i]), vocab.engine_bytes(i)) for i in texts if reference.decode_bytes([i]) != vocab.engine_bytes(i)]
+    mismatched = [
+        (i, reference.decode_bytes([i]), vocab.engine_bytes(i))
+        for i in texts
+        if reference.decode_bytes([i]) != vocab.engine_bytes(i)
+    ]
     assert not mismatched, mismatched[:10]
 
 

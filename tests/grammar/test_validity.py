@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from grammar_walks import random_walk
-from ferrum_mac.grammar import GrammarMatcher, compile_grammar, json_object_grammar, json_schema_grammar, tool_call_grammar
+from ferrum_mac.grammar import (
+    GrammarMatcher,
+    compile_grammar,
+    json_object_grammar,
+    json_schema_grammar,
+    tool_call_grammar,
+)
 from schemas import SCHEMAS, TOOLS
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -29,7 +35,9 @@ def walk_texts(grammar_text: str, vocab, tokenizer, seed: int) -> list[str]:
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_walks_validate_against_schema(name, smollm2_vocab, smollm2_tokenizer):
     schema = SCHEMAS[name]
-    for text in walk_texts(json_schema_grammar(schema), smollm2_vocab, smollm2_tokenizer, seed=zlib.crc32(name.encode())):
+    for text in walk_texts(
+        json_schema_grammar(schema), smollm2_vocab, smollm2_tokenizer, seed=zlib.crc32(name.encode())
+    ):
         jsonschema.validate(json.loads(text), schema)
 
 

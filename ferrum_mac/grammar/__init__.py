@@ -5,7 +5,7 @@ applies a mask to MLX or torch logits and imports them lazily, so the engine lay
 package without pulling in either framework.
 """
 
-from ferrum_mac.grammar.engine import Grammar, GrammarMatcher, compile_grammar
+from ferrum_mac.grammar.engine import Grammar, GrammarMatcher, compile_grammar, fill_masks
 from ferrum_mac.grammar.schema import (
     GrammarError,
     UnsupportedSchemaError,
@@ -22,6 +22,7 @@ __all__ = [
     "GrammarVocab",
     "UnsupportedSchemaError",
     "compile_grammar",
+    "fill_masks",
     "full_mask",
     "json_object_grammar",
     "json_schema_grammar",

@@ -82,3 +82,30 @@ class GrammarMatcher:
         """Take back the last `count` accepted tokens of the grammar (not of a `start_after` prefix)."""
         if count and not self._matcher.rollback(count):
             raise GrammarError(f"cannot roll a grammar back {count} tokens: {self._matcher.get_error()}")
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_masks(rows: Sequence[tuple[GrammarMatcher, int]], out: np.ndarray) -> None:
+    """`fill_mask` for a batch step: each `(matcher, row)` fills `out[row]`, the grammars' rows
+    computed in parallel on the engine's threads. Rows not named are left as they are (a row
+    without a grammar: `full_mask`)."""
+    global _executor
+    if not rows:
+        return
+    words = rows[0][0].vocab.words
+    if out.ndim != 2 or out.shape[1] != words or out.dtype != np.int32 or not out.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"a batch mask must be (rows, {words}) contiguous int32 words")
+    started = []
+    for matcher, row in rows:
+        if not 0 <= row < out.shape[0]:
+            raise ValueError(f"row {row} is outside a batch mask of {out.shape[0]} rows")
+        if matcher.started:
+            started.append((matcher._matcher, row))
+        else:
+            out[row] = matcher.vocab.free_mask
+    if started:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        _executor.unsafe_compute_mask_ptr(started, out.ctypes.data, out.strides[0], out.shape[0])

@@ -96,3 +96,22 @@ def test_rows_of_one_batch_mask_are_independent(point, smollm2_tokenizer, smollm
     ahead.fill_mask(batch, 2)
     assert (batch[1] == -1).all()  # a row without a grammar: everything allowed
     assert not np.array_equal(batch[0], batch[2])
+
+
+def test_batch_fill_matches_one_row_at_a_time(qwen3_tokenizer, qwen3_vocab):
+    from ferrum_mac.grammar import fill_masks, full_mask
+
+    grammar = compile_grammar(json_schema_grammar(POINT), qwen3_vocab)
+    end_think = qwen3_tokenizer.encode("</think>", add_special_tokens=False)
+    matchers = [GrammarMatcher(grammar), GrammarMatcher(grammar), GrammarMatcher(grammar, start_after=end_think)]
+    feed(matchers[1], qwen3_tokenizer, '{"x": 5')
+    rows = [(matchers[0], 3), (matchers[1], 0), (matchers[2], 1)]  # row 2: no grammar
+    batch = full_mask(4, qwen3_vocab.width)
+    fill_masks(rows, batch)
+    for matcher, row in rows:
+        one = np.zeros((1, qwen3_vocab.words), dtype=np.int32)
+        matcher.fill_mask(one)
+        assert np.array_equal(batch[row], one[0]), row
+    assert (batch[2] == -1).all()
+    with pytest.raises(ValueError, match="outside"):
+        fill_masks([(matchers[0], 4)], batch)

@@ -82,15 +82,32 @@ class TorchLLM(PooledLLM):
     @torch.inference_mode()
     def prepare(self, cache_id: str, max_tokens: int) -> None:
         """Make room for `max_tokens` more of `cache_id`, then warm up on it: a short prefill and
-        one decode step past what it holds (a one-row step, captured as its CUDA graph), cut
-        off again."""
-        cache = self.kv.prepare(cache_id, min(max(1, max_tokens), self._capacity))
+        one decode step past what it holds, cut off again; on CUDA the one-row decode steps of
+        every table width up to `max_tokens` are captured too, so no decode of it pauses to
+        capture one."""
+        tokens = min(max(1, max_tokens), self._capacity)
+        cache = self.kv.prepare(cache_id, tokens)
         held = cache.length
         warm = min(WARMUP_TOKENS, self._capacity - held - 1)
         if warm >= 1:
             self._forward([(cache_id, [0] * warm, held)])
             self.decode(cache_id, 0, held + warm)
         self.kv.truncate(cache_id, held)
+        self._capture_decode_steps(held + tokens)
+
+    def _capture_decode_steps(self, tokens: int) -> None:
+        """Capture the one-row steps of widths 1, 2, 4 ... up to `tokens`' blocks; their row is
+        outside any batch, so it writes only the scratch block."""
+        widest = power_of_two_above(self.kv.blocks_for(min(tokens, self._capacity)))
+        width = 1
+        while width <= widest:
+            step = self.steps.get(1, width)
+            if not step.captured:
+                return  # eager steps (the CPU): nothing to capture
+            if step.graph is None:
+                step.load([])
+                step.run()
+            width *= 2
 
     def reset(self) -> None:
         self.kv.reset()

@@ -49,12 +49,11 @@ def test_steps_are_kept_by_rows_and_width(zoo):
     model = torch_model(zoo, "llama")
     model.reset()  # the model is shared: earlier tests left caches in its pool
     model.prepare("first", 40)  # warms up (captures, on CUDA) a one-row step
-    assert list(model.steps.steps) == [(1, 1)]
     step = model.steps.steps[(1, 1)]
     model.release("first")
     model.prefill("second", PROMPT)
     model.decode("second", 3, len(PROMPT))
-    assert list(model.steps.steps.values()) == [step]
+    assert model.steps.steps[(1, 1)] is step
     blocks = model.kv.blocks
     held = model.kv_len("second")
     longer = random_tokens(blocks * BLOCK_TOKENS - held, seed=3)  # more blocks than the pool holds
@@ -62,8 +61,34 @@ def test_steps_are_kept_by_rows_and_width(zoo):
     model.decode("second", 3, held + len(longer))
     assert model.kv.blocks > blocks
     width = 1 << (len(model.kv.get("second").blocks) - 1).bit_length()
-    assert list(model.steps.steps) == [(1, width)] and model.steps.steps[(1, width)] is not step
+    assert list(model.steps.steps) == [(1, width)]  # the others died with the old buffers
     model.release("second")
+
+
+def test_prepare_captures_the_one_row_steps_up_to_its_tokens(zoo, monkeypatch):
+    """On CUDA `prepare` captures a one-row step for each table width the sequence may reach
+    (here: capture stands in for a CUDA graph's)."""
+    from ferrum_mac.backends.torch import steps
+
+    captured = []
+    monkeypatch.setattr(steps.DecodeStep, "capture", lambda step: captured.append((step.rows, step.width)))
+    model = torch_model(zoo, "llama")
+    model.reset()
+    monkeypatch.setattr(model.steps, "get", captured_steps(model.steps.get))
+    model.prepare("a", 5 * 32)
+    assert sorted(set(captured)) == [(1, 1), (1, 2), (1, 4), (1, 8)]  # (the stand-in keeps no graph)
+    model.reset()
+
+
+def captured_steps(get):
+    """`DecodeSteps.get`, its steps marked as captured (as on CUDA)."""
+
+    def get_captured(rows: int, width: int):
+        step = get(rows, width)
+        step.captured = True
+        return step
+
+    return get_captured
 
 
 def test_decode_batch_leaves_sequences_outside_the_batch_alone(zoo):

@@ -62,7 +62,7 @@ QKV_VARIANTS: list[str] = []
 NORM_WIDTHS = (1024, 2048, 4096)  # hidden sizes: Qwen3-0.6B, Qwen3-30B-A3B, Qwen3-8B
 EPS = 1e-6
 DTYPE = torch.bfloat16
-FIRST = 1  # the batch's first pool slot: slot 0 is some other sequence's
+B = KvManager.block_tokens
 BEYOND_L2 = 128 << 20  # bytes of weight copies a timed GEMV cycles through
 
 
@@ -107,11 +107,12 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     hidden, heads, kv_heads, dim, width, qk_norm, interleaved = layout
     where = f"{name} rows={rows} ctx={context}"
     torch.manual_seed(rows * 10_000 + context)
-    tokens = -(-(context + 1) // 256) * 256  # the pool grows in steps of 256 tokens
+    width = -(-(context + 1) // B)  # each row's blocks
+    tokens = width * B
     positions = torch.randint(0, context, (rows,), device="cuda")
     positions[-1] = context - 1
-    columns = positions.clone()
-    torch_pool, triton_pool = (pool(kv_heads, dim, FIRST + rows + 1, tokens) for _ in range(2))
+    table = (torch.randperm(rows * width, device="cuda") + 1).view(rows, width)  # scattered blocks; 0 is scratch
+    torch_pool, triton_pool = (pool(kv_heads, dim, rows * width + 1) for _ in range(2))
     triton_pool.kv[0].copy_(torch_pool.kv[0])
     x = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
     norm = RmsNorm((1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE), EPS)
@@ -131,8 +132,8 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
         rope=rope,
         scale=dim**-0.5,
     )
-    torch_plan = decode_plan(torch_pool, positions, columns, fused=False)
-    triton_plan = decode_plan(triton_pool, positions, columns, fused=True)
+    torch_plan = decode_plan(torch_pool, table, positions, fused=False)
+    triton_plan = decode_plan(triton_pool, table, positions, fused=True)
 
     def torch_project(qkv=qkv):
         qk = qkv[:, : (heads + kv_heads) * dim].unflatten(-1, (heads + kv_heads, dim))
@@ -176,12 +177,12 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     compare(f"{where} pool", triton_pool.kv[0], torch_pool.kv[0])
     compare(
         f"{where} attention",
-        triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale),
+        triton_ops.decode_attention(triton_q, triton_pool.kv[0], table, positions, attn.scale, B),
         torch_out,
     )
     compare(
         f"{where} attention, one split",
-        triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale, splits=1),
+        triton_ops.decode_attention(triton_q, triton_pool.kv[0], table, positions, attn.scale, B, splits=1),
         torch_out,
     )
     compare(f"{where} attention block", triton_block(), torch_out)
@@ -197,7 +198,7 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
         return []
 
     kv, grouped_q = torch_pool.kv[0], q.reshape(rows, kv_heads, -1, dim)
-    keys, values = kv[0, FIRST : FIRST + rows, :, :tokens], kv[1, FIRST : FIRST + rows, :, :tokens]
+    keys, values = kv[:, :, torch_plan.key_rows].transpose(1, 2)  # gathered through the table, untimed
 
     def torch_norm_rope_write(qkv=qkv):
         q, k, v = torch_project(qkv)
@@ -212,7 +213,7 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
     pairs = {
         "norm+rope+write": (torch_norm_rope_write, lambda: triton_ops.norm_rope_write(
             qkv, heads, weight, cos, sin, attn.eps, interleaved, triton_pool.kv[0], triton_plan.places)),
-        "attention": (torch_attention, lambda: triton_ops.decode_attention(triton_q, triton_pool.kv[0], FIRST, positions, attn.scale)),
+        "attention": (torch_attention, lambda: triton_ops.decode_attention(triton_q, triton_pool.kv[0], table, positions, attn.scale, B)),
         "attention block": (torch_block, triton_block),
         "swiglu": (lambda: pointwise.torch_swiglu(gate_up), lambda: triton_ops.swiglu(gate_up)),
     }  # fmt: skip
@@ -333,15 +334,15 @@ def weight_copies(shape: tuple[int, int], timed: bool) -> list[torch.Tensor]:
     return [(torch.randn(shape, device="cuda") / shape[1] ** 0.5).to(DTYPE) for _ in range(copies)]
 
 
-def pool(kv_heads: int, dim: int, slots: int, tokens: int) -> KvManager:
-    kv = KvManager(1, kv_heads, dim, DTYPE, torch.device("cuda"), capacity=slots * tokens)
-    kv._grow(slots, tokens)
+def pool(kv_heads: int, dim: int, blocks: int) -> KvManager:
+    kv = KvManager(1, kv_heads, dim, DTYPE, torch.device("cuda"), capacity=blocks * B)
+    kv._grow(blocks)
     kv.kv[0].normal_()
     return kv
 
 
-def decode_plan(kv: KvManager, positions, columns, fused: bool) -> DecodePlan:
-    return DecodePlan(kv, FIRST, positions, columns, DTYPE, ops=TritonOps() if fused else TORCH_OPS)
+def decode_plan(kv: KvManager, table, positions, fused: bool) -> DecodePlan:
+    return DecodePlan(kv, table, positions, DTYPE, ops=TritonOps() if fused else TORCH_OPS)
 
 
 if __name__ == "__main__":

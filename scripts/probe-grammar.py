@@ -3,6 +3,11 @@ time per token to compute the allowed-token mask (mean and p99) while walking a 
 Compile is the median over walks (each walk compiles afresh; outlines-core's index is built once).
 
     python scripts/probe-grammar.py --tokenizer PATH [--tokenizer PATH ...] [--engines llguidance,xgrammar,outlines]
+    python scripts/probe-grammar.py --apply-mask [--vocab 151936] [--rows 1,16]
+
+--apply-mask times applying a batch bitmask to logits instead: ferrum_mac.grammar.device's
+torch function (plain, and the engine's compiled kernel) on CUDA when there is one, else the
+CPU, and its MLX function where MLX is installed.
 
 PATH is a model folder or a .gguf file (loaded with ferrum's own tokenizer loader). Engines that
 are not installed are skipped. The answer walked is fixed JSON text tokenized by the model.
@@ -138,14 +143,67 @@ def probe_outlines(tokenizer, ids, walks):
 ENGINES = {"llguidance": probe_llguidance, "xgrammar": probe_xgrammar, "outlines": probe_outlines}
 
 
+def time_call(fn, sync, calls: int = 50) -> float:
+    """Mean seconds per call after warm-up calls (which also trigger any compilation)."""
+    for _ in range(3):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls
+
+
+def probe_apply_mask(vocab: int, rows_list: list[int]) -> None:
+    from ferrum_mac.grammar.device import apply_mask_mlx, apply_mask_torch
+
+    rng = np.random.default_rng(0)
+    print(f"\napply a bitmask to logits, vocabulary {vocab}")
+    for rows in rows_list:
+        mask = rng.integers(-(2**31), 2**31, size=(rows, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+        try:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            logits = torch.randn(
+                rows, vocab, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32
+            )
+            on_device = torch.from_numpy(mask).to(device)
+            for compiled in (False, True):
+                for label, source in (("mask on device", on_device), ("mask from host", mask)):
+                    seconds = time_call(lambda: apply_mask_torch(logits, source, compiled=compiled), sync)
+                    kind = "compiled" if compiled else "plain"
+                    print(f"  torch {device:<4} {kind:<8} rows {rows:>3} {label:<15} {seconds * 1e6:>8.0f}us")
+        except ImportError:
+            print("  torch not installed")
+        try:
+            import mlx.core as mx
+
+            logits_mx, mask_mx = mx.random.normal((rows, vocab)), mx.array(mask)
+            seconds = time_call(lambda: mx.eval(apply_mask_mlx(logits_mx, mask_mx)), lambda: None)
+            print(f"  mlx  {mx.default_device()!s:<14} rows {rows:>3} {'mask on device':<15} {seconds * 1e6:>8.0f}us")
+        except ImportError:
+            print("  mlx not installed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenizer", action="append", required=True, help="a model folder or .gguf file (repeatable)")
+    parser.add_argument("--tokenizer", action="append", default=[], help="a model folder or .gguf file (repeatable)")
+    parser.add_argument("--apply-mask", action="store_true", help="time applying masks to logits instead")
+    parser.add_argument("--vocab", type=int, default=151936, help="logits width for --apply-mask")
+    parser.add_argument("--rows", default="1,16", help="comma-separated batch rows for --apply-mask")
     parser.add_argument(
         "--walks", type=int, default=20, help="walks through the answer, each with a freshly compiled grammar"
     )
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: " + ", ".join(ENGINES))
     args = parser.parse_args()
+    if args.apply_mask:
+        probe_apply_mask(args.vocab, [int(r) for r in args.rows.split(",")])
+        return
+    if not args.tokenizer:
+        parser.error("name at least one --tokenizer (or --apply-mask)")
     for path in args.tokenizer:
         tokenizer = load_tokenizer(path)
         ids = tokenizer.encode(answer_text(), add_special_tokens=False)

@@ -11,6 +11,7 @@ the engine writes them): a quarter of the work of shifting each int32 word 32 wa
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -48,13 +49,20 @@ def apply_mask_torch(logits: Any, bitmask: np.ndarray | Any, compiled: bool = Fa
     if compiled and _apply_compiled(logits, mask):
         return logits
     rows, vocab = logits.shape
-    byte_bits = torch.tensor(_BYTE_BITS, dtype=torch.uint8).to(logits.device, non_blocking=True)
-    bits = (mask.view(torch.uint8).unsqueeze(-1) & byte_bits).reshape(rows, -1)
+    bits = (mask.view(torch.uint8).unsqueeze(-1) & _torch_byte_bits(logits.device)).reshape(rows, -1)
     covered = min(bits.shape[1], vocab)
     logits[:, :covered].masked_fill_(bits[:, :covered] == 0, float("-inf"))
     if covered < vocab:
         logits[:, covered:] = float("-inf")
     return logits
+
+
+@functools.cache
+def _torch_byte_bits(device: Any) -> Any:
+    # Made once per device: a fresh host tensor each step would be a copy the step waits on.
+    import torch
+
+    return torch.tensor(_BYTE_BITS, dtype=torch.uint8, device=device)
 
 
 _compiled_failed = False

@@ -24,7 +24,7 @@ def compile_grammar(grammar: str, vocab: GrammarVocab) -> Grammar:
     """Check `grammar` (from `schema`) against `vocab`; a grammar the engine rejects is a `GrammarError`."""
     matcher = llguidance.LLMatcher(vocab.engine_tokenizer, grammar, log_level=0)
     if matcher.is_error():
-        raise GrammarError(f"the grammar cannot be compiled: {' '.join(matcher.get_error().split())[:300]}")
+        raise GrammarError(f"the grammar cannot be compiled: {_first_line(matcher.get_error())}")
     return Grammar(grammar, vocab)
 
 
@@ -40,7 +40,7 @@ class GrammarMatcher:
         self.vocab = grammar.vocab
         self._matcher = llguidance.LLMatcher(self.vocab.engine_tokenizer, grammar.text, log_level=0)
         if self._matcher.is_error():
-            raise GrammarError(f"the grammar cannot be compiled: {self._matcher.get_error()}")
+            raise GrammarError(f"the grammar cannot be compiled: {_first_line(self._matcher.get_error())}")
         self._start_after = tuple(start_after)
         self._seen: list[int] = []  # recent tokens while waiting for `start_after`
         self._started = not self._start_after
@@ -68,7 +68,7 @@ class GrammarMatcher:
             self._started = tuple(self._seen) == self._start_after
             return
         if not self._matcher.consume_token(token_id):
-            raise GrammarError(f"token {token_id} does not fit the grammar: {self._matcher.get_error()}")
+            raise GrammarError(f"token {token_id} does not fit the grammar: {_first_line(self._matcher.get_error())}")
 
     def is_finished(self) -> bool:
         """Whether the grammar is complete and EOS has been accepted (or nothing else could follow)."""
@@ -81,7 +81,13 @@ class GrammarMatcher:
     def rollback(self, count: int) -> None:
         """Take back the last `count` accepted tokens of the grammar (not of a `start_after` prefix)."""
         if count and not self._matcher.rollback(count):
-            raise GrammarError(f"cannot roll a grammar back {count} tokens: {self._matcher.get_error()}")
+            raise GrammarError(f"cannot roll a grammar back {count} tokens: {_first_line(self._matcher.get_error())}")
+
+
+def _first_line(error: str) -> str:
+    """The engine's error without the parser state it dumps after it."""
+    lines = [line for line in error.splitlines() if line.strip().startswith("Error:")]
+    return " ".join((lines[0] if lines else error).split())[:300]
 
 
 _executor: llguidance.LLExecutor | None = None

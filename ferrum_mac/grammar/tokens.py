@@ -53,7 +53,12 @@ def _special_name(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 class _TableTokenizer:
-    """The shape `llguidance.TokenizerWrapper` reads: the table, eos/bos, and an encoder of bytes."""
+    """The shape `llguidance.TokenizerWrapper` reads: the table, eos/bos, and an encoder of bytes.
+
+    The engine tokenizes text the grammar forces and needs ids that spell exactly those bytes.
+    A sentencepiece tokenizer puts a space before the first word of what it encodes; when our
+    encoding does not spell the bytes exactly, the engine's own greedy longest-match does.
+    """
 
     def __init__(self, tokenizer: Tokenizer, table: list[bytes], eos_ids: Sequence[int]):
         self.tokens = table
@@ -61,9 +66,14 @@ class _TableTokenizer:
         self.bos_token_id = tokenizer.bos_id
         self.special_token_ids = [i for i, data in enumerate(table) if data.startswith(SPECIAL_PREFIX)]
         self._tokenizer = tokenizer
+        self.greedy: llguidance.LLTokenizer | None = None  # set once the engine's tokenizer exists
 
     def __call__(self, data: bytes) -> list[int]:
-        return self._tokenizer.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False)
+        text = data.decode("utf-8", errors="replace")
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        if b"".join(self.tokens[i] for i in ids) == data or self.greedy is None:
+            return ids
+        return self.greedy.greedy_tokenize(text)
 
 
 class GrammarVocab:
@@ -79,10 +89,12 @@ class GrammarVocab:
         self.width = len(self.table)
         self.words = mask_words(self.width)
         self.eos_ids = tuple(eos)
-        wrapper = llguidance.TokenizerWrapper(_TableTokenizer(tokenizer, self.table, eos))
+        table_tokenizer = _TableTokenizer(tokenizer, self.table, eos)
+        wrapper = llguidance.TokenizerWrapper(table_tokenizer)
         self.engine_tokenizer = llguidance.LLTokenizer(
             wrapper, eos_token=list(eos), slices=llguidance.LLTokenizer.json_slices()
         )
+        table_tokenizer.greedy = self.engine_tokenizer
 
     @functools.cached_property
     def free_mask(self) -> np.ndarray:

@@ -7,6 +7,7 @@ import pytest
 import helpers
 from ferrum_mac.grammar import GrammarVocab
 from ferrum_mac.text.loader import load_tokenizer
+from ferrum_mac.text.spm_tokenizer import SentencePieceTokenizer
 
 
 def shared(*parts: str):
@@ -35,3 +36,8 @@ def smollm2_tokenizer(smollm2_gguf):
 @pytest.fixture(scope="session")
 def smollm2_vocab(smollm2_tokenizer):
     return GrammarVocab(smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def llama2_tokenizer():
+    return SentencePieceTokenizer(shared("tokenizers", "llama2-spm", "tokenizer.model"))

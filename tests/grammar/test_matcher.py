@@ -38,8 +38,9 @@ def test_only_eos_once_the_grammar_is_complete(point, smollm2_tokenizer):
 def test_eos_before_the_end_is_refused(point, smollm2_tokenizer):
     matcher = GrammarMatcher(point)
     feed(matcher, smollm2_tokenizer, '{"x": 12')
-    with pytest.raises(GrammarError, match="does not fit"):
+    with pytest.raises(GrammarError, match="does not fit") as raised:
         matcher.accept(smollm2_tokenizer.eos_id)
+    assert "\n" not in str(raised.value)
 
 
 def test_a_token_outside_the_mask_is_refused(point, smollm2_tokenizer):

@@ -10,6 +10,7 @@ import pytest
 
 from grammar_walks import random_walk
 from ferrum_mac.grammar import (
+    GrammarVocab,
     GrammarMatcher,
     compile_grammar,
     json_object_grammar,
@@ -45,6 +46,15 @@ def test_walks_validate_against_schema(name, smollm2_vocab, smollm2_tokenizer):
 def test_walks_validate_with_qwen3_vocabulary(name, qwen3_vocab, qwen3_tokenizer):
     schema = SCHEMAS[name]
     for text in walk_texts(json_schema_grammar(schema), qwen3_vocab, qwen3_tokenizer, seed=7):
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("name", ["flat_required", "all_of_merge", "string_enum", "array_of_objects"])
+def test_walks_validate_with_sentencepiece_vocabulary(name, llama2_tokenizer):
+    # Text the grammar forces is tokenized without sentencepiece's leading space.
+    vocab = GrammarVocab(llama2_tokenizer)
+    schema = SCHEMAS[name]
+    for text in walk_texts(json_schema_grammar(schema), vocab, llama2_tokenizer, seed=11):
         jsonschema.validate(json.loads(text), schema)
 
 

@@ -16,7 +16,8 @@ budget (`cache_blocks`): then the least recently used go first.
 
 `reuse(cache_id, tokens)` gives a new sequence the longest cached prefix of a prompt (the
 disk tier's blocks too, when there is one: `prefix_disk`), `remember(cache_id, tokens)`
-indexes what a sequence holds. Memory follows the blocks held: the buffers grow when a block
+indexes what a sequence holds. What the disk tier should write is handed to it when a
+sequence is released, so reading the blocks back to the host never delays a first token. Memory follows the blocks held: the buffers grow when a block
 is needed and none is free, and shrink (moving the blocks in use down, `_renumber`) when a
 release leaves more than half of them free.
 
@@ -84,6 +85,9 @@ class BlockPool:
         self.max_blocks = max_blocks
         self.cache_blocks = cache_blocks
         self.disk = disk
+        # Prefixes to offer the disk tier, when a sequence is released: its host copies are
+        # read then, off the path of a request's first token.
+        self.disk_offers: list[tuple[list, bool]] = []
         self.blocks = 0  # blocks the buffers hold, scratch included
         self.refs: list[int] = []  # references per block
         self.free: list[int] = []  # unreferenced blocks, a heap: the lowest is taken first
@@ -173,6 +177,7 @@ class BlockPool:
     def release(self, cache_id: str) -> None:
         seq = self.caches.pop(cache_id, None)
         if seq is not None:
+            self._offer_to_disk()
             for block in seq.blocks:
                 self._unref(block)
             self._trim_cache()
@@ -213,7 +218,7 @@ class BlockPool:
         self.stats.reused_tokens += found - held
         self.stats.missed_tokens += len(tokens) - found
         if self.disk is not None:
-            self.disk.offer(self, match.nodes, reused=True)
+            self.disk_offers.append((match.nodes, True))
         return PrefixReuse(found, found - held, match.miss)
 
     def remember(self, cache_id: str, tokens: Sequence[int]) -> None:
@@ -229,8 +234,21 @@ class BlockPool:
             self.cached_unused -= self.refs[block] == 1
             self._unref(block)
         if self.disk is not None:
-            self.disk.offer(self, self.index.match(tokens[:n], n).nodes, reused=False)
+            self.disk_offers.append((self.index.match(tokens[:n], n).nodes, False))
         self._trim_cache()
+
+    def _offer_to_disk(self) -> None:
+        """Hand the disk tier the prefixes kept for it (`disk_offers`), those of their nodes
+        still indexed (an evicted node's block may hold another sequence's keys by now)."""
+        offers, self.disk_offers = self.disk_offers, []
+        for nodes, reused in offers:
+            alive = []
+            for node in nodes:
+                if self.index.nodes_by_block.get(node.block) is not node:
+                    break
+                alive.append(node)
+            if alive:
+                self.disk.offer(self, alive, reused=reused)
 
     def prefix_stats(self) -> PrefixStats:
         self.stats.cached_tokens = self.cached_tokens

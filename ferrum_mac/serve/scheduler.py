@@ -295,11 +295,30 @@ class Scheduler:
         self.capacity = self.model.kv_capacity()
         self.model.prepare(WARMUP_ID, 16)  # compiles kernels and captures graphs before any request
         self.model.release(WARMUP_ID)
+        self._warm_up_batches()
         self.stats.prefix = _snapshot(self.model.kv_prefix_stats())
         self.prefix_cache = self.stats.prefix is not None
         self._prefix_read = time.monotonic()
         if self.kv_budget is None:
             self.kv_budget = self.model.kv_free_tokens()  # None: only the batch size limits admission
+
+    def _warm_up_batches(self) -> None:
+        """One batched decode step at each power-of-two batch up to `max_batch`, so a backend
+        compiles its kernels for each batch shape (and captures them, on CUDA) before a burst
+        of requests would wait for it."""
+        ids = [f"{WARMUP_ID}-{i}" for i in range(self.max_batch)]
+        try:
+            for cache_id in ids:
+                self.model.prefill(cache_id, [0])
+            rows = 2
+            while rows <= self.max_batch:
+                self.model.decode_batch([DecodeItem(c, 0, self.model.kv_len(c)) for c in ids[:rows]])
+                rows *= 2
+        except UnsupportedError:
+            pass  # no batched decode: requests decode one by one
+        finally:
+            for cache_id in ids:
+                self.model.release(cache_id)
 
     def _take_new(self, block: bool) -> None:
         try:

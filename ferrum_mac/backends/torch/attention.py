@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ferrum_mac.backends.torch.kv import KvManager, SequenceBlocks
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope, fuse, linear
@@ -126,9 +127,9 @@ class Plan:
         mask, causal = None, False
         if seg.length > 1 and seg.offset == 0:
             causal = True
-        elif seg.length > 1:  # a chunk after cached tokens: query i sees keys up to offset + i
-            rows = torch.arange(seg.offset, end, device=q.device)[:, None]
-            mask = torch.arange(end, device=q.device)[None, :] <= rows
+        elif seg.length > 1:  # a chunk after cached tokens: query i sees keys up to offset + i,
+            # which PyTorch's fused kernels take as a causal bias aligned to the last key
+            mask = causal_lower_right(seg.length, end)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], kv[0][None], kv[1][None],
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,

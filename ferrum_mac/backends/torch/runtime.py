@@ -26,6 +26,9 @@ from ferrum_mac.llm import DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
 WARMUP_TOKENS = 8
+# The narrowest decode table, in blocks: short sequences share one captured step (a CUDA
+# graph) instead of one per width they pass; attention reads only each row's own length.
+MIN_WIDTH = 8
 
 
 def compute_dtype(checkpoint: Checkpoint, override: str | None) -> torch.dtype:
@@ -96,10 +99,10 @@ class TorchLLM(PooledLLM):
         self._capture_decode_steps(held + tokens)
 
     def _capture_decode_steps(self, tokens: int) -> None:
-        """Capture the one-row steps of widths 1, 2, 4 ... up to `tokens`' blocks; their row is
+        """Capture the one-row steps of widths MIN_WIDTH, twice that ... up to `tokens`' blocks; their row is
         outside any batch, so it writes only the scratch block."""
-        widest = power_of_two_above(self.kv.blocks_for(min(tokens, self._capacity)))
-        width = 1
+        widest = max(MIN_WIDTH, power_of_two_above(self.kv.blocks_for(min(tokens, self._capacity))))
+        width = MIN_WIDTH
         while width <= widest:
             step = self.steps.get(1, width)
             if not step.captured:
@@ -138,7 +141,7 @@ class TorchLLM(PooledLLM):
         caches = [self.kv.acquire(it.cache_id) for it in items]
         for cache, it in zip(caches, items):
             self.kv.reserve(cache, it.pos, it.pos + 1)
-        width = power_of_two_above(max(len(cache.blocks) for cache in caches))
+        width = max(MIN_WIDTH, power_of_two_above(max(len(cache.blocks) for cache in caches)))
         step = self.steps.get(power_of_two_above(len(items)), width)
         step.load([(it.token, it.pos, cache.blocks) for cache, it in zip(caches, items)])
         logits = step.run()

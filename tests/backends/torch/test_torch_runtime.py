@@ -45,22 +45,23 @@ def test_steps_are_kept_by_rows_and_width(zoo):
     """A later sequence of the same shape reuses a step (on CUDA its captured graph); growing
     the pool drops every step (their graphs read the old buffers)."""
     from ferrum_mac.backends.torch.kv import BLOCK_TOKENS
+    from ferrum_mac.backends.torch.runtime import MIN_WIDTH
 
     model = torch_model(zoo, "llama")
     model.reset()  # the model is shared: earlier tests left caches in its pool
     model.prepare("first", 40)  # warms up (captures, on CUDA) a one-row step
-    step = model.steps.steps[(1, 1)]
+    step = model.steps.steps[(1, MIN_WIDTH)]
     model.release("first")
     model.prefill("second", PROMPT)
     model.decode("second", 3, len(PROMPT))
-    assert model.steps.steps[(1, 1)] is step
+    assert model.steps.steps[(1, MIN_WIDTH)] is step  # short sequences share the narrowest step
     blocks = model.kv.blocks
     held = model.kv_len("second")
     longer = random_tokens(blocks * BLOCK_TOKENS - held, seed=3)  # more blocks than the pool holds
     model.prefill("second", longer)
     model.decode("second", 3, held + len(longer))
     assert model.kv.blocks > blocks
-    width = 1 << (len(model.kv.get("second").blocks) - 1).bit_length()
+    width = max(MIN_WIDTH, 1 << (len(model.kv.get("second").blocks) - 1).bit_length())
     assert list(model.steps.steps) == [(1, width)]  # the others died with the old buffers
     model.release("second")
 
@@ -75,8 +76,8 @@ def test_prepare_captures_the_one_row_steps_up_to_its_tokens(zoo, monkeypatch):
     model = torch_model(zoo, "llama")
     model.reset()
     monkeypatch.setattr(model.steps, "get", captured_steps(model.steps.get))
-    model.prepare("a", 5 * 32)
-    assert sorted(set(captured)) == [(1, 1), (1, 2), (1, 4), (1, 8)]  # (the stand-in keeps no graph)
+    model.prepare("a", 20 * 32)  # 20 blocks: widths from the narrowest (8) to 32
+    assert sorted(set(captured)) == [(1, 8), (1, 16), (1, 32)]  # (the stand-in keeps no graph)
     model.reset()
 
 
@@ -99,7 +100,7 @@ def test_decode_batch_leaves_sequences_outside_the_batch_alone(zoo):
     for cid in ("a", "b", "c", "d"):
         model.prefill(cid, PROMPT)
     model.decode_batch([DecodeItem(cid, 5, len(PROMPT)) for cid in ("a", "c", "d")])
-    assert list(model.steps.steps) == [(4, 1)]
+    assert list(model.steps.steps) == [(4, 8)]  # rows a power of two; the narrowest width
     got = model.decode("b", 7, len(PROMPT))
     model.prefill("fresh", PROMPT)
     want = model.decode("fresh", 7, len(PROMPT))

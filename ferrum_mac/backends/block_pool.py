@@ -357,16 +357,24 @@ class BlockPool:
 
     def _evict(self, wanted: int) -> int:
         """Evict up to `wanted` least recently used blocks only the index holds; how many went."""
+
+        def unused(node) -> bool:
+            return self.refs[node.block] == 1
+
+        # Least recently used first, by a heap of the evictable leaves: a parent whose last
+        # child goes joins it (a match marks a path at once, so a parent is never older).
+        heap = [(node.used, id(node), node) for node in self.index.evictable(lambda block: self.refs[block] == 1)]
+        heapq.heapify(heap)
         gone = 0
-        while gone < wanted:
-            leaves = list(self.index.evictable(lambda block: self.refs[block] == 1))
-            if not leaves:
-                break
-            for node in leaves[: wanted - gone]:
-                self.index.remove(node)
-                self.cached_unused -= 1
-                self._unref(node.block)
-                gone += 1
+        while gone < wanted and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            self.index.remove(node)
+            self.cached_unused -= 1
+            self._unref(node.block)
+            gone += 1
+            if parent is not self.index.root and parent.is_leaf and unused(parent):
+                heapq.heappush(heap, (parent.used, id(parent), parent))
         self.stats.evicted_blocks += gone
         return gone
 

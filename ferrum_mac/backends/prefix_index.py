@@ -201,10 +201,9 @@ class PrefixIndex:
             del self.nodes_by_block[p.block]
         return [p.block for p in gone]
 
-    def evictable(self, unreferenced) -> Iterator[Node]:
-        """Leaves whose block only the index references (`unreferenced(block)`), least recently used first."""
-        leaves = [n for n in self.nodes_by_block.values() if n.is_leaf and unreferenced(n.block)]
-        return iter(sorted(leaves, key=lambda n: n.used))
+    def evictable(self, unreferenced) -> list[Node]:
+        """Leaves whose block only the index references (`unreferenced(block)`)."""
+        return [n for n in self.nodes_by_block.values() if n.is_leaf and unreferenced(n.block)]
 
     def remove(self, node: Node) -> None:
         """Drop a leaf (its block is the caller's to free)."""

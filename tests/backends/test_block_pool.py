@@ -187,3 +187,23 @@ def test_random_workload_keeps_every_sequence_and_count_exact(seed):
         for cid, tokens in live.items():
             assert pool.read(cid) == tokens
     assert pool.prefix_stats().hits > 0
+
+
+def test_eviction_takes_the_oldest_blocks_not_a_conversation_just_remembered():
+    """An agent's next step finds its whole previous turn, even when older prompts must be
+    evicted to stay within the budget (evicting a few leaves must not take recent ones)."""
+    pool = RowPool(1 << 16, cache_blocks=30)
+    for i in range(2):
+        pool.start(f"old{i}", ids(40 * B, 100 + i))
+        pool.release(f"old{i}")
+    prompt = ids(300, 1)
+    for step in range(3):
+        found = pool.start(f"s{step}", prompt)
+        if step:
+            assert found.tokens == len(prompt) - 300 - 1  # all the previous turn held (its last token never fed)
+        answer = ids(16, 50 + step)
+        pool.write(f"s{step}", answer[:15])
+        pool.remember(f"s{step}", prompt + answer[:15])
+        pool.release(f"s{step}")
+        check_counts(pool)
+        prompt = prompt + answer + ids(300, 200 + step)

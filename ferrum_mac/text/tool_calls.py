@@ -1,0 +1,348 @@
+"""Tool calls in a model's own words: which call format a chat template speaks, and the calls
+parsed out of generated text, whole or as it streams.
+
+Families (picked from the template's source by `tool_format`):
+
+    hermes   Qwen3, Hermes, SmolLM and templates without tools:  <tool_call>{"name": .., "arguments": {..}}</tool_call>
+    llama3   Llama 3.x: the whole answer is `{"name": .., "parameters": {..}}` (after an optional <|python_tag|>),
+             several calls separated by ';'
+    mistral  [TOOL_CALLS] then `[{"name": .., "arguments": {..}}, ..]` (or v11's `name[ARGS]{..}`) to the end
+
+    parser = StreamingToolParser(tool_format(template.source))
+    for piece in generated_text: for event in parser.feed(piece): ...   # then parser.finish()
+
+Events are `str` (answer text, never holding call markup) or `ToolCall`s, each whole: a call is only
+known to be one once it has been closed and parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: `arguments` is JSON text of an object (as OpenAI's API carries it)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: new_call_id())
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one family opens and closes its calls. `closer` None: the calls run to the end of the
+    answer. `at_start_only`: the opener counts only at the start of the answer (Llama's bare JSON)."""
+
+    family: str
+    openers: tuple[str, ...]
+    closer: str | None = None
+    at_start_only: bool = False
+
+    @property
+    def opener(self) -> str:
+        """The marker a call is forced to start with."""
+        return self.openers[0]
+
+    def parse_calls(self, body: str) -> list[ToolCall] | None:
+        """The calls in the text between an opener and its closer (or the end); None when it is no call."""
+        if self.family == MISTRAL:
+            return _mistral_calls(body)
+        if self.family == LLAMA3:
+            return _llama_calls(body)
+        call = _json_call(body)
+        return None if call is None else [call]
+
+
+FORMATS = {
+    HERMES: ToolFormat(HERMES, ("<tool_call>",), "</tool_call>"),
+    LLAMA3: ToolFormat(LLAMA3, ("<|python_tag|>", "{"), None, at_start_only=True),
+    MISTRAL: ToolFormat(MISTRAL, ("[TOOL_CALLS]",), None),
+}
+
+
+def tool_format(template_source: str) -> ToolFormat:
+    """The call format the template's own tool section teaches; Hermes where it has none
+    (`tools_system_message` then teaches it)."""
+    if "[TOOL_CALLS]" in template_source:
+        return FORMATS[MISTRAL]
+    if "<tool_call>" in template_source:
+        return FORMATS[HERMES]
+    if "<|python_tag|>" in template_source or "ipython" in template_source:
+        return FORMATS[LLAMA3]
+    return FORMATS[HERMES]
+
+
+def template_renders_tools(template_source: str) -> bool:
+    """Whether a template reads its `tools` variable (else the tools go into a system message)."""
+    return re.search(r"\btools\b", template_source) is not None
+
+
+def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
+    """The answer's text without its calls, and the calls."""
+    parser = StreamingToolParser(fmt)
+    events = parser.feed(text) + parser.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    return content, [e for e in events if isinstance(e, ToolCall)]
+
+
+class StreamingToolParser:
+    """Splits streamed answer text into text and calls. Text that may be the start of an opener
+    is held back until it is clearly not, so markup never reaches the text; a call that does not
+    parse comes out as text at its end (the model wrote something else)."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self._pending = ""  # text held back: a possible opener, or a call's body
+        self._opener: str | None = None  # the opener of the call being read
+        self._started = False  # whether answer text (not whitespace) has come out yet
+        self._after_call = False  # a call just closed: the whitespace separating calls is no text
+
+    @property
+    def in_call(self) -> bool:
+        """Whether the text so far has opened a call that is not closed yet."""
+        return self._opener is not None
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self._pending += text
+        events: list[str | ToolCall] = []
+        while self._pending:
+            if self._opener is None:
+                if not self._scan_text(events):
+                    break
+            elif not self._scan_call(events):
+                break
+        return events
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left once generation ended: an unclosed call parsed as it is, held text released."""
+        events: list[str | ToolCall] = []
+        if self._opener is not None:
+            self._end_call(self._pending, events)
+        elif self._pending:
+            events.append(self._pending)
+        self._pending, self._opener = "", None
+        return events
+
+    # -- states ----------------------------------------------------------------------------
+
+    def _scan_text(self, events: list) -> bool:
+        """Emit text up to an opener (then enter the call); False when waiting for more text."""
+        if self._after_call:
+            self._pending = self._pending.lstrip()
+            if not self._pending:
+                return False
+            self._after_call = False
+        text = self._pending
+        if self.fmt.at_start_only:
+            if self._started:
+                events.append(text)
+                self._pending = ""
+                return False
+            stripped = text.lstrip()
+            for opener in self.fmt.openers:
+                if stripped.startswith(opener):
+                    self._enter(opener, stripped[len(opener) :] if opener != "{" else stripped)
+                    return True
+            if not stripped or any(o.startswith(stripped) for o in self.fmt.openers):
+                return False
+            self._started = True
+            events.append(text)
+            self._pending = ""
+            return False
+        found = _first_opener(text, self.fmt.openers)
+        if found is not None:
+            at, opener = found
+            if at:
+                events.append(text[:at])
+            self._enter(opener, text[at + len(opener) :])
+            return True
+        keep = _held_prefix_length(text, self.fmt.openers)
+        if len(text) > keep:
+            events.append(text[: len(text) - keep])
+        self._pending = text[len(text) - keep :]
+        return False
+
+    def _scan_call(self, events: list) -> bool:
+        closer = self.fmt.closer
+        if closer is None or closer not in self._pending:
+            return False
+        body, _, rest = self._pending.partition(closer)
+        self._end_call(body, events)
+        self._pending = rest
+        return True
+
+    def _enter(self, opener: str, rest: str) -> None:
+        self._opener, self._pending, self._started = opener, rest, True
+
+    def _end_call(self, body: str, events: list) -> None:
+        calls = self.fmt.parse_calls(body)
+        if calls is None:
+            events.append(body)  # without its opener: markup never reaches the text
+        else:
+            events.extend(calls)
+            self._after_call = True
+        self._opener = None
+
+
+def _first_opener(text: str, openers: Sequence[str]) -> tuple[int, str] | None:
+    hits = [(text.find(o), o) for o in openers if o in text]
+    return min(hits) if hits else None
+
+
+def _held_prefix_length(text: str, openers: Sequence[str]) -> int:
+    """The length of the longest tail of `text` that an opener starts with."""
+    best = 0
+    for opener in openers:
+        for n in range(min(len(opener) - 1, len(text)), best, -1):
+            if opener.startswith(text[-n:]):
+                best = n
+                break
+    return best
+
+
+# -- call bodies -------------------------------------------------------------------------------
+
+
+def _json_call(text: str, arguments_key: str = "arguments") -> ToolCall | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return _call_of(value, arguments_key)
+
+
+def _call_of(value: Any, *arguments_keys: str) -> ToolCall | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    for key in arguments_keys or ("arguments",):
+        if key in value:
+            arguments = value[key]
+            break
+    else:
+        arguments = {}
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _llama_calls(text: str) -> list[ToolCall] | None:
+    calls = []
+    for part in _split_top_level(text.strip(), ";"):
+        try:
+            value = json.loads(part)
+        except ValueError:
+            return None
+        call = _call_of(value, "parameters", "arguments")
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+_MISTRAL_V11 = re.compile(r"\s*([a-zA-Z0-9_-]{1,64})\[ARGS\]")
+
+
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        items = value if isinstance(value, list) else [value]
+        calls = [_call_of(item, "arguments") for item in items]
+        return None if not calls or None in calls else calls  # type: ignore[return-value]
+    calls = []
+    for part in filter(None, (p.strip() for p in text.split("[TOOL_CALLS]"))):
+        head = _MISTRAL_V11.match(part)
+        if head is None:
+            return None
+        call = _call_of({"name": head.group(1), "arguments": part[head.end() :].strip()})
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+def _split_top_level(text: str, separator: str) -> list[str]:
+    """`text` split at `separator`s outside JSON strings and brackets."""
+    parts, depth, start, in_string, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped = ch == "\\" and not escaped
+            if ch == '"' and not escaped:
+                in_string = False
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == separator and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+# -- prompts -----------------------------------------------------------------------------------
+
+
+def tools_system_message(tools: Sequence[Mapping[str, Any]]) -> str:
+    """How a model whose template has no tool section learns the tools: Hermes' wording."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def messages_without_tool_fields(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Messages for a template that knows nothing of tools: assistant calls written out in
+    Hermes markup, tool results as user turns in <tool_response> tags (as Qwen3 renders them)."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = [_hermes_markup(c) for c in message.pop("tool_calls")]
+            message["content"] = "\n".join(filter(None, [message.get("content") or "", *calls]))
+        elif message.get("role") == "tool":
+            message = {"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+        out.append(message)
+    return out
+
+
+def _hermes_markup(call: Mapping[str, Any]) -> str:
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"

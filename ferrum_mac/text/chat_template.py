@@ -18,6 +18,13 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ferrum_mac.errors import FerrumError
+from ferrum_mac.text.tool_calls import (
+    ToolFormat,
+    messages_without_tool_fields,
+    template_renders_tools,
+    tool_format,
+    tools_system_message,
+)
 
 # Used when a model ships no template; ChatML is what most small chat models speak.
 CHATML = (
@@ -58,6 +65,16 @@ class ChatTemplate:
                 f"the model's chat template does not compile ({_one_line(e)}); fix or replace it"
             ) from None
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template has its own tool section (else `render` writes the tools into a system message)."""
+        return template_renders_tools(self.source)
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The call format the model was taught, to parse its calls with."""
+        return tool_format(self.source)
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -68,7 +85,10 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> str:
         """The prompt text for `messages`; keyword arguments (e.g. `enable_thinking=False`)
-        reach the template as variables."""
+        reach the template as variables. `tools`: OpenAI tool objects; a template without a tool
+        section gets them (and the calls and results in `messages`) as Hermes-style text."""
+        if not self.renders_tools and (tools or _mentions_tools(messages)):
+            messages, tools = _tools_as_text(messages, tools or ()), None
         variables = {**self.special_tokens, **kwargs}
         try:
             return self._template.render(
@@ -84,6 +104,20 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the chat template failed on this conversation ({type(e).__name__}: {_one_line(e)})"
             ) from None
+
+
+def _mentions_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
+    return any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+def _tools_as_text(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict]:
+    out = messages_without_tool_fields(messages)
+    if not tools:
+        return out
+    described = tools_system_message(tools)
+    if out and out[0].get("role") == "system":
+        return [{**out[0], "content": f"{out[0].get('content') or ''}\n\n{described}".lstrip()}, *out[1:]]
+    return [{"role": "system", "content": described}, *out]
 
 
 def _one_line(error: BaseException) -> str:

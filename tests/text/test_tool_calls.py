@@ -162,3 +162,33 @@ def test_messages_for_a_template_without_tools():
         {"role": "assistant", "content": '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'},
         {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"},
     ]
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_time", "description": "The time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+    }
+]
+HISTORY = [
+    {"role": "user", "content": "time?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+]
+
+
+@pytest.mark.parametrize("folder", ["tokenizers/qwen3", "stories260K"])
+def test_tools_and_calls_render_through_the_template(folder):
+    from conftest import asset
+
+    path = asset(*folder.split("/"))
+    template = load_chat_template(path, load_tokenizer(path))
+    prompt = template.render(HISTORY, tools=TOOLS)
+    assert json.dumps(TOOLS[0], ensure_ascii=False) in prompt  # the tool, as the template's tojson writes it
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n12:00\n</tool_response>" in prompt
+    assert template.renders_tools == (folder != "stories260K") and template.tool_format.family == HERMES

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 from ferrum_mac.engine.sampling import SamplingParams
+from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.errors import FerrumError
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ class ChatSettings:
     think: bool | None = None  # enable_thinking for templates that read it; None: the template's default
     context_policy: str = ERROR
     stop: tuple[str, ...] = ()
+    # what every answer must be: None (free text) or `ResponseFormat` (JSON, maybe a schema)
+    response_format: ResponseFormat | None = None
 
     def checked(self) -> "ChatSettings":
         if self.context_policy not in CONTEXT_POLICIES:
@@ -58,9 +61,13 @@ class Conversation:
         self.ledger: list[int] = []
         self.closed = False
 
-    def send(self, text: str, cancel: "threading.Event | None" = None) -> Iterator["Event"]:
-        """Add a user message and stream the answer (see `Engine.send`)."""
-        return self.engine.send(self, text, cancel)
+    def send(self, text: str, cancel: "threading.Event | None" = None, response_format=None) -> Iterator["Event"]:
+        """Add a user message and stream the answer (see `Engine.send`). `response_format`:
+        this answer only, "json", a JSON schema (a dict) or a `ResponseFormat`; None: the
+        settings' `response_format`."""
+        if response_format is None:
+            return self.engine.send(self, text, cancel)
+        return self.engine.send(self, text, cancel, response_format=ResponseFormat.parse(response_format))
 
     def chat_messages(self) -> list[dict]:
         """What the chat template renders: the system prompt (if any), then the turns."""

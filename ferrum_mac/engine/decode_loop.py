@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Generator
 
+import numpy as np
+
 from ferrum_mac.engine.sampling import Sampler
+from ferrum_mac.grammar import GrammarMatcher
 from ferrum_mac.llm import DecoderOnlyLLM
 
 
@@ -55,3 +58,29 @@ def sampled_tokens(
         if not more:
             return
         token = following
+
+
+def constrained_tokens(
+    model: DecoderOnlyLLM, sampler: Sampler, cache_id: str, logits: Any, limit: int | None, matcher: GrammarMatcher
+) -> Generator[int, None, None]:
+    """`sampled_tokens` under a grammar: each step's logits masked to what `matcher` allows.
+
+    No step is queued ahead: the next mask depends on the token just sampled, so each token is
+    read (and accepted by the matcher) before the step that feeds it is built. The answer ends
+    once the grammar is finished (its EOS accepted). Every id yielded but the last is in the cache.
+    """
+    capacity = model.kv_capacity()
+    pos = model.kv_len(cache_id)
+    mask = np.empty((1, matcher.vocab.words), dtype=np.int32)
+    count = 0
+    while True:
+        matcher.fill_mask(mask)
+        token = sampler.sample(logits, mask[0])
+        token_id = sampler.read(token)
+        matcher.accept(token_id)
+        count += 1
+        yield token_id
+        if matcher.is_finished() or (limit is not None and count >= limit) or pos + 1 > capacity:
+            return
+        logits = model.decode(cache_id, token, pos)
+        pos += 1

@@ -16,6 +16,7 @@ from ferrum_mac.engine.conversation import ChatSettings, Conversation
 from ferrum_mac.engine.defaults import DEFAULT_MAX_TOKENS
 from ferrum_mac.engine.events import Event
 from ferrum_mac.engine.sampling import SamplingParams
+from ferrum_mac.engine.structured import Constraints, ResponseFormat
 from ferrum_mac.engine.turn import run_turn
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import DecoderOnlyLLM
@@ -51,6 +52,8 @@ class Engine:
         self._cancel: threading.Event | None = None
         self._ids = itertools.count(1)
         self._open: dict[str, Conversation] = {}
+        # structured output: the grammar vocabulary is built on the first constrained answer
+        self.constraints = Constraints(tokenizer, model.config.vocab_size, self.eos_ids)
 
     @classmethod
     def open(
@@ -106,17 +109,24 @@ class Engine:
 
     # -- turns ----------------------------------------------------------------------------
 
-    def send(self, conv: Conversation, text: str, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def send(
+        self,
+        conv: Conversation,
+        text: str,
+        cancel: threading.Event | None = None,
+        response_format: ResponseFormat | None = None,
+    ) -> Iterator[Event]:
         """Add the user message `text` to `conv` and stream the answer: TextDelta,
         ReasoningDelta and Notice events, then one Done. Setting `cancel` (or `Engine.cancel()`)
-        ends the answer after the current token; the answer so far is kept."""
+        ends the answer after the current token; the answer so far is kept. `response_format`
+        (this answer only; None: the conversation's setting) constrains the answer to JSON."""
         if conv.closed:
             raise FerrumError(f"conversation {conv.cache_id} is closed; open a new one")
         cancel = cancel or threading.Event()
         with self._lock:
             self._cancel = cancel
             try:
-                yield from run_turn(self, conv, text, cancel)
+                yield from run_turn(self, conv, text, cancel, response_format)
             finally:
                 self._cancel = None
 

@@ -6,7 +6,8 @@ The engine never touches logits. For each answer it asks the model for a sampler
     token = sampler.sample(logits)   # picks the next token on the device; does not wait for it
     token_id = sampler.read(token)   # waits for it and brings its id to the host
 
-Only token ids cross to the host. Because `sample` does not wait, the engine can queue the
+A constrained answer passes `sampler.sample(logits, mask)` with its grammar's bitmask for the
+step (see `engine.structured`). Only token ids cross to the host. Because `sample` does not wait, the engine can queue the
 next decode step with the lazy token before it reads the current one.
 
 Order of work in a sampler (as transformers applies its processors and warpers): logit bias,
@@ -122,8 +123,10 @@ def _check_logit_bias(bias: Mapping[int, float]) -> None:
 class Sampler(Protocol):
     """One answer's sampler, made by the backend (`DecoderOnlyLLM.sampler`)."""
 
-    def sample(self, logits: Any) -> Token:
-        """The next token as a device scalar, computing in the background (not waited for)."""
+    def sample(self, logits: Any, mask: Any = None) -> Token:
+        """The next token as a device scalar, computing in the background (not waited for).
+        `mask`: the ids a grammar allows this step, one int32 bitmask row (`ferrum_mac.grammar`),
+        applied to the logits before anything else; None: every id."""
         ...
 
     def read(self, token: Token) -> int:

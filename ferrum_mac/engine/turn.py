@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Iterator
 from ferrum_mac.engine.answer_text import AnswerText
 from ferrum_mac.engine.context import common_prefix, fit
 from ferrum_mac.engine.conversation import Conversation
-from ferrum_mac.engine.decode_loop import sampled_tokens
+from ferrum_mac.engine.decode_loop import constrained_tokens, sampled_tokens
+from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.engine.events import CANCELLED, CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, Event, Notice
 from ferrum_mac.text import prompt_opens_reasoning
 
@@ -40,11 +41,21 @@ class Timing:
             self.first = self.last
 
 
-def run_turn(engine: "Engine", conv: Conversation, text: str, cancel: threading.Event) -> Iterator[Event]:
+def run_turn(
+    engine: "Engine",
+    conv: Conversation,
+    text: str,
+    cancel: threading.Event,
+    response_format: ResponseFormat | None = None,
+) -> Iterator[Event]:
+    """`response_format`: what this answer must be (None: the conversation's setting)."""
     timing = Timing()
     model, settings = engine.model, conv.settings
+    fmt = response_format or settings.response_format
+    grammar = engine.constraints.compile(fmt) if fmt is not None else None
     ids, prompt_text, messages = _fit_new_message(engine, conv, text)
     sampler = model.sampler(settings.sampling, ids)
+    matcher = engine.constraints.matcher(grammar, prompt_text) if grammar is not None else None
     dropped = _user_turns(conv.messages) + 1 - _user_turns(messages)
     conv.messages = messages  # nothing changed before this line: errors above leave the conversation as it was
     _trim_cache(engine, conv, ids)
@@ -62,7 +73,10 @@ def run_turn(engine: "Engine", conv: Conversation, text: str, cancel: threading.
         reused = model.kv_reuse(conv.cache_id, ids).tokens
         logits = model.prefill(conv.cache_id, ids[reused:])
         model.kv_remember(conv.cache_id, ids)  # a conversation started alike shares it from now on
-        tokens = sampled_tokens(model, sampler, conv.cache_id, logits, settings.max_tokens)
+        if matcher is None:
+            tokens = sampled_tokens(model, sampler, conv.cache_id, logits, settings.max_tokens)
+        else:
+            tokens = constrained_tokens(model, sampler, conv.cache_id, logits, settings.max_tokens, matcher)
         for token in tokens:
             timing.token()
             known.append(token)
@@ -77,7 +91,10 @@ def run_turn(engine: "Engine", conv: Conversation, text: str, cancel: threading.
             if cancel.is_set():
                 break
         else:
-            reason = MAX_TOKENS if generated == settings.max_tokens else CONTEXT
+            if matcher is not None and matcher.is_finished():  # the grammar allows nothing more
+                reason = EOS
+            else:
+                reason = MAX_TOKENS if generated == settings.max_tokens else CONTEXT
         tokens.close()
         yield from answer.finish()
     finally:

@@ -14,6 +14,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ferrum_mac.errors import FerrumError
+from ferrum_mac.grammar.device import apply_mask_mlx
 
 NEG_INF = -math.inf
 
@@ -29,9 +30,12 @@ class MlxSampler:
         window = list(context)[-params.penalty_window :] if params.penalised else []
         self.window = mx.array(window, dtype=mx.uint32) if params.penalised else None
 
-    def sample(self, logits: mx.array) -> mx.array:
+    def sample(self, logits: mx.array, mask=None) -> mx.array:
+        """`mask`: a grammar's allowed ids for this step (one bitmask row), or None: all."""
         p = self.params
         x = logits.reshape(-1).astype(mx.float32)
+        if mask is not None:  # first, so no later step can bring back an id the grammar forbids
+            x = apply_mask_mlx(x.reshape(1, -1), mask.reshape(1, -1)).reshape(-1)
         if p.logit_bias:
             if self.bias is None:
                 self.bias = _bias_vector(p.logit_bias, x.size)

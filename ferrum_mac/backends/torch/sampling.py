@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from ferrum_mac.errors import FerrumError
+from ferrum_mac.grammar.device import apply_mask_torch
 
 NEG_INF = -math.inf
 MAX_PENDING_READS = 4  # queued host copies kept for tokens not read yet (a decode loop has two)
@@ -36,9 +37,12 @@ class TorchSampler:
         self.window = torch.tensor(window, dtype=torch.int64, device=device) if params.penalised else None
         self.reads: dict[int, Callable[[], int]] = {}  # by id(token): its queued copy to the host
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, mask=None) -> torch.Tensor:
+        """`mask`: a grammar's allowed ids for this step (one bitmask row), or None: all."""
         p = self.params
         x = logits.reshape(-1).float()
+        if mask is not None:  # first, so no later step can bring back an id the grammar forbids
+            x = apply_mask_torch(x.reshape(1, -1).clone(), mask.reshape(1, -1)).reshape(-1)
         if p.logit_bias:
             if self.bias is None:
                 self.bias = bias_vector(p.logit_bias, x.numel(), x.device)

@@ -1,0 +1,96 @@
+"""Structured output: an answer that must be a JSON object, or JSON valid against a schema.
+
+A `ResponseFormat` names what the answer must be; `Constraints` turns it into a
+`GrammarMatcher` per answer for one model (its vocabulary built once, on first use). The
+matcher is applied by the decode loop (`decode_loop.constrained_tokens`) and by the server's
+scheduler: each step the matcher fills the row's allowed-token bitmask, the sampler masks the
+logits with it on the device, and the sampled id is `accept`ed before the next mask is asked for.
+
+Thinking models: when the prompt leaves room for a `<think>` section (the vocabulary has a
+`</think>` token and the prompt does not already close one), the grammar starts after the
+model's `</think>`, so the reasoning is free and only the answer is constrained.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ferrum_mac.grammar import (
+    Grammar,
+    GrammarError,
+    GrammarMatcher,
+    GrammarVocab,
+    compile_grammar,
+    json_object_grammar,
+    json_schema_grammar,
+)
+from ferrum_mac.text import Tokenizer
+
+THINK_CLOSE = "</think>"
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """The answer must be JSON: any object when `schema` is None, else valid against `schema`."""
+
+    schema: Any = None  # a JSON schema (a dict, or its JSON text)
+
+    @classmethod
+    def parse(cls, value: "ResponseFormat | str | dict | None") -> "ResponseFormat | None":
+        """None or "text": free text; "json": any JSON object; a dict: that JSON schema."""
+        if value is None or isinstance(value, ResponseFormat):
+            return value
+        if value == "text":
+            return None
+        if value in ("json", "json_object"):
+            return cls()
+        if isinstance(value, dict):
+            return cls(value)
+        raise GrammarError(f"unknown response format {str(value)[:80]!r}; use 'text', 'json' or a JSON schema")
+
+    def grammar_text(self) -> str:
+        """The grammar; a schema the engine cannot compile raises `GrammarError` naming why."""
+        return json_object_grammar() if self.schema is None else json_schema_grammar(self.schema)
+
+    def describe(self) -> str:
+        """One line for people (`/show`): "json" or "json schema {...}"."""
+        if self.schema is None:
+            return "json"
+        text = self.schema if isinstance(self.schema, str) else json.dumps(self.schema)
+        return f"json schema {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+class Constraints:
+    """One model's grammar vocabulary and the matchers made from it."""
+
+    def __init__(self, tokenizer: Tokenizer, width: int, eos_ids: Iterable[int]):
+        self.tokenizer, self.width, self.eos_ids = tokenizer, width, sorted(eos_ids)
+        self._vocab: GrammarVocab | None = None
+        self._lock = threading.Lock()  # the server compiles on worker threads
+
+    @property
+    def vocab(self) -> GrammarVocab:
+        with self._lock:
+            if self._vocab is None:
+                self._vocab = GrammarVocab(self.tokenizer, self.width, self.eos_ids)
+            return self._vocab
+
+    def compile(self, fmt: ResponseFormat) -> Grammar:
+        """`fmt` checked against this model's vocabulary (`GrammarError` when it cannot be)."""
+        return compile_grammar(fmt.grammar_text(), self.vocab)
+
+    def matcher(self, grammar: Grammar, prompt_text: str | None) -> GrammarMatcher:
+        """A matcher for one answer to the prompt `prompt_text` (None: the grammar starts at once)."""
+        return GrammarMatcher(grammar, self.start_after(prompt_text))
+
+    def start_after(self, prompt_text: str | None) -> tuple[int, ...]:
+        """The ids of `</think>` when the answer may reason first, else none."""
+        if prompt_text is None:
+            return ()
+        think_id = self.tokenizer.piece_to_id(THINK_CLOSE)
+        if think_id is None or think_id < 0 or prompt_text.rstrip().endswith(THINK_CLOSE):
+            return ()
+        return (think_id,)

@@ -22,8 +22,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ferrum_mac.engine import Done, ReasoningDelta, TextDelta
+from ferrum_mac.engine import Done, ReasoningDelta, ResponseFormat, TextDelta
 from ferrum_mac.errors import FerrumError, KvCapacityError
+from ferrum_mac.grammar import GrammarError, GrammarMatcher, UnsupportedSchemaError
 from ferrum_mac.serve import openai_schema as api
 from ferrum_mac.serve.guards import ApiKeyCheck, HostCheck, OriginCheck, loopback_host_names
 from ferrum_mac.serve.metrics import prometheus_text
@@ -84,15 +85,20 @@ class Server:
         body = await self._json_body(request)
         messages = api.chat_messages(body)
         opts = self._options(body)
-        text, ids = await run_in_threadpool(self._chat_prompt, messages, opts.template_kwargs)
-        return await self._answer(request, ids, opts, prompt_opens_reasoning(text), chat=True)
+        tools = await run_in_threadpool(api.tool_request, body)  # compiles each parameters schema
+        text, ids = await run_in_threadpool(self._chat_prompt, messages, opts.template_kwargs, tools)
+        matcher = await run_in_threadpool(self._matcher, opts.response_format, text)
+        return await self._answer(
+            request, ids, opts, prompt_opens_reasoning(text), chat=True, tools=tools, matcher=matcher
+        )
 
     async def completions(self, request: Request) -> Response:
         body = await self._json_body(request)
         prompt = api.completion_prompt(body)
         opts = self._options(body)
         ids = prompt if isinstance(prompt, list) else await run_in_threadpool(self._encode, prompt, True, "prompt")
-        return await self._answer(request, ids, opts, False, chat=False)
+        matcher = await run_in_threadpool(self._matcher, opts.response_format, None)
+        return await self._answer(request, ids, opts, False, chat=False, matcher=matcher)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_entry()]})
@@ -142,10 +148,21 @@ class Server:
     def _options(self, body: dict) -> api.Options:
         return api.options(body, self.engine.default_sampling, self.engine.model.config.vocab_size, self.template_names)
 
-    def _chat_prompt(self, messages: list[dict], template_kwargs: dict) -> tuple[str, list[int]]:
-        """The rendered prompt and its ids (on a worker thread: both take long on long prompts)."""
+    def _chat_prompt(
+        self, messages: list[dict], template_kwargs: dict, tools: api.ToolRequest | None = None
+    ) -> tuple[str, list[int]]:
+        """The rendered prompt and its ids (on a worker thread: both take long on long prompts);
+        an answer that must call a tool starts with its family's call opener."""
+        template = self.engine.template
         try:
-            text = self.engine.template.render(messages, add_generation_prompt=True, **template_kwargs)
+            text = template.render(
+                messages,
+                add_generation_prompt=True,
+                tools=tools.template_tools() if tools else None,
+                **template_kwargs,
+            )
+            if tools is not None and tools.forced:
+                text += template.tool_format.forced_prefix
         except FerrumError as e:
             raise api.ApiError(400, str(e), param="messages") from None
         except Exception as e:  # templates index and compare what clients send: a dict where a string goes...
@@ -155,6 +172,20 @@ class Server:
                 param="messages",
             ) from None
         return text, self._encode(text, False, "messages")
+
+    def _matcher(self, fmt: ResponseFormat | None, prompt_text: str | None) -> GrammarMatcher | None:
+        """The answer's grammar state for `fmt` (on a worker thread: compiling a schema, and the
+        first time the model's grammar vocabulary, take a while); a schema it cannot compile is a 400.
+        `prompt_text`: the chat prompt, so a thinking model's grammar starts after its reasoning."""
+        if fmt is None:
+            return None
+        constraints = self.engine.constraints
+        try:
+            return constraints.matcher(constraints.compile(fmt), prompt_text)
+        except UnsupportedSchemaError as e:
+            raise api.ApiError(400, str(e), param="response_format", code="unsupported_schema") from None
+        except GrammarError as e:
+            raise api.ApiError(400, str(e), param="response_format", code="invalid_schema") from None
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of `text`, or a 400 as soon as it is clear they cannot fit the context."""
@@ -172,7 +203,14 @@ class Server:
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def _answer(
-        self, http: Request, ids: list[int], opts: api.Options, opens_reasoning: bool, chat: bool
+        self,
+        http: Request,
+        ids: list[int],
+        opts: api.Options,
+        opens_reasoning: bool,
+        chat: bool,
+        tools: api.ToolRequest | None = None,
+        matcher: GrammarMatcher | None = None,
     ) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -184,6 +222,7 @@ class Server:
             opens_reasoning=opens_reasoning,
             raw=not chat,
             ignore_eos=opts.ignore_eos,
+            matcher=matcher,
             emit=lambda event: _put_threadsafe(loop, events, event),
         )
         try:
@@ -198,11 +237,13 @@ class Server:
             raise api.ApiError(400, str(e)) from None
         kind = "chat.completion" if chat else "text_completion"
         envelope = api.envelope(kind, api.new_id("chatcmpl" if chat else "cmpl"), self.model_name)
+        fmt = self.engine.template.tool_format
+        calls = api.ToolAnswer(tools, fmt, fmt.forced_prefix if tools is not None and tools.forced else "")
         if opts.stream:
-            chunks = stream_chunks(handle, events, envelope, chat, opts.include_usage)
+            chunks = stream_chunks(handle, events, envelope, chat, opts.include_usage, calls)
             return StreamingResponse(chunks, media_type="text/event-stream")
         try:
-            answer = await unless_disconnected(http, whole_answer(events, envelope, chat))
+            answer = await unless_disconnected(http, whole_answer(events, envelope, chat, calls))
             return JSONResponse(answer) if answer is not None else Response(status_code=499)
         finally:
             handle.cancel()  # no-op once done; frees the sequence when the client went away
@@ -232,7 +273,10 @@ async def unless_disconnected(http: Request, work):
         task.cancel()
 
 
-async def whole_answer(events: asyncio.Queue, envelope: dict, chat: bool) -> dict:
+async def whole_answer(
+    events: asyncio.Queue, envelope: dict, chat: bool, calls: api.ToolAnswer | None = None
+) -> dict:
+    calls = calls or api.ToolAnswer(None, None)
     text, reasoning = [], []
     while True:
         event = await events.get()
@@ -245,20 +289,26 @@ async def whole_answer(events: asyncio.Queue, envelope: dict, chat: bool) -> dic
         elif isinstance(event, Done):
             break
     if chat:
-        message = {"role": "assistant", "content": "".join(text)}
+        message = {"role": "assistant", **calls.message("".join(text))}
         if reasoning:
             message["reasoning_content"] = "".join(reasoning)
-        choice = {"index": 0, "message": message, "finish_reason": api.finish_reason(event)}
+        choice = {"index": 0, "message": message, "finish_reason": calls.finish_reason(event)}
     else:
         choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": api.finish_reason(event)}
     return {**envelope, "choices": [choice], "usage": api.usage(event), "stats": api.stats(event)}
 
 
 async def stream_chunks(
-    handle: RequestHandle, events: asyncio.Queue, envelope: dict, chat: bool, include_usage: bool
+    handle: RequestHandle,
+    events: asyncio.Queue,
+    envelope: dict,
+    chat: bool,
+    include_usage: bool,
+    calls: api.ToolAnswer | None = None,
 ) -> AsyncIterator[str]:
     """Server-sent events; when the client goes away starlette cancels this generator, and the
     `finally` cancels the request, so its KV is released at the next step."""
+    calls = calls or api.ToolAnswer(None, None)
     kind = envelope["object"] + (".chunk" if chat else "")
     envelope = {**envelope, "object": kind}
 
@@ -275,14 +325,17 @@ async def stream_chunks(
         while True:
             event = await events.get()
             if isinstance(event, TextDelta):
-                yield chunk({"content": event.text})
+                for delta in calls.deltas(event.text):
+                    yield chunk(delta)
             elif isinstance(event, ReasoningDelta):
                 yield chunk({"reasoning_content": event.text} if chat else {})
             elif isinstance(event, Failed):
                 yield sse(api.ApiError(500, event.message, kind="server_error", code="generation_failed").body())
                 break
             elif isinstance(event, Done):
-                yield chunk({}, api.finish_reason(event), stats=api.stats(event))
+                for delta in calls.finish_deltas():
+                    yield chunk(delta)
+                yield chunk({}, calls.finish_reason(event), stats=api.stats(event))
                 if include_usage:
                     yield sse({**envelope, "choices": [], "usage": api.usage(event)})
                 break

@@ -13,12 +13,19 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, SEED_LIMIT, Done, SamplingParams
+from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.errors import FerrumError
+from ferrum_mac.grammar import GrammarError, json_schema_grammar
+from ferrum_mac.text.tool_calls import StreamingToolParser, ToolCall, ToolFormat
+
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+MAX_TOOLS = 128  # OpenAI's limit
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 1000  # the answer is searched for each at every token
@@ -30,10 +37,8 @@ TEMPLATE_ARGUMENTS = frozenset(
 )
 # field -> the value ferrum can honour (None: absent only)
 UNSUPPORTED = {
-    "tools": None,
     "functions": None,
     "function_call": None,
-    "tool_choice": "none",
     "logprobs": False,
     "top_logprobs": None,
     "audio": None,
@@ -69,6 +74,7 @@ class Options:
     include_usage: bool = False
     ignore_eos: bool = False
     template_kwargs: dict = field(default_factory=dict)
+    response_format: ResponseFormat | None = None  # None: free text
 
 
 def parse_json(raw: bytes):
@@ -91,14 +97,6 @@ def check_body(body) -> dict:
             raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
     if _integer(body, "n", 1) not in (None, 1):
         raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ApiError(
-            400,
-            "only response_format {'type': 'text'} is supported",
-            param="response_format",
-            code="unsupported_parameter",
-        )
     return body
 
 
@@ -118,7 +116,41 @@ def options(body: dict, defaults: SamplingParams, vocab_size: int, template_name
         include_usage=bool(_typed(stream_options, "include_usage", bool)),
         template_kwargs=_template_kwargs(body, TEMPLATE_ARGUMENTS | frozenset(template_names)),
         ignore_eos=bool(_typed(body, "ignore_eos", bool)),
+        response_format=response_format(body),
     )
+
+
+def response_format(body: dict) -> ResponseFormat | None:
+    """`response_format` as the engine's: `text` (None), `json_object`, or `json_schema`
+    `{"name", "schema", "strict"}`; anything else a 400. Whether the schema compiles is
+    checked against the model's vocabulary later (`GrammarError`, also a 400)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat()
+    if kind != "json_schema":
+        raise ApiError(
+            400,
+            "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+            "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+            param="response_format",
+            code="invalid_value",
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(
+            400, "response_format.json_schema must be an object with 'name' and 'schema'", param="response_format"
+        )
+    _typed(spec, "name", str)
+    _typed(spec, "strict", bool)
+    schema = spec.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object", param="response_format")
+    return ResponseFormat(schema)
 
 
 def _sampling(body: dict, defaults: SamplingParams, vocab_size: int) -> SamplingParams:
@@ -144,11 +176,175 @@ def chat_messages(body: dict) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
     out = []
+    call_ids: set[str] = set()  # ids of the calls assistant messages made so far
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a 'role' string", param=f"messages[{i}]")
-        out.append({**m, "content": _content_text(m.get("content"), i)})
+        message = {**m, "content": _content_text(m.get("content"), i)}
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            message["tool_calls"] = _assistant_calls(m["tool_calls"], i)
+            call_ids.update(c["id"] for c in message["tool_calls"])
+        elif m["role"] == "tool":
+            _check_tool_result(m, i, call_ids)
+        out.append(message)
     return out
+
+
+# -- tools -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A request's tools (OpenAI `function` objects) and what it lets the model do with them:
+    `choice` is "auto", "required" or the one function's name it must call."""
+
+    functions: tuple[dict, ...]
+    choice: str = "auto"
+    parallel: bool = True
+
+    @property
+    def forced(self) -> tuple[dict, ...]:
+        """The functions a call must be one of, when a call is required; () when the model may answer in text."""
+        if self.choice == "auto":
+            return ()
+        if self.choice == "required":
+            return self.functions
+        return tuple(f for f in self.functions if f["name"] == self.choice)
+
+    def template_tools(self) -> list[dict]:
+        return [{"type": "function", "function": f} for f in self.functions]
+
+
+def tool_request(body: dict) -> ToolRequest | None:
+    """The checked `tools` and `tool_choice`; None when the model gets no tools (none sent, or
+    `tool_choice` "none")."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = _typed(body, "parallel_tool_calls", bool)
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise ApiError(400, "'tool_choice' needs 'tools' to choose from", param="tool_choice", code="invalid_value")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"'tools' must be an array of at most {MAX_TOOLS} tools", param="tools", code="invalid_type")
+    functions = tuple(_function(t, i) for i, t in enumerate(tools))
+    names = [f["name"] for f in functions]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})[0]
+        raise ApiError(400, f"two tools are named '{twice}'; tool names must differ", param="tools", code="invalid_value")
+    choice = _tool_choice(choice, names)
+    if choice == "none":
+        return None
+    return ToolRequest(functions, choice, parallel is not False)
+
+
+def _function(tool, i: int) -> dict:
+    param = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise ApiError(
+            400, f"{param} must be {{'type': 'function', 'function': {{...}}}}", param=param, code="invalid_type"
+        )
+    function = tool["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
+        raise ApiError(
+            400,
+            f"{param}.function.name must be 1 to 64 letters, digits, '_' or '-'",
+            param=f"{param}.function.name",
+            code="invalid_value",
+        )
+    description = function.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ApiError(400, f"{param}.function.description must be a string", param=param, code="invalid_type")
+    parameters = function.get("parameters")
+    if parameters is not None:
+        _check_parameters(parameters, name, f"{param}.function.parameters")
+    return {k: v for k, v in function.items() if k in ("name", "description", "parameters", "strict") and v is not None}
+
+
+def _check_parameters(parameters, name: str, param: str) -> None:
+    """A parameters schema constrained decoding can enforce: a JSON schema of an object."""
+    if not isinstance(parameters, dict):
+        raise ApiError(400, f"{param} must be a JSON schema object", param=param, code="invalid_type")
+    try:
+        import jsonschema
+
+        jsonschema.validators.validator_for(parameters).check_schema(parameters)
+    except ImportError:  # jsonschema is a test dependency; the grammar engine still checks below
+        pass
+    except jsonschema.SchemaError as e:
+        raise ApiError(
+            400, f"the parameters of tool '{name}' are not a valid JSON schema: {e.message[:200]}", param=param,
+            code="invalid_schema",
+        ) from None
+    try:
+        json_schema_grammar(parameters, f"the parameters of tool '{name}'")
+    except GrammarError as e:
+        raise ApiError(400, str(e), param=param, code="invalid_schema") from None
+
+
+def _tool_choice(choice, names: list[str]) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if isinstance(name, str) and name in names:
+            return name
+        raise ApiError(
+            400,
+            f"'tool_choice' names the function {str(name)[:64]!r}, which is not among 'tools' ({', '.join(names)})",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    raise ApiError(
+        400,
+        "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        param="tool_choice",
+        code="invalid_value",
+    )
+
+
+def _assistant_calls(calls, i: int) -> list[dict]:
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{param} must be an array", param=param, code="invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or not isinstance(call.get("id"), str)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+        ):
+            raise ApiError(
+                400,
+                f"{param}[{j}] must be {{'id': str, 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}",
+                param=f"{param}[{j}]",
+                code="invalid_type",
+            )
+        try:
+            json.loads(function["arguments"])
+        except ValueError:
+            raise ApiError(
+                400, f"{param}[{j}].function.arguments is not JSON text", param=f"{param}[{j}]", code="invalid_value"
+            ) from None
+        out.append({"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return out
+
+
+def _check_tool_result(message: dict, i: int, call_ids: set[str]) -> None:
+    call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str) or call_id not in call_ids:
+        raise ApiError(
+            400,
+            f"messages[{i}] (role 'tool') needs a 'tool_call_id' naming a call in an earlier assistant message's "
+            f"'tool_calls'; {str(call_id)[:64]!r} is none of them",
+            param=f"messages[{i}].tool_call_id",
+            code="invalid_value",
+        )
 
 
 def completion_prompt(body: dict) -> str | list[int]:
@@ -163,6 +359,62 @@ def completion_prompt(body: dict) -> str | list[int]:
 
 
 # -- responses -------------------------------------------------------------------------------
+
+
+class ToolAnswer:
+    """An answer's text split into content and tool calls as it arrives, in OpenAI's shapes.
+    Without tools it passes the text through untouched. `prefix`: what the prompt already
+    opened the answer with (a forced call's opener)."""
+
+    def __init__(self, tools: ToolRequest | None, fmt: ToolFormat | None, prefix: str = ""):
+        self.parser = StreamingToolParser(fmt) if tools is not None and fmt is not None else None
+        self.calls: list[ToolCall] = []
+        self.parallel = tools is None or tools.parallel
+        if self.parser is not None and prefix:
+            self.parser.feed(prefix)
+
+    def deltas(self, text: str) -> list[dict]:
+        """The stream's `delta`s for the next piece of answer text."""
+        if self.parser is None:
+            return [{"content": text}]
+        return self._deltas(self.parser.feed(text))
+
+    def finish_deltas(self) -> list[dict]:
+        return [] if self.parser is None else self._deltas(self.parser.finish())
+
+    def message(self, text: str) -> dict:
+        """The whole answer's `message` (no role, no reasoning)."""
+        if self.parser is None:
+            return {"content": text}
+        events = self.parser.feed(text) + self.parser.finish()
+        content = "".join(e for e in events if isinstance(e, str))
+        calls = self._keep([e for e in events if isinstance(e, ToolCall)])
+        if not calls:
+            return {"content": content}
+        return {"content": content if content.strip() else None, "tool_calls": [c.as_openai() for c in calls]}
+
+    def finish_reason(self, done: Done) -> str:
+        return "tool_calls" if self.calls else finish_reason(done)
+
+    def _keep(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls to pass on: one only when the request turned parallel calls off."""
+        kept = calls if self.parallel else calls[: max(0, 1 - len(self.calls))]
+        self.calls.extend(kept)
+        return kept
+
+    def _deltas(self, events: list) -> list[dict]:
+        out = []
+        for event in events:
+            if isinstance(event, str):
+                if event:
+                    out.append({"content": event})
+                continue
+            for call in self._keep([event]):
+                index = len(self.calls) - 1
+                head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+                out.append({"tool_calls": [head]})
+                out.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+        return out
 
 
 def finish_reason(done: Done) -> str:

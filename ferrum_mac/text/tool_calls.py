@@ -51,6 +51,7 @@ class ToolFormat:
     openers: tuple[str, ...]
     closer: str | None = None
     at_start_only: bool = False
+    forced_prefix: str = ""  # what an answer that must call starts with, before the call's JSON
 
     @property
     def opener(self) -> str:
@@ -68,9 +69,9 @@ class ToolFormat:
 
 
 FORMATS = {
-    HERMES: ToolFormat(HERMES, ("<tool_call>",), "</tool_call>"),
+    HERMES: ToolFormat(HERMES, ("<tool_call>",), "</tool_call>", forced_prefix="<tool_call>\n"),
     LLAMA3: ToolFormat(LLAMA3, ("<|python_tag|>", "{"), None, at_start_only=True),
-    MISTRAL: ToolFormat(MISTRAL, ("[TOOL_CALLS]",), None),
+    MISTRAL: ToolFormat(MISTRAL, ("[TOOL_CALLS]",), None, forced_prefix="[TOOL_CALLS]"),
 }
 
 
@@ -263,6 +264,9 @@ _MISTRAL_V11 = re.compile(r"\s*([a-zA-Z0-9_-]{1,64})\[ARGS\]")
 
 def _mistral_calls(text: str) -> list[ToolCall] | None:
     text = text.strip()
+    if text.startswith("{"):  # one call, as a forced call's grammar writes it
+        call = _json_call(text)
+        return None if call is None else [call]
     if text.startswith("["):
         try:
             value = json.loads(text)

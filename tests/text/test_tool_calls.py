@@ -192,3 +192,10 @@ def test_tools_and_calls_render_through_the_template(folder):
     assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in prompt
     assert "<tool_response>\n12:00\n</tool_response>" in prompt
     assert template.renders_tools == (folder != "stories260K") and template.tool_format.family == HERMES
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_a_forced_call_parses_after_its_prefix(family):
+    fmt = FORMATS[family]
+    content, calls = parse_tool_calls(fmt.forced_prefix + '{"name": "get_time", "arguments": {"zone": "UTC"}}', fmt)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]

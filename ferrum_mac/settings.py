@@ -143,7 +143,7 @@ SETTINGS: tuple[Setting, ...] = (
         4096,
         "backends/prefix_disk.py: the prefix cache on disk",
         "Disk space (MiB) for prompt prefixes kept across restarts, under the cache folder's "
-        "prefix-cache/; 0 keeps nothing on disk.",
+        "prefix-cache/ (CPUs and Macs: a CUDA GPU computes them again faster); 0 keeps nothing on disk.",
         minimum=0,
     ),
     # MLX's CPU build (Linux)

@@ -78,9 +78,14 @@ DTYPES: dict[str, tuple[str, np.dtype]] = {
 
 def for_checkpoint(checkpoint: Checkpoint, dtype: str, backend: str, block_tokens: int) -> "PrefixDisk | None":
     """The disk tier for a model loaded from `checkpoint` in `dtype` (float32, float16, bfloat16)
-    by `backend` (its name and device, e.g. "torch-cuda"); None when it keeps nothing on disk
-    (FERRUM_PREFIX_DISK_MB=0, a checkpoint without files, an unusable cache folder)."""
+    by `backend` (its name and device, e.g. "torch-cpu"); None when it keeps nothing on disk
+    (FERRUM_PREFIX_DISK_MB=0, a CUDA device, a checkpoint without files, an unusable cache folder)."""
     budget = settings.value(BUDGET_SETTING) << 20
+    if backend.endswith("-cuda"):
+        # A CUDA GPU computes a prompt again faster than it reads the prompt's KV back (an
+        # H100 prefills 16k tokens of an 8B model in under a second, 2.3 GB of KV), and the
+        # host copies for writing would hold up the server: the tier pays only on CPUs and Macs.
+        return None
     key = model_key(checkpoint_files(checkpoint), dtype, backend, block_tokens)
     if not budget or key is None or dtype not in DTYPES:
         return None

@@ -234,6 +234,8 @@ def test_for_checkpoint_follows_the_budget_setting(tmp_path, monkeypatch):
     disk = for_checkpoint(checkpoint, "float32", "torch-cpu", B)
     assert disk is not None and disk.budget == 64 << 20
     assert disk.folder.parent == tmp_path / "prefix-cache"
+    assert for_checkpoint(checkpoint, "float32", "torch-cuda", B) is None  # a GPU recomputes faster
+    assert for_checkpoint(checkpoint, "float32", "mlx-cuda", B) is None
 
 
 def test_the_writer_thread_ends_when_idle_and_comes_back_for_new_work(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ from ferrum_mac.backends.mlx.attention import Plan, Segment
 from ferrum_mac.backends.mlx.dense_cache import dense_tensors
 from ferrum_mac.backends.mlx.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
-from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
+from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, on_cuda_gpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
 from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
 from ferrum_mac.backends.prefix_disk import for_checkpoint
@@ -58,6 +58,11 @@ def dequantize_on_cpu(checkpoint: Checkpoint, dtype: mx.Dtype) -> bool:
     return weights * dtype.size < free_memory_bytes() // 3
 
 
+def mlx_device() -> str:
+    """Where MLX computes: "cpu", "cuda" (its CUDA build) or "gpu" (Metal)."""
+    return "cpu" if on_cpu() else "cuda" if on_cuda_gpu() else "gpu"
+
+
 class MlxLLM(PooledLLM):
     device_array_types = (mx.array,)
     segment_type = Segment
@@ -85,7 +90,7 @@ class MlxLLM(PooledLLM):
         max_blocks, cache_blocks = pool_limits(self._config, free, self.dtype.size, BLOCK_TOKENS)
         self.kv = KvManager(
             c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, cache_blocks,
-            disk=for_checkpoint(checkpoint, self._config.dtype, "mlx-cpu" if on_cpu() else "mlx-gpu", BLOCK_TOKENS),
+            disk=for_checkpoint(checkpoint, self._config.dtype, f"mlx-{mlx_device()}", BLOCK_TOKENS) if cache_blocks else None,
         )  # fmt: skip
 
     # -- contract -------------------------------------------------------------------

@@ -76,7 +76,9 @@ class TorchLLM(PooledLLM):
         self.kv = KvManager(
             c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity,
             max_blocks, cache_blocks,
-            disk=for_checkpoint(checkpoint, self._config.dtype, f"torch-{self.device.type}", BLOCK_TOKENS),
+            disk=for_checkpoint(checkpoint, self._config.dtype, f"torch-{self.device.type}", BLOCK_TOKENS)
+            if cache_blocks
+            else None,
         )  # fmt: skip
         self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
 

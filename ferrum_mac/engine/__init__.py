@@ -8,7 +8,8 @@
     conv.close()
 
 Settings: `ChatSettings` (system prompt, `SamplingParams`, max_tokens, thinking, stop strings,
-context policy "error" or "truncate-oldest"). A turn that does not fit under "error" raises
+context policy "error" or "truncate-oldest", `ResponseFormat`: JSON, or JSON valid against a
+schema, enforced token by token). A turn that does not fit under "error" raises
 `ContextLimitError` and leaves the conversation as it was.
 
 The engine never imports MLX or torch: it asks the model for a sampler (`model.sampler`).
@@ -42,6 +43,7 @@ from ferrum_mac.engine.events import (
     TextDelta,
 )
 from ferrum_mac.engine.sampling import SEED_LIMIT, Sampler, SamplingError, SamplingParams
+from ferrum_mac.engine.structured import Constraints, ResponseFormat
 from ferrum_mac.engine.surface import ChatEngine, LocalEngine
 from ferrum_mac.engine.turn import Timing, done_event
 
@@ -61,6 +63,7 @@ __all__ = [
     "AnswerText",
     "ChatEngine",
     "ChatSettings",
+    "Constraints",
     "ContextLimitError",
     "Conversation",
     "Done",
@@ -69,6 +72,7 @@ __all__ = [
     "LocalEngine",
     "Notice",
     "ReasoningDelta",
+    "ResponseFormat",
     "Sampler",
     "SamplingError",
     "SamplingParams",

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ferrum_mac.engine.conversation import ChatSettings, Conversation
     from ferrum_mac.engine.events import Event
     from ferrum_mac.engine.sampling import SamplingParams
+    from ferrum_mac.engine.structured import Constraints
     from ferrum_mac.llm import DecoderOnlyLLM
     from ferrum_mac.text import ChatTemplate, Tokenizer
 
@@ -81,4 +82,9 @@ class LocalEngine(ChatEngine, Protocol):
     @property
     def eos_ids(self) -> frozenset[int]:
         """The tokenizer's and the model config's, together."""
+        ...
+
+    @property
+    def constraints(self) -> Constraints:
+        """Structured output on this model: response formats compiled into grammar matchers."""
         ...

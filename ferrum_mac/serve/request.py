@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from ferrum_mac.engine import Done, SamplingParams
+from ferrum_mac.grammar import GrammarMatcher
 
 _ids = itertools.count(1)
 
@@ -35,6 +36,8 @@ class GenerationRequest:
     opens_reasoning: bool = False  # the prompt leaves a <think> open
     raw: bool = False  # a completion: the text exactly as generated (no reasoning split, nothing trimmed)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (for load tests)
+    # structured output: the answer's grammar state, used by the scheduler thread only; None: free text
+    matcher: GrammarMatcher | None = None
     emit: Callable[[object], None] | None = None  # called on the scheduler thread with each event
 
 

@@ -31,6 +31,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from ferrum_mac.engine import (
     CANCELLED,
     CONTEXT,
@@ -43,6 +45,7 @@ from ferrum_mac.engine import (
     done_event,
 )
 from ferrum_mac.errors import FerrumError, UnsupportedError
+from ferrum_mac.grammar import fill_masks
 from ferrum_mac.engine.context import common_prefix
 from ferrum_mac.llm import (
     KV_CAPACITY_ENV,
@@ -499,8 +502,24 @@ class Scheduler:
 
     @staticmethod
     def _sample_all(finals: list[tuple[Sequence, Logits]]) -> list[int]:
-        """One token id per row: in one call where the backend's sampler offers `sample_rows`,
-        else every row sampled before any is read, so the device works on them together."""
+        """One token id per row. Rows under a grammar are sampled with their masks (filled
+        together, on the grammar engine's threads); the others exactly as without them."""
+        constrained = [i for i, (seq, _) in enumerate(finals) if seq.request.matcher is not None]
+        if not constrained:
+            return Scheduler._sample_free(finals)
+        matchers = [finals[i][0].request.matcher for i in constrained]
+        masks = np.empty((len(constrained), matchers[0].vocab.words), dtype=np.int32)
+        fill_masks([(m, row) for row, m in enumerate(matchers)], masks)
+        lazy = {i: finals[i][0].sampler.sample(finals[i][1], masks[row]) for row, i in enumerate(constrained)}
+        free = [i for i in range(len(finals)) if i not in lazy]
+        ids = dict(zip(free, Scheduler._sample_free([finals[i] for i in free])))
+        ids.update({i: finals[i][0].sampler.read(token) for i, token in lazy.items()})
+        return [ids[i] for i in range(len(finals))]
+
+    @staticmethod
+    def _sample_free(finals: list[tuple[Sequence, Logits]]) -> list[int]:
+        """One token id per row without a grammar: in one call where the backend's sampler offers
+        `sample_rows`, else every row sampled before any is read, so the device works on them together."""
         samplers = [seq.sampler for seq, _ in finals]
         if not samplers:
             return []
@@ -518,11 +537,17 @@ class Scheduler:
         seq.generated += 1
         seq.answer.append(token)
         self.stats.generated_tokens += 1
-        if token in self.eos_ids and not seq.request.ignore_eos:
+        matcher = seq.request.matcher
+        if matcher is not None:
+            matcher.accept(token)
+        finished = matcher is not None and matcher.is_finished()  # the grammar allows nothing more
+        if token in self.eos_ids and (finished or not seq.request.ignore_eos):
             return self._finish(seq, EOS)
         for event in seq.text.add(token):
             seq.emit(event)
-        if seq.text.stopped:
+        if finished:
+            self._finish(seq, EOS)
+        elif seq.text.stopped:
             self._finish(seq, STOP_STRING)
         elif seq.generated == seq.request.max_tokens:
             self._finish(seq, MAX_TOKENS)

@@ -12,7 +12,7 @@ import pytest
 import helpers
 from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.grammar import GrammarError, UnsupportedSchemaError
-from tests.engine.engine_helpers import answer, done
+from engine_helpers import answer, done
 
 PERSON = {
     "type": "object",

@@ -1,0 +1,164 @@
+"""Python functions as tools a model may call.
+
+    from ferrum_mac.engine.tools import Toolbox, tool
+
+    @tool
+    def get_weather(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius") -> str:
+        \"\"\"The current weather in a city.\"\"\"
+        return f"18 degrees {unit} in {city}"
+
+    box = Toolbox([get_weather])
+    box.definitions()                       # OpenAI `tools`: for the chat template, or a server
+    box.run("get_weather", '{"city": "Paris"}')   # -> '18 degrees celsius in Paris'
+
+A tool's JSON schema comes from its signature (str, int, float, bool, None, list[...], dict,
+Literal[...], Optional / `X | None`; a parameter with a default is optional) and its description
+from the docstring's first paragraph; both can be given instead (`tool(parameters=..., description=...)`).
+Nothing runs a tool on its own: the chat app asks the user first.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from ferrum_mac.errors import FerrumError
+
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
+
+
+class ToolError(FerrumError):
+    """A tool that cannot be defined, a call it cannot take, or a run that failed."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict  # a JSON schema of an object
+    function: Callable[..., Any]
+
+    def definition(self) -> dict:
+        """The tool as OpenAI's `tools` lists it."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        return {"type": "function", "function": function}
+
+    def run(self, arguments: str | Mapping[str, Any]) -> str:
+        """Call the function with `arguments` (JSON text or a dict); its result as text (JSON
+        unless it is a string). Arguments that do not fit, or a function that raises, is a `ToolError`."""
+        args = _arguments(self.name, arguments)
+        properties = self.parameters.get("properties", {})
+        unknown = sorted(set(args) - set(properties)) if self.parameters.get("additionalProperties") is False else []
+        missing = [p for p in self.parameters.get("required", ()) if p not in args]
+        if unknown or missing:
+            problem = f"unknown {', '.join(unknown)}" if unknown else f"missing {', '.join(missing)}"
+            raise ToolError(f"tool '{self.name}' got arguments it cannot take ({problem})")
+        try:
+            result = self.function(**args)
+        except Exception as e:  # noqa: BLE001  whatever the user's function raises is that call's failure
+            raise ToolError(f"tool '{self.name}' failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from e
+        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+
+
+def tool(
+    function: Callable[..., Any] | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    parameters: dict | None = None,
+):
+    """Make `function` a `Tool` (also a decorator, with or without arguments)."""
+
+    def make(fn: Callable[..., Any]) -> Tool:
+        tool_name = name or fn.__name__
+        if not NAME.match(tool_name):
+            raise ToolError(f"a tool name must be 1 to 64 letters, digits, '_' or '-'; {tool_name!r} is not")
+        text = description if description is not None else _first_paragraph(inspect.getdoc(fn) or "")
+        return Tool(tool_name, text, parameters if parameters is not None else schema_of(fn), fn)
+
+    return make if function is None else make(function)
+
+
+class Toolbox:
+    """The tools one conversation offers, by name."""
+
+    def __init__(self, tools: Iterable[Tool | Callable[..., Any]] = ()):
+        self._tools: dict[str, Tool] = {}
+        for t in tools:
+            self.register(t)
+
+    def register(self, t: Tool | Callable[..., Any]) -> Tool:
+        made = t if isinstance(t, Tool) else tool(t)
+        if made.name in self._tools:
+            raise ToolError(f"a tool named '{made.name}' is registered already")
+        self._tools[made.name] = made
+        return made
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tools
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def get(self, name: str) -> Tool:
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise ToolError(f"the model called '{name}', which is no tool here ({', '.join(self._tools) or 'none'})") from None
+
+    def definitions(self) -> list[dict]:
+        return [t.definition() for t in self._tools.values()]
+
+    def run(self, name: str, arguments: str | Mapping[str, Any]) -> str:
+        return self.get(name).run(arguments)
+
+
+def schema_of(function: Callable[..., Any]) -> dict:
+    """The JSON schema of `function`'s keyword arguments, from its annotations."""
+    hints = typing.get_type_hints(function)
+    properties, required = {}, []
+    for parameter in inspect.signature(function).parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if parameter.name not in hints:
+            raise ToolError(f"parameter '{parameter.name}' of {function.__name__} needs a type annotation to be a tool")
+        properties[parameter.name] = _schema_of_type(hints[parameter.name], parameter.name)
+        if parameter.default is parameter.empty:
+            required.append(parameter.name)
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+def _schema_of_type(annotation: Any, where: str) -> dict:
+    if annotation in _SIMPLE:
+        return {"type": _SIMPLE[annotation]}
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return {"enum": list(args)}
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_schema_of_type(a, where) for a in args]}
+    if annotation is list or origin is list:
+        return {"type": "array", **({"items": _schema_of_type(args[0], where)} if args else {})}
+    if annotation is dict or origin is dict:
+        return {"type": "object"}
+    raise ToolError(f"parameter '{where}' has type {annotation!r}, which a tool cannot take; use str, int, float, bool, list, dict or Literal")
+
+
+def _arguments(name: str, arguments: str | Mapping[str, Any]) -> dict:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError as e:
+            raise ToolError(f"the arguments for tool '{name}' are not JSON ({e})") from None
+    if not isinstance(arguments, Mapping):
+        raise ToolError(f"the arguments for tool '{name}' must be a JSON object")
+    return dict(arguments)
+
+
+def _first_paragraph(doc: str) -> str:
+    return " ".join(doc.strip().split("\n\n")[0].split())

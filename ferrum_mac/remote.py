@@ -130,6 +130,8 @@ class RemoteEngine:
             body["stop"] = list(s.stop)
         if s.think is not None:
             body["chat_template_kwargs"] = {"enable_thinking": s.think}
+        if s.response_format is not None:
+            body["response_format"] = s.response_format.as_openai()
         body.update(
             {
                 name: getattr(sampling, f)

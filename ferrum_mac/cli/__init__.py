@@ -4,6 +4,7 @@ stays fast and `ferrum bench` works with only the engine's dependencies present.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -126,6 +127,12 @@ def run(
     hide_thinking: bool = typer.Option(False, "--hide-thinking", help="Do not print the reasoning (stderr, dimmed)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats line (tok/s) after each answer."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, reasoning, stats."),
+    answer_format: str = typer.Option(
+        "text", "--format", help="text, or json: every answer a JSON object (enforced token by token)."
+    ),
+    schema: Optional[Path] = typer.Option(
+        None, "--schema", metavar="FILE", help="Every answer JSON valid against the JSON schema in FILE."
+    ),
     backend: Backend = "auto",
     device: Device = None,
     kv_capacity: KvCapacity = None,
@@ -163,6 +170,8 @@ def run(
             interactive=interactive,
             remote=remote,
             api_key=api_key,
+            format=answer_format,
+            schema=schema,
         ),
     )
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from ferrum_mac.cli.session import ChatSession
-from ferrum_mac.engine import CONTEXT_POLICIES, ChatSettings, SamplingParams
+from ferrum_mac.engine import CONTEXT_POLICIES, ChatSettings, ResponseFormat, SamplingParams
 from ferrum_mac.errors import FerrumError
 
 HELP = """Available commands:
@@ -22,6 +22,7 @@ HELP = """Available commands:
   /set think | nothink        turn the model's thinking mode on or off (/set think on|off)
   /set verbose | quiet        show or hide the stats line after each answer
   /set context error|truncate-oldest   what to do when the conversation outgrows the context
+  /set format json | text     every answer a JSON object (enforced), or free text again
   /show info|template|system|parameters
   /clear                      forget the conversation (keeps the system prompt and settings)
   /save NAME, /load NAME      save or restore the conversation
@@ -93,6 +94,11 @@ class Commands:
                 raise FerrumError(f"unknown context policy {value!r}; choose one of: {', '.join(CONTEXT_POLICIES)}")
             self._change(context_policy=value)
             say(f"Set context policy to {value}.")
+        elif what == "format":
+            if value.lower() not in ("json", "text"):
+                raise FerrumError("/set format takes json or text, e.g. /set format json")
+            self._change(response_format=ResponseFormat.parse(value.lower()))
+            say(f"Set answer format to {value.lower()}.")
         else:
             say(f"Unknown setting '{what}'. Type /? for help")
 
@@ -208,6 +214,7 @@ def parameters_text(settings: ChatSettings) -> str:
         ("stop", " ".join(settings.stop) or "(none)"),
         ("think", {None: "template default", True: "on", False: "off"}[settings.think]),
         ("context", settings.context_policy),
+        ("format", settings.response_format.describe() if settings.response_format else "text"),
     ]
     return "\n".join(f"  {name:<18}{value}" for name, value in rows)
 
@@ -236,4 +243,10 @@ def settings_from_dict(data: dict) -> ChatSettings:
         think=data.get("think"),
         context_policy=data.get("context_policy", "error"),
         stop=tuple(data.get("stop", ())),
+        response_format=_saved_format(data.get("response_format")),
     ).checked()
+
+
+def _saved_format(data) -> ResponseFormat | None:
+    """A saved conversation's format (`settings_to_dict` writes `{"schema": ...}` or null)."""
+    return ResponseFormat(data.get("schema")) if isinstance(data, dict) else None

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferrum_mac.cli.printer import EventPrinter
-from ferrum_mac.engine import ChatEngine, ChatSettings, Conversation, Notice, SamplingParams
+from ferrum_mac.engine import ChatEngine, ChatSettings, Conversation, Notice, ResponseFormat, SamplingParams
 from ferrum_mac.errors import FerrumError
+
+FORMATS = ("text", "json")
 
 
 @dataclass
@@ -41,6 +43,16 @@ class RunOptions:
     interactive: bool = False
     remote: str | None = None  # an OpenAI-compatible server's URL instead of a local model
     api_key: str | None = None
+    format: str = "text"  # "json": every answer a JSON object
+    schema: Path | None = None  # every answer JSON valid against the schema in this file
+
+    def response_format(self) -> ResponseFormat | None:
+        """What every answer must be (None: free text); a bad --format or schema file raises."""
+        if self.format not in FORMATS:
+            raise FerrumError(f"unknown --format {self.format!r}; choose one of: {', '.join(FORMATS)}")
+        if self.schema is not None:
+            return ResponseFormat.from_file(self.schema)
+        return ResponseFormat.parse(self.format)
 
     def sampling_changes(self) -> dict:
         return dict(
@@ -68,6 +80,7 @@ def run(words: list[str], options: RunOptions) -> None:
         think=options.think,
         context_policy=options.context,
         stop=tuple(options.stop),
+        response_format=options.response_format(),
     )
     printer = EventPrinter(show_reasoning=not options.hide_thinking, verbose=options.verbose)
     if prompt is None:
@@ -132,6 +145,7 @@ def check_options(options: RunOptions) -> None:
     """Refuse bad values before the model loads."""
     SamplingParams().replace(**options.sampling_changes())
     ChatSettings(max_tokens=options.max_tokens, context_policy=options.context).checked()
+    options.response_format()
     if options.kv_capacity is not None:
         if options.kv_capacity < 2:
             raise FerrumError(f"--kv-capacity {options.kv_capacity} is too small; give at least 2 tokens")

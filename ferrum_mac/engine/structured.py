@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable
 
 from ferrum_mac.grammar import (
@@ -54,6 +55,30 @@ class ResponseFormat:
     def grammar_text(self) -> str:
         """The grammar; a schema the engine cannot compile raises `GrammarError` naming why."""
         return json_object_grammar() if self.schema is None else json_schema_grammar(self.schema)
+
+    def as_openai(self) -> dict:
+        """The OpenAI API's `response_format` for this (what a remote engine sends)."""
+        if self.schema is None:
+            return {"type": "json_object"}
+        schema = json.loads(self.schema) if isinstance(self.schema, (str, bytes)) else self.schema
+        return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ResponseFormat":
+        """The JSON schema in the file at `path`; a missing or broken file is a one-line `GrammarError`."""
+        try:
+            text = Path(path).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise GrammarError(f"cannot read the schema file {path}: {getattr(e, 'strerror', None) or e}") from None
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise GrammarError(f"the schema file {path} is not valid JSON ({e}); fix it or give another") from None
+        if not isinstance(schema, dict):
+            raise GrammarError(f"the schema file {path} must hold a JSON object (a JSON schema)")
+        fmt = cls(schema)
+        fmt.grammar_text()  # an unsupported keyword is an error now, not at the first answer
+        return fmt
 
     def describe(self) -> str:
         """One line for people (`/show`): "json" or "json schema {...}"."""

@@ -191,3 +191,16 @@ def test_every_schema_of_the_suite_validates_at_default_sampling(smollm2_server)
                 f"{name}: {text!r} ({str(e).splitlines()[0]}; finish {response.json()['choices'][0]['finish_reason']})"
             )
     assert len(SCHEMAS) >= 20 and not failures, "\n".join(failures)
+
+
+def test_remote_engine_sends_the_conversations_format(smollm2_server):
+    from ferrum_mac.engine import ResponseFormat, TextDelta
+    from ferrum_mac.remote import RemoteEngine
+
+    engine = RemoteEngine(smollm2_server.url)
+    try:
+        conv = engine.conversation(max_tokens=64, response_format=ResponseFormat(SCHEMAS["flat_required"]))
+        text = "".join(e.text for e in conv.send("Describe a person.") if isinstance(e, TextDelta))
+        jsonschema.validate(json.loads(text), SCHEMAS["flat_required"])
+    finally:
+        engine.close()

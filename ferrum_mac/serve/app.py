@@ -24,7 +24,13 @@ from starlette.routing import Route
 
 from ferrum_mac.engine import Done, ReasoningDelta, ResponseFormat, TextDelta
 from ferrum_mac.errors import FerrumError, KvCapacityError
-from ferrum_mac.grammar import GrammarError, GrammarMatcher, UnsupportedSchemaError
+from ferrum_mac.grammar import (
+    GrammarError,
+    GrammarMatcher,
+    UnsupportedSchemaError,
+    compile_grammar,
+    tool_call_grammar,
+)
 from ferrum_mac.serve import openai_schema as api
 from ferrum_mac.serve.guards import ApiKeyCheck, HostCheck, OriginCheck, loopback_host_names
 from ferrum_mac.serve.metrics import prometheus_text
@@ -87,7 +93,10 @@ class Server:
         opts = self._options(body)
         tools = await run_in_threadpool(api.tool_request, body)  # compiles each parameters schema
         text, ids = await run_in_threadpool(self._chat_prompt, messages, opts.template_kwargs, tools)
-        matcher = await run_in_threadpool(self._matcher, opts.response_format, text)
+        if tools is not None and tools.forced:
+            matcher = await run_in_threadpool(self._tool_matcher, tools)
+        else:
+            matcher = await run_in_threadpool(self._matcher, opts.response_format, text)
         return await self._answer(
             request, ids, opts, prompt_opens_reasoning(text), chat=True, tools=tools, matcher=matcher
         )
@@ -186,6 +195,16 @@ class Server:
             raise api.ApiError(400, str(e), param="response_format", code="unsupported_schema") from None
         except GrammarError as e:
             raise api.ApiError(400, str(e), param="response_format", code="invalid_schema") from None
+
+    def _tool_matcher(self, tools: api.ToolRequest) -> GrammarMatcher:
+        """A required call's grammar: the call's JSON, right after the opener the prompt ends with,
+        so its arguments always validate against the function's parameters."""
+        constraints = self.engine.constraints
+        try:
+            grammar = compile_grammar(tool_call_grammar(tools.forced), constraints.vocab)
+        except GrammarError as e:
+            raise api.ApiError(400, str(e), param="tools", code="invalid_schema") from None
+        return constraints.matcher(grammar, None)
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of `text`, or a 400 as soon as it is clear they cannot fit the context."""

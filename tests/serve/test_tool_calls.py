@@ -104,3 +104,119 @@ def test_a_history_with_calls_and_results_renders(server):
 def test_tool_choice_none_answers_in_text(server):
     response = chat(server, tools=[WEATHER], tool_choice="none")
     assert response.status_code == 200 and "tool_calls" not in response.json()["choices"][0]["message"]
+
+
+# -- a real model calling tools, through the official client ---------------------------------
+
+
+def _tool(name: str, description: str, properties: dict, required=()) -> dict:
+    parameters = {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+WORD = {"type": "string", "maxLength": 24}
+TWENTY_TOOLS = [
+    _tool("get_weather", "Current weather in a city", {"city": WORD, "unit": {"enum": ["celsius", "fahrenheit"]}}, ["city"]),
+    _tool("get_time", "Current time in a time zone", {"zone": WORD}, ["zone"]),
+    _tool("add", "Add two numbers", {"a": {"type": "number"}, "b": {"type": "number"}}, ["a", "b"]),
+    _tool("roll_dice", "Roll dice", {"sides": {"type": "integer", "minimum": 2, "maximum": 100}, "count": {"type": "integer", "minimum": 1, "maximum": 10}}, ["sides"]),
+    _tool("search", "Search the web", {"query": WORD, "limit": {"type": "integer", "minimum": 1, "maximum": 20}}, ["query"]),
+    _tool("send_email", "Send an email", {"to": WORD, "subject": WORD, "urgent": {"type": "boolean"}}, ["to", "subject"]),
+    _tool("set_alarm", "Set an alarm", {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "minute": {"type": "integer", "minimum": 0, "maximum": 59}}, ["hour", "minute"]),
+    _tool("translate", "Translate text", {"text": WORD, "target": {"enum": ["fr", "de", "es", "it"]}}, ["text", "target"]),
+    _tool("create_event", "Create a calendar event", {"title": WORD, "attendees": {"type": "array", "items": WORD, "minItems": 1, "maxItems": 3}}, ["title", "attendees"]),
+    _tool("convert_units", "Convert a quantity", {"value": {"type": "number", "minimum": 0}, "from_unit": WORD, "to_unit": WORD}, ["value", "from_unit", "to_unit"]),
+    _tool("stock_price", "A stock's price", {"ticker": {"type": "string", "pattern": "^[A-Z]{1,5}$"}}, ["ticker"]),
+    _tool("play_music", "Play a song", {"song": WORD, "volume": {"type": "integer", "minimum": 0, "maximum": 10}}, ["song"]),
+    _tool("book_table", "Book a restaurant table", {"restaurant": WORD, "people": {"type": "integer", "minimum": 1, "maximum": 12}, "when": {"type": "object", "properties": {"day": WORD, "hour": {"type": "integer", "minimum": 0, "maximum": 23}}, "required": ["day", "hour"], "additionalProperties": False}}, ["restaurant", "people", "when"]),
+    _tool("list_files", "List a folder", {"path": WORD, "hidden": {"type": "boolean"}}, ["path"]),
+    _tool("rate_movie", "Rate a movie", {"title": WORD, "stars": {"type": "integer", "minimum": 1, "maximum": 5}}, ["title", "stars"]),
+    _tool("order_pizza", "Order pizza", {"size": {"enum": ["small", "medium", "large"]}, "toppings": {"type": "array", "items": {"enum": ["cheese", "ham", "olives", "basil"]}, "maxItems": 4}}, ["size"]),
+    _tool("navigate", "Directions to a place", {"destination": WORD, "mode": {"anyOf": [{"enum": ["car", "bike", "walk"]}, {"type": "null"}]}}, ["destination"]),
+    _tool("get_news", "Headlines", {"topic": WORD, "count": {"type": "integer", "minimum": 1, "maximum": 5}}, []),
+    _tool("lights", "Switch the lights", {"room": WORD, "on": {"type": "boolean"}}, ["room", "on"]),
+    _tool("no_arguments", "A tool without arguments", {}, []),
+]
+QUESTION = [{"role": "user", "content": "What's the weather in Paris? Use the tools."}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_gguf):
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    scheduler = Scheduler(open_stories(smollm2_gguf, kv_capacity=4096)).start()
+    live = LiveServer(build_app(scheduler, "smollm2"))
+    yield live
+    live.stop()
+    scheduler.stop()
+
+
+@pytest.fixture
+def smollm2_client(smollm2_server):
+    import openai
+
+    return openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _validate(call, tools=TWENTY_TOOLS) -> None:
+    import jsonschema
+
+    schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+@pytest.mark.parametrize("tool", TWENTY_TOOLS, ids=[t["function"]["name"] for t in TWENTY_TOOLS])
+def test_named_call_validates_for_each_of_twenty_tools(smollm2_client, tool):
+    name = tool["function"]["name"]
+    answer = smollm2_client.chat.completions.create(
+        model="smollm2",
+        messages=QUESTION,
+        tools=TWENTY_TOOLS,
+        tool_choice={"type": "function", "function": {"name": name}},
+        max_tokens=160,
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert [c.function.name for c in choice.message.tool_calls] == [name]
+    _validate(choice.message.tool_calls[0])
+    assert not choice.message.content
+
+
+def test_required_call_streams_as_delta_tool_calls(smollm2_client):
+    stream = smollm2_client.chat.completions.create(
+        model="smollm2", messages=QUESTION, tools=TWENTY_TOOLS, tool_choice="required", max_tokens=160, stream=True
+    )
+    content, calls, finish = [], {}, None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        content.append(choice.delta.content or "")
+        for piece in choice.delta.tool_calls or ():
+            call = calls.setdefault(piece.index, {"id": None, "name": "", "arguments": ""})
+            if piece.id:
+                assert call["id"] is None and not call["arguments"]  # id and name come first
+                call["id"], call["name"] = piece.id, piece.function.name
+            call["arguments"] += piece.function.arguments or ""
+        finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    assert not any(m in "".join(content) for m in MARKUP)
+    import jsonschema
+
+    call = calls[0]
+    schema = next(t["function"]["parameters"] for t in TWENTY_TOOLS if t["function"]["name"] == call["name"])
+    jsonschema.validate(json.loads(call["arguments"]), schema)
+
+
+def test_auto_answer_never_leaks_markup(smollm2_server):
+    body = {"messages": QUESTION, "tools": TWENTY_TOOLS[:3], "max_tokens": 80, "temperature": 0, "stream": True}
+    with httpx.stream("POST", smollm2_server.url + CHAT, json=body, timeout=300) as response:
+        assert response.status_code == 200
+        lines = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in lines if c["choices"])
+    assert not any(m in content for m in MARKUP), content
+    whole = httpx.post(smollm2_server.url + CHAT, json={**body, "stream": False}, timeout=300).json()
+    message = whole["choices"][0]["message"]
+    assert not any(m in (message["content"] or "") for m in MARKUP)
+    for call in message.get("tool_calls") or ():
+        assert call["function"]["name"] in {"get_weather", "get_time", "add"} and json.loads(call["function"]["arguments"]) is not None

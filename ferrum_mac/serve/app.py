@@ -93,7 +93,7 @@ class Server:
         opts = self._options(body)
         tools = await run_in_threadpool(api.tool_request, body)  # compiles each parameters schema
         text, ids = await run_in_threadpool(self._chat_prompt, messages, opts.template_kwargs, tools)
-        if tools is not None and tools.forced:
+        if tools is not None and (tools.forced or opts.response_format is None):
             matcher = await run_in_threadpool(self._tool_matcher, tools)
         else:
             matcher = await run_in_threadpool(self._matcher, opts.response_format, text)
@@ -196,15 +196,22 @@ class Server:
         except GrammarError as e:
             raise api.ApiError(400, str(e), param="response_format", code="invalid_schema") from None
 
-    def _tool_matcher(self, tools: api.ToolRequest) -> GrammarMatcher:
-        """A required call's grammar: the call's JSON, right after the opener the prompt ends with,
-        so its arguments always validate against the function's parameters."""
+    def _tool_matcher(self, tools: api.ToolRequest) -> GrammarMatcher | None:
+        """The call's grammar, so its arguments always validate against the function's parameters.
+        A required call's JSON comes right after the opener the prompt ends with; with "auto" the
+        answer is free until the model writes its family's opener, then the one call is constrained
+        (None for Llama's bare JSON, whose opener is the call itself)."""
+        fmt = self.engine.template.tool_format
+        if not tools.forced and fmt.at_start_only:
+            return None
         constraints = self.engine.constraints
         try:
-            grammar = compile_grammar(tool_call_grammar(tools.forced), constraints.vocab)
+            grammar = compile_grammar(tool_call_grammar(tools.forced or tools.functions), constraints.vocab)
         except GrammarError as e:
             raise api.ApiError(400, str(e), param="tools", code="invalid_schema") from None
-        return constraints.matcher(grammar, None)
+        if tools.forced:
+            return constraints.matcher(grammar, None)
+        return GrammarMatcher(grammar, self.engine.tokenizer.encode(fmt.opener, add_special_tokens=False))
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of `text`, or a 400 as soon as it is clear they cannot fit the context."""

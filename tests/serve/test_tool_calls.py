@@ -141,15 +141,21 @@ QUESTION = [{"role": "user", "content": "What's the weather in Paris? Use the to
 
 
 @pytest.fixture(scope="module")
-def smollm2_server(smollm2_gguf):
+def smollm2_scheduler(smollm2_gguf):
     from ferrum_mac.serve import Scheduler
-    from ferrum_mac.serve.app import build_app
 
     scheduler = Scheduler(open_stories(smollm2_gguf, kv_capacity=4096)).start()
-    live = LiveServer(build_app(scheduler, "smollm2"))
+    yield scheduler
+    scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_scheduler):
+    from ferrum_mac.serve.app import build_app
+
+    live = LiveServer(build_app(smollm2_scheduler, "smollm2"))
     yield live
     live.stop()
-    scheduler.stop()
 
 
 @pytest.fixture
@@ -220,3 +226,33 @@ def test_auto_answer_never_leaks_markup(smollm2_server):
     assert not any(m in (message["content"] or "") for m in MARKUP)
     for call in message.get("tool_calls") or ():
         assert call["function"]["name"] in {"get_weather", "get_time", "add"} and json.loads(call["function"]["arguments"]) is not None
+
+
+def _allowed(matcher, token: int) -> bool:
+    import numpy as np
+
+    mask = np.zeros((1, matcher.vocab.words), np.int32)
+    matcher.fill_mask(mask)
+    return bool((int(mask[0, token // 32]) >> (token % 32)) & 1)
+
+
+def test_auto_answer_is_free_until_the_model_opens_a_call_then_constrained(smollm2_scheduler):
+    from ferrum_mac.serve import openai_schema as api
+    from ferrum_mac.serve.app import Server
+
+    server = Server(smollm2_scheduler, "smollm2")
+    matcher = server._tool_matcher(api.tool_request({"tools": TWENTY_TOOLS[:3]}))
+    encode = lambda text: server.engine.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    for token in encode("Let me check. ") + encode("<tool_call>"):
+        assert _allowed(matcher, token) and not matcher.started
+        matcher.accept(token)
+    assert matcher.started
+    assert not _allowed(matcher, encode("Sure")[0])  # past the opener only the call's JSON may follow
+    for token in encode('{"name": "get_time", "arguments": {"zone": "UTC"}}'):
+        assert _allowed(matcher, token)
+        matcher.accept(token)
+    assert matcher.is_complete()
+    wrong = server._tool_matcher(api.tool_request({"tools": TWENTY_TOOLS[:3]}))
+    for token in encode("<tool_call>") + encode('{"name": "'):
+        wrong.accept(token)
+    assert not _allowed(wrong, encode("wipe")[0])  # only the tools' names may follow

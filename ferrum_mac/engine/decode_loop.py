@@ -65,22 +65,33 @@ def constrained_tokens(
 ) -> Generator[int, None, None]:
     """`sampled_tokens` under a grammar: each step's logits masked to what `matcher` allows.
 
-    No step is queued ahead: the next mask depends on the token just sampled, so each token is
-    read (and accepted by the matcher) before the step that feeds it is built. The answer ends
-    once the grammar is finished (its EOS accepted). Every id yielded but the last is in the cache.
+    The next mask depends on the token just sampled, so a token cannot be sampled before the
+    one before it is read. The forward that feeds it still is: step n+1 is queued with the
+    lazy token n, then token n is read and accepted and the next mask filled while the device
+    runs step n+1; only the masked sampling waits for the host. The answer ends once the
+    grammar is finished (its EOS accepted). Every id yielded is in the cache but the first
+    (its step is built after it goes out, as in `sampled_tokens`) and the last when the limit
+    or the capacity ended the answer.
     """
     capacity = model.kv_capacity()
     pos = model.kv_len(cache_id)
     mask = np.empty((1, matcher.vocab.words), dtype=np.int32)
+    matcher.fill_mask(mask)
+    token = sampler.sample(logits, mask[0])
     count = 0
     while True:
-        matcher.fill_mask(mask)
-        token = sampler.sample(logits, mask[0])
+        count += 1
+        more = (limit is None or count < limit) and pos + 1 <= capacity
+        if more and count > 1:
+            logits = model.decode(cache_id, token, pos)
+            pos += 1
         token_id = sampler.read(token)
         matcher.accept(token_id)
-        count += 1
         yield token_id
-        if matcher.is_finished() or (limit is not None and count >= limit) or pos + 1 > capacity:
+        if not more or matcher.is_finished():
             return
-        logits = model.decode(cache_id, token, pos)
-        pos += 1
+        if count == 1:
+            logits = model.decode(cache_id, token, pos)
+            pos += 1
+        matcher.fill_mask(mask)
+        token = sampler.sample(logits, mask[0])

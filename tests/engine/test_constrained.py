@@ -12,7 +12,7 @@ import pytest
 import helpers
 from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.grammar import GrammarError, UnsupportedSchemaError
-from engine_helpers import answer, done
+from engine_helpers import answer, assert_consistent, done
 
 PERSON = {
     "type": "object",
@@ -28,6 +28,17 @@ def test_schema_answer_parses_validates_and_stops(smollm2):
     value = json.loads(answer(events))
     jsonschema.validate(value, PERSON)
     assert done(events).stop_reason == "eos"
+
+
+@pytest.mark.parametrize("max_tokens", [64, 5])
+def test_cache_matches_the_ledger_after_a_constrained_answer(smollm2, max_tokens):
+    """Ended by the grammar (its EOS) or cut by the limit, the next turn starts from a consistent cache."""
+    with smollm2.conversation(max_tokens=max_tokens) as conv:
+        events = list(conv.send("Describe a person as JSON.", response_format=PERSON))
+        assert done(events).stop_reason == ("eos" if max_tokens == 64 else "max_tokens")
+        assert_consistent(smollm2, conv)
+        list(conv.send("And another one.", response_format=PERSON))
+        assert_consistent(smollm2, conv)
 
 
 def test_setting_json_object_and_back_to_text(smollm2):

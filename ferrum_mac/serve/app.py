@@ -202,7 +202,7 @@ class Server:
         answer is free until the model writes its family's opener, then the one call is constrained
         (None for Llama's bare JSON, whose opener is the call itself)."""
         fmt = self.engine.template.tool_format
-        if not tools.forced and fmt.at_start_only:
+        if not tools.forced and not fmt.forced_prefix:
             return None
         constraints = self.engine.constraints
         try:

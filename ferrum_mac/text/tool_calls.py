@@ -45,12 +45,14 @@ def new_call_id() -> str:
 @dataclass(frozen=True)
 class ToolFormat:
     """How one family opens and closes its calls. `closer` None: the calls run to the end of the
-    answer. `at_start_only`: the opener counts only at the start of the answer (Llama's bare JSON)."""
+    answer. `start_openers`: text that opens a call only at the start of the answer and is part of
+    the call itself (Llama's bare JSON; Mistral's list when the tokenizer drops its special
+    [TOOL_CALLS] token from the text)."""
 
     family: str
     openers: tuple[str, ...]
     closer: str | None = None
-    at_start_only: bool = False
+    start_openers: tuple[str, ...] = ()
     forced_prefix: str = ""  # what an answer that must call starts with, before the call's JSON
 
     @property
@@ -70,8 +72,10 @@ class ToolFormat:
 
 FORMATS = {
     HERMES: ToolFormat(HERMES, ("<tool_call>",), "</tool_call>", forced_prefix="<tool_call>\n"),
-    LLAMA3: ToolFormat(LLAMA3, ("<|python_tag|>", "{"), None, at_start_only=True),
-    MISTRAL: ToolFormat(MISTRAL, ("[TOOL_CALLS]",), None, forced_prefix="[TOOL_CALLS]"),
+    LLAMA3: ToolFormat(LLAMA3, ("<|python_tag|>",), None, start_openers=("{",)),
+    MISTRAL: ToolFormat(
+        MISTRAL, ("[TOOL_CALLS]",), None, forced_prefix="[TOOL_CALLS]", start_openers=('[{"name"', '{"name"')
+    ),
 }
 
 
@@ -148,22 +152,15 @@ class StreamingToolParser:
                 return False
             self._after_call = False
         text = self._pending
-        if self.fmt.at_start_only:
-            if self._started:
-                events.append(text)
-                self._pending = ""
-                return False
+        if not self._started and self.fmt.start_openers:
             stripped = text.lstrip()
-            for opener in self.fmt.openers:
+            for opener in self.fmt.start_openers:
                 if stripped.startswith(opener):
-                    self._enter(opener, stripped[len(opener) :] if opener != "{" else stripped)
+                    self._enter(opener, stripped)  # the opener is the call's own text
                     return True
-            if not stripped or any(o.startswith(stripped) for o in self.fmt.openers):
+            if not stripped or any(o.startswith(stripped) for o in self.fmt.start_openers):
                 return False
-            self._started = True
-            events.append(text)
-            self._pending = ""
-            return False
+        self._started = self._started or bool(text.strip())
         found = _first_opener(text, self.fmt.openers)
         if found is not None:
             at, opener = found

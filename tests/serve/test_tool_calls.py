@@ -256,3 +256,28 @@ def test_auto_answer_is_free_until_the_model_opens_a_call_then_constrained(smoll
     for token in encode("<tool_call>") + encode('{"name": "'):
         wrong.accept(token)
     assert not _allowed(wrong, encode("wipe")[0])  # only the tools' names may follow
+
+
+TWO_CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_answers_keep_one_call_when_parallel_calls_are_off(parallel):
+    from ferrum_mac.engine import Done
+    from ferrum_mac.serve import openai_schema as api
+    from ferrum_mac.text.tool_calls import FORMATS, HERMES
+
+    tools = api.tool_request({"tools": TWENTY_TOOLS[:2], "parallel_tool_calls": parallel})
+    message = api.ToolAnswer(tools, FORMATS[HERMES]).message(TWO_CALLS)
+    assert message["content"] is None
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"][: 2 if parallel else 1]
+    stream = api.ToolAnswer(tools, FORMATS[HERMES])
+    deltas = [d for ch in TWO_CALLS for d in stream.deltas(ch)] + stream.finish_deltas()
+    heads = [d["tool_calls"][0] for d in deltas if "id" in d["tool_calls"][0]]
+    assert [h["index"] for h in heads] == list(range(2 if parallel else 1))
+    assert all(h["function"]["arguments"] == "" and h["type"] == "function" for h in heads)
+    assert not any("content" in d for d in deltas)
+    assert stream.finish_reason(Done("eos", 1, 0, 1, 0.1, 10.0, 10.0)) == "tool_calls"

@@ -199,3 +199,21 @@ def test_a_forced_call_parses_after_its_prefix(family):
     fmt = FORMATS[family]
     content, calls = parse_tool_calls(fmt.forced_prefix + '{"name": "get_time", "arguments": {"zone": "UTC"}}', fmt)
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, {"name": "get_time", "arguments": {"zone": "Europe/Paris"}}]',
+        ' {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+    ],
+)
+def test_mistral_calls_whose_special_marker_the_tokenizer_dropped(text):
+    parser = StreamingToolParser(FORMATS[MISTRAL])
+    events = _feed_all(parser, list(text))
+    content, calls = _split(events)
+    assert content == "" and calls and calls[0].name == "get_weather"
+
+
+def test_text_mentioning_markers_later_in_a_mistral_answer_is_text():
+    assert parse_tool_calls('Use {"name": x} here', FORMATS[MISTRAL]) == ('Use {"name": x} here', [])

@@ -62,7 +62,9 @@ class Tool:
         try:
             result = self.function(**args)
         except Exception as e:  # noqa: BLE001  whatever the user's function raises is that call's failure
-            raise ToolError(f"tool '{self.name}' failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from e
+            raise ToolError(
+                f"tool '{self.name}' failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            ) from e
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
 
 
@@ -110,7 +112,9 @@ class Toolbox:
         try:
             return self._tools[name]
         except KeyError:
-            raise ToolError(f"the model called '{name}', which is no tool here ({', '.join(self._tools) or 'none'})") from None
+            raise ToolError(
+                f"the model called '{name}', which is no tool here ({', '.join(self._tools) or 'none'})"
+            ) from None
 
     def definitions(self) -> list[dict]:
         return [t.definition() for t in self._tools.values()]
@@ -146,7 +150,9 @@ def _schema_of_type(annotation: Any, where: str) -> dict:
         return {"type": "array", **({"items": _schema_of_type(args[0], where)} if args else {})}
     if annotation is dict or origin is dict:
         return {"type": "object"}
-    raise ToolError(f"parameter '{where}' has type {annotation!r}, which a tool cannot take; use str, int, float, bool, list, dict or Literal")
+    raise ToolError(
+        f"parameter '{where}' has type {annotation!r}, which a tool cannot take; use str, int, float, bool, list, dict or Literal"
+    )
 
 
 def _arguments(name: str, arguments: str | Mapping[str, Any]) -> dict:

@@ -299,9 +299,7 @@ async def unless_disconnected(http: Request, work):
         task.cancel()
 
 
-async def whole_answer(
-    events: asyncio.Queue, envelope: dict, chat: bool, calls: api.ToolAnswer | None = None
-) -> dict:
+async def whole_answer(events: asyncio.Queue, envelope: dict, chat: bool, calls: api.ToolAnswer | None = None) -> dict:
     calls = calls or api.ToolAnswer(None, None)
     text, reasoning = [], []
     while True:

@@ -226,12 +226,16 @@ def tool_request(body: dict) -> ToolRequest | None:
             raise ApiError(400, "'tool_choice' needs 'tools' to choose from", param="tool_choice", code="invalid_value")
         return None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise ApiError(400, f"'tools' must be an array of at most {MAX_TOOLS} tools", param="tools", code="invalid_type")
+        raise ApiError(
+            400, f"'tools' must be an array of at most {MAX_TOOLS} tools", param="tools", code="invalid_type"
+        )
     functions = tuple(_function(t, i) for i, t in enumerate(tools))
     names = [f["name"] for f in functions]
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})[0]
-        raise ApiError(400, f"two tools are named '{twice}'; tool names must differ", param="tools", code="invalid_value")
+        raise ApiError(
+            400, f"two tools are named '{twice}'; tool names must differ", param="tools", code="invalid_value"
+        )
     choice = _tool_choice(choice, names)
     if choice == "none":
         return None
@@ -274,7 +278,9 @@ def _check_parameters(parameters, name: str, param: str) -> None:
         pass
     except jsonschema.SchemaError as e:
         raise ApiError(
-            400, f"the parameters of tool '{name}' are not a valid JSON schema: {e.message[:200]}", param=param,
+            400,
+            f"the parameters of tool '{name}' are not a valid JSON schema: {e.message[:200]}",
+            param=param,
             code="invalid_schema",
         ) from None
     try:
@@ -331,7 +337,13 @@ def _assistant_calls(calls, i: int) -> list[dict]:
             raise ApiError(
                 400, f"{param}[{j}].function.arguments is not JSON text", param=f"{param}[{j}]", code="invalid_value"
             ) from None
-        out.append({"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": function["arguments"]}})
+        out.append(
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": function["name"], "arguments": function["arguments"]},
+            }
+        )
     return out
 
 
@@ -411,7 +423,12 @@ class ToolAnswer:
                 continue
             for call in self._keep([event]):
                 index = len(self.calls) - 1
-                head = {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+                head = {
+                    "index": index,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
                 out.append({"tool_calls": [head]})
                 out.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
         return out

@@ -65,7 +65,11 @@ def test_run_with_json_or_a_dict():
 def test_given_schema_and_name_win():
     schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
     t = tool(lambda q: q.upper(), name="shout", description="Upper case", parameters=schema)
-    assert isinstance(t, Tool) and t.definition()["function"] == {"name": "shout", "description": "Upper case", "parameters": schema}
+    assert isinstance(t, Tool) and t.definition()["function"] == {
+        "name": "shout",
+        "description": "Upper case",
+        "parameters": schema,
+    }
     assert t.run('{"q": "hi"}') == "HI"
 
 

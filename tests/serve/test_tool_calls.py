@@ -48,7 +48,16 @@ def test_bad_tools_are_400s(server, case, tools, param):
 
 
 def test_unsupported_schema_keyword_is_named(server):
-    tools = [_function("f", {"type": "object", "properties": {"a": {"type": "string", "format": "uuid-ish", "contentSchema": {}}}, "$dynamicRef": "#x"})]
+    tools = [
+        _function(
+            "f",
+            {
+                "type": "object",
+                "properties": {"a": {"type": "string", "format": "uuid-ish", "contentSchema": {}}},
+                "$dynamicRef": "#x",
+            },
+        )
+    ]
     response = chat(server, tools=tools)
     if response.status_code == 200:
         pytest.skip("the grammar engine accepts every keyword of this schema")
@@ -79,9 +88,18 @@ def test_tool_choice_without_tools_is_400(server):
     [
         ([{"role": "tool", "content": "18C"}], "messages[1].tool_call_id"),
         ([{"role": "tool", "tool_call_id": "call_1", "content": "18C"}], "messages[1].tool_call_id"),
-        ([{"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "call_2", "content": "18C"}], "messages[2].tool_call_id"),
+        (
+            [
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_2", "content": "18C"},
+            ],
+            "messages[2].tool_call_id",
+        ),
         ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}], "messages[1].tool_calls[0]"),
-        ([{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{oops"}}]}], "messages[1].tool_calls[0]"),
+        (
+            [{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{oops"}}]}],
+            "messages[1].tool_calls[0]",
+        ),
     ],
 )
 def test_bad_tool_history_is_400(server, history, param):
@@ -116,23 +134,100 @@ def _tool(name: str, description: str, properties: dict, required=()) -> dict:
 
 WORD = {"type": "string", "maxLength": 24}
 TWENTY_TOOLS = [
-    _tool("get_weather", "Current weather in a city", {"city": WORD, "unit": {"enum": ["celsius", "fahrenheit"]}}, ["city"]),
+    _tool(
+        "get_weather",
+        "Current weather in a city",
+        {"city": WORD, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        ["city"],
+    ),
     _tool("get_time", "Current time in a time zone", {"zone": WORD}, ["zone"]),
     _tool("add", "Add two numbers", {"a": {"type": "number"}, "b": {"type": "number"}}, ["a", "b"]),
-    _tool("roll_dice", "Roll dice", {"sides": {"type": "integer", "minimum": 2, "maximum": 100}, "count": {"type": "integer", "minimum": 1, "maximum": 10}}, ["sides"]),
-    _tool("search", "Search the web", {"query": WORD, "limit": {"type": "integer", "minimum": 1, "maximum": 20}}, ["query"]),
-    _tool("send_email", "Send an email", {"to": WORD, "subject": WORD, "urgent": {"type": "boolean"}}, ["to", "subject"]),
-    _tool("set_alarm", "Set an alarm", {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "minute": {"type": "integer", "minimum": 0, "maximum": 59}}, ["hour", "minute"]),
-    _tool("translate", "Translate text", {"text": WORD, "target": {"enum": ["fr", "de", "es", "it"]}}, ["text", "target"]),
-    _tool("create_event", "Create a calendar event", {"title": WORD, "attendees": {"type": "array", "items": WORD, "minItems": 1, "maxItems": 3}}, ["title", "attendees"]),
-    _tool("convert_units", "Convert a quantity", {"value": {"type": "number", "minimum": 0}, "from_unit": WORD, "to_unit": WORD}, ["value", "from_unit", "to_unit"]),
+    _tool(
+        "roll_dice",
+        "Roll dice",
+        {
+            "sides": {"type": "integer", "minimum": 2, "maximum": 100},
+            "count": {"type": "integer", "minimum": 1, "maximum": 10},
+        },
+        ["sides"],
+    ),
+    _tool(
+        "search",
+        "Search the web",
+        {"query": WORD, "limit": {"type": "integer", "minimum": 1, "maximum": 20}},
+        ["query"],
+    ),
+    _tool(
+        "send_email", "Send an email", {"to": WORD, "subject": WORD, "urgent": {"type": "boolean"}}, ["to", "subject"]
+    ),
+    _tool(
+        "set_alarm",
+        "Set an alarm",
+        {
+            "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+            "minute": {"type": "integer", "minimum": 0, "maximum": 59},
+        },
+        ["hour", "minute"],
+    ),
+    _tool(
+        "translate", "Translate text", {"text": WORD, "target": {"enum": ["fr", "de", "es", "it"]}}, ["text", "target"]
+    ),
+    _tool(
+        "create_event",
+        "Create a calendar event",
+        {"title": WORD, "attendees": {"type": "array", "items": WORD, "minItems": 1, "maxItems": 3}},
+        ["title", "attendees"],
+    ),
+    _tool(
+        "convert_units",
+        "Convert a quantity",
+        {"value": {"type": "number", "minimum": 0}, "from_unit": WORD, "to_unit": WORD},
+        ["value", "from_unit", "to_unit"],
+    ),
     _tool("stock_price", "A stock's price", {"ticker": {"type": "string", "pattern": "^[A-Z]{1,5}$"}}, ["ticker"]),
-    _tool("play_music", "Play a song", {"song": WORD, "volume": {"type": "integer", "minimum": 0, "maximum": 10}}, ["song"]),
-    _tool("book_table", "Book a restaurant table", {"restaurant": WORD, "people": {"type": "integer", "minimum": 1, "maximum": 12}, "when": {"type": "object", "properties": {"day": WORD, "hour": {"type": "integer", "minimum": 0, "maximum": 23}}, "required": ["day", "hour"], "additionalProperties": False}}, ["restaurant", "people", "when"]),
+    _tool(
+        "play_music",
+        "Play a song",
+        {"song": WORD, "volume": {"type": "integer", "minimum": 0, "maximum": 10}},
+        ["song"],
+    ),
+    _tool(
+        "book_table",
+        "Book a restaurant table",
+        {
+            "restaurant": WORD,
+            "people": {"type": "integer", "minimum": 1, "maximum": 12},
+            "when": {
+                "type": "object",
+                "properties": {"day": WORD, "hour": {"type": "integer", "minimum": 0, "maximum": 23}},
+                "required": ["day", "hour"],
+                "additionalProperties": False,
+            },
+        },
+        ["restaurant", "people", "when"],
+    ),
     _tool("list_files", "List a folder", {"path": WORD, "hidden": {"type": "boolean"}}, ["path"]),
-    _tool("rate_movie", "Rate a movie", {"title": WORD, "stars": {"type": "integer", "minimum": 1, "maximum": 5}}, ["title", "stars"]),
-    _tool("order_pizza", "Order pizza", {"size": {"enum": ["small", "medium", "large"]}, "toppings": {"type": "array", "items": {"enum": ["cheese", "ham", "olives", "basil"]}, "maxItems": 4}}, ["size"]),
-    _tool("navigate", "Directions to a place", {"destination": WORD, "mode": {"anyOf": [{"enum": ["car", "bike", "walk"]}, {"type": "null"}]}}, ["destination"]),
+    _tool(
+        "rate_movie",
+        "Rate a movie",
+        {"title": WORD, "stars": {"type": "integer", "minimum": 1, "maximum": 5}},
+        ["title", "stars"],
+    ),
+    _tool(
+        "order_pizza",
+        "Order pizza",
+        {
+            "size": {"enum": ["small", "medium", "large"]},
+            "toppings": {"type": "array", "items": {"enum": ["cheese", "ham", "olives", "basil"]}, "maxItems": 4},
+        },
+        ["size"],
+    ),
+    _tool(
+        "navigate",
+        "Directions to a place",
+        {"destination": WORD, "mode": {"anyOf": [{"enum": ["car", "bike", "walk"]}, {"type": "null"}]}},
+        ["destination"],
+    ),
     _tool("get_news", "Headlines", {"topic": WORD, "count": {"type": "integer", "minimum": 1, "maximum": 5}}, []),
     _tool("lights", "Switch the lights", {"room": WORD, "on": {"type": "boolean"}}, ["room", "on"]),
     _tool("no_arguments", "A tool without arguments", {}, []),
@@ -225,7 +320,10 @@ def test_auto_answer_never_leaks_markup(smollm2_server):
     message = whole["choices"][0]["message"]
     assert not any(m in (message["content"] or "") for m in MARKUP)
     for call in message.get("tool_calls") or ():
-        assert call["function"]["name"] in {"get_weather", "get_time", "add"} and json.loads(call["function"]["arguments"]) is not None
+        assert (
+            call["function"]["name"] in {"get_weather", "get_time", "add"}
+            and json.loads(call["function"]["arguments"]) is not None
+        )
 
 
 def _allowed(matcher, token: int) -> bool:

@@ -159,7 +159,10 @@ def test_messages_for_a_template_without_tools():
         ]
     )
     assert out == [
-        {"role": "assistant", "content": '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'},
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+        },
         {"role": "user", "content": "<tool_response>\n12:00\n</tool_response>"},
     ]
 
@@ -167,7 +170,11 @@ def test_messages_for_a_template_without_tools():
 TOOLS = [
     {
         "type": "function",
-        "function": {"name": "get_time", "description": "The time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+        "function": {
+            "name": "get_time",
+            "description": "The time",
+            "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+        },
     }
 ]
 HISTORY = [
@@ -175,7 +182,9 @@ HISTORY = [
     {
         "role": "assistant",
         "content": "",
-        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}],
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+        ],
     },
     {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
 ]

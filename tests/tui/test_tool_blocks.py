@@ -48,7 +48,9 @@ class Blocks(App):
 
 
 async def test_call_and_result_are_blocks_with_pretty_arguments():
-    app = Blocks([ToolCallBlock("get_weather", '{"city": "Paris", "days": [1, 2]}'), ToolResultBlock("get_weather", "sunny")])
+    app = Blocks(
+        [ToolCallBlock("get_weather", '{"city": "Paris", "days": [1, 2]}'), ToolResultBlock("get_weather", "sunny")]
+    )
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
         texts = [str(s.render()) for s in app.query(Static)]

@@ -40,5 +40,7 @@ class ToolResultBlock(Vertical):
         self.tool_name, self.result, self.failed = name, result, failed
 
     def compose(self) -> ComposeResult:
-        yield Label(f"Tool result: {self.tool_name}" + (" (failed)" if self.failed else ""), classes="role", markup=False)
+        yield Label(
+            f"Tool result: {self.tool_name}" + (" (failed)" if self.failed else ""), classes="role", markup=False
+        )
         yield Static(self.result, classes="tool-output", markup=False)

@@ -105,3 +105,19 @@ def test_masked_sampler_never_picks_a_forbidden_id(smollm2):
         assert {sampler.read(sampler.sample(logits, mask)) for _ in range(5)} == {35}
     finally:
         model.release("masked-sampler")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_sampler_masks_a_copy_of_the_logits(dtype):
+    """The torch sampler draws only allowed ids and leaves the model's logits as they were."""
+    torch = pytest.importorskip("torch")
+    from ferrum_mac.backends.torch.sampling import TorchSampler
+    from ferrum_mac.engine import SamplingParams
+
+    sampler = TorchSampler(SamplingParams(temperature=1.5, seed=3), [], 100, torch.device("cpu"))
+    logits = torch.randn(1, 100).to(getattr(torch, dtype))
+    original = logits.clone()
+    mask = np.zeros(4, dtype=np.int32)
+    mask[2] = 1 << 5  # id 69
+    assert {sampler.read(sampler.sample(logits, mask)) for _ in range(5)} == {69}
+    assert torch.equal(logits, original)

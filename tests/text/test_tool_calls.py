@@ -191,10 +191,8 @@ HISTORY = [
 
 
 @pytest.mark.parametrize("folder", ["tokenizers/qwen3", "stories260K"])
-def test_tools_and_calls_render_through_the_template(folder):
-    from conftest import asset
-
-    path = asset(*folder.split("/"))
+def test_tools_and_calls_render_through_the_template(shared_assets, folder):
+    path = shared_assets / folder
     template = load_chat_template(path, load_tokenizer(path))
     prompt = template.render(HISTORY, tools=TOOLS)
     assert json.dumps(TOOLS[0], ensure_ascii=False) in prompt  # the tool, as the template's tojson writes it

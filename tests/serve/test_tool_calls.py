@@ -379,3 +379,56 @@ def test_answers_keep_one_call_when_parallel_calls_are_off(parallel):
     assert all(h["function"]["arguments"] == "" and h["type"] == "function" for h in heads)
     assert not any("content" in d for d in deltas)
     assert stream.finish_reason(Done("eos", 1, 0, 1, 0.1, 10.0, 10.0)) == "tool_calls"
+
+
+# -- Qwen3's own template and tokenizer (<tool_call> is one token there), on random weights -----
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(tmp_path_factory, shared_assets):
+    import shutil
+
+    import helpers
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    tokenizer = shared_assets / "tokenizers" / "qwen3"
+    folder = tmp_path_factory.mktemp("qwen3-tools")
+    torch.manual_seed(0)
+    config = Qwen3Config(**{**helpers.TINY, "vocab_size": 151936}, head_dim=32, tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    scheduler = Scheduler(open_stories(folder, kv_capacity=2048)).start()
+    live = LiveServer(build_app(scheduler, "qwen3-random"))
+    yield live
+    live.stop()
+    scheduler.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_qwen3_required_call_validates_through_its_template(qwen3_server, stream):
+    import openai
+
+    client = openai.OpenAI(base_url=qwen3_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    tools = [t for t in TWENTY_TOOLS if t["function"]["name"] in ("lights", "order_pizza", "rate_movie")]
+    kwargs = dict(model="qwen3-random", messages=QUESTION, tools=tools, tool_choice="required", max_tokens=200)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+        _validate(choice.message.tool_calls[0], tools)
+        return
+    pieces = list(client.chat.completions.create(**kwargs, stream=True))
+    content = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+    calls = [c for p in pieces if p.choices for c in p.choices[0].delta.tool_calls or ()]
+    assert not any(m in content for m in MARKUP) and pieces[-1].choices[0].finish_reason == "tool_calls"
+    name = calls[0].function.name
+    arguments = "".join(c.function.arguments or "" for c in calls)
+    import jsonschema
+
+    jsonschema.validate(
+        json.loads(arguments), next(t for t in tools if t["function"]["name"] == name)["function"]["parameters"]
+    )

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, SEED_LIMIT, Done, SamplingParams
 from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.grammar import GrammarError, json_schema_grammar
+from ferrum_mac.grammar import GrammarError, UnsupportedSchemaError, json_schema_grammar
 from ferrum_mac.text.tool_calls import StreamingToolParser, ToolCall, ToolFormat
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -271,20 +271,9 @@ def _check_parameters(parameters, name: str, param: str) -> None:
     if not isinstance(parameters, dict):
         raise ApiError(400, f"{param} must be a JSON schema object", param=param, code="invalid_type")
     try:
-        import jsonschema
-
-        jsonschema.validators.validator_for(parameters).check_schema(parameters)
-    except ImportError:  # jsonschema is a test dependency; the grammar engine still checks below
-        pass
-    except jsonschema.SchemaError as e:
-        raise ApiError(
-            400,
-            f"the parameters of tool '{name}' are not a valid JSON schema: {e.message[:200]}",
-            param=param,
-            code="invalid_schema",
-        ) from None
-    try:
-        json_schema_grammar(parameters, f"the parameters of tool '{name}'")
+        json_schema_grammar(parameters, f"the parameters of tool '{name}'")  # also checks it is a valid schema
+    except UnsupportedSchemaError as e:
+        raise ApiError(400, str(e), param=param, code="unsupported_schema") from None
     except GrammarError as e:
         raise ApiError(400, str(e), param=param, code="invalid_schema") from None
 

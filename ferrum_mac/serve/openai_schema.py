@@ -3,7 +3,7 @@
 Checks follow the OpenAI API: a wrong field answers 400 with `{"error": {message, type,
 param, code}}`. Everything a client sends is checked here, at the edge: JSON nested at most
 `MAX_DEPTH` deep, no NaN or infinities, strings that are valid Unicode (no lone surrogates),
-every number finite and in its range. Fields ferrum cannot honour (n > 1, tools, logprobs,
+every number finite and in its range. Fields ferrum cannot honour (n > 1, functions, logprobs,
 ...) are refused rather than ignored; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos` and `chat_template_kwargs` are accepted.
 """

@@ -121,3 +121,28 @@ def test_torch_sampler_masks_a_copy_of_the_logits(dtype):
     mask[2] = 1 << 5  # id 69
     assert {sampler.read(sampler.sample(logits, mask)) for _ in range(5)} == {69}
     assert torch.equal(logits, original)
+
+
+def test_free_text_until_the_marker_then_the_grammar(smollm2):
+    """As a thinking model's reasoning before `</think>`: the text up to the `start_after` ids is
+    free, the rest follows the schema (here the marker is a newline, which SmolLM2 has as a token)."""
+    from ferrum_mac.engine.decode_loop import constrained_tokens
+    from ferrum_mac.grammar import GrammarMatcher
+
+    tokenizer, model = smollm2.tokenizer, smollm2.model
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1
+    grammar = smollm2.constraints.compile(ResponseFormat(PERSON))
+    matcher = GrammarMatcher(grammar, start_after=newline)
+    _, prompt = smollm2.render(smollm2.settings(), [{"role": "user", "content": "Think, then answer in JSON."}])
+    sampling = smollm2.default_sampling.replace(temperature=0.0, logit_bias={newline[0]: 4.0})
+    sampler = model.sampler(sampling, prompt)
+    try:
+        logits = model.prefill("marker", prompt)
+        ids = list(constrained_tokens(model, sampler, "marker", logits, 80, matcher))
+    finally:
+        model.release("marker")
+    assert newline[0] in ids and matcher.is_finished()
+    after = [t for t in ids[ids.index(newline[0]) + 1 :] if t not in smollm2.eos_ids]
+    jsonschema.validate(json.loads(tokenizer.decode(after)), PERSON)
+    assert ids.index(newline[0]) > 0  # free text came first

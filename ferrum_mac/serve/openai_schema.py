@@ -404,7 +404,7 @@ class ToolAnswer:
         return kept
 
     def _deltas(self, events: list) -> list[dict]:
-        out = []
+        out: list[dict] = []
         for event in events:
             if isinstance(event, str):
                 if event:

@@ -270,8 +270,9 @@ def _mistral_calls(text: str) -> list[ToolCall] | None:
         except ValueError:
             return None
         items = value if isinstance(value, list) else [value]
-        calls = [_call_of(item, "arguments") for item in items]
-        return None if not calls or None in calls else calls  # type: ignore[return-value]
+        listed = [_call_of(item, "arguments") for item in items]
+        found = [c for c in listed if c is not None]
+        return found if listed and len(found) == len(listed) else None
     calls = []
     for part in filter(None, (p.strip() for p in text.split("[TOOL_CALLS]"))):
         head = _MISTRAL_V11.match(part)

@@ -67,6 +67,16 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]]) -> str:
     return json_schema_grammar(schema, "the tool call")
 
 
+def marked_tool_call_grammar(tools: Sequence[Mapping[str, Any]], opener: str, closer: str) -> str:
+    """One call of one of `tools` written between the family's markers, e.g. `<tool_call>\n` and
+    `\n</tool_call>`: for an answer that reasons first, so the markers cannot be put in the prompt."""
+    schema = json.loads(tool_call_grammar(tools))["grammars"][0]["json_schema"]
+    lark = f"start: {json.dumps(opener)} call {json.dumps(closer)}\ncall: %json {json.dumps(schema)}"
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    check_grammar(grammar, "the tool call")
+    return grammar
+
+
 def check_grammar(grammar: str, what: str) -> None:
     """Raise a `GrammarError` naming the problem when the engine cannot compile `grammar`."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

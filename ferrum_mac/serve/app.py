@@ -31,6 +31,7 @@ from ferrum_mac.grammar import (
     compile_grammar,
     tool_call_grammar,
 )
+from ferrum_mac.grammar.schema import marked_tool_call_grammar
 from ferrum_mac.serve import openai_schema as api
 from ferrum_mac.serve.guards import ApiKeyCheck, HostCheck, OriginCheck, loopback_host_names
 from ferrum_mac.serve.metrics import prometheus_text
@@ -93,12 +94,22 @@ class Server:
         opts = self._options(body)
         tools = await run_in_threadpool(api.tool_request, body)  # compiles each parameters schema
         text, ids = await run_in_threadpool(self._chat_prompt, messages, opts.template_kwargs, tools)
+        fmt = self.engine.template.tool_format
+        prefilled = tools is not None and bool(tools.forced) and text.endswith(fmt.forced_prefix)
         if tools is not None and (tools.forced or opts.response_format is None):
-            matcher = await run_in_threadpool(self._tool_matcher, tools)
+            matcher = await run_in_threadpool(self._tool_matcher, tools, text, prefilled)
         else:
             matcher = await run_in_threadpool(self._matcher, opts.response_format, text)
+        call_prefix = fmt.forced_prefix if prefilled else ""
         return await self._answer(
-            request, ids, opts, prompt_opens_reasoning(text), chat=True, tools=tools, matcher=matcher
+            request,
+            ids,
+            opts,
+            prompt_opens_reasoning(text),
+            chat=True,
+            tools=tools,
+            matcher=matcher,
+            call_prefix=call_prefix,
         )
 
     async def completions(self, request: Request) -> Response:
@@ -161,7 +172,8 @@ class Server:
         self, messages: list[dict], template_kwargs: dict, tools: api.ToolRequest | None = None
     ) -> tuple[str, list[int]]:
         """The rendered prompt and its ids (on a worker thread: both take long on long prompts);
-        an answer that must call a tool starts with its family's call opener."""
+        an answer that must call a tool starts with its family's call opener, unless the model
+        reasons first (then the opener is part of the call's grammar, see `_tool_matcher`)."""
         template = self.engine.template
         try:
             text = template.render(
@@ -170,7 +182,7 @@ class Server:
                 tools=tools.template_tools() if tools else None,
                 **template_kwargs,
             )
-            if tools is not None and tools.forced:
+            if tools is not None and tools.forced and not self._reasons_before_calling(text):
                 text += template.tool_format.forced_prefix
         except FerrumError as e:
             raise api.ApiError(400, str(e), param="messages") from None
@@ -196,16 +208,26 @@ class Server:
         except GrammarError as e:
             raise api.ApiError(400, str(e), param="response_format", code="invalid_schema") from None
 
-    def _tool_matcher(self, tools: api.ToolRequest) -> GrammarMatcher | None:
+    def _reasons_before_calling(self, prompt_text: str) -> bool:
+        """Whether a required call should wait for the model's reasoning: a thinking prompt, and
+        call markers the grammar can write as text (Hermes' tags; not special tokens)."""
+        closer = self.engine.template.tool_format.closer
+        return closer is not None and bool(self.engine.constraints.start_after(prompt_text))
+
+    def _tool_matcher(self, tools: api.ToolRequest, prompt_text: str, prefilled: bool) -> GrammarMatcher | None:
         """The call's grammar, so its arguments always validate against the function's parameters.
-        A required call's JSON comes right after the opener the prompt ends with; with "auto" the
-        answer is free until the model writes its family's opener, then the one call is constrained
-        (None for Llama's bare JSON, whose opener is the call itself)."""
+        A required call's JSON comes right after the opener the prompt ends with (`prefilled`), or
+        with its markers after the model's reasoning; with "auto" the answer is free until the
+        model writes its family's opener, then the one call is constrained (None for Llama's bare
+        JSON, whose opener is the call itself)."""
         fmt = self.engine.template.tool_format
         if not tools.forced and not fmt.forced_prefix:
             return None
         constraints = self.engine.constraints
         try:
+            if tools.forced and not prefilled and fmt.closer is not None:
+                text = marked_tool_call_grammar(tools.forced, fmt.forced_prefix, "\n" + fmt.closer)
+                return constraints.matcher(compile_grammar(text, constraints.vocab), prompt_text)
             grammar = compile_grammar(tool_call_grammar(tools.forced or tools.functions), constraints.vocab)
         except GrammarError as e:
             raise api.ApiError(400, str(e), param="tools", code="invalid_schema") from None
@@ -237,6 +259,7 @@ class Server:
         chat: bool,
         tools: api.ToolRequest | None = None,
         matcher: GrammarMatcher | None = None,
+        call_prefix: str = "",
     ) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -263,8 +286,7 @@ class Server:
             raise api.ApiError(400, str(e)) from None
         kind = "chat.completion" if chat else "text_completion"
         envelope = api.envelope(kind, api.new_id("chatcmpl" if chat else "cmpl"), self.model_name)
-        fmt = self.engine.template.tool_format
-        calls = api.ToolAnswer(tools, fmt, fmt.forced_prefix if tools is not None and tools.forced else "")
+        calls = api.ToolAnswer(tools, self.engine.template.tool_format, call_prefix)
         if opts.stream:
             chunks = stream_chunks(handle, events, envelope, chat, opts.include_usage, calls)
             return StreamingResponse(chunks, media_type="text/event-stream")

@@ -96,12 +96,17 @@ class RemoteEngine:
     def close(self) -> None:
         self.http.close()
 
-    def send(self, conv: Conversation, text: str, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def send(
+        self, conv: Conversation, text: str, cancel: threading.Event | None = None, response_format=None
+    ) -> Iterator[Event]:
         """Stream the answer to `text`; the user message and the answer so far join
-        `conv.messages` whatever ends the turn."""
+        `conv.messages` whatever ends the turn. `response_format` (a `ResponseFormat`): this
+        answer's, sent as the API's; None: the conversation's setting."""
         if conv.closed:
             raise FerrumError(f"conversation {conv.cache_id} is closed; open a new one")
         body = self._request_body(conv, text)
+        if response_format is not None:
+            body["response_format"] = response_format.as_openai()
         conv.messages.append({"role": "user", "content": text})
         self._cancel = cancel = cancel or threading.Event()
         turn = RemoteTurn()

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ferrum_mac.engine.conversation import ChatSettings, Conversation
     from ferrum_mac.engine.events import Event
     from ferrum_mac.engine.sampling import SamplingParams
-    from ferrum_mac.engine.structured import Constraints
+    from ferrum_mac.engine.structured import Constraints, ResponseFormat
     from ferrum_mac.llm import DecoderOnlyLLM
     from ferrum_mac.text import ChatTemplate, Tokenizer
 
@@ -51,8 +51,15 @@ class ChatEngine(Protocol):
         """Free what the conversation holds (its KV cache). Idempotent."""
         ...
 
-    def send(self, conv: Conversation, text: str, cancel: threading.Event | None = None) -> Iterator[Event]:
-        """Add the user message `text` to `conv` and stream the answer's events, ending with one Done."""
+    def send(
+        self,
+        conv: Conversation,
+        text: str,
+        cancel: threading.Event | None = None,
+        response_format: ResponseFormat | None = None,
+    ) -> Iterator[Event]:
+        """Add the user message `text` to `conv` and stream the answer's events, ending with one Done;
+        `response_format` holds this answer to JSON (None: the conversation's setting)."""
         ...
 
     def cancel(self) -> None:

@@ -504,12 +504,12 @@ class Scheduler:
     def _sample_all(finals: list[tuple[Sequence, Logits]]) -> list[int]:
         """One token id per row. Rows under a grammar are sampled with their masks (filled
         together, on the grammar engine's threads); the others exactly as without them."""
-        constrained = [i for i, (seq, _) in enumerate(finals) if seq.request.matcher is not None]
-        if not constrained:
+        matchers = {i: seq.request.matcher for i, (seq, _) in enumerate(finals) if seq.request.matcher is not None}
+        if not matchers:
             return Scheduler._sample_free(finals)
-        matchers = [finals[i][0].request.matcher for i in constrained]
-        masks = np.empty((len(constrained), matchers[0].vocab.words), dtype=np.int32)
-        fill_masks([(m, row) for row, m in enumerate(matchers)], masks)
+        constrained = list(matchers)
+        masks = np.empty((len(constrained), matchers[constrained[0]].vocab.words), dtype=np.int32)
+        fill_masks([(matchers[i], row) for row, i in enumerate(constrained)], masks)
         lazy = {i: finals[i][0].sampler.sample(finals[i][1], masks[row]) for row, i in enumerate(constrained)}
         free = [i for i in range(len(finals)) if i not in lazy]
         ids = dict(zip(free, Scheduler._sample_free([finals[i] for i in free])))

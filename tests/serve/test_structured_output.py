@@ -10,6 +10,7 @@ import json
 import sys
 import threading
 from pathlib import Path
+from typing import Annotated
 
 import httpx
 import jsonschema
@@ -83,7 +84,7 @@ def streamed_content(server, **body) -> tuple[str, str]:
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=24)
     age: int = pydantic.Field(ge=0, le=120)
-    hobbies: list[str] = pydantic.Field(max_length=3)
+    hobbies: list[Annotated[str, pydantic.StringConstraints(max_length=24)]] = pydantic.Field(max_length=3)
 
 
 def test_official_client_parse_with_a_pydantic_model(smollm2_server):
@@ -92,7 +93,7 @@ def test_official_client_parse_with_a_pydantic_model(smollm2_server):
         model="smollm2",
         messages=[{"role": "user", "content": "Describe a person."}],
         response_format=Person,
-        max_tokens=96,
+        max_tokens=SUITE_MAX_TOKENS,
     )
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
@@ -149,7 +150,9 @@ def test_unconstrained_rows_are_unchanged_beside_constrained_ones(smollm2_server
         threading.Thread(
             target=run,
             args=(("json", i),),
-            kwargs=dict(messages=ASK, max_tokens=64, response_format=schema_format(SCHEMAS[name])),
+            kwargs=dict(
+                messages=ASK, max_tokens=SUITE_MAX_TOKENS, response_format=schema_format(bounded(SCHEMAS[name]))
+            ),
         )
         for i, name in enumerate(["flat_required", "array_min_max", "nested_objects"])
     ]
@@ -224,7 +227,9 @@ def test_remote_engine_sends_the_conversations_format(smollm2_server):
 
     engine = RemoteEngine(smollm2_server.url)
     try:
-        conv = engine.conversation(max_tokens=64, response_format=ResponseFormat(SCHEMAS["flat_required"]))
+        conv = engine.conversation(
+            max_tokens=SUITE_MAX_TOKENS, response_format=ResponseFormat(bounded(SCHEMAS["flat_required"]))
+        )
         text = "".join(e.text for e in conv.send("Describe a person.") if isinstance(e, TextDelta))
         jsonschema.validate(json.loads(text), SCHEMAS["flat_required"])
         conv.settings = conv.settings.replace(response_format=None)

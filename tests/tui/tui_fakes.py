@@ -55,7 +55,7 @@ class FakeEngine:
     def close(self) -> None:
         pass
 
-    def send(self, conv: Conversation, text: str, cancel: threading.Event | None = None):
+    def send(self, conv: Conversation, text: str, cancel: threading.Event | None = None, response_format=None):
         cancel = cancel or threading.Event()
         self._cancel = cancel
         self.turns.append(

@@ -51,7 +51,9 @@ def model_family(families: dict, model_type: str, backend: str):
     return family
 
 
-def pool_limits(config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int, block_tokens: int) -> tuple[int, int]:
+def pool_limits(
+    config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int, block_tokens: int
+) -> tuple[int, int]:
     """(max_blocks, cache_blocks) for a pool: the blocks free memory holds (its KV share), and
     those the prefix cache may keep unused (FERRUM_PREFIX_CACHE_MB, at most CACHE_SHARE of it)."""
     block_bytes = config.kv_bytes_per_token(bytes_per_element) * block_tokens

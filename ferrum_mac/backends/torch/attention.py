@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ferrum_mac.backends.torch.kv import KvManager, SequenceBlocks
 from ferrum_mac.backends.torch.layers import RmsNorm, Rope, fuse, linear
@@ -129,6 +128,8 @@ class Plan:
             causal = True
         elif seg.length > 1:  # a chunk after cached tokens: query i sees keys up to offset + i,
             # which PyTorch's fused kernels take as a causal bias aligned to the last key
+            from torch.nn.attention.bias import causal_lower_right  # (imports torch's compiler: only when used)
+
             mask = causal_lower_right(seg.length, end)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], kv[0][None], kv[1][None],

@@ -17,10 +17,11 @@ from ferrum_mac.backends.prefix_disk import SUFFIX, PrefixDisk, for_checkpoint, 
 from ferrum_mac.llm import MISS_NO_PREFIX, MISS_OTHER_MODEL
 from ferrum_mac.weights import load_checkpoint
 
+from helpers import SHARED
 from test_block_pool import check_counts, ids
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 4
-STORIES = "/work/shared/assets/stories260K"
+STORIES = SHARED / "assets" / "stories260K"
 
 
 class KvPool(BlockPool):

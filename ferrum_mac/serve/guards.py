@@ -23,21 +23,27 @@ async def refuse(error: api.ApiError, scope, receive, send) -> None:
 
 
 class ApiKeyCheck:
-    """401 for any path but /health without `Authorization: Bearer <key>` (the scheme in any case)."""
+    """401 for any path but /health without `Authorization: Bearer <key>` (the scheme in any case)
+    or `x-api-key: <key>` (Anthropic's clients send that)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.expected):
-                error = api.ApiError(
-                    401, "incorrect or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
-                )
-                return await refuse(error, scope, receive, send)
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.accepts(dict(scope["headers"])):
+            error = api.ApiError(
+                401,
+                "incorrect or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                code="invalid_api_key",
+            )
+            return await refuse(error, scope, receive, send)
         await self.app(scope, receive, send)
+
+    def accepts(self, headers: dict) -> bool:
+        scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected)
+        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.expected)
 
 
 class OriginCheck:

@@ -228,8 +228,16 @@ def chat(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Most tokens per answer in new conversations."),
     remote: Remote = None,
     api_key: ApiKey = None,
+    search: Optional[str] = typer.Option(
+        None, "--search", metavar="TEXT", help="Print the history's messages that match TEXT, then exit."
+    ),
 ) -> None:
     """The chat application: conversations kept as they happen, streaming Markdown, a model picker."""
+    if search is not None:
+        from ferrum_mac.cli.chat_search import print_search
+
+        print_search(db, search)
+        return
     from ferrum_mac.tui.app import main as chat_app
 
     chat_app(model, backend, db, max_tokens, remote=remote, api_key=api_key, device=device)

@@ -17,6 +17,7 @@ says so in one line rather than failing with sqlite's bare "database is locked".
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -51,6 +52,23 @@ MIGRATIONS: list[str] = [
     ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT '';
     ALTER TABLE messages ADD COLUMN stats TEXT NOT NULL DEFAULT '{}';
     """,
+    # 2 -> 3: full-text search over the messages, kept in step by triggers on every write
+    """
+    CREATE VIRTUAL TABLE messages_fts USING fts5(
+        content, content='messages', content_rowid='id', tokenize='unicode61 remove_diacritics 2'
+    );
+    CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+        INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    END;
+    CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+        INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -78,6 +96,20 @@ class StoredMessage:
     content: str
     reasoning: str = ""
     stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class SearchHit:
+    conversation_id: int
+    title: str
+    message_id: int
+    role: str
+    snippet: str  # the match in its context, each matched word between MATCH_START and MATCH_END
+
+
+MATCH_START, MATCH_END = "\x02", "\x03"  # control characters no message text is shown with
+SNIPPET_WORDS = 12
+SEARCH_LIMIT = 50
 
 
 class History:
@@ -151,6 +183,22 @@ class History:
     def delete(self, conversation_id: int) -> None:
         self._execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
 
+    def search(self, text: str, limit: int = SEARCH_LIMIT) -> list[SearchHit]:
+        """Messages (user and assistant) whose words start with each word of `text`, newest first."""
+        query = fts_query(text)
+        if not query:
+            return []
+        rows = self._execute(
+            "SELECT m.conversation_id, c.title, m.id, m.role,"
+            f" snippet(messages_fts, 0, ?, ?, '…', {SNIPPET_WORDS})"
+            " FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid"
+            " JOIN conversations c ON c.id = m.conversation_id"
+            " WHERE messages_fts MATCH ? AND m.role IN ('user', 'assistant')"
+            " ORDER BY messages_fts.rowid DESC LIMIT ?",
+            (MATCH_START, MATCH_END, query, limit),
+        ).fetchall()
+        return [SearchHit(*row) for row in rows]
+
     def _update(self, conversation_id: int, assignment: str, value) -> None:
         self._execute(
             f"UPDATE conversations SET {assignment}, updated = ? WHERE id = ?", (value, time.time(), conversation_id)
@@ -189,6 +237,12 @@ class History:
     def _execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with _locked_is_clear(self.path, self.timeout):
             return self.db.execute(sql, args)
+
+
+def fts_query(text: str) -> str:
+    """The person's words as an FTS5 query: every word, each as a prefix. Only word characters reach
+    FTS5, so its query syntax (quotes, AND, NEAR, column filters) cannot be typed by accident."""
+    return " ".join(f'"{word}"*' for word in re.findall(r"\w+", text))
 
 
 def stored_object(text: str | None) -> dict:

@@ -144,7 +144,8 @@ async def test_conversations_new_switch_search_rename_delete(make_app, history):
         assert app.chat.current_id == dogs.id and app.resident.is_resident(cats.id)
         sidebar = app.chat.query_one("#conversations")
         assert len(sidebar.children) == 2
-        await pilot.press("ctrl+f", *"cats")
+        app.chat.query_one("#search").focus()  # the sidebar's filter
+        await pilot.press(*"cats")
         await wait_for(pilot, lambda: len(sidebar.children) == 1)
         sidebar.focus()
         sidebar.index = 0

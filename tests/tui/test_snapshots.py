@@ -94,3 +94,19 @@ def test_model_picker(snap_compare, make_app):
         await settle(pilot)
 
     assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)
+
+
+def test_search_results(snap_compare, make_app):
+    replies = [[("text", "A **lighthouse** keeps ships off the rocks at night.")], [("text", "Cats nap all day.")]]
+
+    async def before(pilot):
+        await ready(pilot)
+        await send(pilot, "What does a lighthouse do?")
+        await pilot.press("ctrl+n")
+        await send(pilot, "What do cats do?")
+        await pilot.press("ctrl+f")
+        await pilot.pause()
+        await pilot.press(*"lighthouse")
+        await settle(pilot)
+
+    assert snap_compare(make_app(replies), terminal_size=SIZE, run_before=before)

@@ -100,7 +100,7 @@ class ChatScreen(Screen):
     def busy(self) -> bool:
         return self.answer is not None
 
-    async def open_conversation(self, conversation_id: int | None) -> None:
+    async def open_conversation(self, conversation_id: int | None, at_message: int | None = None) -> None:
         self.current_id = conversation_id
         self.end_editing()
         messages = self.history.messages(conversation_id) if conversation_id else []
@@ -108,6 +108,8 @@ class ChatScreen(Screen):
         await self.query_one(MessageList).show_messages(widgets)
         await self.refresh_sidebar()
         self.refresh_status()
+        if at_message is not None:
+            self.call_after_refresh(self.focus_message, at_message)
 
     def message_widget(self, m):
         if m.role in NOTICE_ROLES:
@@ -288,7 +290,20 @@ class ChatScreen(Screen):
         self.notify("Settings saved.")
 
     def action_search(self) -> None:
-        self.query_one("#search").focus()
+        from ferrum_mac.tui.screens.search_screen import SearchScreen
+
+        self.app.push_screen(SearchScreen(self.history), self.search_chosen)
+
+    async def search_chosen(self, hit) -> None:
+        if hit is None or self.refuse_while_busy():
+            return
+        await self.open_conversation(hit.conversation_id, at_message=hit.message_id)
+
+    def focus_message(self, message_id: int) -> None:
+        for view in self.query(MessageView):
+            if view.message_id == message_id:
+                view.focus()  # focusing scrolls it into view
+                return
 
     def action_rename(self) -> None:
         from ferrum_mac.tui.screens.text_prompt_screen import TextPromptScreen

@@ -19,7 +19,7 @@ HELP = """\
 | Ctrl+R | regenerate the last answer |
 | Ctrl+T | show or hide the reasoning |
 | Ctrl+N | new conversation |
-| Ctrl+F | search the conversations |
+| Ctrl+F | search every conversation's messages (Enter opens one there) |
 | F2 | rename the conversation |
 | Delete (in the sidebar) | delete the conversation |
 | F3 | export the conversation to Markdown (into Documents/ferrum-chat) |

@@ -17,7 +17,7 @@ class ConversationList(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Label("Conversations", classes="title")
-        yield Input(placeholder="Search (Ctrl+F)", id="search")
+        yield Input(placeholder="Filter", id="search")
         yield ListView(id="conversations")
         yield Label("^N new  F2 rename  Del delete", classes="hint")
 

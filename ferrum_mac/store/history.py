@@ -5,6 +5,11 @@
     history.add_message(chat.id, "user", "Hi")
     history.add_message(chat.id, "assistant", "Hello!", stats={"decode_tps": 5.1})
 
+A conversation is a tree: each message has a parent, and the conversation's leaf is the tip of
+the path that is shown and sent. Editing an earlier message or regenerating an answer moves the
+leaf back (`set_leaf`) and adds the new message beside the old one, which stays as a branch;
+`switch_branch` moves to a sibling and down to the newest message below it.
+
 Every message is committed when it is added (WAL mode), so a killed process loses nothing
 already written. The schema carries its version (`PRAGMA user_version`); `MIGRATIONS[n]`
 takes a database from version n to n + 1, and opening a database runs whatever is missing.
@@ -69,6 +74,17 @@ MIGRATIONS: list[str] = [
     END;
     INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
     """,
+    # 3 -> 4: a conversation is a tree (edits and regenerations are branches); `leaf_id` is the
+    # tip of the path shown. An existing linear conversation becomes a single path.
+    """
+    ALTER TABLE messages ADD COLUMN parent_id INTEGER REFERENCES messages(id) ON DELETE CASCADE;
+    UPDATE messages SET parent_id = (
+        SELECT MAX(p.id) FROM messages AS p WHERE p.conversation_id = messages.conversation_id AND p.id < messages.id
+    );
+    CREATE INDEX messages_by_parent ON messages(conversation_id, parent_id, id);
+    ALTER TABLE conversations ADD COLUMN leaf_id INTEGER;
+    UPDATE conversations SET leaf_id = (SELECT MAX(id) FROM messages WHERE conversation_id = conversations.id);
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -96,6 +112,8 @@ class StoredMessage:
     content: str
     reasoning: str = ""
     stats: dict = field(default_factory=dict)
+    parent_id: int | None = None
+    branch: tuple[int, int] = (1, 1)  # this message's place among its siblings, and how many there are
 
 
 @dataclass
@@ -209,30 +227,105 @@ class History:
     def add_message(
         self, conversation_id: int, role: str, content: str, reasoning: str = "", stats: dict | None = None
     ) -> StoredMessage:
+        """Add a message after the conversation's leaf; it becomes the leaf."""
         now = time.time()
-        # One transaction: the message and the conversation's new time. IMMEDIATE takes the write
-        # lock up front, where sqlite waits for it; a deferred transaction's upgrade fails at once.
+        # One transaction: the message, the new leaf and time. IMMEDIATE takes the write lock up
+        # front, where sqlite waits for it; a deferred transaction's upgrade fails at once.
         with _locked_is_clear(self.path, self.timeout), self.db:
             self.db.execute("BEGIN IMMEDIATE")
+            parent = self._leaf(conversation_id)
             cur = self.db.execute(
-                "INSERT INTO messages (conversation_id, role, content, reasoning, stats, created)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (conversation_id, role, content, reasoning, json.dumps(stats or {}), now),
+                "INSERT INTO messages (conversation_id, role, content, reasoning, stats, created, parent_id)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, reasoning, json.dumps(stats or {}), now, parent),
             )
-            self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
-        return StoredMessage(cur.lastrowid, conversation_id, role, content, reasoning, stats or {})
+            self.db.execute(
+                "UPDATE conversations SET updated = ?, leaf_id = ? WHERE id = ?", (now, cur.lastrowid, conversation_id)
+            )
+        siblings = self._siblings(conversation_id, parent)
+        return StoredMessage(
+            cur.lastrowid,
+            conversation_id,
+            role,
+            content,
+            reasoning,
+            stats or {},
+            parent,
+            (len(siblings), len(siblings)),
+        )
 
     def messages(self, conversation_id: int) -> list[StoredMessage]:
+        """The path from the first message to the leaf, each with its place among its siblings.
+        (A parent id must be smaller than its child's: a row edited into a loop ends the path.)"""
         rows = self._execute(
-            "SELECT id, conversation_id, role, content, reasoning, stats FROM messages"
-            " WHERE conversation_id = ? ORDER BY id",
+            "WITH RECURSIVE path(id) AS ("
+            " SELECT leaf_id FROM conversations WHERE id = ? AND leaf_id IS NOT NULL"
+            " UNION ALL SELECT m.parent_id FROM messages m JOIN path ON m.id = path.id"
+            " WHERE m.parent_id IS NOT NULL AND m.parent_id < m.id)"
+            " SELECT m.id, m.conversation_id, m.role, m.content, m.reasoning, m.stats, m.parent_id,"
+            " (SELECT COUNT(*) FROM messages s WHERE s.conversation_id = m.conversation_id"
+            "  AND s.parent_id IS m.parent_id AND s.id <= m.id),"
+            " (SELECT COUNT(*) FROM messages s WHERE s.conversation_id = m.conversation_id"
+            "  AND s.parent_id IS m.parent_id)"
+            " FROM messages m JOIN path ON m.id = path.id ORDER BY m.id",
             (conversation_id,),
         ).fetchall()
-        return [StoredMessage(i, c, r, t, reason, stored_object(s)) for i, c, r, t, reason, s in rows]
+        return [
+            StoredMessage(i, c, r, t, reason, stored_object(s), parent, (place, count))
+            for i, c, r, t, reason, s, parent, place, count in rows
+        ]
 
-    def delete_from(self, conversation_id: int, message_id: int) -> None:
-        """Forget message `message_id` and every later one (edit and resend, regenerate)."""
-        self._execute("DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id))
+    def set_leaf(self, conversation_id: int, message_id: int | None) -> None:
+        """End the shown path at `message_id` (None: before the first message); the next message
+        added goes after it, beside whatever came after it before (edit and resend, regenerate)."""
+        if message_id is not None:
+            self._parent_of(conversation_id, message_id)
+        self._execute("UPDATE conversations SET leaf_id = ? WHERE id = ?", (message_id, conversation_id))
+
+    def show_message(self, conversation_id: int, message_id: int) -> None:
+        """Make the path go through `message_id`, down to the newest message written below it
+        (where the person last was on that branch)."""
+        self._parent_of(conversation_id, message_id)
+        newest = self._execute(
+            "WITH RECURSIVE below(id) AS (SELECT ? UNION ALL SELECT m.id FROM messages m JOIN below"
+            " ON m.conversation_id = ? AND m.parent_id = below.id AND m.id > below.id)"
+            " SELECT MAX(id) FROM below",
+            (message_id, conversation_id),
+        ).fetchone()[0]
+        self.set_leaf(conversation_id, newest)
+
+    def switch_branch(self, conversation_id: int, message_id: int, step: int) -> int | None:
+        """Show the sibling `step` places from `message_id` (-1: the one before); its id, or None
+        where there is none that way."""
+        parent = self._parent_of(conversation_id, message_id)
+        siblings = self._siblings(conversation_id, parent)
+        place = siblings.index(message_id) + step
+        if not 0 <= place < len(siblings):
+            return None
+        self.show_message(conversation_id, siblings[place])
+        return siblings[place]
+
+    def _leaf(self, conversation_id: int) -> int | None:
+        row = self.db.execute("SELECT leaf_id FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+        if row is None:
+            raise FerrumError(f"no conversation {conversation_id} in the chat history")
+        return row[0]
+
+    def _siblings(self, conversation_id: int, parent_id: int | None) -> list[int]:
+        rows = self._execute(
+            "SELECT id FROM messages WHERE conversation_id = ? AND parent_id IS ? ORDER BY id",
+            (conversation_id, parent_id),
+        ).fetchall()
+        return [row[0] for row in rows]
+
+    def _parent_of(self, conversation_id: int, message_id: int) -> int | None:
+        """The parent of message `message_id`, which must be in the conversation."""
+        row = self._execute(
+            "SELECT parent_id FROM messages WHERE id = ? AND conversation_id = ?", (message_id, conversation_id)
+        ).fetchone()
+        if row is None:
+            raise FerrumError(f"no message {message_id} in conversation {conversation_id}")
+        return row[0]
 
     def _execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         with _locked_is_clear(self.path, self.timeout):

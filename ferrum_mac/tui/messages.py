@@ -85,6 +85,15 @@ class EditRequested(Message):
         self.text = text
 
 
+class BranchRequested(Message):
+    """Show the sibling `step` places from message `message_id` (-1: the one before)."""
+
+    def __init__(self, message_id: int, step: int):
+        super().__init__()
+        self.message_id = message_id
+        self.step = step
+
+
 class PullProgressed(Message):
     def __init__(self, done: int, total: int, note: str = ""):
         super().__init__()

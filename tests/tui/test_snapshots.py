@@ -110,3 +110,16 @@ def test_search_results(snap_compare, make_app):
         await settle(pilot)
 
     assert snap_compare(make_app(replies), terminal_size=SIZE, run_before=before)
+
+
+def test_message_with_siblings(snap_compare, make_app):
+    replies = [[("text", "Hello! How can I help?")], [("text", "Hi there. What shall we talk about?")]]
+
+    async def before(pilot):
+        await ready(pilot)
+        await send(pilot, "hello")
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: not pilot.app.chat.busy and len(pilot.app.engine.turns) == 2)
+        await settle(pilot)
+
+    assert snap_compare(make_app(replies), terminal_size=SIZE, run_before=before)

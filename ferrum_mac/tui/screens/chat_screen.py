@@ -26,6 +26,7 @@ from ferrum_mac.tui.messages import (
     AnswerDone,
     AnswerFailed,
     AnswerNotice,
+    BranchRequested,
     ConversationChosen,
     CopyRequested,
     EditRequested,
@@ -121,6 +122,7 @@ class ChatScreen(Screen):
             message_id=m.id,
             show_reasoning=self.show_reasoning,
             footer=answer_footer(m.stats) if m.role == "assistant" else "",
+            branch=m.branch,
         )
 
     async def refresh_sidebar(self) -> None:
@@ -157,14 +159,20 @@ class ChatScreen(Screen):
             self.notify("The model is still loading.", severity="warning")
             return
         if self.editing_id is not None:
-            self.history.delete_from(self.current_id, self.editing_id)
-            self.end_editing()
-            await self.open_conversation(self.current_id)
+            await self.branch_before(self.editing_id)
         self.query_one(PromptInput).clear()
         await self.send(event.text)
 
-    async def send(self, text: str) -> None:
-        """Save `text` as the next user message and start the answer in a worker thread."""
+    async def branch_before(self, message_id: int) -> None:
+        """Show the path up to message `message_id`'s parent: what is sent next goes beside it."""
+        [parent] = [m.parent_id for m in self.history.messages(self.current_id) if m.id == message_id]
+        self.history.set_leaf(self.current_id, parent)
+        self.end_editing()
+        await self.open_conversation(self.current_id)
+
+    async def send(self, text: str, resend: bool = False) -> None:
+        """Save `text` as the next user message and start the answer in a worker thread;
+        `resend`: `text` is the last message shown already (regenerate its answer)."""
         if self.current_id is None:
             chat = self.history.new_conversation(title_from(text), stored_settings(self.app.default_settings))
             self.current_id = chat.id
@@ -173,12 +181,14 @@ class ChatScreen(Screen):
         except FerrumError as e:
             self.notify(str(e), severity="error")
             return
-        earlier = engine_messages(self.history.messages(self.current_id))
-        user = self.history.add_message(self.current_id, "user", text)
+        path = self.history.messages(self.current_id)
+        earlier = engine_messages(path[:-1] if resend else path)
         messages = self.query_one(MessageList)
-        for welcome in self.query("#welcome"):
-            await welcome.remove()
-        await messages.add(MessageView("user", text, message_id=user.id))
+        if not resend:
+            user = self.history.add_message(self.current_id, "user", text)
+            for welcome in self.query("#welcome"):
+                await welcome.remove()
+            await messages.add(MessageView("user", text, message_id=user.id, branch=user.branch))
         self.answer = MessageView("assistant", show_reasoning=self.show_reasoning)
         await messages.add(self.answer)
         messages.anchor()
@@ -210,6 +220,7 @@ class ChatScreen(Screen):
         stats = {**event.stats, "context_used": event.context_used}
         saved = self.history.add_message(self.current_id, "assistant", event.content, event.reasoning, stats)
         await self.answer.finish(event.content, event.reasoning, answer_footer(stats), saved.id)
+        self.answer.set_branch(saved.branch)
         self.turn_ended()
 
     async def on_answer_failed(self, event: AnswerFailed) -> None:
@@ -261,9 +272,9 @@ class ChatScreen(Screen):
         users = [m for m in self.history.messages(self.current_id) if m.role == "user"]
         if not users:
             return
-        self.history.delete_from(self.current_id, users[-1].id)
+        self.history.set_leaf(self.current_id, users[-1].id)  # the old answer stays, as a branch
         await self.open_conversation(self.current_id)
-        await self.send(users[-1].content)
+        await self.send(users[-1].content, resend=True)
 
     def action_toggle_reasoning(self) -> None:
         self.show_reasoning = not self.show_reasoning
@@ -297,6 +308,7 @@ class ChatScreen(Screen):
     async def search_chosen(self, hit) -> None:
         if hit is None or self.refuse_while_busy():
             return
+        self.history.show_message(hit.conversation_id, hit.message_id)  # it may be on another branch
         await self.open_conversation(hit.conversation_id, at_message=hit.message_id)
 
     def focus_message(self, message_id: int) -> None:
@@ -388,6 +400,14 @@ class ChatScreen(Screen):
         if event.conversation_id != self.current_id and not self.refuse_while_busy():
             await self.open_conversation(event.conversation_id)
 
+    @on(BranchRequested)
+    async def _branch(self, event: BranchRequested) -> None:
+        if self.refuse_while_busy() or self.current_id is None:
+            return
+        shown = self.history.switch_branch(self.current_id, event.message_id, event.step)
+        if shown is not None:  # the next turn sends this path; the prefix cache holds what it shares
+            await self.open_conversation(self.current_id, at_message=shown)
+
     @on(SearchChanged)
     async def _search_changed(self, event: SearchChanged) -> None:
         self.search_text = event.text
@@ -406,7 +426,7 @@ class ChatScreen(Screen):
         prompt.text = event.text
         prompt.focus()
         hint = self.query_one("#editing", Label)
-        hint.update("Editing an earlier message: Enter resends from there (later messages are replaced), Esc cancels")
+        hint.update("Editing an earlier message: Enter resends it as a new branch (← → switch), Esc cancels")
         hint.display = True
 
     def end_editing(self) -> None:

@@ -16,7 +16,7 @@ HELP = """\
 | Enter | send the message |
 | Shift+Enter, Ctrl+J | new line in the message |
 | Esc | stop the answer (the partial answer is kept) |
-| Ctrl+R | regenerate the last answer |
+| Ctrl+R | regenerate the last answer (the old one stays, as a branch) |
 | Ctrl+T | show or hide the reasoning |
 | Ctrl+N | new conversation |
 | Ctrl+F | search every conversation's messages (Enter opens one there) |
@@ -27,7 +27,8 @@ HELP = """\
 | Ctrl+S | this conversation's settings |
 | Tab | move between the sidebar, the messages and the prompt |
 | c (on a message) | copy it; the *copy* label on a code block copies the code |
-| e (on your message) | edit it and resend from there |
+| e (on your message) | edit it and resend from there (the old path stays, as a branch) |
+| ← → (on a message marked ‹ 2/3 ›) | switch between its branches (edits, regenerated answers) |
 | Ctrl+P | command palette (themes too) |
 | F1 | this help |
 | Ctrl+Q | quit |

@@ -1,17 +1,20 @@
 """One message: who said it, the reasoning (collapsible) and the text as Markdown.
 
 An assistant message being answered streams through `MarkdownStream`; `finish` settles it.
-Focused (click or Tab), `c` copies it and, on a user message, `e` edits and resends it.
+Focused (click or Tab), `c` copies it and, on a user message, `e` edits and resends it. A
+message with siblings (an edit or a regenerated answer beside it) shows "‹ 2/3 ›"; the left and
+right arrows move between them.
 """
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Label, Static
 
-from ferrum_mac.tui.messages import CopyRequested, EditRequested
+from ferrum_mac.tui.messages import BranchRequested, CopyRequested, EditRequested
 from ferrum_mac.tui.widgets.chat_markdown import ChatMarkdown
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant"}
@@ -21,6 +24,8 @@ class MessageView(Vertical, can_focus=True):
     BINDINGS = [
         Binding("c", "copy", "Copy"),
         Binding("e", "edit", "Edit & resend"),
+        Binding("left", "branch(-1)", "Previous branch", show=False),
+        Binding("right", "branch(1)", "Next branch", show=False),
     ]
 
     def __init__(
@@ -32,6 +37,7 @@ class MessageView(Vertical, can_focus=True):
         message_id: int | None = None,
         show_reasoning: bool = False,
         footer: str = "",
+        branch: tuple[int, int] = (1, 1),
     ):
         super().__init__(classes=role)
         self.role = role
@@ -40,10 +46,11 @@ class MessageView(Vertical, can_focus=True):
         self.message_id = message_id
         self.show_reasoning = show_reasoning
         self.footer = footer
+        self.branch = branch
         self._stream = None
 
     def compose(self) -> ComposeResult:
-        yield Label(ROLE_LABELS.get(self.role, self.role), classes="role")
+        yield Label(self.role_text(), classes="role")
         with Collapsible(title="Reasoning", collapsed=not self.show_reasoning, classes="reasoning") as box:
             box.display = bool(self.reasoning)
             yield Static(self.reasoning, markup=False, classes="reasoning-text")
@@ -85,6 +92,18 @@ class MessageView(Vertical, can_focus=True):
         label.update(footer)
         label.display = bool(footer)
 
+    def role_text(self) -> Text:
+        """Who spoke, and where siblings exist, which of them this is: "You  ‹ 2/3 ›"."""
+        text = Text(ROLE_LABELS.get(self.role, self.role))
+        place, count = self.branch
+        if count > 1:
+            text.append(f"  ‹ {place}/{count} ›", style="not bold")
+        return text
+
+    def set_branch(self, branch: tuple[int, int]) -> None:
+        self.branch = branch
+        self.query_one(".role", Label).update(self.role_text())
+
     def set_reasoning_shown(self, shown: bool) -> None:
         self.show_reasoning = shown
         self.query_one(Collapsible).collapsed = not shown
@@ -93,6 +112,10 @@ class MessageView(Vertical, can_focus=True):
 
     def action_copy(self) -> None:
         self.post_message(CopyRequested(self.content, "message"))
+
+    def action_branch(self, step: int) -> None:
+        if self.message_id is not None and self.branch[1] > 1:
+            self.post_message(BranchRequested(self.message_id, step))
 
     def action_edit(self) -> None:
         if self.role == "user" and self.message_id is not None:

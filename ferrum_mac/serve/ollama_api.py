@@ -1,0 +1,861 @@
+"""Ollama's API on `ferrum serve`: /api/chat, /api/generate, /api/tags, /api/show, /api/ps,
+/api/pull, /api/delete, /api/version, and `GET /` ("Ollama is running", which clients probe).
+
+This module only translates. A chat or generate body becomes an OpenAI-shaped body that passes
+the same checks as /v1/chat/completions (`call.call_from_openai`), so a limit or a fix applies to
+every protocol; the checks here are Ollama's own (its field types, `options`, `keep_alive`).
+Unknown `options` keys are ignored, as Ollama ignores them, but a known one of the wrong type is
+a 400. The core's neutral events become NDJSON objects (one JSON object a line, the last with
+`done: true` and Ollama's counts and nanosecond durations), or one object with `stream: false`.
+Errors on these routes take Ollama's shape, `{"error": "message"}`.
+
+Model names are the store's (`smollm2:135m`, `org/name`) or the server's default; a `:latest`
+suffix is accepted and dropped. Not honoured: images (a 400 until the models read them),
+`suffix` (fill-in-the-middle), `template` and `context` on /api/generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import numbers
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ferrum_mac.engine import ReasoningDelta, SamplingParams, TextDelta
+from ferrum_mac.engine.defaults import sampling_defaults
+from ferrum_mac.errors import FerrumError, ModelNotFoundError
+from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve.app import BODY_TIMEOUT_S, body_too_large, read_at_most
+from ferrum_mac.serve.error_shapes import error_shapes
+from ferrum_mac.serve.events import Finished, ToolCallDelta, calls_of
+from ferrum_mac.serve.request import Failed
+from ferrum_mac.store import LocalModel, ModelFacts, PullProgress, describe_model, list_models, parse_name
+from ferrum_mac.store import plan_removal, pull_model
+from ferrum_mac.store.bundled import bundled_sampling
+from ferrum_mac.store.describe import read_config
+from ferrum_mac.text import chat_templates
+from ferrum_mac.text.tool_calls import template_renders_tools
+
+# The Ollama release whose API these answers follow; clients compare it to gate features.
+OLLAMA_VERSION = "0.13.0"
+NDJSON = "application/x-ndjson"
+
+# Ollama's option -> (the OpenAI body's field, the JSON type Ollama requires).
+OPTIONS: dict[str, tuple[str | None, type | tuple[type, ...]]] = {
+    "temperature": ("temperature", numbers.Real),
+    "top_p": ("top_p", numbers.Real),
+    "top_k": ("top_k", int),
+    "min_p": ("min_p", numbers.Real),
+    "seed": ("seed", int),
+    "num_predict": ("max_completion_tokens", int),
+    "stop": ("stop", (list, str)),
+    "repeat_penalty": ("repetition_penalty", numbers.Real),
+    "presence_penalty": ("presence_penalty", numbers.Real),
+    "frequency_penalty": ("frequency_penalty", numbers.Real),
+    # checked here, applied after the OpenAI checks (they have no OpenAI field)
+    "repeat_last_n": (None, int),
+    "num_ctx": (None, int),
+    # known to Ollama, no use to ferrum: their types are checked, their values ignored
+    "num_keep": (None, int),
+    "typical_p": (None, numbers.Real),
+    "tfs_z": (None, numbers.Real),
+    "mirostat": (None, int),
+    "mirostat_tau": (None, numbers.Real),
+    "mirostat_eta": (None, numbers.Real),
+    "penalize_newline": (None, bool),
+    "numa": (None, bool),
+    "num_batch": (None, int),
+    "num_gpu": (None, int),
+    "main_gpu": (None, int),
+    "low_vram": (None, bool),
+    "use_mmap": (None, bool),
+    "use_mlock": (None, bool),
+    "num_thread": (None, int),
+}
+# The OpenAI body's field -> the Ollama field a client sent it as (for error messages).
+RENAMES = {
+    **{field: f"options.{name}" for name, (field, _) in OPTIONS.items() if field},
+    "response_format": "format",
+    "chat_template_kwargs": "think",
+}
+TYPE_NAMES = {numbers.Real: "a number", int: "an integer", bool: "true or false", str: "a string"}
+
+GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
+DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+FOREVER = math.inf  # a negative keep_alive: never unload
+
+
+def bad(message: str, status: int = 400) -> api.ApiError:
+    return api.ApiError(status, message)
+
+
+def error_body(error: api.ApiError) -> dict:
+    return {"error": error.message}
+
+
+# -- request fields ------------------------------------------------------------------------------
+
+
+def model_name(body: dict) -> str:
+    """The model the body names (`model`, or `name` as older clients send it), without `:latest`."""
+    name = body.get("model", body.get("name"))
+    if not isinstance(name, str) or not name.strip():
+        raise bad("model is required")
+    name = name.strip()
+    return name.removesuffix(":latest") if name.endswith(":latest") else name
+
+
+def stream_wanted(body: dict) -> bool:
+    """Ollama streams unless told `stream: false`."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("stream must be true or false")
+    return stream is not False
+
+
+def keep_alive_seconds(value) -> float | None:
+    """Ollama's `keep_alive`: seconds as a number, or a Go duration ("5m", "1h30m", "300ms") or a
+    number as text; 0 unloads after the answer, a negative value never. None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise _bad_keep_alive(value)
+    if isinstance(value, numbers.Real):
+        seconds = float(value)
+    elif isinstance(value, str):
+        seconds = _duration_seconds(value.strip())
+    else:
+        raise _bad_keep_alive(value)
+    if not math.isfinite(seconds):
+        raise _bad_keep_alive(value)
+    return FOREVER if seconds < 0 else seconds
+
+
+def _duration_seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.removeprefix("+"))
+    parts = GO_DURATION.findall(body)
+    if not body or "".join(number + unit for number, unit in parts) != body:
+        raise _bad_keep_alive(text)
+    return sign * sum(float(number) * DURATION_UNITS[unit] for number, unit in parts)
+
+
+def _bad_keep_alive(value) -> api.ApiError:
+    return bad(
+        f'keep_alive {str(value)[:40]!r} is not a duration: give seconds (300), a duration ("5m", "1h30m"), '
+        "0 to unload after the answer or -1 to keep the model loaded"
+    )
+
+
+def check_options(options) -> dict:
+    """`options` by name, each of the type Ollama requires; unknown keys are dropped."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise bad("options must be an object")
+    checked = {}
+    for name, value in options.items():
+        if name not in OPTIONS or value is None:
+            continue
+        kind = OPTIONS[name][1]
+        if name == "stop":
+            if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value))):
+                raise bad("options.stop must be a string or an array of strings")
+        elif not _is(value, kind):
+            raise bad(f"options.{name} must be {TYPE_NAMES[kind]}")  # type: ignore[index]
+        checked[name] = int(value) if kind is int else value
+    return checked
+
+
+def _is(value, kind) -> bool:
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is int:
+        return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return isinstance(value, kind)
+
+
+def sampling_fields(options: dict) -> dict:
+    """The OpenAI body's fields for Ollama's checked `options`."""
+    fields = {OPTIONS[name][0]: value for name, value in options.items() if OPTIONS[name][0]}
+    predict = options.get("num_predict")
+    if predict is not None:
+        if predict in (-1, -2):  # no limit / fill the context: the server's own bounds apply
+            del fields["max_completion_tokens"]
+        elif predict < 1:
+            raise bad("options.num_predict must be a positive count, -1 (no limit) or -2 (fill the context)")
+    if options.get("seed") == -1:  # llama.cpp's "random seed"
+        del fields["seed"]
+    return fields
+
+
+def format_field(fmt) -> dict:
+    """`format`: "json" (any JSON object) or a JSON schema, as OpenAI's `response_format`."""
+    if fmt is None or fmt == "":
+        return {}
+    if fmt == "json":
+        return {"response_format": {"type": "json_object"}}
+    if isinstance(fmt, dict):
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}}
+    raise bad('format must be "json" or a JSON schema object')
+
+
+def think_field(think) -> dict:
+    """`think`: true/false (or gpt-oss's "low"/"medium"/"high"), as the template's own switches."""
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"chat_template_kwargs": {"enable_thinking": think}}
+    if think in ("low", "medium", "high"):
+        return {"chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": think}}
+    raise bad('think must be true, false, "low", "medium" or "high"')
+
+
+def context_limit(options: dict, capacity: int) -> None:
+    """`num_ctx` is accepted up to the model's context; beyond it is a clear 400, not a silent cut."""
+    num_ctx = options.get("num_ctx")
+    if num_ctx is not None and not 0 < num_ctx <= capacity:
+        raise bad(f"options.num_ctx is {num_ctx}; this model's context holds at most {capacity} tokens")
+
+
+def penalty_window(options: dict, capacity: int) -> int | None:
+    """`repeat_last_n`: tokens the repetition penalty looks back over (-1: the whole context)."""
+    last_n = options.get("repeat_last_n")
+    if last_n is None:
+        return None
+    if last_n < -1:
+        raise bad("options.repeat_last_n must be 0 (off), a count of tokens or -1 (the whole context)")
+    return options.get("num_ctx", capacity) if last_n == -1 else last_n
+
+
+# -- messages ------------------------------------------------------------------------------------
+
+
+def chat_messages(messages) -> list[dict]:
+    """Ollama's messages as OpenAI's: tool calls carry their arguments as JSON text and an id,
+    and a tool message answers the earliest call of its `tool_name` not yet answered."""
+    if not isinstance(messages, list):
+        raise bad("messages must be an array")
+    out: list[dict] = []
+    pending: list[tuple[str, str]] = []  # (call id, function name) of calls not yet answered
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a role")
+        if m.get("images"):
+            raise bad(f"messages[{i}] has images; the models this server runs read text only")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string")
+        message: dict[str, Any] = {"role": m["role"], "content": content or ""}
+        if m["role"] == "assistant":
+            if isinstance(m.get("thinking"), str) and m["thinking"]:
+                message["reasoning_content"] = m["thinking"]
+            if m.get("tool_calls"):
+                message["tool_calls"] = _assistant_calls(m["tool_calls"], i)
+                pending += [(c["id"], c["function"]["name"]) for c in message["tool_calls"]]
+        elif m["role"] == "tool":
+            message["tool_call_id"] = _answered_call(m, i, pending)
+        out.append(message)
+    return out
+
+
+def _assistant_calls(calls, i: int) -> list[dict]:
+    if not isinstance(calls, list):
+        raise bad(f"messages[{i}].tool_calls must be an array")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(f"messages[{i}].tool_calls[{j}] must be {{'function': {{'name': str, 'arguments': {{...}}}}}}")
+        arguments = function.get("arguments", {})
+        if not isinstance(arguments, dict):
+            raise bad(f"messages[{i}].tool_calls[{j}].function.arguments must be an object")
+        call_id = call.get("id") if isinstance(call.get("id"), str) and call["id"] else f"call_{i}_{j}"
+        out.append(
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": function["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+            }
+        )
+    return out
+
+
+def _answered_call(message: dict, i: int, pending: list[tuple[str, str]]) -> str:
+    given = message.get("tool_call_id")
+    name = message.get("tool_name")
+    for k, (call_id, function) in enumerate(pending):
+        if call_id == given or (given is None and (name is None or name == function)):
+            del pending[k]
+            return call_id
+    if isinstance(given, str):
+        return given  # the core names the call it cannot find
+    raise bad(
+        f"messages[{i}] (role tool) answers no earlier assistant tool call"
+        + (f" of {str(name)[:64]!r}" if name is not None else "")
+    )
+
+
+def tools_field(tools) -> dict:
+    """`tools` are OpenAI's function tools already; the model chooses whether to call one."""
+    if tools is None or tools == []:
+        return {}
+    return {"tools": tools}
+
+
+def chat_body(body: dict) -> dict:
+    """An /api/chat body as the OpenAI-shaped body the core checks."""
+    options = check_options(body.get("options"))
+    return {
+        "model": model_name(body),
+        "messages": chat_messages(body.get("messages")),
+        **sampling_fields(options),
+        **format_field(body.get("format")),
+        **think_field(body.get("think")),
+        **tools_field(body.get("tools")),
+    }
+
+
+def generate_body(body: dict) -> dict:
+    """An /api/generate body as an OpenAI chat body (the prompt a user message after `system`),
+    or with `raw` a completion body (the prompt as it is, no template)."""
+    for name, why in (("suffix", "fill-in-the-middle"), ("template", "a template per request")):
+        if body.get(name):
+            raise bad(f"{name} is not supported by this server ({why}); send the prompt alone")
+    if body.get("context"):
+        raise bad("context is not supported by this server; send the conversation to /api/chat instead")
+    if body.get("images"):
+        raise bad("images are not supported: the models this server runs read text only")
+    prompt, system, raw = body.get("prompt"), body.get("system"), body.get("raw")
+    if not isinstance(prompt, str):
+        raise bad("prompt must be a string")
+    if system is not None and not isinstance(system, str):
+        raise bad("system must be a string")
+    if raw is not None and not isinstance(raw, bool):
+        raise bad("raw must be true or false")
+    options = check_options(body.get("options"))
+    fields = {"model": model_name(body), **sampling_fields(options), **format_field(body.get("format"))}
+    if raw:
+        if system:
+            raise bad("system has no place in a raw prompt; write it into the prompt")
+        return {**fields, "prompt": prompt}
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return {**fields, "messages": messages, **think_field(body.get("think"))}
+
+
+# -- answers -------------------------------------------------------------------------------------
+
+
+def now_text() -> str:
+    """Ollama's `created_at`: RFC 3339 in UTC."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def nanoseconds(seconds: float) -> int:
+    return max(0, round(seconds * 1e9))
+
+
+def final_fields(done, total_s: float, load_s: float = 0.0) -> dict:
+    """The last object's `done_reason`, counts and durations (nanoseconds, as Ollama reports)."""
+    decode_s = (done.generated_tokens - 1) / done.decode_tps if done.decode_tps and done.generated_tokens > 1 else 0.0
+    return {
+        "done": True,
+        "done_reason": done_reason(done),
+        "total_duration": nanoseconds(total_s),
+        "load_duration": nanoseconds(load_s),
+        "prompt_eval_count": done.prompt_tokens,
+        "prompt_eval_duration": nanoseconds(done.ttft_s),
+        "eval_count": done.generated_tokens,
+        "eval_duration": nanoseconds(decode_s),
+    }
+
+
+def done_reason(done) -> str:
+    """Ollama says "length" for a cut answer and "stop" for the rest, tool calls included."""
+    finish = getattr(done, "finish", None) or api.finish_reason(done)
+    return "length" if finish == "length" else "stop"
+
+
+def ollama_call(call, index: int) -> dict:
+    """A whole call as Ollama sends it: `arguments` an object, not JSON text."""
+    try:
+        arguments = json.loads(call.arguments) if call.arguments else {}
+    except ValueError:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        arguments = {}
+    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": arguments}}
+
+
+class OllamaAnswer:
+    """Neutral answer events -> Ollama objects, for /api/chat (`chat`) or /api/generate.
+    Tool calls are gathered from their pieces and sent whole, in one object before the last."""
+
+    def __init__(self, model: str, chat: bool, show_thinking: bool = True):
+        self.model, self.chat, self.show_thinking = model, chat, show_thinking
+        self.calls: dict[int, list[ToolCallDelta]] = {}
+
+    def piece(self, event) -> dict | None:
+        """The object for one event (None: nothing to send yet); a Failed event raises."""
+        if isinstance(event, TextDelta):
+            return self._object(content=event.text) if event.text else None
+        if isinstance(event, ReasoningDelta):
+            if not self.show_thinking or not event.text:
+                return None
+            return self._object(thinking=event.text)
+        if isinstance(event, ToolCallDelta):
+            self.calls.setdefault(event.index, []).append(event)
+            return None
+        if isinstance(event, Failed):
+            raise api.ApiError(500, event.message, kind="server_error", code="generation_failed")
+        return None
+
+    def tool_calls(self) -> list[dict]:
+        pieces = [d for i in sorted(self.calls) for d in self.calls[i]]
+        return [ollama_call(c, i) for i, c in enumerate(calls_of(pieces))]
+
+    def calls_object(self) -> dict | None:
+        """The object carrying the answer's tool calls, sent once they are whole."""
+        calls = self.tool_calls()
+        return self._object(tool_calls=calls) if calls and self.chat else None
+
+    def last(self, done, total_s: float, load_s: float = 0.0) -> dict:
+        return {**self._object(), **final_fields(done, total_s, load_s)}
+
+    def whole_answer(self, whole, total_s: float, load_s: float = 0.0) -> dict:
+        """The one object of a `stream: false` answer, from the core's whole answer."""
+        thinking = whole.reasoning if self.show_thinking and whole.reasoning else None
+        calls = [ollama_call(c, i) for i, c in enumerate(whole.calls)] if self.chat else []
+        return {
+            **self._object(content=whole.text, thinking=thinking, tool_calls=calls or None),
+            **final_fields(whole.done, total_s, load_s),
+        }
+
+    def empty(self) -> dict:
+        return self._object()
+
+    def _object(self, content: str = "", thinking: str | None = None, tool_calls: list | None = None) -> dict:
+        out: dict[str, Any] = {"model": self.model, "created_at": now_text()}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking is not None:
+                message["thinking"] = thinking
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            out["message"] = message
+        else:
+            out["response"] = content
+            if thinking is not None:
+                out["thinking"] = thinking
+        out["done"] = False
+        return out
+
+
+def ndjson(data: dict) -> str:
+    return json.dumps(data, ensure_ascii=False) + "\n"
+
+
+def elapsed_since(start: float) -> float:
+    return time.monotonic() - start
+
+
+# -- the store's models, as Ollama describes them ------------------------------------------------
+
+
+def iso_time(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def digest_of(name: str, size: int, modified: float) -> str:
+    """A stable id for one version of a model (Ollama's is its manifest's sha256; ferrum has none,
+    so this hashes what identifies the files)."""
+    return hashlib.sha256(f"{name}\0{size}\0{modified}".encode()).hexdigest()
+
+
+def parameter_size(count: int | None) -> str:
+    """135000000 -> "135M", as Ollama shows it."""
+    if not count:
+        return ""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            value = count / scale
+            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
+    return str(count)
+
+
+def family_of(path: Path, facts: ModelFacts | None) -> str:
+    """The architecture's short name ("llama", "qwen3"): a GGUF's own, else config.json's model_type."""
+    if path.suffix == ".gguf":
+        return (facts.architecture if facts else None) or ""
+    model_type = read_config(path).get("model_type")
+    return model_type if isinstance(model_type, str) else ""
+
+
+def facts_of(path: Path) -> ModelFacts | None:
+    try:
+        return describe_model(path)
+    except (FerrumError, OSError, ValueError):  # a damaged header: listed with what is known
+        return None
+
+
+def details(path: Path, fmt: str, quant: str, facts: ModelFacts | None) -> dict:
+    family = family_of(path, facts)
+    return {
+        "parent_model": "",
+        "format": fmt,
+        "family": family,
+        "families": [family] if family else None,
+        "parameter_size": parameter_size(facts.parameters if facts else None),
+        "quantization_level": quant,
+    }
+
+
+def tag_entry(model: LocalModel) -> dict:
+    """One model of /api/tags (reads the model's headers: call on a worker thread)."""
+    return {
+        "name": model.name,
+        "model": model.name,
+        "modified_at": iso_time(model.modified),
+        "size": model.size,
+        "digest": digest_of(model.name, model.size, model.modified),
+        "details": details(model.path, model.format, model.quant, facts_of(model.path)),
+    }
+
+
+def local_entry(name: str, path: Path) -> LocalModel:
+    """A model that is not in the store (the server's default, given as a folder or file)."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    facts = facts_of(path)
+    fmt = facts.format if facts else ("gguf" if path.suffix == ".gguf" else "safetensors")
+    quant = facts.quantization if facts else "?"
+    return LocalModel(name, path, size, quant, fmt, path.stat().st_mtime)
+
+
+def model_parameters(sampling: SamplingParams, stops: tuple[str, ...] = ()) -> str:
+    """The model's defaults as a Modelfile's PARAMETER lines (without the word)."""
+    lines = [f"temperature {sampling.temperature:g}", f"top_p {sampling.top_p:g}"]
+    if sampling.top_k:
+        lines.append(f"top_k {sampling.top_k}")
+    if sampling.min_p:
+        lines.append(f"min_p {sampling.min_p:g}")
+    if sampling.repetition_penalty != 1.0:
+        lines += [f"repeat_penalty {sampling.repetition_penalty:g}", f"repeat_last_n {sampling.penalty_window}"]
+    lines += [f"stop {json.dumps(s)}" for s in stops]
+    return "\n".join(lines)
+
+
+def capabilities(template: str) -> list[str]:
+    """What Ollama's clients look for: "completion", "tools" where the template renders tools,
+    "thinking" where it has a reasoning switch or block."""
+    found = ["completion"]
+    if template_renders_tools(template):
+        found.append("tools")
+    if "enable_thinking" in template or "<think>" in template or "reasoning_content" in template:
+        found.append("thinking")
+    return found
+
+
+def show_body(model: LocalModel, sampling: SamplingParams, context: int | None) -> dict:
+    """/api/show's answer (reads the model's headers and template: call on a worker thread)."""
+    facts = facts_of(model.path)
+    template = chat_templates(model.path).get("default", "")
+    info = details(model.path, model.format, model.quant, facts)
+    family = info["family"] or "general"
+    parameters = model_parameters(sampling)
+    context = context or (facts.context_length if facts else None)
+    modelfile = "\n".join(
+        [f"# Modelfile of {model.name} (ferrum)", f"FROM {model.name}", f'TEMPLATE """{template}"""']
+        + [f"PARAMETER {line}" for line in parameters.splitlines()]
+    )
+    model_info: dict[str, Any] = {"general.architecture": family}
+    if facts and facts.parameters:
+        model_info["general.parameter_count"] = facts.parameters
+    if context:
+        model_info[f"{family}.context_length"] = context
+    return {
+        "license": (facts.license if facts else None) or "",
+        "modelfile": modelfile,
+        "parameters": parameters,
+        "template": template,
+        "details": info,
+        "model_info": model_info,
+        "capabilities": capabilities(template),
+        "modified_at": iso_time(model.modified),
+    }
+
+
+# -- pulls ---------------------------------------------------------------------------------------
+
+
+class QueueProgress(PullProgress):
+    """A pull's progress as Ollama's objects, `{"status", "digest", "total", "completed"}`, handed
+    to `put` (from the pull's thread). ferrum knows a file by its path in the repository, so the
+    path stands where Ollama puts a blob's digest. Sent at file starts and ends and at most every
+    PROGRESS_EVERY_S seconds between."""
+
+    def __init__(self, put: Callable[[dict], None]):
+        self.put = put
+        self.current: list | None = None  # [path, size, bytes done]
+        self.sent_at = 0.0
+
+    def file_started(self, path: str, size: int, resume_from: int) -> None:
+        self.current = [path, size, resume_from]
+        self._send()
+
+    def advance(self, n: int) -> None:
+        if self.current is not None:
+            self.current[2] += n
+            if time.monotonic() - self.sent_at >= PROGRESS_EVERY_S:
+                self._send()
+
+    def file_done(self, path: str) -> None:
+        if self.current is not None:
+            self.current[2] = self.current[1]
+            self._send()
+        self.current = None
+
+    def _send(self) -> None:
+        path, size, done = self.current  # type: ignore[misc]
+        self.sent_at = time.monotonic()
+        self.put({"status": f"pulling {path}", "digest": path, "total": size, "completed": min(done, size)})
+
+
+PROGRESS_EVERY_S = 0.1
+PULL_DONE = object()
+
+
+def pull_error(error: FerrumError) -> api.ApiError:
+    status = 404 if isinstance(error, ModelNotFoundError) else 502  # else the Hub or the disk failed
+    return api.ApiError(status, str(error))
+
+
+# -- routes --------------------------------------------------------------------------------------
+
+API_PREFIX = "/api/"
+
+
+def routes(server) -> list[Route]:
+    """Ollama's routes on `server` (and its error shape on /api/*)."""
+    error_shapes[API_PREFIX] = error_body
+    ollama = OllamaRoutes(server)
+    return [
+        Route("/", ollama.root, methods=["GET", "HEAD"]),
+        Route("/api/version", ollama.version, methods=["GET"]),
+        Route("/api/chat", ollama.chat, methods=["POST"]),
+        Route("/api/generate", ollama.generate, methods=["POST"]),
+        Route("/api/tags", ollama.tags, methods=["GET"]),
+        Route("/api/show", ollama.show, methods=["POST"]),
+        Route("/api/ps", ollama.ps, methods=["GET"]),
+        Route("/api/pull", ollama.pull, methods=["POST"]),
+        Route("/api/delete", ollama.delete, methods=["DELETE"]),
+    ]
+
+
+class OllamaRoutes:
+    def __init__(self, server):
+        self.server = server
+
+    async def root(self, http: Request) -> Response:
+        return PlainTextResponse("Ollama is running")
+
+    async def version(self, http: Request) -> Response:
+        return JSONResponse({"version": OLLAMA_VERSION})
+
+    # -- answers -------------------------------------------------------------------------------
+
+    async def chat(self, http: Request) -> Response:
+        started = time.monotonic()
+        body = await self.body(http)
+        if not body.get("messages"):
+            return await self.load_only(body, chat=True)
+        return await self.answer(http, body, chat_body(body), chat=True, started=started)
+
+    async def generate(self, http: Request) -> Response:
+        started = time.monotonic()
+        body = await self.body(http)
+        if not body.get("prompt") and not body.get("suffix"):
+            return await self.load_only(body, chat=False)
+        return await self.answer(http, body, generate_body(body), chat=False, started=started)
+
+    async def answer(self, http: Request, body: dict, openai: dict, chat: bool, started: float) -> Response:
+        """`openai` (a chat body, or a completion body for a raw prompt) answered in the shape of
+        /api/chat (`chat`) or /api/generate."""
+        stream = stream_wanted(body)
+        keep_alive = keep_alive_seconds(body.get("keep_alive"))
+        options = check_options(body.get("options"))
+        call = await self.server.call_from_openai(openai, RENAMES, chat="messages" in openai)
+        call.keep_alive_s = keep_alive
+        capacity = self.server.prompting.capacity
+        context_limit(options, capacity)
+        window = penalty_window(options, capacity)
+        if window is not None:
+            call.options.sampling = call.options.sampling.replace(penalty_window=window)
+        answer = await self.server.start(http, call)
+        out = OllamaAnswer(body["model"], chat=chat, show_thinking=body.get("think") is not False)
+        if stream:
+            return StreamingResponse(self.lines(answer, out, started), media_type=NDJSON)
+        whole = await answer.whole()
+        return JSONResponse(out.whole_answer(whole, elapsed_since(started)))
+
+    async def lines(self, answer, out: OllamaAnswer, started: float) -> AsyncIterator[str]:
+        """The NDJSON stream; a failed generation ends it with an `{"error": ...}` line, as Ollama's does."""
+        try:
+            async for event in answer.events():
+                if isinstance(event, Finished):
+                    calls = out.calls_object()
+                    if calls is not None:
+                        yield ndjson(calls)
+                    yield ndjson(out.last(event, elapsed_since(started)))
+                    return
+                try:
+                    piece = out.piece(event)
+                except api.ApiError as e:
+                    yield ndjson(error_body(e))
+                    return
+                if piece is not None:
+                    yield ndjson(piece)
+        finally:
+            answer.cancel()
+
+    async def load_only(self, body: dict, chat: bool) -> Response:
+        """Ollama's idiom for loading a model (no messages, or no prompt), or with `keep_alive` 0
+        unloading it: answered at once with `done_reason` "load" or "unload"."""
+        keep_alive = keep_alive_seconds(body.get("keep_alive"))
+        name = model_name(body)
+        await self.server.limits(name)  # a 404 for a model this server does not have
+        out = OllamaAnswer(body["model"], chat=chat)
+        return JSONResponse({**out.empty(), "done": True, "done_reason": "unload" if keep_alive == 0 else "load"})
+
+    # -- models --------------------------------------------------------------------------------
+
+    async def tags(self, http: Request) -> Response:
+        models = await run_in_threadpool(self.store_models)
+        return JSONResponse({"models": await run_in_threadpool(lambda: [tag_entry(m) for m in models])})
+
+    async def show(self, http: Request) -> Response:
+        body = await self.body(http)
+        name = model_name(body)
+        model = await run_in_threadpool(self.find, name)
+        if name == self.server.model_name:
+            sampling, context = self.server.engine.default_sampling, self.server.prompting.capacity
+        else:
+            sampling, context = (
+                await run_in_threadpool(sampling_defaults, model.path, bundled_sampling(model.path)),
+                None,
+            )
+        return JSONResponse(await run_in_threadpool(show_body, model, sampling, context))
+
+    async def ps(self, http: Request) -> Response:
+        model = await run_in_threadpool(self.find, self.server.model_name)
+        entry = await run_in_threadpool(tag_entry, model)
+        entry.update(expires_at=FOREVER_TEXT, size_vram=0, context_length=self.server.prompting.capacity)
+        return JSONResponse({"models": [entry]})
+
+    async def pull(self, http: Request) -> Response:
+        body = await self.body(http)
+        name = model_name(body)
+        stream = stream_wanted(body)
+        try:
+            parse_name(name, self.backend)
+        except FerrumError as e:
+            raise api.ApiError(404, str(e)) from None
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def put(item: object) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def work() -> None:
+            try:
+                pull_model(name, self.backend, QueueProgress(put))
+                put(PULL_DONE)
+            except FerrumError as e:
+                put(pull_error(e))
+
+        loop.run_in_executor(None, work)
+        if stream:
+            return StreamingResponse(pull_lines(queue), media_type=NDJSON)
+        while (item := await queue.get()) is not PULL_DONE:
+            if isinstance(item, api.ApiError):
+                raise item
+        return JSONResponse({"status": "success"})
+
+    async def delete(self, http: Request) -> Response:
+        body = await self.body(http)
+        name = model_name(body)
+        if name == self.server.model_name:
+            raise bad(f"{name} is the model this server was started with; stop the server to delete it")
+        try:
+            removal = await run_in_threadpool(plan_removal, name, self.backend)
+            await run_in_threadpool(removal.execute)
+        except ModelNotFoundError:
+            raise api.ApiError(404, f"model '{name[:200]}' not found") from None
+        except FerrumError as e:
+            raise bad(str(e)) from None
+        return Response(status_code=200)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        return "mlx"
+
+    async def body(self, http: Request) -> dict:
+        """The request's JSON object. Ollama's clients (curl -d included) do not always say the
+        body is JSON, so the content type is not checked; the size and time limits are."""
+        raw = await read_body(http, self.server.max_body)
+        body = await run_in_threadpool(api.parse_json, raw) if raw.strip() else {}
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object")
+        return body
+
+    def store_models(self) -> list[LocalModel]:
+        """The server's own model first, then every complete model of the store."""
+        models = [m for m in list_models() if m.complete]
+        if not any(m.name == self.server.model_name for m in models):
+            models.insert(0, local_entry(self.server.model_name, self.server.engine.path))
+        return models
+
+    def find(self, name: str) -> LocalModel:
+        found = next((m for m in self.store_models() if m.name == name), None)
+        if found is None:
+            raise api.ApiError(404, f"model '{name[:200]}' not found")
+        return found
+
+
+FOREVER_TEXT = "2318-08-24T00:00:00Z"  # how Ollama writes the expiry of a model kept loaded for good
+
+
+async def pull_lines(queue: asyncio.Queue) -> AsyncIterator[str]:
+    yield ndjson({"status": "pulling manifest"})
+    while (item := await queue.get()) is not PULL_DONE:
+        if isinstance(item, api.ApiError):
+            yield ndjson(error_body(item))
+            return
+        yield ndjson(item)
+    yield ndjson({"status": "success"})
+
+
+async def read_body(http: Request, limit: int) -> bytes:
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit)
+    try:
+        return await asyncio.wait_for(read_at_most(http, limit), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise bad(f"the request body took over {BODY_TIMEOUT_S} s to arrive", 408) from None

@@ -1,0 +1,329 @@
+"""Ollama's API on a live `ferrum serve`, through the official `ollama` client: chat and generate
+(streamed NDJSON and whole, the same tokens as the OpenAI routes give), the model routes (tags,
+show, ps, pull from a fake Hub with its progress, delete), `format` with a schema, tools whose
+calls carry their arguments as an object, and bad input answered 400 with `{"error": "..."}`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import ollama
+import pytest
+from serve_support import LiveServer, open_stories
+
+from ferrum_mac.serve import ollama_api as oa
+from ferrum_mac.serve import openai_schema as api
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
+from fake_hub import FakeHub, FakeRepo  # noqa: E402  (the store tests' Hub look-alike)
+
+MODEL = "stories260K"
+ASK = [{"role": "user", "content": "Tell me a story about Lily."}]
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    scheduler = Scheduler(open_stories(stories_path)).start()
+    live = LiveServer(build_app(scheduler, MODEL))
+    yield live
+    live.stop()
+    scheduler.stop()
+
+
+@pytest.fixture
+def client(server):
+    return ollama.Client(host=server.url, timeout=120)
+
+
+def openai_text(server, path: str, **body) -> str:
+    response = httpx.post(server.url + path, json={"temperature": 0, "max_tokens": 12, **body}, timeout=120)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def ndjson_lines(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json=body, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"] == oa.NDJSON
+        return [json.loads(line) for line in response.iter_lines() if line]
+
+
+def error_of(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"], body
+    return body["error"]
+
+
+# -- the pure translation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, seconds",
+    [(None, None), (300, 300.0), ("300", 300.0), ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), (0, 0.0)]
+    + [("0", 0.0), (-1, oa.FOREVER), ("-1", oa.FOREVER), ("-1m", oa.FOREVER), (2.5, 2.5)],
+)
+def test_keep_alive_takes_seconds_and_go_durations(value, seconds):
+    assert oa.keep_alive_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["5 minutes", "m", "5x", "", True, [5], {"m": 5}, "1e999"])
+def test_keep_alive_refuses_what_is_no_duration(value):
+    with pytest.raises(api.ApiError, match="keep_alive .* is not a duration"):
+        oa.keep_alive_seconds(value)
+
+
+def test_options_map_to_openai_fields_and_unknown_keys_are_ignored():
+    options = oa.check_options(
+        {"temperature": 0.5, "num_predict": 7, "repeat_penalty": 1.2, "stop": ["\n"], "seed": 3, "mirostat": 0}
+        | {"some_future_option": "x", "top_k": 5.0}
+    )
+    assert oa.sampling_fields(options) == {
+        "temperature": 0.5,
+        "max_completion_tokens": 7,
+        "repetition_penalty": 1.2,
+        "stop": ["\n"],
+        "seed": 3,
+        "top_k": 5,
+    }
+    assert oa.sampling_fields(oa.check_options({"num_predict": -1, "seed": -1})) == {}
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"temperature": "hot"}, "options.temperature must be a number"),
+        ({"num_predict": 1.5}, "options.num_predict must be an integer"),
+        ({"top_k": True}, "options.top_k must be an integer"),
+        ({"stop": [1]}, "options.stop must be a string or an array"),
+        ({"use_mmap": "yes"}, "options.use_mmap must be true or false"),
+        ([1], "options must be an object"),
+    ],
+)
+def test_options_of_the_wrong_type_are_refused(options, fragment):
+    with pytest.raises(api.ApiError, match=fragment):
+        oa.check_options(options)
+
+
+def test_tool_history_becomes_openai_shaped():
+    messages = oa.chat_messages(
+        [
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                    {"function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+                ],
+            },
+            {"role": "tool", "content": "sunny", "tool_name": "get_weather"},
+            {"role": "tool", "content": "rain", "tool_name": "get_weather"},
+        ]
+    )
+    calls = messages[1]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert [m["tool_call_id"] for m in messages[2:]] == [c["id"] for c in calls]  # each answers its own call
+    with pytest.raises(api.ApiError, match=r"messages\[0\] \(role tool\) answers no earlier assistant tool call"):
+        oa.chat_messages([{"role": "tool", "content": "sunny", "tool_name": "get_weather"}])
+
+
+def test_tool_calls_reach_the_client_with_arguments_as_an_object():
+    from ferrum_mac.serve.events import ToolCallDelta
+
+    out = oa.OllamaAnswer("m", chat=True)
+    pieces = [ToolCallDelta(0, "call_1", "get_weather", '{"city": '), ToolCallDelta(0, None, None, '"Paris"}')]
+    assert all(out.piece(p) is None for p in pieces)  # sent whole, once complete
+    message = ollama.ChatResponse.model_validate(out.calls_object()).message
+    [call] = message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+
+
+# -- chat and generate through the official client ------------------------------------------------
+
+
+def test_chat_whole_gives_the_openai_routes_tokens(server, client):
+    answer = client.chat(model=MODEL, messages=ASK, options=GREEDY, stream=False)
+    assert answer.message.content == openai_text(server, "/v1/chat/completions", messages=ASK)
+    assert answer.done and answer.done_reason == "length" and answer.eval_count == 12
+    assert answer.prompt_eval_count > 0 and answer.total_duration >= answer.eval_duration > 0
+    assert answer.prompt_eval_duration > 0 and answer.created_at.endswith("Z")
+
+
+def test_chat_streams_ndjson_ending_with_done(server, client):
+    parts = list(client.chat(model=MODEL, messages=ASK, options=GREEDY, stream=True))
+    *pieces, last = parts
+    assert pieces and not any(p.done for p in pieces) and last.done
+    assert (
+        "".join(p.message.content for p in parts)
+        == client.chat(model=MODEL, messages=ASK, options=GREEDY).message.content
+    )
+    assert last.eval_count == 12 and last.done_reason == "length" and last.message.content == ""
+    lines = ndjson_lines(server, "/api/chat", {"model": MODEL, "messages": ASK, "options": GREEDY})
+    assert lines[-1]["done"] is True and all(line["done"] is False for line in lines[:-1])
+
+
+def test_generate_raw_and_templated(server, client):
+    raw = client.generate(model=MODEL, prompt="Once upon a time", raw=True, options=GREEDY)
+    assert raw.response == openai_text(server, "/v1/completions", prompt="Once upon a time")
+    system = "You tell short stories."
+    templated = client.generate(model=f"{MODEL}:latest", prompt="Tell me a story.", system=system, options=GREEDY)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Tell me a story."}]
+    assert templated.response == openai_text(server, "/v1/chat/completions", messages=messages)
+    assert templated.model == f"{MODEL}:latest"
+    streamed = list(client.generate(model=MODEL, prompt="Once upon a time", raw=True, options=GREEDY, stream=True))
+    assert "".join(p.response for p in streamed) == raw.response and streamed[-1].done
+
+
+def test_an_empty_prompt_loads_the_model(client):
+    loaded = client.generate(model=MODEL)
+    assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
+    assert client.chat(model=MODEL, messages=[]).done_reason == "load"
+
+
+def test_stop_and_seed_options(server, client):
+    full = client.chat(model=MODEL, messages=ASK, options=GREEDY).message.content
+    word = full.split()[2]
+    stopped = client.chat(model=MODEL, messages=ASK, options={**GREEDY, "stop": [word]})
+    assert stopped.message.content == full[: full.index(word)].rstrip() and stopped.done_reason == "stop"
+    seeded = {"temperature": 1.0, "seed": 7, "num_predict": 12}
+    first = client.chat(model=MODEL, messages=ASK, options=seeded).message.content
+    assert client.chat(model=MODEL, messages=ASK, options=seeded).message.content == first
+
+
+# -- the model routes ------------------------------------------------------------------------------
+
+
+def test_version_and_root_answer_as_ollama_does(server, client):
+    assert httpx.get(server.url + "/").text == "Ollama is running"
+    assert httpx.head(server.url + "/").status_code == 200
+    version = httpx.get(server.url + "/api/version").json()["version"]
+    assert tuple(int(n) for n in version.split(".")) >= (0, 5, 0)
+
+
+def test_tags_show_and_ps_describe_the_model(client, stories_path):
+    [entry] = [m for m in client.list().models if m.model == MODEL]
+    assert entry.details.family == "llama" and entry.details.parameter_size == "260K"
+    assert entry.details.format == "safetensors" and len(entry.digest) == 64 and entry.size > 0
+    shown = client.show(MODEL)
+    assert shown.modelinfo["general.architecture"] == "llama" and shown.modelinfo["llama.context_length"] > 0
+    assert "completion" in shown.capabilities and shown.details.parameter_size == "260K"
+    assert f"FROM {MODEL}" in shown.modelfile and "temperature" in shown.parameters
+    [loaded] = client.ps().models
+    assert loaded.model == MODEL and loaded.context_length == shown.modelinfo["llama.context_length"]
+
+
+def test_unknown_model_is_a_404(server, client):
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.show("no-such-model")
+    assert caught.value.status_code == 404 and "not found" in caught.value.error
+    assert "not found" in error_of(httpx.post(server.url + "/api/show", json={"model": "nope:7b"}), 404)
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+BAD = [
+    ("/api/chat", {"messages": ASK}, "model is required"),
+    ("/api/chat", {"model": MODEL, "messages": "hi"}, "messages must be an array"),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "stream": "yes"}, "stream must be true or false"),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "options": {"temperature": "hot"}}, "options.temperature"),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "options": {"temperature": 5}}, "'options.temperature' is 5"),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "options": {"num_predict": 0}}, "options.num_predict"),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "options": {"num_ctx": 10**6}}, "options.num_ctx is 1000000"),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "keep_alive": "soon"}, "keep_alive 'soon' is not a duration"),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "format": "xml"}, 'format must be "json"'),
+    ("/api/chat", {"model": MODEL, "messages": ASK, "think": "maybe"}, "think must be"),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, "images"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix is not supported"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "images": ["aGk="]}, "images are not supported"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "context": [1, 2]}, "context is not supported"),
+    ("/api/generate", {"model": MODEL, "prompt": 3}, "prompt must be a string"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "raw": True, "system": "s"}, "system has no place"),
+]
+
+
+@pytest.mark.parametrize("path, body, fragment", BAD, ids=[f"{p}-{f[:24]}" for p, _, f in BAD])
+def test_bad_input_is_a_400_in_ollamas_shape(server, path, body, fragment):
+    assert fragment in error_of(httpx.post(server.url + path, json=body, timeout=60), 400)
+
+
+def test_bad_json_and_unknown_routes_take_ollamas_shape(server):
+    post = httpx.post(server.url + "/api/chat", content=b'{"model": ', timeout=60)
+    assert "not valid JSON" in error_of(post, 400)
+    assert error_of(httpx.get(server.url + "/api/nothing-here"), 404)
+    assert error_of(httpx.get(server.url + "/api/chat"), 405)
+
+
+def test_curl_style_bodies_without_a_json_content_type_are_read(server):
+    body = json.dumps({"model": MODEL, "prompt": "Lily", "stream": False, "options": GREEDY})
+    response = httpx.post(
+        server.url + "/api/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded"}
+    )
+    assert response.status_code == 200 and response.json()["done"] is True
+
+
+# -- pull and delete through a fake Hub -------------------------------------------------------------
+
+REPO = "tiny-org/tiny-stories"
+
+
+@pytest.fixture
+def hub(stories_path, tmp_path, monkeypatch):
+    """The fake Hub serving stories260K's files as a repository, set as the endpoint, and an empty
+    Hugging Face cache for the pull to fill."""
+    from huggingface_hub import constants
+
+    home = tmp_path / "hf-home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    files = {p.name: p.read_bytes() for p in stories_path.iterdir() if p.is_file()}
+    server = FakeHub()
+    server.add(FakeRepo(REPO, files))
+    server.start()
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)
+    yield server
+    server.stop()
+
+
+def test_pull_streams_progress_then_the_model_is_listed_and_deleted(hub, client):
+    progress = list(client.pull(REPO, stream=True))
+    assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
+    files = {p.digest: p for p in progress if p.digest}  # the last object of each file
+    weights = files["model.safetensors"]
+    assert weights.total == len(hub.repos[REPO].files["model.safetensors"]) == weights.completed
+    assert all(p.completed <= p.total for p in progress if p.digest)
+    assert REPO in [m.model for m in client.list().models]
+    assert client.pull(REPO, stream=False).status == "success"  # already here: nothing to fetch
+
+    assert client.delete(REPO).status == "success"
+    assert REPO not in [m.model for m in client.list().models]
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.delete(REPO)
+    assert caught.value.status_code == 404
+
+
+def test_pull_of_a_missing_model_fails_clearly(hub, client, server):
+    with pytest.raises(ollama.ResponseError, match="no model tiny-org/nope"):
+        list(client.pull("tiny-org/nope", stream=True))
+    assert "no model tiny-org/nope" in error_of(
+        httpx.post(server.url + "/api/pull", json={"model": "tiny-org/nope", "stream": False}, timeout=60), 404
+    )
+    assert "unknown model" in error_of(httpx.post(server.url + "/api/pull", json={"model": "nope:1b"}), 404)
+
+
+def test_the_served_model_cannot_be_deleted(server):
+    response = httpx.request("DELETE", server.url + "/api/delete", json={"model": MODEL})
+    assert "the model this server was started with" in error_of(response, 400)

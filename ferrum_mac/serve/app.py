@@ -1,6 +1,13 @@
-"""The HTTP API of `ferrum serve` (starlette): OpenAI's /v1/chat/completions, /v1/completions
-and /v1/models, plus /health and /metrics. Every request becomes one scheduler request;
-its events come back to the event loop through an asyncio queue.
+"""The HTTP server of `ferrum serve` (starlette): the protocol-neutral core under its APIs.
+
+Each API module only translates: OpenAI's (`openai_api`), and the Anthropic and Ollama ones
+(`anthropic_api`, `ollama_api`, each with a `routes(server) -> list[Route]` that `build_app`
+adds; a module adds its import line to `build_app` once it exists). A route reads its body
+(`Server.read_json`), checks it into a `ChatCall` (`Server.call_from_openai`, the one validation
+layer), and `Server.start` renders the prompt, builds the grammar matcher, submits it to the
+model's scheduler and answers with an `Answer` of neutral events (`ferrum_mac.serve.events`),
+which the route renders. Errors are `ApiError`s, rendered in the shape of the route's protocol
+(`error_shapes`).
 
 What a client sends is never trusted: bodies are capped (`max_body`, checked before they are
 read) and must be JSON; browsers' requests from origins other than loopback (or those given
@@ -11,18 +18,17 @@ rendering and tokenizing run on worker threads, so one big prompt never stalls t
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping, NamedTuple
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ferrum_mac.engine import Done, ReasoningDelta, ResponseFormat, TextDelta
+from ferrum_mac.engine import Done, LocalEngine, ReasoningDelta, ResponseFormat, TextDelta
 from ferrum_mac.errors import FerrumError, KvCapacityError
 from ferrum_mac.grammar import (
     GrammarError,
@@ -33,17 +39,24 @@ from ferrum_mac.grammar import (
 )
 from ferrum_mac.grammar.schema import marked_tool_call_grammar
 from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve.call import ChatCall, Limits, call_from_openai
+from ferrum_mac.serve.error_shapes import error_response, error_shapes
+from ferrum_mac.serve.events import AnswerEvent, Finished, ToolCallDelta, ToolCalls, calls_of
 from ferrum_mac.serve.guards import ApiKeyCheck, HostCheck, OriginCheck, loopback_host_names
 from ferrum_mac.serve.metrics import prometheus_text
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
 from ferrum_mac.serve.scheduler import Scheduler
 from ferrum_mac.text import prompt_opens_reasoning
+from ferrum_mac.text.tool_calls import ToolCall
+
+__all__ = ["Answer", "ClientGone", "Server", "build_app", "error_shapes"]
 
 MAX_BODY = 4 * 1024 * 1024  # bytes; a long prompt of a large context is well under it
 BODY_TIMEOUT_S = 30  # a client that takes longer to send its body is refused (408)
 # A text longer than this many characters per token of context is first tested on its head:
 # when the head alone overflows the context, the rest need not be tokenized.
 CHARS_PER_TOKEN_CHECKED = 8
+DISCONNECT_POLL_S = 0.1
 
 
 def build_app(
@@ -57,82 +70,186 @@ def build_app(
 ) -> Starlette:
     """The ASGI app; `allow_origins`: web origins besides loopback ones that may call it;
     `loopback_only` (a server bound to loopback): refuse requests whose Host names another machine."""
+    from ferrum_mac.serve import openai_api
+
     server = Server(scheduler, model_name, max_body)
     middleware = [Middleware(OriginCheck, allowed=allow_origins)]
     if loopback_only:
         middleware.insert(0, Middleware(HostCheck, allowed=loopback_host_names(allow_origins)))
     if api_key:
         middleware.append(Middleware(ApiKeyCheck, api_key=api_key))
-    return Starlette(
-        routes=[
-            Route("/v1/chat/completions", server.chat, methods=["POST"]),
-            Route("/v1/completions", server.completions, methods=["POST"]),
-            Route("/v1/models", server.models, methods=["GET"]),
-            Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
-            Route("/health", server.health, methods=["GET"]),
-            Route("/metrics", server.metrics, methods=["GET"]),
-        ],
-        middleware=middleware,
-        exception_handlers=ERROR_HANDLERS,
-    )
+    routes = openai_api.routes(server) + [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+    ]
+    from ferrum_mac.serve import ollama_api
+
+    routes += ollama_api.routes(server)
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=ERROR_HANDLERS)
+
+
+class ClientGone(Exception):
+    """The client went away while its whole answer was computed (answered 499, which nobody reads)."""
+
+
+class Whole(NamedTuple):
+    """A whole answer: its text (calls' markup taken out), reasoning, tool calls and last event."""
+
+    text: str
+    reasoning: str
+    calls: list[ToolCall]
+    done: Finished
+
+
+class Answer:
+    """One request's answer as neutral events: TextDelta, ReasoningDelta and ToolCallDelta, then
+    one `Finished` (a `Done` with its finish reason) or one `Failed`. Iterate `events()` once to
+    stream, or await `whole()`; either way the request is cancelled (its KV freed) if the client
+    goes, and `cancel()` does it at once."""
+
+    def __init__(
+        self,
+        http: Request | None,
+        handle: RequestHandle,
+        queue: asyncio.Queue,
+        model_name: str,
+        prompt_tokens: int,
+        calls: ToolCalls,
+    ):
+        self.http = http
+        self.handle = handle
+        self.queue = queue
+        self.model_name = model_name
+        self.prompt_tokens = prompt_tokens
+        self.calls = calls
+
+    def cancel(self) -> None:
+        """Stop generating after the current step and free the sequence (a no-op once done)."""
+        self.handle.cancel()
+
+    async def events(self) -> AsyncIterator[AnswerEvent]:
+        """The answer's events. A stream route should also `cancel()` in its own `finally`:
+        starlette cancels the route's generator when the client goes, not this one."""
+        try:
+            while True:
+                event = await self.queue.get()
+                if isinstance(event, TextDelta):
+                    for piece in self.calls.feed(event.text):
+                        yield piece
+                elif isinstance(event, ReasoningDelta):
+                    yield event
+                elif isinstance(event, Failed):
+                    yield event
+                    return
+                elif isinstance(event, Done):
+                    for piece in self.calls.finish():
+                        yield piece
+                    yield Finished.of(event, bool(self.calls.calls))
+                    return
+        finally:
+            self.cancel()
+
+    async def whole(self) -> Whole:
+        """The whole answer; `ClientGone` as soon as the client has gone (the request is then
+        cancelled); a failed generation is a 500."""
+        try:
+            if self.http is None:
+                return await self._collect()
+            return await unless_disconnected(self.http, self._collect())
+        finally:
+            self.cancel()
+
+    async def _collect(self) -> Whole:
+        text: list[str] = []
+        reasoning: list[str] = []
+        calls: list[ToolCallDelta] = []
+        async for event in self.events():
+            if isinstance(event, TextDelta):
+                text.append(event.text)
+            elif isinstance(event, ReasoningDelta):
+                reasoning.append(event.text)
+            elif isinstance(event, ToolCallDelta):
+                calls.append(event)
+            elif isinstance(event, Failed):
+                raise api.ApiError(500, event.message, kind="server_error", code="generation_failed")
+            elif isinstance(event, Finished):
+                return Whole("".join(text), "".join(reasoning), calls_of(calls), event)
+        raise api.ApiError(500, "the answer ended without a last event", kind="server_error", code="internal_error")
 
 
 class Server:
+    """The core every API module drives: a call in, an `Answer` out."""
+
     def __init__(self, scheduler: Scheduler, model_name: str, max_body: int = MAX_BODY):
         self.scheduler = scheduler
         self.engine = scheduler.engine  # started: it raises otherwise
         self.model_name = model_name
         self.max_body = max_body
-        template = self.engine.template
-        self.template_names = frozenset(getattr(template, "special_tokens", {}))
+        self.prompting = Prompting(self.engine, lambda: scheduler.capacity)
 
-    # -- routes ----------------------------------------------------------------------------
+    # -- for the API modules -----------------------------------------------------------------
 
-    async def chat(self, request: Request) -> Response:
-        body = await self._json_body(request)
-        messages = api.chat_messages(body)
-        opts = self._options(body)
-        tools = await run_in_threadpool(api.tool_request, body)  # compiles each parameters schema
-        text, ids = await run_in_threadpool(self._chat_prompt, messages, opts.template_kwargs, tools)
-        fmt = self.engine.template.tool_format
-        prefilled = tools is not None and bool(tools.forced) and text.endswith(fmt.forced_prefix)
-        if tools is not None and (tools.forced or opts.response_format is None):
-            matcher = await run_in_threadpool(self._tool_matcher, tools, text, prefilled)
-        else:
-            matcher = await run_in_threadpool(self._matcher, opts.response_format, text)
-        call_prefix = fmt.forced_prefix if prefilled else ""
-        return await self._answer(
-            request,
-            ids,
-            opts,
-            prompt_opens_reasoning(text),
-            chat=True,
-            tools=tools,
-            matcher=matcher,
-            call_prefix=call_prefix,
+    async def read_json(self, request: Request) -> Any:
+        """The request's body as JSON: 415 unless it says it is JSON, 413 past `max_body`, 408
+        when slow, 400 for anything but strict JSON of sane depth and valid Unicode."""
+        raw = await read_json_body(request, self.max_body)
+        return await run_in_threadpool(api.parse_json, raw)
+
+    async def call_from_openai(
+        self, body: dict, renames: Mapping[str, str] | None = None, *, chat: bool = True
+    ) -> ChatCall:
+        """`body` (OpenAI-shaped) checked into a call against the model it names."""
+        limits = await self.limits(body.get("model") if isinstance(body, dict) else None)
+        return await run_in_threadpool(call_from_openai, body, limits, renames, chat=chat)
+
+    async def limits(self, model: str | None = None) -> Limits:
+        """What a request for `model` is checked against."""
+        return self.prompting.limits()
+
+    async def start(self, http: Request | None, call: ChatCall) -> Answer:
+        """Render the call's prompt, build its matcher, submit it; `http` (when given) is watched
+        so a whole answer stops when its client goes."""
+        prepared = await run_in_threadpool(self.prompting.prepare, call)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        options = call.options
+        request = GenerationRequest(
+            prepared.ids,
+            sampling=options.sampling,
+            max_tokens=options.max_tokens,
+            stop=options.stop,
+            opens_reasoning=prepared.opens_reasoning,
+            raw=call.messages is None,
+            ignore_eos=options.ignore_eos,
+            matcher=prepared.matcher,
+            emit=lambda event: _put_threadsafe(loop, queue, event),
         )
+        handle = self._submit(request, "messages" if call.messages is not None else "prompt")
+        tools = call.tools
+        fmt = self.engine.template.tool_format if tools is not None else None
+        calls = ToolCalls(fmt, tools is None or tools.parallel, prepared.call_prefix)
+        return Answer(http, handle, queue, self.model_name, len(prepared.ids), calls)
 
-    async def completions(self, request: Request) -> Response:
-        body = await self._json_body(request)
-        prompt = api.completion_prompt(body)
-        opts = self._options(body)
-        ids = prompt if isinstance(prompt, list) else await run_in_threadpool(self._encode, prompt, True, "prompt")
-        matcher = await run_in_threadpool(self._matcher, opts.response_format, None)
-        return await self._answer(request, ids, opts, False, chat=False, matcher=matcher)
+    async def count_tokens(self, call: ChatCall) -> int:
+        """How many tokens the call's prompt is, as `start` would render it."""
+        return await run_in_threadpool(self.prompting.count_tokens, call)
 
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+    def _submit(self, request: GenerationRequest, param: str) -> RequestHandle:
+        try:
+            return self.scheduler.submit(request)
+        except KvCapacityError as e:
+            raise api.ApiError(400, str(e), param=param, code="context_length_exceeded") from None
+        except FerrumError as e:  # the request's (token ids, settings), or a scheduler that stopped
+            if not self.scheduler.alive:
+                raise api.ApiError(503, str(e), kind="server_error", code="unavailable") from None
+            raise api.ApiError(400, str(e)) from None
 
-    async def model(self, request: Request) -> Response:
-        model_id = request.path_params["model_id"]
-        if model_id != self.model_name:
-            raise api.ApiError(
-                404,
-                f"the model '{model_id[:200]}' does not exist; this server has '{self.model_name}'",
-                param="model",
-                code="model_not_found",
-            )
-        return JSONResponse(self._model_entry())
+    # -- kept for callers of the single-model server ----------------------------------------
+
+    def _tool_matcher(self, tools: api.ToolRequest, prompt_text: str, prefilled: bool) -> GrammarMatcher | None:
+        return self.prompting.tool_matcher(tools, prompt_text, prefilled)
+
+    # -- routes every protocol shares --------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
         if not self.scheduler.alive:
@@ -150,30 +267,52 @@ class Server:
         text = prometheus_text(self.scheduler.stats, up=self.scheduler.alive)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    # -- one answer ------------------------------------------------------------------------
 
-    def _model_entry(self) -> dict:
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "ferrum",
-            "max_model_len": self.scheduler.capacity,
-        }
+class Prompting:
+    """How calls become prompts for one model: the rendered prompt's ids and the grammar state
+    that enforces `response_format` or the tools' call shapes. All of it may take long
+    (templates, tokenizing long prompts, compiling schemas): call it on a worker thread."""
 
-    async def _json_body(self, request: Request) -> dict:
-        raw = await read_json_body(request, self.max_body)
-        return api.check_body(await run_in_threadpool(api.parse_json, raw))
+    def __init__(self, engine: LocalEngine, capacity):
+        self.engine = engine
+        self._capacity = capacity  # a callable: the scheduler knows it once its model is loaded
+        self.template_names = frozenset(getattr(engine.template, "special_tokens", {}))
 
-    def _options(self, body: dict) -> api.Options:
-        return api.options(body, self.engine.default_sampling, self.engine.model.config.vocab_size, self.template_names)
+    @property
+    def capacity(self) -> int:
+        return self._capacity()
 
-    def _chat_prompt(
+    def limits(self) -> Limits:
+        return Limits(self.engine.default_sampling, self.engine.model.config.vocab_size, self.template_names)
+
+    def prepare(self, call: ChatCall) -> "Prepared":
+        if call.messages is None:
+            return Prepared(self._completion_ids(call), self.matcher(call.options.response_format, None))
+        tools = call.tools
+        text, ids = self.chat_prompt(call.messages, call.options.template_kwargs, tools)
+        fmt = self.engine.template.tool_format
+        prefilled = tools is not None and bool(tools.forced) and text.endswith(fmt.forced_prefix)
+        if tools is not None and (tools.forced or call.options.response_format is None):
+            matcher = self.tool_matcher(tools, text, prefilled)
+        else:
+            matcher = self.matcher(call.options.response_format, text)
+        return Prepared(ids, matcher, prompt_opens_reasoning(text), fmt.forced_prefix if prefilled else "")
+
+    def count_tokens(self, call: ChatCall) -> int:
+        if call.messages is None:
+            return len(self._completion_ids(call))
+        return len(self.chat_prompt(call.messages, call.options.template_kwargs, call.tools)[1])
+
+    def _completion_ids(self, call: ChatCall) -> list[int]:
+        prompt = call.prompt if call.prompt is not None else ""
+        return list(prompt) if isinstance(prompt, list) else self.encode(prompt, True, "prompt")
+
+    def chat_prompt(
         self, messages: list[dict], template_kwargs: dict, tools: api.ToolRequest | None = None
     ) -> tuple[str, list[int]]:
-        """The rendered prompt and its ids (on a worker thread: both take long on long prompts);
-        an answer that must call a tool starts with its family's call opener, unless the model
-        reasons first (then the opener is part of the call's grammar, see `_tool_matcher`)."""
+        """The rendered prompt and its ids; an answer that must call a tool starts with its
+        family's call opener, unless the model reasons first (then the opener is part of the
+        call's grammar, see `tool_matcher`)."""
         template = self.engine.template
         try:
             text = template.render(
@@ -192,11 +331,11 @@ class Server:
                 f"the chat template cannot render these messages ({type(e).__name__}: {str(e)[:200]})",
                 param="messages",
             ) from None
-        return text, self._encode(text, False, "messages")
+        return text, self.encode(text, False, "messages")
 
-    def _matcher(self, fmt: ResponseFormat | None, prompt_text: str | None) -> GrammarMatcher | None:
-        """The answer's grammar state for `fmt` (on a worker thread: compiling a schema, and the
-        first time the model's grammar vocabulary, take a while); a schema it cannot compile is a 400.
+    def matcher(self, fmt: ResponseFormat | None, prompt_text: str | None) -> GrammarMatcher | None:
+        """The answer's grammar state for `fmt` (compiling a schema, and the first time the
+        model's grammar vocabulary, take a while); a schema it cannot compile is a 400.
         `prompt_text`: the chat prompt, so a thinking model's grammar starts after its reasoning."""
         if fmt is None:
             return None
@@ -214,7 +353,7 @@ class Server:
         closer = self.engine.template.tool_format.closer
         return closer is not None and bool(self.engine.constraints.start_after(prompt_text))
 
-    def _tool_matcher(self, tools: api.ToolRequest, prompt_text: str, prefilled: bool) -> GrammarMatcher | None:
+    def tool_matcher(self, tools: api.ToolRequest, prompt_text: str, prefilled: bool) -> GrammarMatcher | None:
         """The call's grammar, so its arguments always validate against the function's parameters.
         A required call's JSON comes right after the opener the prompt ends with (`prefilled`), or
         with its markers after the model's reasoning; with "auto" the answer is free until the
@@ -235,9 +374,9 @@ class Server:
             return constraints.matcher(grammar, None)
         return GrammarMatcher(grammar, self.engine.tokenizer.encode(fmt.opener, add_special_tokens=False))
 
-    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of `text`, or a 400 as soon as it is clear they cannot fit the context."""
-        capacity = self.scheduler.capacity
+        capacity = self.capacity
         head = text[: capacity * CHARS_PER_TOKEN_CHECKED]
         if len(head) < len(text):
             n = len(self.engine.tokenizer.encode(head, add_special_tokens=add_special_tokens))
@@ -250,63 +389,23 @@ class Server:
                 )
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def _answer(
-        self,
-        http: Request,
-        ids: list[int],
-        opts: api.Options,
-        opens_reasoning: bool,
-        chat: bool,
-        tools: api.ToolRequest | None = None,
-        matcher: GrammarMatcher | None = None,
-        call_prefix: str = "",
-    ) -> Response:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        request = GenerationRequest(
-            ids,
-            sampling=opts.sampling,
-            max_tokens=opts.max_tokens,
-            stop=opts.stop,
-            opens_reasoning=opens_reasoning,
-            raw=not chat,
-            ignore_eos=opts.ignore_eos,
-            matcher=matcher,
-            emit=lambda event: _put_threadsafe(loop, events, event),
-        )
-        try:
-            handle = self.scheduler.submit(request)
-        except KvCapacityError as e:
-            raise api.ApiError(
-                400, str(e), param="messages" if chat else "prompt", code="context_length_exceeded"
-            ) from None
-        except FerrumError as e:  # the request's (token ids, settings), or a scheduler that stopped
-            if not self.scheduler.alive:
-                raise api.ApiError(503, str(e), kind="server_error", code="unavailable") from None
-            raise api.ApiError(400, str(e)) from None
-        kind = "chat.completion" if chat else "text_completion"
-        envelope = api.envelope(kind, api.new_id("chatcmpl" if chat else "cmpl"), self.model_name)
-        calls = api.ToolAnswer(tools, self.engine.template.tool_format, call_prefix)
-        if opts.stream:
-            chunks = stream_chunks(handle, events, envelope, chat, opts.include_usage, calls)
-            return StreamingResponse(chunks, media_type="text/event-stream")
-        try:
-            answer = await unless_disconnected(http, whole_answer(events, envelope, chat, calls))
-            return JSONResponse(answer) if answer is not None else Response(status_code=499)
-        finally:
-            handle.cancel()  # no-op once done; frees the sequence when the client went away
+
+class Prepared(NamedTuple):
+    """A call made ready for the scheduler."""
+
+    ids: list[int]
+    matcher: GrammarMatcher | None
+    opens_reasoning: bool = False  # the prompt leaves a <think> open
+    call_prefix: str = ""  # what the prompt already opened the answer with (a forced call's opener)
 
 
-def _put_threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, event) -> None:
+def _put_threadsafe(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, event) -> None:
     """Hand `event` from the scheduler's thread to the request's queue on the event loop."""
-    loop.call_soon_threadsafe(events.put_nowait, event)
-
-
-DISCONNECT_POLL_S = 0.1
+    loop.call_soon_threadsafe(queue.put_nowait, event)
 
 
 async def unless_disconnected(http: Request, work):
-    """`work`'s result, or None as soon as the client has gone (then `work` is cancelled).
+    """`work`'s result; `ClientGone` as soon as the client has gone (then `work` is cancelled).
     Starlette cancels a streaming response's generator on a disconnect, but not a handler
     that is still computing a whole answer: this watches for it."""
     task = asyncio.ensure_future(work)
@@ -316,82 +415,9 @@ async def unless_disconnected(http: Request, work):
             if done:
                 return task.result()
             if await http.is_disconnected():
-                return None
+                raise ClientGone()
     finally:
         task.cancel()
-
-
-async def whole_answer(events: asyncio.Queue, envelope: dict, chat: bool, calls: api.ToolAnswer | None = None) -> dict:
-    calls = calls or api.ToolAnswer(None, None)
-    text, reasoning = [], []
-    while True:
-        event = await events.get()
-        if isinstance(event, TextDelta):
-            text.append(event.text)
-        elif isinstance(event, ReasoningDelta):
-            reasoning.append(event.text)
-        elif isinstance(event, Failed):
-            raise api.ApiError(500, event.message, kind="server_error", code="generation_failed")
-        elif isinstance(event, Done):
-            break
-    if chat:
-        message = {"role": "assistant", **calls.message("".join(text))}
-        if reasoning:
-            message["reasoning_content"] = "".join(reasoning)
-        choice = {"index": 0, "message": message, "finish_reason": calls.finish_reason(event)}
-    else:
-        choice = {"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": api.finish_reason(event)}
-    return {**envelope, "choices": [choice], "usage": api.usage(event), "stats": api.stats(event)}
-
-
-async def stream_chunks(
-    handle: RequestHandle,
-    events: asyncio.Queue,
-    envelope: dict,
-    chat: bool,
-    include_usage: bool,
-    calls: api.ToolAnswer | None = None,
-) -> AsyncIterator[str]:
-    """Server-sent events; when the client goes away starlette cancels this generator, and the
-    `finally` cancels the request, so its KV is released at the next step."""
-    calls = calls or api.ToolAnswer(None, None)
-    kind = envelope["object"] + (".chunk" if chat else "")
-    envelope = {**envelope, "object": kind}
-
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        choice = (
-            {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta.get("content", ""), "logprobs": None}
-        )
-        choice["finish_reason"] = finish
-        return sse({**envelope, "choices": [choice], **extra})
-
-    try:
-        if chat:
-            yield chunk({"role": "assistant", "content": ""})
-        while True:
-            event = await events.get()
-            if isinstance(event, TextDelta):
-                for delta in calls.deltas(event.text):
-                    yield chunk(delta)
-            elif isinstance(event, ReasoningDelta):
-                yield chunk({"reasoning_content": event.text} if chat else {})
-            elif isinstance(event, Failed):
-                yield sse(api.ApiError(500, event.message, kind="server_error", code="generation_failed").body())
-                break
-            elif isinstance(event, Done):
-                for delta in calls.finish_deltas():
-                    yield chunk(delta)
-                yield chunk({}, calls.finish_reason(event), stats=api.stats(event))
-                if include_usage:
-                    yield sse({**envelope, "choices": [], "usage": api.usage(event)})
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        handle.cancel()
-
-
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 async def read_json_body(request: Request, limit: int) -> bytes:
@@ -434,20 +460,21 @@ def body_too_large(limit: int) -> api.ApiError:
     )
 
 
-# -- errors --------------------------------------------------------------------
+# -- errors, in the shape of the route's protocol ---------------------------------------------
 
 
 async def api_error(request: Request, exc: api.ApiError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return error_response(request.url.path, exc)
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return JSONResponse(
-        api.ApiError(exc.status_code, str(exc.detail), code=code).body(),
-        status_code=exc.status_code,
-        headers=exc.headers,
-    )
+    error = api.ApiError(exc.status_code, str(exc.detail), code=code)
+    return error_response(request.url.path, error, headers=exc.headers)
+
+
+async def client_gone(request: Request, exc: ClientGone) -> Response:
+    return Response(status_code=499)
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
@@ -455,8 +482,13 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     error = api.ApiError(
         500, f"internal error ({type(exc).__name__}); see the server's log", kind="server_error", code="internal_error"
     )
-    return JSONResponse(error.body(), status_code=500)
+    return error_response(request.url.path, error)
 
 
 # Any: starlette types each handler as taking any Exception; each of these takes its own kind.
-ERROR_HANDLERS: dict[Any, Any] = {HTTPException: http_error, api.ApiError: api_error, Exception: internal_error}
+ERROR_HANDLERS: dict[Any, Any] = {
+    HTTPException: http_error,
+    api.ApiError: api_error,
+    ClientGone: client_gone,
+    Exception: internal_error,
+}

@@ -8,9 +8,10 @@ import hmac
 import ipaddress
 import socket
 
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve.error_shapes import error_response
 
 OPEN_PATHS = ("/health",)  # answered without the API key
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
@@ -19,7 +20,8 @@ CORS_MAX_AGE = "600"
 
 
 async def refuse(error: api.ApiError, scope, receive, send) -> None:
-    await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+    """`error` in the error shape of the API the path belongs to."""
+    await error_response(scope["path"], error)(scope, receive, send)
 
 
 class ApiKeyCheck:

@@ -18,11 +18,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, SEED_LIMIT, Done, SamplingParams
+from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, SEED_LIMIT, Done, SamplingParams, TextDelta
 from ferrum_mac.engine.structured import ResponseFormat
+from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import GrammarError, UnsupportedSchemaError, json_schema_grammar
-from ferrum_mac.text.tool_calls import StreamingToolParser, ToolCall, ToolFormat
+from ferrum_mac.serve.events import ToolCallDelta, ToolCalls, calls_of
+from ferrum_mac.text.tool_calls import ToolCall, ToolFormat
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit
@@ -193,28 +195,6 @@ def chat_messages(body: dict) -> list[dict]:
 # -- tools -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ToolRequest:
-    """A request's tools (OpenAI `function` objects) and what it lets the model do with them:
-    `choice` is "auto", "required" or the one function's name it must call."""
-
-    functions: tuple[dict, ...]
-    choice: str = "auto"
-    parallel: bool = True
-
-    @property
-    def forced(self) -> tuple[dict, ...]:
-        """The functions a call must be one of, when a call is required; () when the model may answer in text."""
-        if self.choice == "auto":
-            return ()
-        if self.choice == "required":
-            return self.functions
-        return tuple(f for f in self.functions if f["name"] == self.choice)
-
-    def template_tools(self) -> list[dict]:
-        return [{"type": "function", "function": f} for f in self.functions]
-
-
 def tool_request(body: dict) -> ToolRequest | None:
     """The checked `tools` and `tool_choice`; None when the model gets no tools (none sent, or
     `tool_choice` "none")."""
@@ -363,64 +343,65 @@ def completion_prompt(body: dict) -> str | list[int]:
 
 
 class ToolAnswer:
-    """An answer's text split into content and tool calls as it arrives, in OpenAI's shapes.
-    Without tools it passes the text through untouched. `prefix`: what the prompt already
-    opened the answer with (a forced call's opener)."""
+    """An answer's text split into content and tool calls as it arrives, in OpenAI's shapes (the
+    splitting itself is the core's `ToolCalls`). Without tools it passes the text through
+    untouched. `prefix`: what the prompt already opened the answer with (a forced call's opener)."""
 
     def __init__(self, tools: ToolRequest | None, fmt: ToolFormat | None, prefix: str = ""):
-        self.parser = StreamingToolParser(fmt) if tools is not None and fmt is not None else None
-        self.calls: list[ToolCall] = []
-        self.parallel = tools is None or tools.parallel
-        if self.parser is not None and prefix:
-            self.parser.feed(prefix)
+        parallel = tools is None or tools.parallel
+        self.split = ToolCalls(fmt if tools is not None else None, parallel, prefix)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.split.calls
 
     def deltas(self, text: str) -> list[dict]:
         """The stream's `delta`s for the next piece of answer text."""
-        if self.parser is None:
-            return [{"content": text}]
-        return self._deltas(self.parser.feed(text))
+        return self._deltas(self.split.feed(text))
 
     def finish_deltas(self) -> list[dict]:
-        return [] if self.parser is None else self._deltas(self.parser.finish())
+        return self._deltas(self.split.finish())
 
     def message(self, text: str) -> dict:
         """The whole answer's `message` (no role, no reasoning)."""
-        if self.parser is None:
-            return {"content": text}
-        events = self.parser.feed(text) + self.parser.finish()
-        content = "".join(e for e in events if isinstance(e, str))
-        calls = self._keep([e for e in events if isinstance(e, ToolCall)])
-        if not calls:
-            return {"content": content}
-        return {"content": content if content.strip() else None, "tool_calls": [c.as_openai() for c in calls]}
+        events = self.split.feed(text) + self.split.finish()
+        content = "".join(e.text for e in events if isinstance(e, TextDelta))
+        return message_of(content, calls_of([e for e in events if isinstance(e, ToolCallDelta)]))
 
     def finish_reason(self, done: Done) -> str:
         return "tool_calls" if self.calls else finish_reason(done)
 
-    def _keep(self, calls: list[ToolCall]) -> list[ToolCall]:
-        """The calls to pass on: one only when the request turned parallel calls off."""
-        kept = calls if self.parallel else calls[: max(0, 1 - len(self.calls))]
-        self.calls.extend(kept)
-        return kept
-
-    def _deltas(self, events: list) -> list[dict]:
+    @staticmethod
+    def _deltas(events: list) -> list[dict]:
         out: list[dict] = []
         for event in events:
-            if isinstance(event, str):
-                if event:
-                    out.append({"content": event})
-                continue
-            for call in self._keep([event]):
-                index = len(self.calls) - 1
-                head = {
-                    "index": index,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-                out.append({"tool_calls": [head]})
-                out.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+            if isinstance(event, TextDelta):
+                out.append({"content": event.text})
+            else:
+                out.extend(tool_call_deltas(event))
         return out
+
+
+def message_of(content: str, calls: list[ToolCall]) -> dict:
+    """A whole answer's `message` (no role, no reasoning): its text, and its calls if it made any."""
+    if not calls:
+        return {"content": content}
+    return {"content": content if content.strip() else None, "tool_calls": [c.as_openai() for c in calls]}
+
+
+def tool_call_deltas(piece: ToolCallDelta) -> list[dict]:
+    """A call's piece as stream `delta`s: its head (id, name) first when it has one, then its arguments."""
+    out: list[dict] = []
+    if piece.id is not None or piece.name is not None:
+        head = {
+            "index": piece.index,
+            "id": piece.id,
+            "type": "function",
+            "function": {"name": piece.name, "arguments": ""},
+        }
+        out.append({"tool_calls": [head]})
+    out.append({"tool_calls": [{"index": piece.index, "function": {"arguments": piece.arguments}}]})
+    return out
 
 
 def finish_reason(done: Done) -> str:

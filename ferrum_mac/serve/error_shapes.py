@@ -1,0 +1,33 @@
+"""Which error body a route answers with: one exception (`ApiError`) for every protocol, rendered
+in the shape of the API the request came in on. Each API module registers its renderer for its
+path prefix (`error_shapes["/api/"] = ollama_error`); the longest matching prefix wins, and any
+other path gets OpenAI's `{"error": {message, type, param, code}}`."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from starlette.responses import JSONResponse, Response
+
+from ferrum_mac.serve.openai_schema import ApiError
+
+Renderer = Callable[[ApiError], dict]
+
+error_shapes: dict[str, Renderer] = {}
+
+
+def openai_error(error: ApiError) -> dict:
+    return error.body()
+
+
+def renderer_for(path: str) -> Renderer:
+    prefixes = [p for p in error_shapes if path.startswith(p)]
+    return error_shapes[max(prefixes, key=len)] if prefixes else openai_error
+
+
+def error_body(path: str, error: ApiError) -> dict:
+    return renderer_for(path)(error)
+
+
+def error_response(path: str, error: ApiError, headers: Mapping[str, str] | None = None) -> Response:
+    return JSONResponse(error_body(path, error), status_code=error.status, headers=headers)

@@ -1,0 +1,131 @@
+"""OpenAI's API on the core: /v1/chat/completions, /v1/completions and /v1/models. Bodies are
+checked by the core (`Server.call_from_openai`); this module only renders the answer's neutral
+events as OpenAI's JSON and server-sent events."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ferrum_mac.engine import ReasoningDelta, TextDelta
+from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve.events import LENGTH, TOOL_CALLS, Finished, ToolCallDelta
+from ferrum_mac.serve.request import Failed
+
+if TYPE_CHECKING:
+    from ferrum_mac.serve.app import Answer, Server, Whole
+
+
+def routes(server: "Server") -> list[Route]:
+    api_routes = OpenAiRoutes(server)
+    return [
+        Route("/v1/chat/completions", api_routes.chat, methods=["POST"]),
+        Route("/v1/completions", api_routes.completions, methods=["POST"]),
+        Route("/v1/models", api_routes.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api_routes.model, methods=["GET"]),
+    ]
+
+
+class OpenAiRoutes:
+    def __init__(self, server: "Server"):
+        self.server = server
+
+    async def chat(self, request: Request) -> Response:
+        return await self._answer(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._answer(request, chat=False)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        name = self.server.model_name
+        if model_id != name:
+            raise api.ApiError(
+                404,
+                f"the model '{model_id[:200]}' does not exist; this server has '{name}'",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_entry())
+
+    def _model_entry(self) -> dict:
+        return {
+            "id": self.server.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ferrum",
+            "max_model_len": self.server.scheduler.capacity,
+        }
+
+    async def _answer(self, request: Request, chat: bool) -> Response:
+        body = await self.server.read_json(request)
+        call = await self.server.call_from_openai(body, chat=chat)
+        answer = await self.server.start(request, call)
+        kind = "chat.completion" if chat else "text_completion"
+        envelope = api.envelope(kind, api.new_id("chatcmpl" if chat else "cmpl"), answer.model_name)
+        if call.options.stream:
+            chunks = stream_chunks(answer, envelope, chat, call.options.include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        return JSONResponse(whole_body(await answer.whole(), envelope, chat))
+
+
+def finish_reason(done: Finished) -> str:
+    return done.finish if done.finish in (LENGTH, TOOL_CALLS) else "stop"
+
+
+def whole_body(whole: "Whole", envelope: dict, chat: bool) -> dict:
+    done = whole.done
+    if chat:
+        message = {"role": "assistant", **api.message_of(whole.text, whole.calls)}
+        if whole.reasoning:
+            message["reasoning_content"] = whole.reasoning
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason(done)}
+    else:
+        choice = {"index": 0, "text": whole.text, "logprobs": None, "finish_reason": finish_reason(done)}
+    return {**envelope, "choices": [choice], "usage": api.usage(done), "stats": api.stats(done)}
+
+
+async def stream_chunks(answer: "Answer", envelope: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events; when the client goes away starlette cancels this generator, and the
+    `finally` cancels the request, so its KV is released at the next step."""
+    kind = envelope["object"] + (".chunk" if chat else "")
+    envelope = {**envelope, "object": kind}
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        choice = (
+            {"index": 0, "delta": delta} if chat else {"index": 0, "text": delta.get("content", ""), "logprobs": None}
+        )
+        choice["finish_reason"] = finish
+        return sse({**envelope, "choices": [choice], **extra})
+
+    try:
+        if chat:
+            yield chunk({"role": "assistant", "content": ""})
+        async for event in answer.events():
+            if isinstance(event, TextDelta):
+                yield chunk({"content": event.text})
+            elif isinstance(event, ToolCallDelta):
+                for delta in api.tool_call_deltas(event):
+                    yield chunk(delta)
+            elif isinstance(event, ReasoningDelta):
+                yield chunk({"reasoning_content": event.text} if chat else {})
+            elif isinstance(event, Failed):
+                yield sse(api.ApiError(500, event.message, kind="server_error", code="generation_failed").body())
+            elif isinstance(event, Finished):
+                yield chunk({}, finish_reason(event), stats=api.stats(event))
+                if include_usage:
+                    yield sse({**envelope, "choices": [], "usage": api.usage(event)})
+        yield "data: [DONE]\n\n"
+    finally:
+        answer.cancel()
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -85,6 +85,9 @@ def build_app(
     from ferrum_mac.serve import ollama_api
 
     routes += ollama_api.routes(server)
+    from ferrum_mac.serve import anthropic_api
+
+    routes += anthropic_api.routes(server)
     return Starlette(routes=routes, middleware=middleware, exception_handlers=ERROR_HANDLERS)
 
 

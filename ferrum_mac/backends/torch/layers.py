@@ -8,12 +8,15 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ferrum_mac.backends.torch.quant import QuantLinear, concatenated
 from ferrum_mac.backends.torch.weights import TensorSource, to_torch
 from ferrum_mac.weights import ModelConfig
 
 
 class Linear:
     """y = x W^T (+ b), W `(out, in)`."""
+
+    quantized = False  # (`quant.QuantLinear`: the same calls over a packed W)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
@@ -28,18 +31,38 @@ class Linear:
         return torch.addmm(residual, x, self.weight.t())
 
 
-def linear(src: TensorSource, module: str, out_dim: int, in_dim: int, bias: bool = False) -> Linear:
+def linear(src: TensorSource, module: str, out_dim: int, in_dim: int, bias: bool = False) -> Linear | QuantLinear:
     b = src.take(f"{module}.bias", (out_dim,)) if bias else None
+    packed = src.packed(module, (out_dim, in_dim))
+    if packed is not None:
+        return QuantLinear(packed, b, src.dtype)
     return Linear(src.take(f"{module}.weight", (out_dim, in_dim)), b)
 
 
-def fuse(linears: list[Linear]) -> Linear:
-    """Linears that read the same input, stacked into one (their outputs side by side)."""
+def fuse(linears: list) -> Linear | QuantLinear:
+    """Linears that read the same input, stacked into one (their outputs side by side). Packed
+    ones stay packed where they share bits and groups, else all are dequantized."""
+    if any(l.quantized for l in linears):
+        return fuse_quantized(linears)
     weight = torch.cat([l.weight for l in linears])
     if all(l.bias is None for l in linears):
         return Linear(weight)
     biases = [l.weight.new_zeros(l.weight.shape[0]) if l.bias is None else l.bias for l in linears]  # none: zeros
     return Linear(weight, torch.cat(biases))
+
+
+def fuse_quantized(linears: list) -> Linear | QuantLinear:
+    dtype = linears[0].dtype if linears[0].quantized else linears[0].weight.dtype
+    packed = concatenated([l.weight for l in linears]) if all(l.quantized for l in linears) else None
+    if packed is None:  # bits or groups differ: all dense
+        return fuse([Linear(l.weight.dequantize(dtype), l.bias) if l.quantized else l for l in linears])
+    if all(l.bias is None for l in linears):
+        return QuantLinear(packed, None, dtype)
+    biases = [
+        torch.zeros(l.weight.shape[0], dtype=dtype, device=packed.words.device) if l.bias is None else l.bias
+        for l in linears
+    ]
+    return QuantLinear(packed, torch.cat(biases), dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ import functools
 import torch
 
 from ferrum_mac import settings
+from ferrum_mac.backends.torch import quant
 from ferrum_mac.backends.torch.layers import Linear, RmsNorm
 from ferrum_mac.backends.torch.pointwise import one_per_row, torch_swiglu
 
@@ -97,15 +98,25 @@ class TritonOps(Ops):
 
         return triton_ops.rms_norm(x, norm.weight, norm.eps)
 
+    def quant_gemv(self, x: torch.Tensor, linear, norm: RmsNorm | None = None) -> bool:
+        """Whether `triton_quant.gemv` takes a packed `linear` on x (and its norm, if any)."""
+        rows = x.shape[0] if x.dim() == 2 else quant.GEMV_MAX_ROWS + 1
+        return linear.quantized and rows <= quant.GEMV_MAX_ROWS and (norm is None or norm.weight is not None)
+
     def norm_matmul(self, x: torch.Tensor, norm: RmsNorm, linear: Linear) -> torch.Tensor:
-        if not self.gemv("norm_matmul", x):
+        if self.quant_gemv(x, linear, norm):
+            from ferrum_mac.backends.torch import triton_quant
+
+            return triton_quant.gemv(x, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps)
+        if linear.quantized or not self.gemv("norm_matmul", x):
             return super().norm_matmul(x, norm, linear)
         from ferrum_mac.backends.torch import triton_gemv
 
         return triton_gemv.norm_matmul(x, norm.weight, norm.eps, linear.weight, linear.bias)
 
     def matmul_plus(self, x: torch.Tensor, linear: Linear, residual: torch.Tensor) -> torch.Tensor:
-        if linear.bias is not None or not self.gemv("matmul_residual", x):
+        # (a packed linear's own `plus` adds the residual in its GEMV)
+        if linear.quantized or linear.bias is not None or not self.gemv("matmul_residual", x):
             return super().matmul_plus(x, linear, residual)
         from ferrum_mac.backends.torch import triton_gemv
 
@@ -119,7 +130,13 @@ class TritonOps(Ops):
         return triton_ops.swiglu(gate_up, weights)
 
     def norm_swiglu(self, x: torch.Tensor, norm: RmsNorm, gate_up: Linear) -> torch.Tensor:
-        if not self.gemv("norm_swiglu", x):
+        if self.quant_gemv(x, gate_up, norm):
+            from ferrum_mac.backends.torch import triton_quant
+
+            return triton_quant.gemv(
+                x, gate_up.weight, gate_up.bias, norm_weight=norm.weight, eps=norm.eps, swiglu=True
+            )
+        if gate_up.quantized or not self.gemv("norm_swiglu", x):
             return super().norm_swiglu(x, norm, gate_up)
         from ferrum_mac.backends.torch import triton_gemv
 
@@ -135,7 +152,7 @@ class TritonOps(Ops):
 
         kv = plan.pool.kv[attn.layer]  # (2, kv_heads, token rows, dim)
         interleaved, places = attn.rope.interleaved, plan.places
-        if self.gemv("norm_qkv_rope", h) and triton_qkv.fits(attn.head_dim, h.shape[0]):
+        if not attn.qkv.quantized and self.gemv("norm_qkv_rope", h) and triton_qkv.fits(attn.head_dim, h.shape[0]):
             q = triton_qkv.norm_qkv_rope_write(
                 h, norm.weight, norm.eps, attn.qkv.weight, attn.qkv.bias, attn.heads, attn.qk_norm, attn.eps,
                 cos, sin, interleaved, kv, places,

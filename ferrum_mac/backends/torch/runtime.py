@@ -56,13 +56,17 @@ class TorchLLM(PooledLLM):
         dtype: str | None = None,
         device: str | torch.device | None = None,
         kv_capacity: int | None = None,
+        quant: str | None = None,
+        packed: bool | None = None,
     ):
+        """`quant` ("4bit", "8bit"): a dense checkpoint's linear layers quantized as they load;
+        `packed`: whether quantized weights stay packed (default: on CUDA; dequantized on the CPU)."""
         c = checkpoint.config
         family = model_family(FAMILIES, c.model_type, "torch")
         self.device = resolve_device(device)
         self.dtype = compute_dtype(checkpoint, dtype)
         with torch.inference_mode():
-            source = TensorSource(checkpoint.tensors, c, self.dtype, self.device, str(checkpoint.path))
+            source = TensorSource(checkpoint.tensors, c, self.dtype, self.device, str(checkpoint.path), packed, quant)
             self.model = family(source, c)
         checkpoint.tensors.clear()  # the model holds what it needs (fused copies included)
         self.model_config = c

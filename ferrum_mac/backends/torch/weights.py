@@ -3,8 +3,11 @@
 Dense safetensors checkpoints are read by safetensors' torch loader straight onto the
 device (`load_onto`), so this path needs no MLX; so do random-weight benchmarks, which hand
 out `torch.Tensor`s. MLX affine-quantized and GGUF weights come from `ferrum_mac.weights` as
-`mx.array`s and are dequantized at load with `mx.dequantize`: the torch backend runs them as
-dense matmuls, in the memory of a 16-bit model.
+`mx.array`s. A linear layer's quantized weight stays packed where the source keeps packed
+weights (`packed`, on CUDA by default: `quant.Packed`); everything else (embeddings, MoE
+experts, packed weights off CUDA unless asked for) is dequantized at load with
+`mx.dequantize`. `on_the_fly` ("4bit", "8bit") quantizes a dense checkpoint's linear layers as
+they load.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ferrum_mac.backends.torch import quant
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
 from ferrum_mac.weights import Checkpoint, ModelConfig, load_checkpoint
 from ferrum_mac.weights.config import config_from_hf
@@ -24,19 +28,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def load_onto(path: str | Path, device: torch.device) -> Checkpoint:
-    """The checkpoint at `path` for the torch backend: a dense safetensors folder read onto
-    `device` without MLX; MLX-quantized and GGUF checkpoints through `load_checkpoint` (MLX
-    reads and dequantizes them)."""
+    """The checkpoint at `path` for the torch backend: a safetensors folder (dense, or
+    MLX-quantized in bits `quant.Packed` reads) read onto `device` without MLX; other
+    MLX-quantized and GGUF checkpoints through `load_checkpoint` (MLX reads them)."""
     folder = Path(path).expanduser()
     if not (folder.is_dir() and (folder / "config.json").is_file()):
         return load_checkpoint(folder)
     config = config_from_hf(folder)
-    if config.quantization:
+    if config.quantization and not quant.reads_without_mlx(config.quantization):
         return load_checkpoint(folder)
     from safetensors.torch import load_file
 
     tensors = load_safetensors(folder, read=functools.partial(load_file, device=str(device)))
-    return Checkpoint(config, tensors, folder, "safetensors")
+    return Checkpoint(config, tensors, folder, "mlx-quantized" if config.quantization else "safetensors")
 
 
 def to_torch(array) -> torch.Tensor:
@@ -58,8 +62,13 @@ def dtype_name(array) -> str:
 class TensorSource:
     """Hands out a checkpoint's tensors by canonical name, checking presence and shape."""
 
-    def __init__(self, tensors: dict, config: ModelConfig, dtype: torch.dtype, device: torch.device, where: str):
+    def __init__(
+        self, tensors: dict, config: ModelConfig, dtype: torch.dtype, device: torch.device, where: str,
+        packed: bool | None = None, on_the_fly: str | None = None,
+    ):  # fmt: skip
         self.tensors, self.config, self.dtype, self.device, self.where = tensors, config, dtype, device, where
+        self.keep_packed = device.type == "cuda" if packed is None else packed
+        self.on_the_fly = quant.checked_quant(on_the_fly)  # "4bit", "8bit": dense linears quantized at load
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -77,6 +86,28 @@ class TensorSource:
             )
         return tensor.to(device=self.device, dtype=self.dtype)
 
+    def packed(self, module: str, shape: tuple[int, int]) -> quant.Packed | None:
+        """Linear `module`'s weight kept quantized, or None for a dense one: the file's own
+        packing where it quantized the module (in bits and groups the kernels take: others are
+        dequantized), else quantized now where `on_the_fly` asks."""
+        if module.endswith(".mlp.gate"):  # a MoE router: tiny, and the MoE kernels read it dense
+            return None
+        spec = self.config.quant_for(module)
+        if spec and self.has(f"{module}.scales"):
+            if not (self.keep_packed and quant.kernels_take(spec["bits"], spec["group_size"])):
+                return None
+            parts = (self._raw(f"{module}.{part}") for part in ("weight", "scales", "biases"))
+            weight = quant.from_mlx(*parts, spec["bits"], spec["group_size"])
+        elif self.on_the_fly and shape[1] % quant.ON_THE_FLY_GROUP == 0:  # (as mlx-lm: other widths stay dense)
+            weight = quant.quantize(self.take(f"{module}.weight", shape), quant.ON_THE_FLY[self.on_the_fly])
+        else:
+            return None
+        if weight.shape != tuple(shape):
+            raise CorruptModelError(
+                f"{self.where}: tensor {module}.weight has shape {weight.shape}, expected {tuple(shape)} from the model's config"
+            )
+        return weight.to(self.device)
+
     def norm(self, module: str, dim: int) -> torch.Tensor:
         return self.take(f"{module}.weight", (dim,))
 
@@ -88,14 +119,18 @@ class TensorSource:
         return self.tensors[name]
 
     def _dequantized(self, module: str) -> torch.Tensor:
+        spec = self.config.quant_for(module)
+        if isinstance(self._raw(f"{module}.weight"), torch.Tensor):  # read by `load_onto`, without MLX
+            parts = (self._raw(f"{module}.{part}") for part in ("weight", "scales", "biases"))
+            return quant.from_mlx(*parts, spec["bits"], spec["group_size"]).dequantize()
         try:
             import mlx.core as mx
         except ImportError:
             raise UnsupportedModelError(
                 f"{self.where}: MLX-quantized weights need MLX to dequantize (pip install mlx); use a bf16 or fp16 checkpoint"
             ) from None
-        weight, quant = self._raw(f"{module}.weight"), self.config.quant_for(module)
+        weight = self._raw(f"{module}.weight")
         # in float32, where scale * q + bias is exact; rounded once, to the compute dtype
         scales, biases = (self._raw(f"{module}.{part}").astype(mx.float32) for part in ("scales", "biases"))
-        dense = mx.dequantize(weight, scales, biases, group_size=quant["group_size"], bits=quant["bits"])
+        dense = mx.dequantize(weight, scales, biases, group_size=spec["group_size"], bits=spec["bits"])
         return to_torch(dense)

@@ -1,0 +1,192 @@
+"""Weights that stay 4-bit or 8-bit on the torch backend: `Packed` (one layout for every
+quantized source) and `QuantLinear`, the linear layer over it.
+
+The layout is MLX's affine one, which every source maps onto without touching the values:
+`words` int32 `(out, in * bits / 32)`, each word holding 32 / bits consecutive values along
+`in`, lowest bits first; `scales` and `biases` `(out, in / group_size)` in the file's float
+dtype, a weight being `scale * q + bias` of its group. MLX affine checkpoints are this
+layout already; GGUF Q4_0 (bias = -8 * scale), Q4_1 (bias = the block's min) and Q8_0
+(bias = -128 * scale after an offset of the int8s) arrive in it from the GGUF reader; a
+dense checkpoint is quantized into it at load (`quantize`). A Triton kernel reads it as it
+is (`triton_quant`): words along K are what a program loads in one go, and the scales of
+a group of 32-128 values cost a few percent of the bytes.
+
+On CUDA (where triton imports) `QuantLinear` runs the Triton kernels: a GEMV for a few rows,
+a tiled matmul that dequantizes its tile of the weight for more. Elsewhere (the CPU) it
+dequantizes the weight for each matmul: the reference the kernels are tested against, and
+a way to run any torch path here.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ferrum_mac.errors import FerrumError, UnsupportedModelError
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+# quantizing a dense checkpoint at load (`open_model(..., quant=)`): name -> bits
+ON_THE_FLY = {"4bit": 4, "8bit": 8}
+ON_THE_FLY_GROUP = 64
+# At most this many rows take the Triton GEMV (a weight read once for all of them); more
+# take the tiled matmul.
+GEMV_MAX_ROWS = 8
+
+
+@dataclass
+class Packed:
+    """A quantized `(out, in)` weight in the layout above."""
+
+    words: torch.Tensor  # int32 (out, in * bits // 32)
+    scales: torch.Tensor  # (out, in // group_size)
+    biases: torch.Tensor  # (out, in // group_size)
+    bits: int
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.words.shape[0], self.words.shape[1] * (32 // self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.biases))
+
+    def to(self, device: torch.device) -> Packed:
+        return Packed(
+            *(t.to(device).contiguous() for t in (self.words, self.scales, self.biases)), self.bits, self.group_size
+        )
+
+    def codes(self) -> torch.Tensor:
+        """The unsigned values q `(out, in)`, int32."""
+        per_word = 32 // self.bits
+        shifts = torch.arange(0, 32, self.bits, device=self.words.device, dtype=torch.int32)
+        values = (self.words[:, :, None] >> shifts) & ((1 << self.bits) - 1)
+        return values.reshape(self.words.shape[0], self.words.shape[1] * per_word)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense weight `(out, in)`: scale * q + bias in float32 (exact for 16-bit scales
+        and these q), rounded once to `dtype`."""
+        out, k = self.shape
+        q = self.codes().view(out, k // self.group_size, self.group_size).float()
+        dense = q * self.scales.float()[:, :, None] + self.biases.float()[:, :, None]
+        return dense.view(out, k).to(dtype)
+
+
+def kernels_take(bits: int, group_size: int) -> bool:
+    return bits in BITS and group_size in GROUP_SIZES
+
+
+def reads_without_mlx(quantization: dict) -> bool:
+    """Whether a checkpoint's `quantization` (config.json's) is all in bits whose words hold
+    whole values (`Packed.dequantize` reads those; MLX's 3-, 5- and 6-bit words do not)."""
+    specs = [quantization, *(v for v in quantization.values() if isinstance(v, dict))]
+    return all(spec.get("bits", quantization.get("bits")) in (2, 4, 8) for spec in specs)
+
+
+def checked_quant(name: str | None) -> str | None:
+    """An on-the-fly quantization's name (None: none), refused with a one-line error unless known."""
+    if name is not None and name not in ON_THE_FLY:
+        raise FerrumError(f"unknown quantization {name!r}; choose one of: {', '.join(ON_THE_FLY)}")
+    return name
+
+
+def from_mlx(weight, scales, biases, bits: int, group_size: int) -> Packed:
+    """MLX affine arrays (uint32 words, scales, biases: `mx.array`s or torch tensors) as a
+    CPU `Packed`, without changing a bit."""
+    from ferrum_mac.backends.torch.weights import to_torch
+
+    words = weight if isinstance(weight, torch.Tensor) else torch.from_numpy(np.array(weight, copy=True))
+    return Packed(words.view(torch.int32), to_torch(scales), to_torch(biases), bits, group_size)
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int = ON_THE_FLY_GROUP) -> Packed:
+    """A dense `(out, in)` weight quantized affinely per group of `group_size` along `in`:
+    the group's min is the bias and (max - min) / (2^bits - 1) the scale, both rounded to the
+    weight's dtype first, so that q is the nearest code under the stored scale and bias."""
+    out, k = weight.shape
+    if k % group_size:
+        raise UnsupportedModelError(f"cannot quantize a weight of {k} columns in groups of {group_size}")
+    groups = weight.float().view(out, k // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    levels = (1 << bits) - 1
+    scales = ((high - low) / levels).clamp_min(1e-8).to(weight.dtype)
+    biases = low.to(weight.dtype)
+    q = torch.round((groups - biases.float()[..., None]) / scales.float()[..., None]).clamp_(0, levels).to(torch.int32)
+    return Packed(pack_codes(q.view(out, k), bits), scales, biases, bits, group_size)
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes `(out, in)` -> int32 words `(out, in * bits // 32)`, lowest bits first."""
+    per_word = 32 // bits
+    out, k = q.shape
+    shifts = torch.arange(0, 32, bits, device=q.device, dtype=torch.int64)
+    words = (q.view(out, k // per_word, per_word).to(torch.int64) << shifts).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # the same 32 bits, signed
+
+
+def concatenated(parts: list[Packed]) -> Packed | None:
+    """Packed weights that read the same input, stacked along `out` (as `layers.fuse` stacks
+    dense ones); None when their bits, groups or scale dtypes differ (per-layer overrides)."""
+    first = parts[0]
+    if any((p.bits, p.group_size, p.scales.dtype) != (first.bits, first.group_size, first.scales.dtype) for p in parts):
+        return None
+    return Packed(
+        torch.cat([p.words for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        torch.cat([p.biases for p in parts]),
+        first.bits,
+        first.group_size,
+    )
+
+
+class QuantLinear:
+    """y = x W^T (+ b) over a `Packed` W, computing in x's dtype (`dtype`: the model's)."""
+
+    quantized = True
+
+    def __init__(self, weight: Packed, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
+        self.weight, self.bias, self.dtype = weight, bias, dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not runs_triton(x):
+            return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
+        from ferrum_mac.backends.torch import triton_quant
+
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= GEMV_MAX_ROWS:
+            y = triton_quant.gemv(rows, self.weight, self.bias)
+        else:
+            y = triton_quant.matmul(rows, self.weight, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def plus(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x W^T (+ b), the residual added to the float32 sum where a kernel can
+        (and off CUDA as `Linear.plus` adds it: one addmm)."""
+        if x.dim() != 2 or self.bias is not None:
+            return residual + self(x)
+        if not runs_triton(x):
+            return torch.addmm(residual, x, self.weight.dequantize(x.dtype).t())
+        from ferrum_mac.backends.torch import triton_quant
+
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            return triton_quant.gemv(x, self.weight, residual=residual)
+        return residual + triton_quant.matmul(x, self.weight)
+
+
+def runs_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels take x: on CUDA, where triton imports."""
+    return x.device.type == "cuda" and triton_imports()
+
+
+@functools.cache
+def triton_imports() -> bool:
+    try:
+        from ferrum_mac.backends.torch import triton_quant
+    except ImportError:
+        return False
+    return triton_quant.triton is not None

@@ -1,0 +1,221 @@
+"""Triton matmuls over packed 4-bit and 8-bit weights (`quant.Packed`): the weight is read
+packed and dequantized in registers, never stored dense.
+
+- `gemv`: a few rows (a decode step's), shaped as `triton_gemv`'s GEMVs and fusing what they
+  fuse: optional RMSNorm of x first, bias, residual add, SwiGLU over a fused gate_up (a
+  program takes matching gate and up columns); K split over several programs where the
+  column blocks are fewer than the SMs (`triton_splits`).
+- `matmul`: any number of rows (prefill), a tile of the weight dequantized per step of K and
+  multiplied with tl.dot.
+
+A tile of the weight is dequantized as `scale * q + bias` in float32 and rounded once to x's
+dtype, as `Packed.dequantize(x.dtype)` rounds the dense weight, so the kernels compute the
+matmul of the dequantized model; sums in float32, rounded once. Each k's word and group are
+gathered by index (`ks // values per word`, `ks // group`): neighbouring k share a word in
+the same cache line, and no layout shuffle is needed. Entry functions launch on whatever
+tensors they are given (CUDA, or CPU tensors under `TRITON_INTERPRET=1`); the module loads
+without triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferrum_mac.backends.torch.quant import Packed
+from ferrum_mac.backends.torch.triton_gemv import gemv_splits
+from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
+from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+GEMV_TILE_BYTES = 8192  # of the packed weight (each of gate and up), per program and step over K
+GEMV_STAGES = 4
+# prefill tiles: rows, columns, K per step
+MATMUL_BLOCKS = (64, 64, 64)
+
+
+def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
+         splits: int | None = None) -> torch.Tensor:  # fmt: skip
+    """x `(M, K)` (M up to 16) times the packed W `(N, K)` transposed -> `(M, N)`, with x first
+    RMS-normed by `norm_weight` (and `eps`) if given, plus `bias` and `residual` if given;
+    `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
+    `(M, width)`. `splits` of K: by default as `triton_gemv.gemv_splits` chooses."""
+    rows, k = x.shape
+    n_all, k_weight = weight.shape
+    n = n_all // 2 if swiglu else n_all
+    assert rows <= MIN_DOT_ROWS and k_weight == k
+    x = x.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_n, block_k = gemv_blocks(n, k, x.device, weight.bits)
+    blocks = triton.cdiv(n, block_n)
+    splits, k_per_split = gemv_splits(blocks, k, block_k, x.device, splits)
+    if splits > 1:
+        assert blocks <= SPLIT_COUNTERS
+        partials = torch.empty((splits, rows, n_all), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device)
+    else:
+        partials = counters = x
+    _qgemv_kernel[(blocks, splits)](
+        x, weight.words, weight.scales, weight.biases, x if norm_weight is None else norm_weight,
+        x if bias is None else bias, x if residual is None else residual.contiguous(), out, partials, counters,
+        rows, eps, splits,  # (x: any pointer, never read)
+        ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, BITS=weight.bits, GROUP=weight.group_size,
+        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION=precision(x),
+        num_warps=4, num_stages=GEMV_STAGES,
+    )  # fmt: skip
+    return out
+
+
+def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x `(M, K)` times the packed W `(N, K)` transposed (+ bias) -> `(M, N)`, for any M."""
+    rows, k = x.shape
+    n, k_weight = weight.shape
+    assert k_weight == k
+    x = x.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = MATMUL_BLOCKS
+    block_m = min(block_m, max(MIN_DOT_ROWS, triton.next_power_of_2(rows)))
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
+    _qmatmul_kernel[grid](
+        x, weight.words, weight.scales, weight.biases, x if bias is None else bias, out, rows,
+        N=n, K=k, BITS=weight.bits, GROUP=weight.group_size, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(x), num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def gemv_blocks(n: int, k: int, device: torch.device, bits: int) -> tuple[int, int]:
+    """A program's output columns and K chunk: the widest column block (up to 64) that still
+    gives every SM a program, and a chunk of GEMV_TILE_BYTES of the packed weight."""
+    block_n = 64
+    while block_n > 16 and triton.cdiv(n, block_n) < multiprocessors(device):
+        block_n //= 2
+    block_k = min(triton.next_power_of_2(k), GEMV_TILE_BYTES * 8 // (block_n * bits))
+    return block_n, max(block_k, 32)
+
+
+# -- kernels ------------------------------------------------------------------------------------
+
+if triton is not None:
+    from ferrum_mac.backends.torch.triton_gemv import _finish_gemv, inverse_rms
+    from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
+
+    @triton.jit
+    def dequantized_tile(words_ptr, scales_ptr, biases_ptr, columns, inside, ks, k_inside,
+                         K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+        """The packed weight's `columns` (where `inside`) at `ks` (where `k_inside`) as a dense
+        `(columns, ks)` tile of `dtype`: scale * q + bias in float32, rounded once."""
+        per_word: tl.constexpr = 32 // BITS
+        mask = inside[:, None] & k_inside[None, :]
+        row_words = columns[:, None].to(tl.int64) * (K // per_word)
+        row_groups = columns[:, None].to(tl.int64) * (K // GROUP)
+        words = tl.load(words_ptr + row_words + (ks // per_word)[None, :], mask=mask, other=0)
+        q = (words >> ((ks % per_word) * BITS)[None, :]) & ((1 << BITS) - 1)  # (the mask drops the sign's bits)
+        groups = (ks // GROUP)[None, :]
+        scale = tl.load(scales_ptr + row_groups + groups, mask=mask, other=0.0).to(tl.float32)
+        bias = tl.load(biases_ptr + row_groups + groups, mask=mask, other=0.0).to(tl.float32)
+        return (q.to(tl.float32) * scale + bias).to(dtype)
+
+    @triton.jit
+    def _qgemv_kernel(
+        x_ptr, words_ptr, scales_ptr, biases_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, partials_ptr,
+        counters_ptr, rows, eps, splits,
+        ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+        HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+        SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # As triton_gemv._gemv_kernel, over a packed weight: one program per (block of BLOCK_N
+        # output columns, split of K); with SWIGLU also up's columns, N rows further down. x's
+        # few rows are padded to ROWS_PAD for tl.dot (the padding masked). SPLIT: each program
+        # stores its float32 sums in `partials`, and the last to finish adds them up.
+        block, split = tl.program_id(0), tl.program_id(1)
+        columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = columns < N
+        if SPLIT:
+            k_begin = split * K_PER_SPLIT
+            k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+        else:
+            k_begin, k_end = 0, K
+        row_ids = tl.arange(0, ROWS_PAD)
+        live = row_ids < rows
+        inv_rms = inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else None
+        dtype = out_ptr.dtype.element_ty
+        acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
+        up_acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
+        for start in range(k_begin, k_end, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_inside = ks < k_end
+            x = tl.load(x_ptr + row_ids[:, None] * K + ks[None, :], mask=live[:, None] & k_inside[None, :], other=0.0)
+            if HAS_NORM:  # scaled by 1/rms and the weight in float32, rounded once (as F.rms_norm)
+                norm = tl.load(norm_ptr + ks, mask=k_inside, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * inv_rms[:, None] * norm[None, :]).to(x.dtype)
+            w = dequantized_tile(
+                words_ptr, scales_ptr, biases_ptr, columns, inside, ks, k_inside, K, BITS, GROUP, dtype
+            )
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if SWIGLU:
+                up = dequantized_tile(
+                    words_ptr, scales_ptr, biases_ptr, columns + N, inside, ks, k_inside, K, BITS, GROUP, dtype
+                )
+                up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
+
+        if SPLIT:
+            width: tl.constexpr = 2 * N if SWIGLU else N
+            here = row_ids[:, None] * width + columns[None, :]
+            mine = live[:, None] & inside[None, :]
+            split_stride = rows * width
+            tl.store(partials_ptr + split * split_stride + here, acc, mask=mine)
+            if SWIGLU:
+                tl.store(partials_ptr + split * split_stride + N + here, up_acc, mask=mine)
+            if arrived_last(counters_ptr + block, splits):
+                acc = sum_of_splits(partials_ptr, here, mine, splits, split_stride)
+                if SWIGLU:
+                    up_acc = sum_of_splits(partials_ptr, N + here, mine, splits, split_stride)
+                _finish_gemv(
+                    acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+                    N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
+                )  # fmt: skip
+        else:
+            _finish_gemv(
+                acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+                N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
+            )  # fmt: skip
+
+    @triton.jit
+    def _qmatmul_kernel(
+        x_ptr, words_ptr, scales_ptr, biases_ptr, bias_ptr, out_ptr, rows,
+        N: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (BLOCK_M rows, BLOCK_N columns) tile of the output; per step of K a
+        # tile of the weight dequantized in registers and multiplied with tl.dot.
+        row_ids = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        columns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live, inside = row_ids < rows, columns < N
+        dtype = out_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        x_rows = x_ptr + row_ids[:, None].to(tl.int64) * K
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            k_inside = ks < K
+            x = tl.load(x_rows + ks[None, :], mask=live[:, None] & k_inside[None, :], other=0.0)
+            w = dequantized_tile(
+                words_ptr, scales_ptr, biases_ptr, columns, inside, ks, k_inside, K, BITS, GROUP, dtype
+            )
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + row_ids[:, None].to(tl.int64) * N + columns[None, :]
+        tl.store(out, acc.to(dtype), mask=live[:, None] & inside[None, :])

@@ -1,0 +1,280 @@
+"""Packed 4-bit and 8-bit weights on the torch backend (`quant`, `triton_quant`).
+
+- Packing changes no value: MLX affine arrays and a real GGUF file's Q4_1 and Q8_0 tensors
+  dequantize, packed, to exactly what `mx.dequantize` gives.
+- The Triton kernels (under Triton's interpreter without a GPU) equal the matmul of the
+  dequantized weight within the activations' rounding, with every fusion they offer.
+- Whole models: an MLX 4-bit checkpoint of stories260K (with per-layer overrides) and the
+  bundled SmolLM2 Q4_1 GGUF give, packed, the same logits and greedy tokens as the same
+  checkpoint dequantized at load; `quant="4bit"` gives those of the weights it quantized.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from triton_interpreter import DEVICE, INTERPRET, like_a_gpu  # noqa: E402  (before triton: sets the interpreter up)
+
+from ferrum_mac.backends.torch import quant  # noqa: E402
+from ferrum_mac.backends.torch.layers import Linear, RmsNorm  # noqa: E402
+from ferrum_mac.backends.torch.quant import Packed, QuantLinear  # noqa: E402
+from ferrum_mac.backends.torch.runtime import TorchLLM  # noqa: E402
+from ferrum_mac.backends.torch.weights import load_onto  # noqa: E402
+from ferrum_mac.errors import FerrumError  # noqa: E402
+from ferrum_mac.weights import Checkpoint  # noqa: E402
+from helpers import ASSETS, ferrum_greedy  # noqa: E402
+
+CPU = torch.device("cpu")
+PROMPT = [1, 403, 261, 350, 4]
+STEPS = 32
+
+
+def mlx_core():
+    return pytest.importorskip("mlx.core")
+
+
+# -- packing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_mlx_affine_arrays_pack_without_changing_a_value(bits, group):
+    mx = mlx_core()
+    w = mx.random.normal((48, 256), key=mx.random.key(bits * group))
+    words, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    packed = quant.from_mlx(words, scales, biases, bits, group)
+    want = torch.from_numpy(np.array(mx.dequantize(words, scales, biases, group_size=group, bits=bits)))
+    assert packed.shape == (48, 256)
+    assert torch.equal(packed.dequantize(), want)
+    assert torch.equal(quant.pack_codes(packed.codes(), bits), packed.words)
+
+
+def test_gguf_q4_1_and_q8_0_pack_without_changing_a_value(smollm2_gguf):
+    mx = mlx_core()
+    from ferrum_mac.weights import load_checkpoint
+
+    checkpoint = load_checkpoint(smollm2_gguf)
+    for module in ("layers.0.mlp.down_proj", "layers.0.self_attn.k_proj", "embed_tokens"):  # Q4_1, Q4_1, Q8_0
+        spec = checkpoint.config.quant_for(module)
+        words, scales, biases = (checkpoint.tensors[f"{module}.{part}"] for part in ("weight", "scales", "biases"))
+        packed = quant.from_mlx(words, scales, biases, spec["bits"], spec["group_size"])
+        wide = (scales.astype(mx.float32), biases.astype(mx.float32))
+        want = np.array(mx.dequantize(words, *wide, group_size=spec["group_size"], bits=spec["bits"]))
+        assert torch.equal(packed.dequantize(), torch.from_numpy(want)), module
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizing_takes_the_nearest_code_under_the_stored_scales(bits):
+    torch.manual_seed(bits)
+    w = torch.randn(64, 128, dtype=torch.bfloat16)
+    packed = quant.quantize(w, bits, 64)
+    scales, biases = (t.float().repeat_interleave(64, dim=1) for t in (packed.scales, packed.biases))
+    nearest = torch.round((w.float() - biases) / scales).clamp(0, (1 << bits) - 1)
+    assert torch.equal(packed.codes(), nearest.int())
+    error = (packed.dequantize() - w.float()).abs()
+    assert error.mean() < scales.mean() / 3  # (the bf16 bias can move the range by half an ulp)
+
+
+def test_an_unknown_quantization_is_a_one_line_error():
+    with pytest.raises(FerrumError, match="unknown quantization '3bit'; choose one of: 4bit, 8bit"):
+        quant.checked_quant("3bit")
+
+
+# -- the kernels --------------------------------------------------------------------------------
+
+from ferrum_mac.backends.torch import ops, triton_quant  # noqa: E402
+
+kernels = pytest.mark.skipif(triton_quant.triton is None, reason="needs triton")
+
+
+@pytest.fixture
+def gpu_like():
+    with like_a_gpu():
+        yield
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+
+
+def packed_random(n: int, k: int, bits: int, group: int, dtype: torch.dtype, seed: int) -> Packed:
+    torch.manual_seed(seed)
+    return quant.quantize(torch.randn(n, k, dtype=dtype), bits, group).to(DEVICE)
+
+
+def assert_near(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= tolerance(dtype) * scale
+
+
+CASES = [(4, 32, torch.bfloat16), (8, 64, torch.float32), (4, 128, torch.float16)]
+
+
+@pytest.mark.interpreter
+@kernels
+@pytest.mark.parametrize("bits,group,dtype", CASES)
+def test_gemv_equals_the_dequantized_matmul(gpu_like, bits, group, dtype):
+    n, k = 80, 256
+    w = packed_random(n, k, bits, group, dtype, seed=bits + group)
+    dense = w.dequantize(dtype)
+    x = torch.randn(3, k, dtype=dtype, device=DEVICE)
+    bias, residual = (torch.randn(*shape, dtype=dtype, device=DEVICE) for shape in ((n,), (3, n)))
+    want = F.linear(x.float(), dense.float(), bias.float()) + residual.float()
+    for splits in (1, 2):  # split K: the last program adds the parts up
+        assert_near(triton_quant.gemv(x, w, bias, residual=residual, splits=splits), want, dtype)
+
+
+@pytest.mark.interpreter
+@kernels
+def test_gemv_fuses_the_norm_and_swiglu(gpu_like):
+    dtype, k, width = torch.bfloat16, 128, 48
+    gate_up = packed_random(2 * width, k, 4, 64, dtype, seed=1)
+    x = torch.randn(2, k, dtype=dtype, device=DEVICE)
+    norm = RmsNorm(torch.rand(k, dtype=dtype, device=DEVICE) + 0.5, 1e-5)
+    y = F.linear(norm(x), gate_up.dequantize(dtype))
+    want = F.silu(y[:, :width]) * y[:, width:]
+    got = triton_quant.gemv(x, gate_up, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=2)
+    assert_near(got, want, dtype)
+
+
+@pytest.mark.interpreter
+@kernels
+@pytest.mark.parametrize("bits,group,dtype", CASES[:2])
+def test_prefill_matmul_equals_the_dequantized_matmul(gpu_like, bits, group, dtype):
+    w = packed_random(72, 192, bits, group, dtype, seed=7)
+    x = torch.randn(21, 192, dtype=dtype, device=DEVICE)
+    bias = torch.randn(72, dtype=dtype, device=DEVICE)
+    assert_near(triton_quant.matmul(x, w, bias), F.linear(x, w.dequantize(dtype), bias), dtype)
+
+
+@pytest.mark.interpreter
+@kernels
+def test_a_decode_steps_ops_route_packed_linears_to_the_kernels(gpu_like):
+    """TritonOps' fused ops over packed linears equal torch's ops over the same linears."""
+    dtype, k = torch.float32, 128
+    norm = RmsNorm(torch.rand(k, dtype=dtype, device=DEVICE) + 0.5, 1e-5)
+    x, residual = torch.randn(2, k, dtype=dtype, device=DEVICE), torch.randn(2, k, dtype=dtype, device=DEVICE)
+    qkv = QuantLinear(packed_random(96, k, 4, 32, dtype, 2), torch.randn(96, dtype=dtype, device=DEVICE), dtype)
+    gate_up = QuantLinear(packed_random(128, k, 8, 64, dtype, 3), None, dtype)
+    down = QuantLinear(packed_random(k, 64, 4, 64, dtype, 4), None, dtype)
+    triton_ops, torch_ops = ops.TritonOps(), ops.Ops()
+    pairs = [
+        (lambda o: o.norm_matmul(x, norm, qkv)),
+        (lambda o: o.norm_swiglu(x, norm, gate_up)),
+        (lambda o: o.matmul_plus(x[:, :64].contiguous(), down, residual)),
+    ]
+    for op in pairs:
+        assert_near(op(triton_ops), op(torch_ops), dtype)
+
+
+# -- whole models -------------------------------------------------------------------------------
+
+# MLX-style overrides: layer 1's v_proj in 8 bits (its fused qkv mixes bits: dequantized at
+# load), layer 3's gate and up in 8 bits of group 64 (fused, still packed).
+OVERRIDES = {
+    "model.layers.1.self_attn.v_proj": {"group_size": 64, "bits": 8},
+    "model.layers.3.mlp.gate_proj": {"group_size": 64, "bits": 8},
+    "model.layers.3.mlp.up_proj": {"group_size": 64, "bits": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def stories_4bit(tmp_path_factory):
+    """stories260K as an MLX affine 4-bit checkpoint (group 32) with per-layer overrides;
+    down_proj (172 columns) stays dense, as MLX's converters leave it."""
+    mx = mlx_core()
+    source = ASSETS / "stories260K"
+    if not source.is_dir():
+        pytest.skip("stories260K not found in the shared assets")
+    folder = tmp_path_factory.mktemp("stories-4bit")
+    tensors = {}
+    for name, w in mx.load(str(source / "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        spec = OVERRIDES.get(module, {"group_size": 32, "bits": 4})
+        if name.endswith("_proj.weight") and w.shape[1] % spec["group_size"] == 0:
+            q, s, b = mx.quantize(w, **spec)
+            tensors.update({name: q, f"{module}.scales": s, f"{module}.biases": b})
+        else:
+            tensors[name] = w
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "mlx"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization"] = {"group_size": 32, "bits": 4, **OVERRIDES}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def greedy_and_logits(llm) -> tuple[list[int], torch.Tensor]:
+    logits = llm.prefill("probe", PROMPT).clone()
+    llm.release("probe")
+    tokens = ferrum_greedy(llm, "greedy", PROMPT, STEPS)
+    llm.release("greedy")
+    return tokens, logits
+
+
+def test_an_mlx_4bit_checkpoint_packed_equals_it_dequantized(stories_4bit):
+    packed = TorchLLM(load_onto(stories_4bit, CPU), device="cpu", packed=True)
+    layers = packed.model.layers
+    assert isinstance(layers[0].attn.qkv, QuantLinear) and layers[0].attn.qkv.weight.bits == 4
+    assert isinstance(layers[1].attn.qkv, Linear)  # 4- and 8-bit parts: dequantized
+    assert isinstance(layers[3].mlp.gate_up, QuantLinear) and layers[3].mlp.gate_up.weight.bits == 8
+    assert isinstance(layers[0].mlp.down, Linear)
+    dense = TorchLLM(load_onto(stories_4bit, CPU), device="cpu", packed=False)
+    assert isinstance(dense.model.layers[0].attn.qkv, Linear)
+    got, want = greedy_and_logits(packed), greedy_and_logits(dense)
+    assert torch.equal(got[1], want[1])
+    assert got[0] == want[0]
+
+
+def test_quantizing_at_load_runs_the_weights_it_quantized():
+    source = ASSETS / "stories260K"
+    if not source.is_dir():
+        pytest.skip("stories260K not found in the shared assets")
+    quantized = TorchLLM(load_onto(source, CPU), device="cpu", quant="4bit")
+    assert isinstance(quantized.model.layers[0].attn.qkv, QuantLinear)
+    assert quantized.model.layers[0].attn.qkv.weight.group_size == quant.ON_THE_FLY_GROUP
+    reference = load_onto(source, CPU)
+    for name, w in reference.tensors.items():
+        if name.endswith("_proj.weight") and w.shape[1] % quant.ON_THE_FLY_GROUP == 0:
+            reference.tensors[name] = quant.quantize(w, 4).dequantize(w.dtype)
+    got, want = greedy_and_logits(quantized), greedy_and_logits(TorchLLM(reference, device="cpu"))
+    assert torch.equal(got[1], want[1])
+    assert got[0] == want[0]
+
+
+def test_an_unknown_quant_at_load_is_refused():
+    source = ASSETS / "stories260K"
+    if not source.is_dir():
+        pytest.skip("stories260K not found in the shared assets")
+    with pytest.raises(FerrumError, match="unknown quantization"):
+        TorchLLM(load_onto(source, CPU), device="cpu", quant="2bit")
+
+
+def test_the_smollm2_gguf_packed_equals_it_dequantized(smollm2_gguf):
+    """Its first 3 of 30 layers: on this CPU every matmul of the packed path dequantizes its
+    weight, which is too slow for the suite over a whole model."""
+    checkpoint = load_onto(smollm2_gguf, CPU)
+    checkpoint.config.num_layers = 3
+    models = {}
+    for packed in (True, False):
+        copy = Checkpoint(checkpoint.config, dict(checkpoint.tensors), checkpoint.path, checkpoint.format)
+        models[packed] = TorchLLM(copy, dtype="float32", device="cpu", kv_capacity=64, packed=packed)
+    assert isinstance(models[True].model.layers[0].mlp.gate_up, QuantLinear)
+    got, want = greedy_and_logits(models[True]), greedy_and_logits(models[False])
+    assert torch.equal(got[1], want[1])
+    assert got[0] == want[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET, reason="needs a CUDA GPU")
+def test_the_smollm2_gguf_on_cuda_packed_gives_the_dequantized_models_tokens(smollm2_gguf):
+    """The Triton kernels through whole decode steps (CUDA graphs) and prefill."""
+    packed = TorchLLM(load_onto(smollm2_gguf, DEVICE), device="cuda", kv_capacity=256)
+    assert isinstance(packed.model.layers[0].mlp.gate_up, QuantLinear)
+    tokens = greedy_and_logits(packed)[0]
+    dense = TorchLLM(load_onto(smollm2_gguf, DEVICE), device="cuda", kv_capacity=256, packed=False)
+    assert tokens == greedy_and_logits(dense)[0]

@@ -327,3 +327,78 @@ def test_pull_of_a_missing_model_fails_clearly(hub, client, server):
 def test_the_served_model_cannot_be_deleted(server):
     response = httpx.request("DELETE", server.url + "/api/delete", json={"model": MODEL})
     assert "the model this server was started with" in error_of(response, 400)
+
+
+# -- a real chat model: a schema as `format`, and tool calls ------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    scheduler = Scheduler(open_stories(smollm2_gguf, kv_capacity=2048)).start()
+    live = LiveServer(build_app(scheduler, "smollm2"))
+    yield ollama.Client(host=live.url, timeout=300)
+    live.stop()
+    scheduler.stop()
+
+
+def test_format_schema_answers_validate(smollm2):
+    import jsonschema
+
+    answer = smollm2.chat(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        format=PERSON,
+        options={"num_predict": 80, "seed": 1},
+    )
+    assert answer.done_reason == "stop"
+    jsonschema.validate(json.loads(answer.message.content), PERSON)
+
+
+def test_tool_calls_stream_with_arguments_as_objects(smollm2):
+    """A history of calls (Ollama's shape: arguments as objects, no ids) primes the small model
+    to call again; the call arrives whole, its arguments an object that validates."""
+    import jsonschema
+
+    messages = []
+    for city in ("Rome", "Berlin", "Madrid"):
+        call = {"function": {"name": "get_weather", "arguments": {"city": city}}}
+        messages += [
+            {"role": "user", "content": f"What's the weather in {city}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+    messages.append({"role": "user", "content": "What's the weather in Paris?"})
+    parts = list(
+        smollm2.chat(
+            model="smollm2",
+            messages=messages,
+            tools=[WEATHER],
+            options={"temperature": 0, "num_predict": 40},
+            stream=True,
+        )
+    )
+    [call] = [c for p in parts for c in p.message.tool_calls or ()]
+    assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
+    jsonschema.validate(dict(call.function.arguments), WEATHER["function"]["parameters"])
+    assert not "".join(p.message.content for p in parts).strip()  # no call markup as text
+    assert parts[-1].done and parts[-1].done_reason == "stop"

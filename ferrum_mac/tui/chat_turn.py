@@ -61,6 +61,12 @@ class Batcher:
         return (self.pieces - 1) / elapsed if self.pieces > 1 and elapsed > 0 else 0.0
 
 
+def context_used(conv, done: Done) -> int:
+    """Tokens the conversation holds after the answer: the cache's ledger where the engine is local,
+    else what the server counted (a remote engine keeps no ledger): prompt, cached and answer."""
+    return len(conv.ledger) or done.prompt_tokens + done.cached_tokens + done.generated_tokens
+
+
 def run_turn(conv, history: list[dict], text: str, cancel: threading.Event, post) -> None:
     """Answer `text` after `history` (the chat's earlier messages, as the engine takes them).
 
@@ -84,7 +90,10 @@ def run_turn(conv, history: list[dict], text: str, cancel: threading.Event, post
                 answer = conv.messages[-1]
                 post(
                     AnswerDone(
-                        answer["content"], answer.get("reasoning_content", ""), event.as_dict(), len(conv.ledger)
+                        answer["content"],
+                        answer.get("reasoning_content", ""),
+                        event.as_dict(),
+                        context_used(conv, event),
                     )
                 )
     except Exception as e:  # the UI shows it in the conversation; the app keeps running

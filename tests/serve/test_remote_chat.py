@@ -42,6 +42,11 @@ def test_chat_app_answers_through_a_remote_server(server, client, tmp_path):
             answered = lambda: screen.current_id is not None and len(history.messages(screen.current_id)) == 2  # noqa: E731
             await wait_for(pilot, lambda: answered() and not screen.busy, "the saved answer")
             await pilot.pause()
+            # the context meter counts what the server said it holds (no local ledger in remote mode)
+            stats = history.messages(screen.current_id)[-1].stats
+            used = stats["prompt_tokens"] + stats["cached_tokens"] + stats["generated_tokens"]
+            assert stats["context_used"] == used > 0
+            assert f" {used}" in str(screen.query_one("#context").render())
             await app.action_quit()
 
     try:

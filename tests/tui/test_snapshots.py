@@ -51,6 +51,7 @@ def test_streaming(snap_compare, make_app):
         await settle(pilot)
         # The live figures come from the clock; fixed ones keep the snapshot stable.
         app.chat.query_one(StatusBar).show_streaming(21, 42.0)
+        app.chat.query_one(StatusBar).show_context(28, 2048)
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=before)
@@ -123,3 +124,14 @@ def test_message_with_siblings(snap_compare, make_app):
         await settle(pilot)
 
     assert snap_compare(make_app(replies), terminal_size=SIZE, run_before=before)
+
+
+def test_answer_footer(snap_compare, make_app):
+    reply = [("text", "Once upon a time there was a lighthouse keeper who"), ("end", "max_tokens")]
+
+    async def before(pilot):
+        await ready(pilot)
+        await send(pilot, "Tell me a story")
+        await settle(pilot)
+
+    assert snap_compare(make_app([reply]), terminal_size=SIZE, run_before=before)

@@ -1,7 +1,8 @@
 """A scripted engine with the surface the chat UI uses (`ChatEngine`), and services that hand it out.
 
 A reply is a list of steps: ("text", "..."), ("reasoning", "..."), ("notice", "..."),
-("hang",) waits for the stop, ("fail", "message") raises. Text streams word by word.
+("hang",) waits for the stop, ("fail", "message") raises, ("end", reason[, stop string]) ends the
+answer for that reason. Text streams word by word.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class FakeEngine:
         )
         reply = self.replies.pop(0) if self.replies else [("text", f"You said: {text}")]
         conv.messages.append({"role": "user", "content": text})
-        answer, reasoning, pieces, reason = [], [], 0, "eos"
+        answer, reasoning, pieces, reason, stop_string = [], [], 0, "eos", None
         try:
             for step in reply:
                 kind = step[0]
@@ -84,6 +85,9 @@ class FakeEngine:
                     break
                 elif kind == "fail":
                     raise FerrumError(step[1])
+                elif kind == "end":
+                    reason, stop_string = step[1], (step[2] if len(step) > 2 else None)
+                    break
         finally:
             message = {"role": "assistant", "content": "".join(answer)}
             if reasoning:
@@ -99,6 +103,7 @@ class FakeEngine:
             ttft_s=0.25,
             prefill_tps=48.0,
             decode_tps=42.0,
+            stop_string=stop_string,
         )
 
 

@@ -21,6 +21,7 @@ from textual.widgets import Footer, Label, Static
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.tui.chat_settings import engine_settings, stored_settings
 from ferrum_mac.tui.chat_turn import run_turn
+from ferrum_mac.tui.token_count import count_tokens
 from ferrum_mac.tui.messages import (
     AnswerChunk,
     AnswerDone,
@@ -74,6 +75,7 @@ class ChatScreen(Screen):
         self.editing_id: int | None = None  # the user message being edited, if any
         self.show_reasoning = False
         self.status_shown = 0.0  # when the streaming figures were last shown
+        self.turn_context = 0  # tokens held before the answer being streamed: earlier turns and the new message
 
     @property
     def history(self):
@@ -135,12 +137,17 @@ class ChatScreen(Screen):
         status = bars.first()
         app = self.app
         status.show_model(app.model_name, app.device_text)
-        stats = self.last_answer_stats()
         if not self.busy:  # while an answer streams, its own figures are shown (show_streaming)
-            status.show_speed(stats.get("decode_tps"))
-        capacity = (app.engine.kv_capacity() or 0) if app.engine is not None else 0  # a remote may not say
-        status.show_context(stats.get("context_used", 0), capacity)
+            status.show_speed(self.last_answer_stats().get("decode_tps"))
+            status.show_context(self.context_used(), self.capacity())
         status.show_memory(app.memory_text())
+
+    def capacity(self) -> int:
+        engine = self.app.engine
+        return (engine.kv_capacity() or 0) if engine is not None else 0  # a remote may not say
+
+    def context_used(self) -> int:
+        return self.last_answer_stats().get("context_used", 0)
 
     def last_answer_stats(self) -> dict:
         if self.current_id is None:
@@ -194,6 +201,7 @@ class ChatScreen(Screen):
         messages.anchor()
         await self.refresh_sidebar()
         conv = self.app.resident.get(self.current_id, settings)
+        self.turn_context = self.context_used() + count_tokens(self.app.engine, text)
         self.cancel_event = threading.Event()
         self.app.engine_thread.run(run_turn, conv, earlier, text, self.cancel_event, self.post_message)
 
@@ -207,7 +215,9 @@ class ChatScreen(Screen):
         now = time.monotonic()
         if now - self.status_shown >= STATUS_SECONDS:
             self.status_shown = now
-            self.query_one(StatusBar).show_streaming(event.pieces, event.pieces_per_second)
+            status = self.query_one(StatusBar)
+            status.show_streaming(event.pieces, event.pieces_per_second)
+            status.show_context(self.turn_context + event.pieces, self.capacity())
 
     async def on_answer_notice(self, event: AnswerNotice) -> None:
         if self.current_id is not None:
@@ -455,19 +465,34 @@ def engine_messages(stored) -> list[dict]:
     return messages
 
 
+STOP_REASONS = {
+    "max_tokens": "cut at max tokens",
+    "context": "context full",
+    "cancelled": "stopped by you",
+    "error": "stopped by an error",
+}
+
+
 def answer_footer(stats: dict) -> str:
+    """An answer's cost: tokens, speed, time to the first token, prompt tokens taken from the KV
+    cache rather than computed, speculation's acceptance, and why it ended (unless it simply did)."""
     if not stats:
         return ""
     parts = []
-    if stats.get("decode_tps"):
-        parts.append(f"{stats['decode_tps']:.1f} tok/s")
     if stats.get("generated_tokens"):
         parts.append(f"{stats['generated_tokens']} tokens")
-    if stats.get("cached_tokens"):  # prompt tokens taken from the KV cache rather than computed
+    if stats.get("decode_tps"):
+        parts.append(f"{stats['decode_tps']:.1f} tok/s")
+    if stats.get("ttft_s"):
+        parts.append(f"first token {stats['ttft_s']:.2f} s")
+    if "cached_tokens" in stats:
         parts.append(f"{stats['cached_tokens']} cached")
+    speculation = stats.get("speculation")
+    if isinstance(speculation, dict) and speculation.get("proposed"):
+        parts.append(f"{speculation.get('accepted', 0) / speculation['proposed']:.0%} drafts accepted")
     reason = stats.get("stop_reason")
-    if reason and reason != "eos":
-        parts.append(
-            {"cancelled": "stopped", "max_tokens": "max tokens reached", "context": "context full"}.get(reason, reason)
-        )
+    if reason == "stop":
+        parts.append(f"stop string {stats['stop_string']!r}" if stats.get("stop_string") else "stop string")
+    elif reason and reason != "eos":
+        parts.append(STOP_REASONS.get(reason, reason))
     return " · ".join(parts)

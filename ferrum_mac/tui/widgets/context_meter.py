@@ -15,6 +15,10 @@ class ContextMeter(Static):
     """
 
     def show(self, used: int, capacity: int) -> None:
+        if not capacity:  # a server that does not say its context length
+            self.set_class(False, "warning")
+            self.update(f"ctx {used} tok")
+            return
         share = used / capacity if capacity else 0.0
         filled = min(BAR, round(share * BAR))
         warning = share >= WARN_AT

@@ -453,3 +453,18 @@ def test_a_required_tool_call_streams_as_input_json(smollm2_claude):
         final = stream.get_final_message()
     assert "input_json_delta" in kinds and "text_delta" not in kinds
     _validated_call(final)
+
+
+def test_output_config_format_constrains_the_answer_to_its_schema(smollm2_claude):
+    import jsonschema
+
+    schema = WEATHER["input_schema"]
+    message = smollm2_claude.messages.create(
+        model="smollm2",
+        max_tokens=60,
+        messages=QUESTION,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        **GREEDY,
+    )
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(_text(message)), schema)

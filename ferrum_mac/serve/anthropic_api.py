@@ -130,7 +130,7 @@ def openai_body(body, counting: bool = False) -> dict:
     out["model"] = model
     out["messages"] = [*system_messages(body.get("system")), *chat_messages(body.get("messages"))]
     if not counting:
-        if "max_tokens" not in body:
+        if body.get("max_tokens") is None:
             raise bad("max_tokens: Field required")
         out["max_tokens"] = body["max_tokens"]
     if body.get("stop_sequences") is not None:

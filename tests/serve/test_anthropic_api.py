@@ -113,6 +113,7 @@ def _user(*blocks) -> list[dict]:
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 BAD_BODIES = [
     ("no max_tokens", {"max_tokens": None}, "max_tokens: Field required"),
+    ("null max_tokens", {"max_tokens": "null"}, "max_tokens: Field required"),
     ("no model", {"model": None}, "model:"),
     ("no messages", {"messages": []}, "messages:"),
     ("system role", {"messages": [{"role": "system", "content": "x"}]}, "messages.0:"),
@@ -155,7 +156,7 @@ BAD_BODIES = [
 @pytest.mark.parametrize("case, change, fragment", BAD_BODIES, ids=[c[0] for c in BAD_BODIES])
 def test_bad_bodies_name_the_field(case, change, fragment):
     body = {"model": "m", "max_tokens": 4, "messages": STORY, **change}
-    body = {k: v for k, v in body.items() if v is not None}
+    body = {k: None if v == "null" else v for k, v in body.items() if v is not None}
     with pytest.raises(api.ApiError) as error:
         anthropic_api.openai_body(body)
     assert error.value.status == 400 and fragment in error.value.message, error.value.message
@@ -349,41 +350,45 @@ def test_x_api_key_and_bearer_both_authenticate(keyed_server):
     }
 
 
-def _refused(call, status: int, *fragments: str) -> dict:
+BAD_REQUESTS = [
+    ("no max_tokens", {"max_tokens": None}, "max_tokens"),
+    ("max_tokens 0", {"max_tokens": 0}, "'max_tokens'"),
+    ("an image", {"messages": _user({"type": "text", "text": "What is it?"}, IMAGE)}, "image blocks"),
+    ("temperature 5", {"temperature": 5}, "'temperature'"),
+    ("top_k below 0", {"top_k": -1}, "'top_k'"),
+    ("an empty stop sequence", {"stop_sequences": [""]}, "'stop_sequences'"),
+    ("five stop sequences", {"stop_sequences": list("abcde")}, "'stop_sequences'"),
+    ("a result of no call", {"messages": _user({"type": "tool_result", "tool_use_id": "x"})}, "tool_use_id"),
+]
+
+
+@pytest.mark.parametrize("case, change, fragment", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_requests_are_400s_in_anthropics_shape(claude, case, change, fragment):
     import anthropic
 
-    with pytest.raises(anthropic.APIStatusError) as error:
-        call()
-    body = error.value.body
-    assert error.value.status_code == status and set(body) == {"type", "error"} and body["type"] == "error", body
-    assert set(body["error"]) == {"type", "message"}
-    assert all(f in body["error"]["message"] for f in fragments), body
-    return body["error"]
+    body = {k: v for k, v in {"model": MODEL, "max_tokens": 4, "messages": STORY, **change}.items() if v is not None}
+    with pytest.raises(anthropic.BadRequestError) as error:
+        claude.post(MESSAGES, body=body, cast_to=object)
+    assert error.value.status_code == 400 and error.value.body == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": error.value.body["error"]["message"]},
+    }
+    assert fragment in error.value.body["error"]["message"]
 
 
-def test_bad_requests_are_4xx_in_anthropics_shape(claude):
+def test_the_client_is_told_an_image_is_refused(claude):
     import anthropic
 
-    image_turn = _user({"type": "text", "text": "What is it?"}, IMAGE)
-    cases = [
-        (lambda: claude.post(MESSAGES, body={"model": MODEL, "messages": STORY}, cast_to=object), 400, "max_tokens"),
-        (lambda: claude.messages.create(model=MODEL, max_tokens=4, messages=image_turn), 400, "image"),
-        (
-            lambda: claude.messages.create(model=MODEL, max_tokens=4, messages=STORY, extra_body={"temperature": 5}),
-            400,
-            "temperature",
-        ),
-        (lambda: claude.messages.create(model=MODEL, max_tokens=0, messages=STORY), 400, "'max_tokens'"),
-        (
-            lambda: claude.messages.create(model=MODEL, max_tokens=4, messages=STORY, stop_sequences=[""]),
-            400,
-            "'stop_sequences'",
-        ),
-    ]
-    for call, status, fragment in cases:
-        assert _refused(call, status, fragment)["type"] == "invalid_request_error"
-    with pytest.raises(anthropic.BadRequestError):
-        claude.messages.create(model=MODEL, max_tokens=4, messages=image_turn)
+    with pytest.raises(anthropic.BadRequestError, match="image blocks are not supported"):
+        claude.messages.create(model=MODEL, max_tokens=4, messages=_user(IMAGE))
+
+
+def test_a_resent_prompt_is_read_from_the_prefix_cache(claude):
+    system = "You are a storyteller for small children. " * 8  # a few KV blocks of the cache
+    kwargs = dict(model=MODEL, max_tokens=2, system=system, messages=STORY, **GREEDY)
+    first, second = claude.messages.create(**kwargs).usage, claude.messages.create(**kwargs).usage
+    assert second.cache_read_input_tokens > 0
+    assert second.input_tokens + second.cache_read_input_tokens == first.input_tokens + first.cache_read_input_tokens
 
 
 def test_an_unknown_model_is_a_not_found_error(server, claude):

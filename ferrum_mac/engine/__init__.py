@@ -9,7 +9,9 @@
 
 Settings: `ChatSettings` (system prompt, `SamplingParams`, max_tokens, thinking, stop strings,
 context policy "error" or "truncate-oldest", `ResponseFormat`: JSON, or JSON valid against a
-schema, enforced token by token). A turn that does not fit under "error" raises
+schema, enforced token by token). `send(text, tools=...)` offers tools (`engine.tools`): a call
+the model makes comes as `ToolCallRequested`, and `add_tool_results` + `continue_answer` let it
+answer with their results. A turn that does not fit under "error" raises
 `ContextLimitError` and leaves the conversation as it was.
 
 The engine never imports MLX or torch: it asks the model for a sampler (`model.sampler`).
@@ -36,11 +38,13 @@ from ferrum_mac.engine.events import (
     EOS,
     MAX_TOKENS,
     STOP_STRING,
+    TOOL_CALLS,
     Done,
     Event,
     Notice,
     ReasoningDelta,
     TextDelta,
+    ToolCallRequested,
 )
 from ferrum_mac.engine.sampling import SEED_LIMIT, Sampler, SamplingError, SamplingParams
 from ferrum_mac.engine.structured import Constraints, ResponseFormat
@@ -59,6 +63,7 @@ __all__ = [
     "MODEL_ENV",
     "SEED_LIMIT",
     "STOP_STRING",
+    "TOOL_CALLS",
     "TRUNCATE_OLDEST",
     "AnswerText",
     "ChatEngine",
@@ -77,6 +82,7 @@ __all__ = [
     "SamplingError",
     "SamplingParams",
     "TextDelta",
+    "ToolCallRequested",
     "Timing",
     "default_model_name",
     "done_event",

@@ -17,6 +17,7 @@ from ferrum_mac.engine.defaults import DEFAULT_MAX_TOKENS
 from ferrum_mac.engine.events import Event
 from ferrum_mac.engine.sampling import SamplingParams
 from ferrum_mac.engine.structured import Constraints, ResponseFormat
+from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.engine.turn import run_turn
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import DecoderOnlyLLM
@@ -112,21 +113,24 @@ class Engine:
     def send(
         self,
         conv: Conversation,
-        text: str,
+        text: str | None,
         cancel: threading.Event | None = None,
         response_format: ResponseFormat | None = None,
+        tools: ToolRequest | None = None,
     ) -> Iterator[Event]:
         """Add the user message `text` to `conv` and stream the answer: TextDelta,
         ReasoningDelta and Notice events, then one Done. Setting `cancel` (or `Engine.cancel()`)
         ends the answer after the current token; the answer so far is kept. `response_format`
-        (this answer only; None: the conversation's setting) constrains the answer to JSON."""
+        (this answer only; None: the conversation's setting) constrains the answer to JSON.
+        `tools`: what the model may call (a `ToolCallRequested` event before Done lists its calls);
+        `text` None: answer after the tool results that end the conversation."""
         if conv.closed:
             raise FerrumError(f"conversation {conv.cache_id} is closed; open a new one")
         cancel = cancel or threading.Event()
         with self._lock:
             self._cancel = cancel
             try:
-                yield from run_turn(self, conv, text, cancel, response_format)
+                yield from run_turn(self, conv, text, cancel, response_format, tools)
             finally:
                 self._cancel = None
 
@@ -139,9 +143,12 @@ class Engine:
         """The most tokens one conversation's context holds (prompt and answer)."""
         return self.model.kv_capacity()
 
-    def render(self, settings: ChatSettings, messages: list[dict]) -> tuple[str, list[int]]:
-        """The prompt text for `messages` under `settings` (system prompt, thinking) and its ids."""
+    def render(
+        self, settings: ChatSettings, messages: list[dict], tools: list[dict] | None = None
+    ) -> tuple[str, list[int]]:
+        """The prompt text for `messages` under `settings` (system prompt, thinking) and its ids;
+        `tools`: OpenAI tool objects the template describes to the model."""
         system = [{"role": "system", "content": settings.system}] if settings.system is not None else []
         thinking: dict[str, Any] = {} if settings.think is None else {"enable_thinking": settings.think}
-        text = self.template.render(system + messages, add_generation_prompt=True, **thinking)
+        text = self.template.render(system + messages, add_generation_prompt=True, tools=tools, **thinking)
         return text, self.tokenizer.encode(text, add_special_tokens=False)

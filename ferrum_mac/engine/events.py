@@ -1,9 +1,11 @@
-"""What a turn yields while it runs: text as it comes, notices, and one `Done` at the end."""
+"""What a turn yields while it runs: text as it comes, notices, the tool calls it made, and one `Done` at the end."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Union
+
+from ferrum_mac.text.tool_calls import ToolCall
 
 # Why an answer ended.
 EOS = "eos"  # the model's end-of-sequence token
@@ -11,6 +13,7 @@ STOP_STRING = "stop"  # one of the stop strings
 MAX_TOKENS = "max_tokens"  # the answer reached max_tokens
 CANCELLED = "cancelled"  # the cancel event or Ctrl-C
 CONTEXT = "context"  # the KV cache is full
+TOOL_CALLS = "tool_calls"  # the answer called tools and waits for their results
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,14 @@ class Notice:
 
 
 @dataclass(frozen=True)
+class ToolCallRequested:
+    """The answer called tools (just before its `Done`): run them, or not, and hand the results
+    to `Conversation.add_tool_results`; `Conversation.continue_answer` then lets the model answer."""
+
+    calls: tuple[ToolCall, ...]
+
+
+@dataclass(frozen=True)
 class Done:
     """The last event of a turn, with its figures."""
 
@@ -51,4 +62,4 @@ class Done:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
-Event = Union[TextDelta, ReasoningDelta, Notice, Done]
+Event = Union[TextDelta, ReasoningDelta, Notice, ToolCallRequested, Done]

@@ -17,7 +17,7 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ferrum_mac.grammar import (
     Grammar,
@@ -28,7 +28,12 @@ from ferrum_mac.grammar import (
     json_object_grammar,
     json_schema_grammar,
 )
+from ferrum_mac.grammar.schema import tool_calls_grammar
 from ferrum_mac.text import Tokenizer
+from ferrum_mac.text.tool_calls import ToolFormat
+
+if TYPE_CHECKING:
+    from ferrum_mac.engine.tools import ToolRequest
 
 THINK_CLOSE = "</think>"
 
@@ -110,6 +115,30 @@ class Constraints:
     def matcher(self, grammar: Grammar, prompt_text: str | None) -> GrammarMatcher:
         """A matcher for one answer to the prompt `prompt_text` (None: the grammar starts at once)."""
         return GrammarMatcher(grammar, self.start_after(prompt_text))
+
+    def reasons_before_calling(self, fmt: ToolFormat, prompt_text: str) -> bool:
+        """Whether a required call should wait for the model's reasoning: a thinking prompt, and
+        call markers the grammar can write as text (Hermes' tags; not special tokens)."""
+        return fmt.closer is not None and bool(self.start_after(prompt_text))
+
+    def tool_matcher(
+        self, tools: "ToolRequest", fmt: ToolFormat, prompt_text: str, prefilled: bool
+    ) -> GrammarMatcher | None:
+        """The calls' grammar, so every call's arguments validate against its function's parameters.
+
+        A required call's JSON comes right after the opener the prompt ends with (`prefilled`), or
+        with its markers after the model's reasoning; with "auto" the answer is free until the
+        model writes its family's opener, then the calls are constrained (None for Llama's bare
+        JSON, whose opener is the call itself). With `tools.parallel` one or more calls, else one.
+        A parameters schema the engine cannot compile is a `GrammarError`."""
+        if not tools.forced and not fmt.forced_prefix:
+            return None
+        opened = prefilled or not tools.forced or fmt.closer is None
+        head, between, tail = fmt.calls_markup(opened, tools.parallel)
+        grammar = compile_grammar(tool_calls_grammar(tools.forced or tools.functions, head, between, tail), self.vocab)
+        if not tools.forced:
+            return GrammarMatcher(grammar, self.tokenizer.encode(fmt.opener, add_special_tokens=False))
+        return self.matcher(grammar, None if opened else prompt_text)
 
     def start_after(self, prompt_text: str | None) -> tuple[int, ...]:
         """The ids of `</think>` when the answer may reason first, else none."""

@@ -11,6 +11,11 @@
     box.definitions()                       # OpenAI `tools`: for the chat template, or a server
     box.run("get_weather", '{"city": "Paris"}')   # -> '18 degrees celsius in Paris'
 
+    for event in conv.send("Weather in Paris?", tools=box):   # a ToolCallRequested among the events
+        ...
+    conv.add_tool_results(box.results(calls))   # what each call answered (errors as text)
+    for event in conv.continue_answer(tools=box): ...          # the model answers with the results
+
 A tool's JSON schema comes from its signature (str, int, float, bool, None, list[...], dict,
 Literal[...], Optional / `X | None`; a parameter with a default is optional) and its description
 from the docstring's first paragraph; both can be given instead (`tool(parameters=..., description=...)`).
@@ -25,9 +30,12 @@ import re
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Union
 
 from ferrum_mac.errors import FerrumError
+
+if TYPE_CHECKING:
+    from ferrum_mac.text.tool_calls import ToolCall
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", type(None): "null"}
@@ -121,6 +129,74 @@ class Toolbox:
 
     def run(self, name: str, arguments: str | Mapping[str, Any]) -> str:
         return self.get(name).run(arguments)
+
+    def results(self, calls: Iterable["ToolCall"]) -> dict[str, str]:
+        """Run every call; each call's id -> its result, or the one-line error that stopped it
+        (the model reads either). For code that runs tools without asking anyone."""
+        out = {}
+        for call in calls:
+            try:
+                out[call.id] = self.run(call.name, call.arguments)
+            except ToolError as e:
+                out[call.id] = str(e)
+        return out
+
+
+Tools = Union[Toolbox, Sequence[Union[Tool, Mapping[str, Any]]]]  # what `Conversation.send` takes
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """The tools an answer may call (OpenAI `function` objects) and what it may do with them:
+    `choice` is "auto", "required" or the name of the one function it must call; `parallel`:
+    whether one answer may make several calls."""
+
+    functions: tuple[dict, ...]
+    choice: str = "auto"
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, tools: Tools, choice: str | Mapping = "auto", parallel: bool = True) -> "ToolRequest | None":
+        """From a `Toolbox`, `Tool`s or OpenAI tool objects; `choice` as OpenAI's `tool_choice`
+        ("none", "auto", "required", a function's name or `{"type": "function", "function":
+        {"name": ...}}`). None when the answer gets no tools."""
+        functions = tuple(_function_of(t) for t in (tools.definitions() if isinstance(tools, Toolbox) else tools))
+        names = [f["name"] for f in functions]
+        if isinstance(choice, Mapping):
+            choice = (choice.get("function") or {}).get("name", "")
+        if choice == "none" or not functions:
+            if choice not in ("none", "auto"):
+                raise ToolError(f"tool_choice {choice!r} needs tools to choose from")
+            return None
+        if choice not in ("auto", "required") and choice not in names:
+            raise ToolError(f"tool_choice names {str(choice)[:64]!r}, which is none of the tools ({', '.join(names)})")
+        return cls(functions, str(choice), parallel)
+
+    @property
+    def forced(self) -> tuple[dict, ...]:
+        """The functions a call must be one of, when a call is required; () when the model may answer in text."""
+        if self.choice == "auto":
+            return ()
+        if self.choice == "required":
+            return self.functions
+        return tuple(f for f in self.functions if f["name"] == self.choice)
+
+    def template_tools(self) -> list[dict]:
+        return [{"type": "function", "function": f} for f in self.functions]
+
+
+def _function_of(t: Tool | Mapping[str, Any]) -> dict:
+    """The OpenAI `function` object of a tool given as a `Tool` or an OpenAI tool object."""
+    if isinstance(t, Tool):
+        return t.definition()["function"]
+    function = t.get("function") if isinstance(t, Mapping) and t.get("type") == "function" else None
+    if (
+        not isinstance(function, Mapping)
+        or not isinstance(function.get("name"), str)
+        or not NAME.match(function["name"])
+    ):
+        raise ToolError("a tool must be a Tool or {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
+    return dict(function)
 
 
 def schema_of(function: Callable[..., Any]) -> dict:

@@ -54,11 +54,23 @@ class ToolFormat:
     closer: str | None = None
     start_openers: tuple[str, ...] = ()
     forced_prefix: str = ""  # what an answer that must call starts with, before the call's JSON
+    separator: str = ""  # between two calls of one answer, when it makes several
+    brackets: tuple[str, str] = ("", "")  # around several calls (Mistral's list)
 
     @property
     def opener(self) -> str:
         """The marker a call is forced to start with."""
         return self.openers[0]
+
+    def calls_markup(self, opened: bool, many: bool) -> tuple[str, str | None, str]:
+        """What a call grammar writes around the calls' JSON (`grammar.tool_calls_grammar`'s head,
+        between and tail): after an opener the prompt or the model already wrote (`opened`), or
+        markers and all (an answer that reasons first); `many`: one call, or one or more. The
+        closer is written after the last call, so the model ends the answer where it would."""
+        head, tail = self.brackets if many else ("", "")
+        if not opened:
+            head = self.forced_prefix + head
+        return head, self.separator if many else None, tail + ("\n" + self.closer if self.closer else "")
 
     def parse_calls(self, body: str) -> list[ToolCall] | None:
         """The calls in the text between an opener and its closer (or the end); None when it is no call."""
@@ -71,10 +83,22 @@ class ToolFormat:
 
 
 FORMATS = {
-    HERMES: ToolFormat(HERMES, ("<tool_call>",), "</tool_call>", forced_prefix="<tool_call>\n"),
-    LLAMA3: ToolFormat(LLAMA3, ("<|python_tag|>",), None, start_openers=("{",)),
+    HERMES: ToolFormat(
+        HERMES,
+        ("<tool_call>",),
+        "</tool_call>",
+        forced_prefix="<tool_call>\n",
+        separator="\n</tool_call>\n<tool_call>\n",
+    ),
+    LLAMA3: ToolFormat(LLAMA3, ("<|python_tag|>",), None, start_openers=("{",), separator="; "),
     MISTRAL: ToolFormat(
-        MISTRAL, ("[TOOL_CALLS]",), None, forced_prefix="[TOOL_CALLS]", start_openers=('[{"name"', '{"name"')
+        MISTRAL,
+        ("[TOOL_CALLS]",),
+        None,
+        forced_prefix="[TOOL_CALLS]",
+        start_openers=('[{"name"', '{"name"'),
+        separator=", ",
+        brackets=("[", "]"),
     ),
 }
 

@@ -40,27 +40,28 @@ MATMUL_BLOCKS = (64, 64, 64)
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
-         splits: int | None = None) -> torch.Tensor:  # fmt: skip
+         splits: int | None = None, blocks: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
     """x `(M, K)` (M up to 16) times the packed W `(N, K)` transposed -> `(M, N)`, with x first
     RMS-normed by `norm_weight` (and `eps`) if given, plus `bias` and `residual` if given;
     `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
-    `(M, width)`. `splits` of K: by default as `triton_gemv.gemv_splits` chooses."""
+    `(M, width)`. `splits` of K: by default as `triton_gemv.gemv_splits` chooses; `blocks`
+    (columns, K per step): by default `gemv_blocks`'."""
     rows, k = x.shape
     n_all, k_weight = weight.shape
     n = n_all // 2 if swiglu else n_all
     assert rows <= MIN_DOT_ROWS and k_weight == k
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_n, block_k = gemv_blocks(n, k, x.device, weight.bits)
-    blocks = triton.cdiv(n, block_n)
-    splits, k_per_split = gemv_splits(blocks, k, block_k, x.device, splits)
+    block_n, block_k = blocks or gemv_blocks(n, k, x.device, weight.bits)
+    column_blocks = triton.cdiv(n, block_n)
+    splits, k_per_split = gemv_splits(column_blocks, k, block_k, x.device, splits)
     if splits > 1:
-        assert blocks <= SPLIT_COUNTERS
+        assert column_blocks <= SPLIT_COUNTERS
         partials = torch.empty((splits, rows, n_all), dtype=torch.float32, device=x.device)
         counters = split_counters(x.device)
     else:
         partials = counters = x
-    _qgemv_kernel[(blocks, splits)](
+    _qgemv_kernel[(column_blocks, splits)](
         x, weight.words, weight.scales, weight.biases, x if norm_weight is None else norm_weight,
         x if bias is None else bias, x if residual is None else residual.contiguous(), out, partials, counters,
         rows, eps, splits,  # (x: any pointer, never read)
@@ -73,20 +74,23 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
     return out
 
 
-def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x `(M, K)` times the packed W `(N, K)` transposed (+ bias) -> `(M, N)`, for any M."""
+def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
+           blocks: tuple[int, int, int] | None = None, warps: int = 4, stages: int = 3) -> torch.Tensor:  # fmt: skip
+    """x `(M, K)` times the packed W `(N, K)` transposed (+ bias) -> `(M, N)`, for any M
+    (`blocks`: rows, columns, K per step; by default MATMUL_BLOCKS, rows capped to M's)."""
     rows, k = x.shape
     n, k_weight = weight.shape
     assert k_weight == k
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = MATMUL_BLOCKS
-    block_m = min(block_m, max(MIN_DOT_ROWS, triton.next_power_of_2(rows)))
+    block_m, block_n, block_k = blocks or MATMUL_BLOCKS
+    if blocks is None:
+        block_m = min(block_m, max(MIN_DOT_ROWS, triton.next_power_of_2(rows)))
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
     _qmatmul_kernel[grid](
         x, weight.words, weight.scales, weight.biases, x if bias is None else bias, out, rows,
         N=n, K=k, BITS=weight.bits, GROUP=weight.group_size, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(x), num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(x), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 

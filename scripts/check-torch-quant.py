@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Checks and times the torch backend's Triton kernels over packed 4-bit and 8-bit weights
+(`ferrum_mac/backends/torch/triton_quant.py`) on a CUDA GPU, at Qwen3-8B's matmul shapes with
+random weights quantized affinely (group 64 as MLX's 4-bit checkpoints, 32 as GGUF's):
+
+- correctness: `triton_quant.gemv` at 1, 4 and 8 rows (plain, + residual, RMSNorm + SwiGLU on
+  the fused gate_up) and `triton_quant.matmul` at 512 rows, against torch's matmul of the
+  dequantized weight (`Packed.dequantize`, in bf16)
+- decode: device microseconds per one-row GEMV, from CUDA graphs of back-to-back calls that
+  cycle through enough copies of the weight to outgrow the L2 cache (as a step's layers do);
+  the bytes a call reads (packed weight, scales and biases), the GB/s that makes and its share
+  of the H100's 3.35 TB/s; beside it cuBLAS on the same shape in bf16
+- prefill: microseconds and TFLOP/s of 512 rows, beside cuBLAS in bf16
+- the decode step's matmuls summed over Qwen3-8B's 36 layers and its head: the tok/s those
+  alone allow (attention, norms and launches come on top)
+
+`--sweep` also times other GEMV and matmul tile sizes. Exits 1 on a mismatch. Needs only torch
+(with its triton); from the repository root:
+
+    python3 scripts/check-torch-quant.py [--sweep]
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _gpu_check import can_check, compare, cycling, graph_us, verdict  # noqa: E402  (this folder)
+
+from ferrum_mac.backends.torch import quant, triton_quant  # noqa: E402
+from ferrum_mac.backends.torch.layers import RmsNorm  # noqa: E402
+
+DTYPE = torch.bfloat16
+PEAK_GBS = 3350  # H100 SXM HBM3
+L2_PAST = 160 << 20  # the weights a timed call cycles through, at least
+HIDDEN, INTER, QKV, VOCAB, LAYERS = 4096, 12288, 6144, 151936, 36
+# (name, out N, in K, swiglu, per layer): the decode step's matmuls of Qwen3-8B
+SHAPES = [
+    ("qkv", QKV, HIDDEN, False, True),
+    ("o_proj", HIDDEN, HIDDEN, False, True),
+    ("gate_up+swiglu", 2 * INTER, HIDDEN, True, True),
+    ("down", HIDDEN, INTER, False, True),
+    ("lm_head", VOCAB, HIDDEN, False, False),
+]
+QUANTS = [(4, 64), (4, 32), (8, 64)]  # (bits, group)
+ROWS = (1, 4, 8)
+PREFILL_ROWS = 512
+SWEEP_GEMV = [(16, 256), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)]  # (block_n, block_k)
+SWEEP_MATMUL = [
+    (64, 64, 64, 4, 3),
+    (128, 64, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (64, 128, 128, 4, 3),
+    (128, 128, 32, 4, 4),
+]
+
+
+def main() -> int:
+    if not can_check(triton_quant):
+        return 2
+    torch.manual_seed(0)
+    decode, prefill, sweeps = [], [], []
+    for bits, group in QUANTS:
+        print(f"{bits}-bit, group {group} ...", flush=True)
+        for name, n, k, swiglu, per_layer in SHAPES:
+            copies = weights(n, k, bits, group)
+            check(name, copies[0], swiglu, bits, group)
+            decode.append((bits, group, name, per_layer, *time_gemv(copies, swiglu)))
+            prefill.append((bits, group, name, *time_matmul(copies[0])))
+            if "--sweep" in sys.argv:
+                sweeps += sweep(name, bits, group, copies)
+            del copies
+            torch.cuda.empty_cache()
+
+    print(f"\ndecode, 1 row, weights past L2\n{'bits':>4} {'group':>5}  {'matmul':<15} {'MB read':>8} "
+          f"{'us':>8} {'GB/s':>6} {'of peak':>7}  {'bf16 cuBLAS us':>14} {'speedup':>7}")  # fmt: skip
+    for bits, group, name, _, us, read, dense_us in decode:
+        print(f"{bits:>4} {group:>5}  {name:<15} {read / 1e6:>8.2f} {us:>8.2f} {read / us / 1e3:>6.0f} "
+              f"{read / us / 1e3 / PEAK_GBS:>6.0%}  {dense_us:>14.2f} {dense_us / us:>6.2f}x")  # fmt: skip
+    print(f"\nprefill, {PREFILL_ROWS} rows\n{'bits':>4} {'group':>5}  {'matmul':<15} {'us':>8} {'TFLOP/s':>7}  "
+          f"{'bf16 cuBLAS us':>14} {'ratio':>6}")  # fmt: skip
+    for bits, group, name, us, flops, dense_us in prefill:
+        print(
+            f"{bits:>4} {group:>5}  {name:<15} {us:>8.1f} {flops / us / 1e6:>7.0f}  {dense_us:>14.1f} {dense_us / us:>5.2f}x"
+        )
+    print(f"\nQwen3-8B decode step, its matmuls alone ({LAYERS} layers + head)")
+    for bits, group in QUANTS:
+        rows = [r for r in decode if r[:2] == (bits, group)]
+        us = sum(r[4] * (LAYERS if r[3] else 1) for r in rows)
+        dense = sum(r[6] * (LAYERS if r[3] else 1) for r in rows)
+        read = sum(r[5] * (LAYERS if r[3] else 1) for r in rows)
+        print(f"  {bits}-bit g{group}: {us / 1e3:.3f} ms, {1e6 / us:.0f} tok/s at most ({read / 1e9:.2f} GB, "
+              f"{read / us / 1e3:.0f} GB/s); bf16 cuBLAS {dense / 1e3:.3f} ms, {1e6 / dense:.0f} tok/s")  # fmt: skip
+    if sweeps:
+        print(f"\n{'bits':>4} {'group':>5}  {'matmul':<15} {'kernel':<7} {'blocks':<22} {'us':>8}")
+        for bits, group, name, kernel, blocks, us in sweeps:
+            print(f"{bits:>4} {group:>5}  {name:<15} {kernel:<7} {str(blocks):<22} {us:>8.2f}")
+    return verdict()
+
+
+def weights(n: int, k: int, bits: int, group: int) -> list[quant.Packed]:
+    """Enough packed copies of a random `(n, k)` weight to outgrow L2 (each quantized on the GPU)."""
+    first = quant.quantize(torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5, bits, group)
+    count = max(2, -(-L2_PAST // first.nbytes))
+    return [first] + [
+        quant.Packed(first.words.roll(i, 0), first.scales.roll(i, 0), first.biases.roll(i, 0), bits, group)
+        for i in range(1, count)
+    ]
+
+
+def check(name: str, w: quant.Packed, swiglu: bool, bits: int, group: int) -> None:
+    dense = w.dequantize(DTYPE)
+    where = f"{bits}-bit g{group} {name}"
+    n, k = w.shape
+    norm = RmsNorm(torch.rand(k, device="cuda", dtype=DTYPE) + 0.5, 1e-6)
+    for rows in ROWS:
+        x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
+        if swiglu:
+            y = F.linear(norm(x), dense)
+            want = F.silu(y[:, : n // 2]) * y[:, n // 2 :]
+            got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True)
+            compare(f"{where} rows={rows} norm+gemv+swiglu", got, want)
+        else:
+            compare(f"{where} rows={rows} gemv", triton_quant.gemv(x, w), F.linear(x, dense))
+            residual = torch.randn(rows, n, device="cuda", dtype=DTYPE)
+            compare(
+                f"{where} rows={rows} gemv+residual",
+                triton_quant.gemv(x, w, residual=residual),
+                torch.addmm(residual, x, dense.t()),
+            )
+    x = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=DTYPE)
+    compare(f"{where} matmul {PREFILL_ROWS} rows", triton_quant.matmul(x, w), F.linear(x, dense))
+
+
+def time_gemv(copies: list[quant.Packed], swiglu: bool, blocks=None) -> tuple[float, int, float]:
+    """(us per one-row call, bytes it reads, us of cuBLAS's bf16 matmul on the same shape)."""
+    n, k = copies[0].shape
+    x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+    us = graph_us(cycling(lambda w: triton_quant.gemv(x, w, swiglu=swiglu, blocks=blocks), copies))
+    read = copies[0].nbytes + x.numel() * 2 + (n // 2 if swiglu else n) * 2
+    dense = [torch.randn(n, k, device="cuda", dtype=DTYPE) for _ in range(max(2, -(-L2_PAST // (n * k * 2))))]
+    dense_us = graph_us(cycling(lambda w: F.linear(x, w), dense))
+    return us, read, dense_us
+
+
+def time_matmul(w: quant.Packed, blocks=None, warps: int = 4, stages: int = 3) -> tuple[float, int, float]:
+    n, k = w.shape
+    x = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=DTYPE)
+    us = graph_us(lambda: triton_quant.matmul(x, w, blocks=blocks, warps=warps, stages=stages))
+    dense = torch.randn(n, k, device="cuda", dtype=DTYPE)
+    return us, 2 * PREFILL_ROWS * n * k, graph_us(lambda: F.linear(x, dense))
+
+
+def sweep(name: str, bits: int, group: int, copies: list[quant.Packed]) -> list[tuple]:
+    rows = []
+    for blocks in SWEEP_GEMV:
+        rows.append((bits, group, name, "gemv", blocks, time_gemv(copies, "swiglu" in name, blocks)[0]))
+    for *blocks, warps, stages in SWEEP_MATMUL:
+        us = time_matmul(copies[0], tuple(blocks), warps, stages)[0]
+        rows.append((bits, group, name, "matmul", (*blocks, warps, stages), us))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

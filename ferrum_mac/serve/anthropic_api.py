@@ -37,7 +37,17 @@ if TYPE_CHECKING:
 MESSAGES_PATH = "/v1/messages"
 # Fields passed on as they are: the same name and meaning in OpenAI's body (top_k and the others
 # come top-level from older clients, or through the current SDK's extra_body).
-PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stream", "chat_template_kwargs")
+PASSED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "logit_bias",
+    "stream",
+    "chat_template_kwargs",
+)
 # Hints a local server has no use for, accepted so clients that always send them work.
 IGNORED = ("metadata", "service_tier", "cache_control", "inference_geo", "speed")
 TRANSLATED = (
@@ -354,7 +364,7 @@ def message_body(message_id: str, model: str, text: str, reasoning: str, calls: 
     content: list[dict] = []
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    if text or not calls:
+    if text or not (calls or reasoning):  # an empty text block only when the answer has no other
         content.append({"type": "text", "text": text})
     content.extend(tool_use_block(c.id, c.name, c.arguments) for c in calls)
     return {

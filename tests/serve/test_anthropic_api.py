@@ -473,3 +473,54 @@ def test_output_config_format_constrains_the_answer_to_its_schema(smollm2_claude
     )
     assert message.stop_reason == "end_turn"
     jsonschema.validate(json.loads(_text(message)), schema)
+
+
+# -- thinking, through Qwen3's own template and tokenizer on random weights ----------------------
+
+THINK_OPEN = 151667  # Qwen3's <think>
+
+
+@pytest.fixture(scope="module")
+def qwen3_claude(tmp_path_factory, shared_assets):
+    import shutil
+
+    import anthropic
+    import helpers
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    folder = tmp_path_factory.mktemp("qwen3-thinking")
+    torch.manual_seed(0)
+    config = Qwen3Config(**{**helpers.TINY, "vocab_size": 151936}, head_dim=32, tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(shared_assets / "tokenizers" / "qwen3" / name, folder / name)
+    scheduler = Scheduler(open_stories(folder, kv_capacity=512)).start()
+    live = LiveServer(build_app(scheduler, "qwen3-random"))
+    yield anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=120)
+    live.stop()
+    scheduler.stop()
+
+
+def test_thinking_reaches_the_template_and_reasoning_comes_first(qwen3_claude):
+    def count(**thinking) -> int:
+        return qwen3_claude.messages.count_tokens(model="qwen3-random", messages=STORY, **thinking).input_tokens
+
+    # the template closes an empty <think> section when thinking is off
+    assert count(thinking={"type": "disabled"}) > count(thinking={"type": "enabled", "budget_tokens": 1024})
+    kwargs = dict(
+        model="qwen3-random",
+        max_tokens=6,
+        messages=STORY,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"temperature": 0, "logit_bias": {str(THINK_OPEN): 100}},  # a random model opens <think> at once
+    )
+    message = qwen3_claude.messages.create(**kwargs)
+    assert [b.type for b in message.content] == ["thinking"] and message.content[0].thinking, message
+    with qwen3_claude.messages.stream(**kwargs) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert kinds[0] == "thinking_delta" and final.content[0].thinking == message.content[0].thinking

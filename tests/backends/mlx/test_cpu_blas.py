@@ -127,7 +127,8 @@ def test_the_shim_computes_sgemm_for_every_layout(order, trans_a, trans_b):
     c_int, c_float, ptr = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     shim.argtypes = [c_int, c_int, c_int, c_int, c_int, c_int, c_float, ptr, c_int, ptr, c_int, c_float, ptr, c_int]
     rng = np.random.default_rng(1)
-    for m, n, k in [(1, 5, 7), (4, 1, 7), (1, 1, 7), (3, 4, 5)]:
+    # (9, 6, 19) and (2, 3, 16): a speculative verify's few rows (`few_rows`, row-major A B^T)
+    for m, n, k in [(1, 5, 7), (4, 1, 7), (1, 1, 7), (3, 4, 5), (9, 6, 19), (2, 3, 16), (13, 3, 20)]:
         op_a, op_b = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
         a = op_a if trans_a == NO_TRANS else op_a.T
         b = op_b if trans_b == NO_TRANS else op_b.T

@@ -18,6 +18,14 @@ class PromptSubmitted(Message):
         self.text = text
 
 
+class AttachmentsChanged(Message):
+    """The prompt's attachments changed (a file attached, a large paste, one dropped)."""
+
+    def __init__(self, attachments: list):
+        super().__init__()
+        self.attachments = attachments
+
+
 class AnswerChunk(Message):
     """A batch of answer and reasoning text (at most ~20 a second), with the pieces streamed so far
     (a piece is a token's text, near enough) and their rate."""

@@ -27,13 +27,13 @@ async def test_the_footer_shows_tokens_speed_first_token_cache_and_the_stop_reas
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "a")
-        assert footer(app) == "3 tokens · 42.0 tok/s · first token 0.25 s · 0 cached · cut at max tokens"
+        assert footer(app) == "3 tokens · 42.0 tok/s · first token 0.25 s · cut at max tokens"
         await send(pilot, "b")
         assert footer(app).endswith("· stop string 'THE END'")
         await send(pilot, "c")
         assert footer(app).endswith("· context full")
         await send(pilot, "d")
-        assert footer(app) == "2 tokens · 42.0 tok/s · first token 0.25 s · 0 cached"
+        assert footer(app) == "2 tokens · 42.0 tok/s · first token 0.25 s"
         # the figures are kept: reopening the conversation shows the same footers
         await app.chat.open_conversation(app.chat.current_id)
         views = list(app.chat.query(MessageView))

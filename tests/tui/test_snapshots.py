@@ -135,3 +135,19 @@ def test_answer_footer(snap_compare, make_app):
         await settle(pilot)
 
     assert snap_compare(make_app([reply]), terminal_size=SIZE, run_before=before)
+
+
+def test_file_chips(snap_compare, make_app, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("".join(f"line {i}\n" for i in range(12)))
+
+    async def before(pilot):
+        await ready(pilot)
+        prompt = pilot.app.chat.query_one("#prompt")
+        pilot.app.chat.attach_path(str(notes))
+        await send(pilot, "Summarise my notes")
+        pilot.app.chat.attach_path(str(notes))
+        prompt.text = "And again"
+        await settle(pilot)
+
+    assert snap_compare(make_app(), terminal_size=SIZE, run_before=before)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 from textual import on
 from textual.app import ComposeResult
@@ -19,6 +20,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, Static
 
 from ferrum_mac.errors import FerrumError
+from ferrum_mac.tui.attachments import at_paths, message_text, read_attachment, split_message
 from ferrum_mac.tui.chat_settings import engine_settings, stored_settings
 from ferrum_mac.tui.chat_turn import run_turn
 from ferrum_mac.tui.token_count import count_tokens
@@ -27,6 +29,7 @@ from ferrum_mac.tui.messages import (
     AnswerDone,
     AnswerFailed,
     AnswerNotice,
+    AttachmentsChanged,
     BranchRequested,
     ConversationChosen,
     CopyRequested,
@@ -34,6 +37,7 @@ from ferrum_mac.tui.messages import (
     PromptSubmitted,
     SearchChanged,
 )
+from ferrum_mac.tui.widgets.attachment_chips import AttachmentChips, chip_text
 from ferrum_mac.tui.widgets.conversation_list import ConversationList
 from ferrum_mac.tui.widgets.message_list import MessageList
 from ferrum_mac.tui.widgets.message_view import MessageView
@@ -60,6 +64,7 @@ class ChatScreen(Screen):
         Binding("ctrl+t", "toggle_reasoning", "Reasoning", show=False, priority=True),
         Binding("ctrl+s", "settings", "Settings", priority=True),
         Binding("ctrl+f", "search", "Search", show=False, priority=True),
+        Binding("ctrl+o", "attach", "Attach", show=False, priority=True),
         Binding("f2", "rename", "Rename", show=False),
         Binding("f3", "export", "Export", show=False),
         Binding("f4", "pick_model", "Model"),
@@ -75,6 +80,7 @@ class ChatScreen(Screen):
         self.editing_id: int | None = None  # the user message being edited, if any
         self.show_reasoning = False
         self.status_shown = 0.0  # when the streaming figures were last shown
+        self.pending_tokens = 0  # what the prompt's attachments will add to the context
         self.turn_context = 0  # tokens held before the answer being streamed: earlier turns and the new message
 
     @property
@@ -87,12 +93,14 @@ class ChatScreen(Screen):
             with Vertical(id="chat"):
                 yield MessageList(id="messages")
                 yield Label("", id="editing", markup=False)
+                yield AttachmentChips(id="attachments")
                 yield PromptInput(id="prompt")
         yield StatusBar(id="status")
         yield Footer()
 
     async def on_mount(self) -> None:
         self.query_one("#editing").display = False
+        self.query_one("#attachments").display = False
         conversations = self.history.conversations()
         await self.open_conversation(conversations[0].id if conversations else None)
         self.query_one(PromptInput).focus()
@@ -125,6 +133,7 @@ class ChatScreen(Screen):
             show_reasoning=self.show_reasoning,
             footer=answer_footer(m.stats) if m.role == "assistant" else "",
             branch=m.branch,
+            attachments=bool(m.stats.get("attachments")),
         )
 
     async def refresh_sidebar(self) -> None:
@@ -139,7 +148,7 @@ class ChatScreen(Screen):
         status.show_model(app.model_name, app.device_text)
         if not self.busy:  # while an answer streams, its own figures are shown (show_streaming)
             status.show_speed(self.last_answer_stats().get("decode_tps"))
-            status.show_context(self.context_used(), self.capacity())
+            status.show_context(self.context_used(), self.capacity(), self.pending_tokens)
         status.show_memory(app.memory_text())
 
     def capacity(self) -> int:
@@ -165,10 +174,33 @@ class ChatScreen(Screen):
         if self.app.engine is None:
             self.notify("The model is still loading.", severity="warning")
             return
+        prompt = self.query_one(PromptInput)
+        try:
+            attached = [read_attachment(path, Path.cwd()) for path in at_paths(event.text, Path.cwd())]
+        except FerrumError as e:
+            self.notify(str(e), severity="error", timeout=10)
+            return
+        attachments = prompt.attachments + attached
+        text = message_text(event.text, attachments)
+        if not self.fits(text):
+            return
         if self.editing_id is not None:
             await self.branch_before(self.editing_id)
-        self.query_one(PromptInput).clear()
-        await self.send(event.text)
+        prompt.clear()
+        prompt.take_attachments()
+        await self.send(text, attachments=[a.described() for a in attachments])
+
+    def fits(self, text: str) -> bool:
+        """Whether the message alone fits the context; if not, say so (nothing is sent)."""
+        tokens, capacity = count_tokens(self.app.engine, text), self.capacity()
+        if capacity and tokens >= capacity:
+            self.notify(
+                f"This message is {tokens} tokens and the context holds {capacity}: attach less.",
+                severity="error",
+                timeout=10,
+            )
+            return False
+        return True
 
     async def branch_before(self, message_id: int) -> None:
         """Show the path up to message `message_id`'s parent: what is sent next goes beside it."""
@@ -177,11 +209,13 @@ class ChatScreen(Screen):
         self.end_editing()
         await self.open_conversation(self.current_id)
 
-    async def send(self, text: str, resend: bool = False) -> None:
+    async def send(self, text: str, resend: bool = False, attachments: list[dict] | None = None) -> None:
         """Save `text` as the next user message and start the answer in a worker thread;
-        `resend`: `text` is the last message shown already (regenerate its answer)."""
+        `resend`: `text` is the last message shown already (regenerate its answer);
+        `attachments`: what `text` carries after the typed part, for its chips."""
         if self.current_id is None:
-            chat = self.history.new_conversation(title_from(text), stored_settings(self.app.default_settings))
+            title = title_from(split_message(text)[0] or attachments[0]["name"] if attachments else text)
+            chat = self.history.new_conversation(title, stored_settings(self.app.default_settings))
             self.current_id = chat.id
         try:
             settings = engine_settings(self.app.engine, self.history.conversation(self.current_id).settings)
@@ -192,10 +226,11 @@ class ChatScreen(Screen):
         earlier = engine_messages(path[:-1] if resend else path)
         messages = self.query_one(MessageList)
         if not resend:
-            user = self.history.add_message(self.current_id, "user", text)
+            stats = {"attachments": attachments} if attachments else None
+            user = self.history.add_message(self.current_id, "user", text, stats=stats)
             for welcome in self.query("#welcome"):
                 await welcome.remove()
-            await messages.add(MessageView("user", text, message_id=user.id, branch=user.branch))
+            await messages.add(self.message_widget(user))
         self.answer = MessageView("assistant", show_reasoning=self.show_reasoning)
         await messages.add(self.answer)
         messages.anchor()
@@ -327,6 +362,35 @@ class ChatScreen(Screen):
                 view.focus()  # focusing scrolls it into view
                 return
 
+    def action_attach(self) -> None:
+        from ferrum_mac.tui.screens.text_prompt_screen import TextPromptScreen
+
+        question = "Attach a text file: its path (or type @path in the prompt; Tab completes it)"
+        self.app.push_screen(TextPromptScreen(question), self.attach_path)
+
+    def attach_path(self, path: str | None) -> None:
+        if not path:
+            return
+        try:
+            attachment = read_attachment(path, Path.cwd())
+        except FerrumError as e:
+            self.notify(str(e), severity="error", timeout=10)
+            return
+        prompt = self.query_one(PromptInput)
+        prompt.attach(attachment)
+        prompt.focus()
+
+    @on(AttachmentsChanged)
+    async def _attachments_changed(self, event: AttachmentsChanged) -> None:
+        """Chips above the prompt, each with its cost, and the context meter with what they add."""
+        engine = self.app.engine
+        costs = [count_tokens(engine, a.block()) for a in event.attachments]
+        chips = [chip_text(a.name, a.lines, cost) for a, cost in zip(event.attachments, costs)]
+        await self.query_one(AttachmentChips).show(chips)
+        self.pending_tokens = sum(costs)
+        if not self.busy:
+            self.query_one(StatusBar).show_context(self.context_used(), self.capacity(), self.pending_tokens)
+
     def action_rename(self) -> None:
         from ferrum_mac.tui.screens.text_prompt_screen import TextPromptScreen
 
@@ -433,7 +497,11 @@ class ChatScreen(Screen):
             return
         self.editing_id = event.message_id
         prompt = self.query_one(PromptInput)
-        prompt.text = event.text
+        typed, attachments = split_message(event.text)
+        prompt.text = typed
+        prompt.take_attachments()
+        for attachment in attachments:
+            prompt.attach(attachment)
         prompt.focus()
         hint = self.query_one("#editing", Label)
         hint.update("Editing an earlier message: Enter resends it as a new branch (← → switch), Esc cancels")
@@ -485,7 +553,7 @@ def answer_footer(stats: dict) -> str:
         parts.append(f"{stats['decode_tps']:.1f} tok/s")
     if stats.get("ttft_s"):
         parts.append(f"first token {stats['ttft_s']:.2f} s")
-    if "cached_tokens" in stats:
+    if stats.get("cached_tokens"):  # none: the whole prompt was computed
         parts.append(f"{stats['cached_tokens']} cached")
     speculation = stats.get("speculation")
     if isinstance(speculation, dict) and speculation.get("proposed"):

@@ -15,6 +15,8 @@ HELP = """\
 |---|---|
 | Enter | send the message |
 | Shift+Enter, Ctrl+J | new line in the message |
+| Ctrl+O | attach a text file (or type `@path`; Tab completes the path) |
+| Backspace (empty prompt) | drop the last attachment (a paste of 20+ lines becomes one) |
 | Esc | stop the answer (the partial answer is kept) |
 | Ctrl+R | regenerate the last answer (the old one stays, as a branch) |
 | Ctrl+T | show or hide the reasoning |

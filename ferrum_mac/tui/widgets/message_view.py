@@ -14,7 +14,9 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Label, Static
 
+from ferrum_mac.tui.attachments import split_message
 from ferrum_mac.tui.messages import BranchRequested, CopyRequested, EditRequested
+from ferrum_mac.tui.widgets.attachment_chips import AttachmentChips, chip_text
 from ferrum_mac.tui.widgets.chat_markdown import ChatMarkdown
 
 ROLE_LABELS = {"user": "You", "assistant": "Assistant"}
@@ -38,6 +40,7 @@ class MessageView(Vertical, can_focus=True):
         show_reasoning: bool = False,
         footer: str = "",
         branch: tuple[int, int] = (1, 1),
+        attachments: bool = False,
     ):
         super().__init__(classes=role)
         self.role = role
@@ -47,6 +50,7 @@ class MessageView(Vertical, can_focus=True):
         self.show_reasoning = show_reasoning
         self.footer = footer
         self.branch = branch
+        self.attachments = attachments  # the content ends in attachment blocks, shown as chips
         self._stream = None
 
     def compose(self) -> ComposeResult:
@@ -54,7 +58,12 @@ class MessageView(Vertical, can_focus=True):
         with Collapsible(title="Reasoning", collapsed=not self.show_reasoning, classes="reasoning") as box:
             box.display = bool(self.reasoning)
             yield Static(self.reasoning, markup=False, classes="reasoning-text")
-        yield ChatMarkdown(self.content)
+        typed, attached = split_message(self.content) if self.attachments else (self.content, [])
+        yield ChatMarkdown(typed)
+        if attached:
+            with AttachmentChips():
+                for a in attached:
+                    yield Label(chip_text(a.name, a.lines), markup=False, classes="chip")
         yield Label(self.footer, classes="footer", markup=False)
 
     def on_mount(self) -> None:

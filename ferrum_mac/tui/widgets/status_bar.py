@@ -37,8 +37,8 @@ class StatusBar(Horizontal):
         rate = f"{tokens_per_second:.1f} tok/s" if tokens_per_second else "– tok/s"
         self.query_one("#speed", Static).update(f"{tokens} tok · {rate}")
 
-    def show_context(self, used: int, capacity: int) -> None:
-        self.query_one(ContextMeter).show(used, capacity)
+    def show_context(self, used: int, capacity: int, pending: int = 0) -> None:
+        self.query_one(ContextMeter).show(used, capacity, pending)
 
     def show_memory(self, text: str) -> None:
         self.query_one("#memory", Static).update(f"mem {text}")

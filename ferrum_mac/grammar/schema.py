@@ -42,7 +42,8 @@ class UnsupportedSchemaError(GrammarError):
 def json_schema_grammar(schema: Any, what: str = "the JSON schema") -> str:
     """The grammar of JSON text valid against `schema` (a dict or its JSON text)."""
     schema = bounded_numbers(_schema_object(schema, what))
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    # as text: llguidance cannot take a dict holding an integer past 64 bits
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
     check_grammar(grammar, what)
     return grammar
 
@@ -73,7 +74,7 @@ def bounded_numbers(schema: Any) -> Any:
         return schema
     out = dict(schema)
     kinds = out.get("type")
-    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    kinds = {k for k in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(k, str)}  # a client's schema
     if "number" in kinds:
         _cap(out, NUMBER_LIMIT)
         out.setdefault("multipleOf", NUMBER_STEP)

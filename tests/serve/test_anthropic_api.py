@@ -359,6 +359,12 @@ BAD_REQUESTS = [
     ("an empty stop sequence", {"stop_sequences": [""]}, "'stop_sequences'"),
     ("five stop sequences", {"stop_sequences": list("abcde")}, "'stop_sequences'"),
     ("a result of no call", {"messages": _user({"type": "tool_result", "tool_use_id": "x"})}, "tool_use_id"),
+    ("a schema's type an object", {"tools": [{"name": "f", "input_schema": {"type": {}}}]}, "tool 'f'"),
+    (
+        "an integer past 64 bits in a schema",
+        {"output_config": {"format": {"type": "json_schema", "schema": {"type": "integer", "minimum": 10**30}}}},
+        "integer range",
+    ),
 ]
 
 

@@ -287,12 +287,16 @@ def test_create_answers_with_a_message(claude):
     assert prompt > 0 and usage.input_tokens + usage.cache_read_input_tokens == prompt
 
 
-def test_the_same_greedy_answer_as_chat_completions(server, claude):
+def test_the_same_greedy_answer_from_all_three_protocols(server, claude):
     system = "You tell short stories."
     message = claude.messages.create(model=MODEL, max_tokens=24, system=system, messages=STORY, **GREEDY)
-    body = {"messages": [{"role": "system", "content": system}, *STORY], "max_tokens": 24, "temperature": 0}
+    messages = [{"role": "system", "content": system}, *STORY]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
     openai = httpx.post(server.url + CHAT, json=body, timeout=60).json()
-    assert _text(message) == openai["choices"][0]["message"]["content"] and _text(message)
+    body = {"model": MODEL, "messages": messages, "stream": False, "options": {"temperature": 0, "num_predict": 24}}
+    ollama = httpx.post(server.url + "/api/chat", json=body, timeout=60).json()
+    assert _text(message) == openai["choices"][0]["message"]["content"] == ollama["message"]["content"]
+    assert _text(message)
 
 
 def test_a_stop_sequence_ends_the_answer_and_is_named(claude):

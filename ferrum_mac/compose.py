@@ -26,6 +26,7 @@ def open_model(
     pull: bool = True,
     device: str | None = None,
     kv_capacity: int | None = None,
+    quant: str | None = None,
 ) -> DecoderOnlyLLM:
     """Open a model folder (config.json + safetensors) or a .gguf file with a backend.
 
@@ -33,7 +34,9 @@ def open_model(
     model store: a cached copy is used, a missing one is downloaded unless `pull` is false.
     `dtype` ("float32", "float16", "bfloat16") overrides the compute dtype; `device` (cpu, gpu,
     cuda[:N], metal) the backend's default device; `kv_capacity` caps the tokens one sequence
-    holds (default: FERRUM_KV_CAPACITY, else the model's maximum as memory allows).
+    holds (default: FERRUM_KV_CAPACITY, else the model's maximum as memory allows). `quant`
+    ("4bit", "8bit"; torch backend) quantizes a bf16 or fp16 checkpoint as it loads (affine,
+    group 64), for those who only have the full model.
     """
     chosen = choose(backend)  # first: on MLX, `route_cpu_blas` runs before anything imports it
     path = Path(name_or_path).expanduser()
@@ -41,7 +44,9 @@ def open_model(
         from ferrum_mac.store import resolve_model
 
         path = resolve_model(str(name_or_path), backend=chosen, pull=pull)
-    return open_path(path, backend=chosen, dtype=dtype, device=device, kv_capacity=kv_capacity_or_setting(kv_capacity))
+    return open_path(
+        path, backend=chosen, dtype=dtype, device=device, kv_capacity=kv_capacity_or_setting(kv_capacity), quant=quant
+    )
 
 
 def open_engine(

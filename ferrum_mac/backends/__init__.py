@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from ferrum_mac.errors import UnsupportedError
+from ferrum_mac.errors import FerrumError, UnsupportedError
 from ferrum_mac.llm import DecoderOnlyLLM
 
 BACKENDS = ("mlx", "torch")
@@ -90,11 +90,18 @@ def open_path(
     dtype: str | None = None,
     device: str | None = None,
     kv_capacity: int | None = None,
+    quant: str | None = None,
 ) -> DecoderOnlyLLM:
     """Open a checkpoint with `backend` on `device` (cpu, gpu, cuda[:N], metal; None: the
     backend's default: its GPU where it has one), holding at most `kv_capacity` tokens per
-    sequence (None: the model's maximum, as memory allows)."""
+    sequence (None: the model's maximum, as memory allows); `quant` ("4bit", "8bit", torch
+    only) quantizes a dense checkpoint's linear layers as they load."""
     chosen, device = choose(backend), check_device(device)
+    if chosen == "mlx" and quant is not None:
+        raise FerrumError(
+            f"quantizing at load (quant {quant!r}) runs on the torch backend; "
+            "on MLX open a quantized checkpoint (mlx_lm.convert -q makes one)"
+        )
     if chosen == "mlx":
         from ferrum_mac.backends.mlx.memory import use_device
         from ferrum_mac.backends.mlx.runtime import MlxLLM
@@ -107,7 +114,7 @@ def open_path(
     from ferrum_mac.backends.torch.weights import load_onto
 
     place = resolve_device(device)
-    return TorchLLM(load_onto(path, place), dtype=dtype, device=place, kv_capacity=kv_capacity)
+    return TorchLLM(load_onto(path, place), dtype=dtype, device=place, kv_capacity=kv_capacity, quant=quant)
 
 
 def describe_device(backend: str, model: DecoderOnlyLLM) -> str:

@@ -41,14 +41,19 @@ def run_torch_bench(
 
     if (model is None) == (shape is None):
         raise FerrumError("give either a MODEL or --shape (for example: ferrum bench --backend torch --shape qwen3-8b)")
-    if quant != "bf16":
-        raise FerrumError(f"the torch bench runs bf16 weights, not --quant {quant}; drop --quant")
+    from ferrum_mac.backends.torch.quant import ON_THE_FLY
+
+    if quant != "bf16" and quant not in ON_THE_FLY:
+        raise FerrumError(f"unknown --quant {quant!r}; the torch bench takes bf16, {', '.join(ON_THE_FLY)}")
+    on_the_fly = None if quant == "bf16" else quant  # the bf16 weights quantized as they load
     device = resolve_device(check_device(device))
     log = (lambda msg: print(msg, file=sys.stderr)) if json_out else print
     log("ferrum bench: measuring the copy bandwidth ...")
     bandwidth = copy_bandwidth(device)
     log("ferrum bench: preparing weights ...")
-    llm, reference, label = random_pair(shape, device) if shape else pair_from_path(model, device)
+    llm, reference, label = (
+        random_pair(shape, device, on_the_fly) if shape else pair_from_path(model, device, on_the_fly)
+    )
     prompt_tokens, new_tokens = fit_to_context(prompt_tokens, new_tokens, llm.kv_capacity())
     rng = random.Random(0)
     prompt = [rng.randrange(llm.config.vocab_size) for _ in range(prompt_tokens)]
@@ -71,7 +76,7 @@ def run_torch_bench(
         prefill_ratio=round(ours.prefill_tps / theirs.prefill_tps, 3) if theirs else None,
         decode_ratio=round(ours.decode_tps / theirs.decode_tps, 3) if theirs else None,
     )
-    per_token = decode_bytes_per_token(llm, prompt_tokens + new_tokens // 2)
+    per_token = decode_bytes_per_token(llm, prompt_tokens + new_tokens // 2, on_the_fly)
     result["roofline"] = {
         "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
         "bytes_per_token": per_token,
@@ -92,9 +97,9 @@ def run_torch_bench(
 # -- the two sides on the same weights ---------------------------------------------------------
 
 
-def random_pair(shape: str, device: torch.device):
+def random_pair(shape: str, device: torch.device, quant: str | None = None):
     """A transformers model of `shape` with random bf16 weights on `device`, and the torch
-    backend built from the same tensors."""
+    backend built from the same tensors (its linear layers quantized to `quant` if given)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ferrum_mac.backends.torch.runtime import TorchLLM
@@ -114,10 +119,10 @@ def random_pair(shape: str, device: torch.device):
     reference.to(device).eval()
     tensors = {canonical_name(k): v for k, v in reference.state_dict().items()}
     checkpoint = Checkpoint(config_from_dict(raw), tensors, Path(f"random-{shape}-bf16"), "safetensors")
-    return TorchLLM(checkpoint, device=device), reference, f"{shape} bf16 (random weights)"
+    return TorchLLM(checkpoint, device=device, quant=quant), reference, f"{shape} {quant or 'bf16'} (random weights)"
 
 
-def pair_from_path(model: str, device: torch.device):
+def pair_from_path(model: str, device: torch.device, quant: str | None = None):
     """A model by path or name, and transformers' reading of it when it is a plain checkpoint folder."""
     import ferrum_mac
     from ferrum_mac.backends.torch.runtime import TorchLLM
@@ -125,9 +130,9 @@ def pair_from_path(model: str, device: torch.device):
 
     path = Path(model).expanduser()
     if not path.exists():
-        llm = ferrum_mac.open_model(model, backend="torch")
+        llm = ferrum_mac.open_model(model, backend="torch", quant=quant)
     else:
-        llm = TorchLLM(load_checkpoint(path), device=device)
+        llm = TorchLLM(load_checkpoint(path), device=device, quant=quant)
     reference = None
     source = llm.source.path
     if source.is_dir() and llm.source.format == "safetensors":
@@ -135,7 +140,7 @@ def pair_from_path(model: str, device: torch.device):
 
         dtype = getattr(torch, llm.config.dtype)
         reference = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(llm.device).eval()
-    return llm, reference, str(model)
+    return llm, reference, f"{model} {quant}" if quant else str(model)
 
 
 def parity(llm, reference, prompt: list[int], device: torch.device) -> dict:
@@ -270,10 +275,14 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * size / best
 
 
-def decode_bytes_per_token(llm, context: int) -> int:
-    """Bytes one batch-1 decode step reads: the weights it uses and the KV cache of `context` tokens."""
+def decode_bytes_per_token(llm, context: int, quant: str | None = None) -> int:
+    """Bytes one batch-1 decode step reads: the weights it uses and the KV cache of `context`
+    tokens (with `quant`, the linear layers packed; the MoE experts stay dense)."""
+    from ferrum_mac.backends.torch.quant import ON_THE_FLY, ON_THE_FLY_GROUP, bytes_per_weight
+
     c = llm.model_config
     size = torch.tensor([], dtype=llm.dtype).element_size()
+    linear = bytes_per_weight(ON_THE_FLY[quant], ON_THE_FLY_GROUP, size) if quant else size
     attention = (
         c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
     )
@@ -282,13 +291,12 @@ def decode_bytes_per_token(llm, context: int) -> int:
     per_layer = []
     for layer in range(c.num_layers):
         if moe is not None and moe.is_sparse(layer):
-            per_layer.append(
-                attention + moe.num_experts * c.hidden_size + moe.top_k * 3 * c.hidden_size * moe.intermediate_size
-            )
+            experts = moe.num_experts * c.hidden_size + moe.top_k * 3 * c.hidden_size * moe.intermediate_size
+            per_layer.append(attention * linear + experts * size)
         else:
-            per_layer.append(attention + dense_mlp)
-    weights = sum(per_layer) + c.vocab_size * c.hidden_size + c.hidden_size  # head, one embedding row
-    return weights * size + llm.config.kv_bytes_per_token(size) * context
+            per_layer.append((attention + dense_mlp) * linear)
+    weights = sum(per_layer) + c.vocab_size * c.hidden_size * linear + c.hidden_size * size  # head, one embedding row
+    return int(weights + llm.config.kv_bytes_per_token(size) * context)
 
 
 # -- the report -------------------------------------------------------------------------------

@@ -50,7 +50,9 @@ def speed(
         Optional[str], typer.Argument(metavar="MODEL", help="Model folder, .gguf file or name (omit with --shape).")
     ] = None,
     shape: Annotated[Optional[str], typer.Option(help=f"Random weights of a real shape: {', '.join(SHAPES)}.")] = None,
-    quant: Annotated[str, typer.Option(help="With --shape: bf16 or 4bit.")] = "bf16",
+    quant: Annotated[
+        str, typer.Option(help="With --shape: bf16 or 4bit; with --backend torch also 8bit, and a MODEL's weights.")
+    ] = "bf16",
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length for prefill.")] = 512,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Tokens to decode.")] = 128,
     runs: Annotated[int, typer.Option(help="Timed runs per side, alternating; the best is reported.")] = 5,

@@ -39,6 +39,13 @@ def linear(src: TensorSource, module: str, out_dim: int, in_dim: int, bias: bool
     return Linear(src.take(f"{module}.weight", (out_dim, in_dim)), b)
 
 
+def tied_head(src: TensorSource, embed: torch.Tensor) -> Linear | QuantLinear:
+    """The head of a model whose head is its embedding: packed where the embedding is (a packed
+    copy beside the dense table the lookup reads), else the table itself."""
+    packed = src.packed("embed_tokens", tuple(embed.shape))
+    return Linear(embed) if packed is None else QuantLinear(packed, None, src.dtype)
+
+
 def fuse(linears: list) -> Linear | QuantLinear:
     """Linears that read the same input, stacked into one (their outputs side by side). Packed
     ones stay packed where they share bits and groups, else all are dequantized."""

@@ -62,19 +62,27 @@ class Packed:
         )
 
     def codes(self) -> torch.Tensor:
-        """The unsigned values q `(out, in)`, int32."""
-        per_word = 32 // self.bits
+        """The unsigned values q `(out, in)`: uint8 for 4 and 8 bits (a word's bytes in order,
+        as the words are little-endian), int32 otherwise."""
+        out = self.words.shape[0]
+        if self.bits in (4, 8):
+            octets = self.words.view(torch.uint8)
+            return octets if self.bits == 8 else torch.stack((octets & 15, octets >> 4), dim=-1).view(out, -1)
         shifts = torch.arange(0, 32, self.bits, device=self.words.device, dtype=torch.int32)
-        values = (self.words[:, :, None] >> shifts) & ((1 << self.bits) - 1)
-        return values.reshape(self.words.shape[0], self.words.shape[1] * per_word)
+        return ((self.words[:, :, None] >> shifts) & ((1 << self.bits) - 1)).view(out, -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight `(out, in)`: scale * q + bias in float32 (exact for 16-bit scales
         and these q), rounded once to `dtype`."""
         out, k = self.shape
         q = self.codes().view(out, k // self.group_size, self.group_size).float()
-        dense = q * self.scales.float()[:, :, None] + self.biases.float()[:, :, None]
+        dense = q.mul_(self.scales.float()[:, :, None]).add_(self.biases.float()[:, :, None])  # (q * scale: exact)
         return dense.view(out, k).to(dtype)
+
+
+def bytes_per_weight(bits: int, group_size: int, scale_bytes: int) -> float:
+    """Bytes a packed weight takes per value: its bits, and its group's scale and bias."""
+    return bits / 8 + 2 * scale_bytes / group_size
 
 
 def kernels_take(bits: int, group_size: int) -> bool:

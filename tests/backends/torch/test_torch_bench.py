@@ -101,3 +101,5 @@ def test_bytes_per_token_counts_only_what_a_step_reads():
 
     assert decode_bytes_per_token(fake("qwen3-8b"), 0) / 1e9 == pytest.approx(15.14, abs=0.01)
     assert decode_bytes_per_token(fake("qwen3-30b-a3b"), 0) / 1e9 == pytest.approx(6.08, abs=0.01)
+    # --quant 4bit: 4 bits and a bf16 scale and bias per 64 weights, of every linear layer
+    assert decode_bytes_per_token(fake("qwen3-8b"), 0, "4bit") / 1e9 == pytest.approx(15.14 * 0.5625 / 2, abs=0.01)

@@ -237,21 +237,31 @@ def test_quantizing_at_load_runs_the_weights_it_quantized():
     quantized = TorchLLM(load_onto(source, CPU), device="cpu", quant="4bit")
     assert isinstance(quantized.model.layers[0].attn.qkv, QuantLinear)
     assert quantized.model.layers[0].attn.qkv.weight.group_size == quant.ON_THE_FLY_GROUP
+    assert isinstance(quantized.model.head, QuantLinear)  # the tied head: a packed copy of the embedding
     reference = load_onto(source, CPU)
     for name, w in reference.tensors.items():
         if name.endswith("_proj.weight") and w.shape[1] % quant.ON_THE_FLY_GROUP == 0:
             reference.tensors[name] = quant.quantize(w, 4).dequantize(w.dtype)
+    embed = reference.tensors["embed_tokens.weight"]
+    reference.tensors["lm_head.weight"] = quant.quantize(embed, 4).dequantize(embed.dtype)
+    reference.config.tie_word_embeddings = False
     got, want = greedy_and_logits(quantized), greedy_and_logits(TorchLLM(reference, device="cpu"))
     assert torch.equal(got[1], want[1])
     assert got[0] == want[0]
 
 
-def test_an_unknown_quant_at_load_is_refused():
+def test_open_model_quantizes_on_torch_and_refuses_elsewhere():
+    import ferrum_mac
+
     source = ASSETS / "stories260K"
     if not source.is_dir():
         pytest.skip("stories260K not found in the shared assets")
-    with pytest.raises(FerrumError, match="unknown quantization"):
-        TorchLLM(load_onto(source, CPU), device="cpu", quant="2bit")
+    llm = ferrum_mac.open_model(source, backend="torch", device="cpu", quant="8bit")
+    assert llm.model.layers[0].attn.qkv.weight.bits == 8
+    with pytest.raises(FerrumError, match="unknown quantization '2bit'"):
+        ferrum_mac.open_model(source, backend="torch", device="cpu", quant="2bit")
+    with pytest.raises(FerrumError, match="quantizing at load .* runs on the torch backend"):
+        ferrum_mac.open_model(source, backend="mlx", quant="4bit")
 
 
 def test_the_smollm2_gguf_packed_equals_it_dequantized(smollm2_gguf):

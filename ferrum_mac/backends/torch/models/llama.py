@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.attention import Attention
-from ferrum_mac.backends.torch.layers import Linear, RmsNorm, Rope, fuse, linear
+from ferrum_mac.backends.torch.layers import RmsNorm, Rope, fuse, linear, tied_head
 from ferrum_mac.backends.torch.ops import TORCH_OPS, Ops
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
@@ -56,7 +56,7 @@ class Model:
         self.layers = [Block(src, c, i, self.rope, self.make_mlp(src, i)) for i in range(c.num_layers)]
         self.norm = RmsNorm(src.norm("norm", c.hidden_size), c.rms_norm_eps)
         tied = c.tie_word_embeddings or not src.has("lm_head.weight")
-        self.head = Linear(self.embed) if tied else linear(src, "lm_head", c.vocab_size, c.hidden_size)
+        self.head = tied_head(src, self.embed) if tied else linear(src, "lm_head", c.vocab_size, c.hidden_size)
 
     def make_mlp(self, src: TensorSource, layer: int):
         return Mlp(src, self.config, f"layers.{layer}.mlp", self.config.intermediate_size)

@@ -1,0 +1,80 @@
+"""One conversation through OpenAI's, Anthropic's and Ollama's APIs, each with its official client,
+at temperature 0: the three protocols map into one request, so the answer is the same text,
+streamed or whole."""
+
+from __future__ import annotations
+
+import pytest
+from serve_support import LiveServer, open_stories
+
+MODEL = "stories260K"
+SYSTEM = "You tell short stories."
+TURNS = [
+    {"role": "user", "content": "Tell me a story about Lily."},
+    {"role": "assistant", "content": "Lily went to the park with her dog."},
+    {"role": "user", "content": "What happened next?"},
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    scheduler = Scheduler(open_stories(stories_path)).start()
+    live = LiveServer(build_app(scheduler, MODEL))
+    yield live
+    live.stop()
+    scheduler.stop()
+
+
+def openai_answers(url: str) -> list[str]:
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, *TURNS],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    stream = client.chat.completions.create(**kwargs, stream=True)
+    return [whole, "".join(c.choices[0].delta.content or "" for c in stream if c.choices)]
+
+
+def anthropic_answers(url: str) -> list[str]:
+    anthropic = pytest.importorskip("anthropic")
+    pytest.importorskip("ferrum_mac.serve.anthropic_api", reason="the Anthropic API is not built yet")
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    # the current SDK has no temperature argument: it goes through extra_body
+    kwargs = dict(model=MODEL, system=SYSTEM, messages=TURNS, max_tokens=MAX_TOKENS, extra_body={"temperature": 0})
+    whole = "".join(b.text for b in client.messages.create(**kwargs).content if b.type == "text")
+    with client.messages.stream(**kwargs) as stream:
+        streamed = "".join(stream.text_stream)
+    return [whole, streamed]
+
+
+def ollama_answers(url: str) -> list[str]:
+    import ollama
+
+    client = ollama.Client(host=url, timeout=60)
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, *TURNS],
+        options={"temperature": 0, "num_predict": MAX_TOKENS},
+    )
+    whole = client.chat(**kwargs).message.content
+    return [whole, "".join(part.message.content for part in client.chat(**kwargs, stream=True))]
+
+
+def test_the_same_answer_through_every_protocol(server):
+    answers = {
+        "openai": openai_answers(server.url),
+        "ollama": ollama_answers(server.url),
+        "anthropic": anthropic_answers(server.url),
+    }
+    reference = answers["openai"][0]
+    assert reference.strip()
+    assert answers == {name: [reference, reference] for name in answers}

@@ -42,11 +42,6 @@ class Segment:
         return self.cache.rows(0, self.offset + self.length)
 
     @cached_property
-    def scattered(self) -> bool:
-        """Its sequence's keys are not one slice of the token axis."""
-        return self.cache.first_row_if_contiguous(self.offset + self.length) is None
-
-    @cached_property
     def table(self) -> mx.array:
         return self.cache.table(self.offset + self.length)
 
@@ -126,6 +121,12 @@ def decode_rows(singles: list[Segment]) -> slice | mx.array:
 
 # FERRUM_MLX_CUDA_ATTENTION=0 keeps the masked fused attention on CUDA too (A/B timing).
 USE_CUDA_KERNEL = settings.value("FERRUM_MLX_CUDA_ATTENTION")
+# A one-token segment on CUDA: MLX's one-query attention reads up to this many keys right
+# from the pool; from here its two-pass kernel needs keys that start at the buffer's first row.
+MLX_CUDA_SAFE_KEYS = 256
+# From this many keys the table kernel beats copying them for MLX's kernel (its launch costs
+# more host time a layer; the copy grows with the keys).
+TABLE_KERNEL_KEYS = 4096
 
 
 class Attention:
@@ -151,7 +152,8 @@ class Attention:
         self.eps = c.rms_norm_eps
         self.rope = Rope(config)
         group = c.num_heads // c.num_kv_heads
-        self.by_length = USE_CUDA_KERNEL and on_cuda_gpu() and cuda_attention.supports(c.head_dim, group)
+        self.on_cuda = on_cuda_gpu()
+        self.by_length = USE_CUDA_KERNEL and self.on_cuda and cuda_attention.supports(c.head_dim, group)
 
     def warm_up_kernels(self, dtype: mx.Dtype) -> None:
         """Compile the CUDA decode-attention kernels, where this layer uses them."""
@@ -216,15 +218,22 @@ class Attention:
 
     def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:
         """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`."""
-        if seg.length == 1 and self.by_length and seg.scattered:
-            return self._decode_through_table(q, k, v, seg)
+        keys_after = seg.offset + 1
+        if seg.length == 1 and self.on_cuda and keys_after >= MLX_CUDA_SAFE_KEYS:
+            # MLX CUDA's one-query attention misreads this many keys when they start past the
+            # buffer's first row (NaNs, then illegal addresses), as a sequence's keys do: the
+            # table kernel reads them in place, or they are copied where that is cheaper.
+            if self.by_length and (keys_after >= TABLE_KERNEL_KEYS or isinstance(seg.read_rows, mx.array)):
+                return self._decode_through_table(q, k, v, seg)
+            keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
+            return mx.fast.scaled_dot_product_attention(q, mx.contiguous(keys), mx.contiguous(values), scale=self.scale)
         keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
         mask = "causal" if seg.length > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
 
     def _decode_through_table(self, q, k, v, seg: Segment) -> mx.array:
-        """One token of a sequence whose blocks are not consecutive, on CUDA: the decode kernel
-        reads its keys through its block table (a gather would copy them all, every layer)."""
+        """One token of a sequence, on CUDA: the decode kernel reads its keys through its block
+        table (its blocks need not be consecutive; a gather would copy them all, every layer)."""
         keys, values = seg.cache.store(self.layer, k, v, seg.write_rows)
         out = cuda_attention.decode_attention(
             q.reshape(1, self.heads, self.head_dim), keys, values, seg.table, seg.position, self.scale,

@@ -187,6 +187,7 @@ _MERGE = """
 
 BLOCKS_WANTED = 528  # four blocks per SM of an H100: below it, a sequence's keys are split
 MIN_KEYS_PER_SPLIT = 32
+MAX_SPLITS = 32
 
 
 def supports(head_dim: int, group: int) -> bool:
@@ -220,7 +221,7 @@ def _scale_array(scale: float) -> mx.array:
 def splits_for(batch: int, kv_heads: int, longest: int) -> int:
     """Splits of each sequence's keys so the batch fills the GPU, none shorter than MIN_KEYS_PER_SPLIT."""
     wanted = -(-BLOCKS_WANTED // (batch * kv_heads))
-    return max(1, min(wanted, -(-longest // MIN_KEYS_PER_SPLIT), 32))
+    return max(1, min(wanted, -(-longest // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
 def decode_attention(

@@ -123,6 +123,9 @@ class ChatApp(App):
         yield SystemCommand(
             "Toggle reasoning", "Show or hide the reasoning sections (Ctrl+T)", chat.action_toggle_reasoning
         )
+        yield SystemCommand("Search", "Search every conversation's messages (Ctrl+F)", chat.action_search)
+        yield SystemCommand("Attach a file", "Send a text file with the next message (Ctrl+O)", chat.action_attach)
+        yield SystemCommand("Conversation list", "Move to the list of conversations (Ctrl+L)", chat.action_toggle_list)
         yield SystemCommand("Copy last answer", "Copy the last answer to the clipboard", chat.action_copy_last_answer)
         yield SystemCommand("Key bindings", "Show the help screen (F1)", chat.action_help)
 

@@ -116,3 +116,20 @@ async def test_export_goes_to_the_documents_folder_and_says_where(tmp_path, monk
     finally:
         history.close()
     assert list(work.iterdir()) == []
+
+
+async def test_at_80x24_the_prompt_status_and_an_answer_footer_fit(make_app, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a line\n" * 30)
+    app = make_app([[("text", "Short answer."), ("end", "max_tokens")]])
+    async with app.run_test(size=SMALL) as pilot:
+        await ready(pilot)
+        await send(pilot, "hello")
+        app.chat.attach_path(str(notes))
+        await pilot.pause()
+        screen = app.chat
+        for part in ("#prompt", "#attachments", "#model", "#speed", "#context", "#memory"):
+            assert visible(screen.query_one(part)), part
+        footer = screen.query(".footer").last()
+        assert visible(footer) and "cut at max tokens" in str(footer.render())
+        assert visible(screen.query(".chip").last())

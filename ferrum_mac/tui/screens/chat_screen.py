@@ -65,6 +65,8 @@ class ChatScreen(Screen):
         Binding("ctrl+s", "settings", "Settings", priority=True),
         Binding("ctrl+f", "search", "Search", show=False, priority=True),
         Binding("ctrl+o", "attach", "Attach", show=False, priority=True),
+        Binding("ctrl+l", "toggle_list", "Chats", show=False, priority=True),
+        Binding("ctrl+up", "last_message", "Messages", show=False, priority=True),
         Binding("f2", "rename", "Rename", show=False),
         Binding("f3", "export", "Export", show=False),
         Binding("f4", "pick_model", "Model"),
@@ -391,6 +393,27 @@ class ChatScreen(Screen):
         if not self.busy:
             self.query_one(StatusBar).show_context(self.context_used(), self.capacity(), self.pending_tokens)
 
+    def action_toggle_list(self) -> None:
+        """One key to the conversation list, and the same key back to the prompt."""
+        conversations = self.query_one("#conversations")
+        if conversations.has_focus:
+            self.query_one(PromptInput).focus()
+        else:
+            conversations.focus()
+
+    def action_last_message(self) -> None:
+        views = self.query_one(MessageList).message_views()
+        if views:
+            views[-1].focus()
+
+    def focus_next_message(self, view: MessageView, step: int) -> None:
+        views = self.query_one(MessageList).message_views()
+        place = views.index(view) + step
+        if 0 <= place < len(views):
+            views[place].focus()
+        elif step > 0:
+            self.query_one(PromptInput).focus()
+
     def action_rename(self) -> None:
         from ferrum_mac.tui.screens.text_prompt_screen import TextPromptScreen
 
@@ -512,8 +535,9 @@ class ChatScreen(Screen):
         self.query_one("#editing").display = False
 
     def copy(self, text: str, what: str) -> None:
-        self.app.copy_to_clipboard(text)
-        self.notify(f"Copied the {what}.")
+        from ferrum_mac.tui.clipboard import copy_text
+
+        self.notify(copy_text(self.app, text, what, self.app.export_dir), timeout=8)
 
 
 def title_from(text: str) -> str:

@@ -27,8 +27,10 @@ HELP = """\
 | F3 | export the conversation to Markdown (into Documents/ferrum-chat) |
 | F4 | choose or pull a model |
 | Ctrl+S | this conversation's settings |
+| Ctrl+L | the conversation list (↑ ↓, Enter opens); Ctrl+L again: back to the prompt |
+| Ctrl+↑ | the last message; ↑ ↓ move between messages |
 | Tab | move between the sidebar, the messages and the prompt |
-| c (on a message) | copy it; the *copy* label on a code block copies the code |
+| c (on a message) | copy it; b copies its last code block (so does the *copy* label on a block) |
 | e (on your message) | edit it and resend from there (the old path stays, as a branch) |
 | ← → (on a message marked ‹ 2/3 ›) | switch between its branches (edits, regenerated answers) |
 | Ctrl+P | command palette (themes too) |

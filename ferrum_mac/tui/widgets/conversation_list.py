@@ -19,7 +19,7 @@ class ConversationList(Vertical):
         yield Label("Conversations", classes="title")
         yield Input(placeholder="Filter", id="search")
         yield ListView(id="conversations")
-        yield Label("^N new  F2 rename  Del delete", classes="hint")
+        yield Label("^L list  ^N new  F2 rename  Del", classes="hint")
 
     async def show(self, conversations, selected: int | None) -> None:
         view = self.query_one(ListView)

@@ -1,7 +1,8 @@
 """One message: who said it, the reasoning (collapsible) and the text as Markdown.
 
 An assistant message being answered streams through `MarkdownStream`; `finish` settles it.
-Focused (click or Tab), `c` copies it and, on a user message, `e` edits and resends it. A
+Focused (click, Tab, Ctrl+Up, or the arrows from another), `c` copies it, `b` its last code block
+and, on a user message, `e` edits and resends it. A
 message with siblings (an edit or a regenerated answer beside it) shows "‹ 2/3 ›"; the left and
 right arrows move between them.
 """
@@ -26,6 +27,9 @@ class MessageView(Vertical, can_focus=True):
     BINDINGS = [
         Binding("c", "copy", "Copy"),
         Binding("e", "edit", "Edit & resend"),
+        Binding("b", "copy_code", "Copy code"),
+        Binding("up", "step(-1)", "Previous message", show=False),
+        Binding("down", "step(1)", "Next message", show=False),
         Binding("left", "branch(-1)", "Previous branch", show=False),
         Binding("right", "branch(1)", "Next branch", show=False),
     ]
@@ -121,6 +125,17 @@ class MessageView(Vertical, can_focus=True):
 
     def action_copy(self) -> None:
         self.post_message(CopyRequested(self.content, "message"))
+
+    def action_copy_code(self) -> None:
+        """The last code block of the message (the one an answer usually ends with)."""
+        fences = list(self.query("CodeFence"))
+        if fences:
+            self.post_message(CopyRequested(fences[-1].code, "code block"))
+        else:
+            self.notify("No code block in this message.", severity="warning")
+
+    def action_step(self, step: int) -> None:
+        self.screen.focus_next_message(self, step)
 
     def action_branch(self, step: int) -> None:
         if self.message_id is not None and self.branch[1] > 1:

@@ -8,6 +8,12 @@ several concurrencies: each round starts N streaming /v1/completions requests at
 decode tok/s = sum over streams of (tokens - 1) / (last stream's end - first stream's first token);
 that is the rate the server sustains with N sequences decoding together.
 
+    scripts/load-serve.py URL --schema    # each concurrency free and with a JSON schema, alternating
+
+With `--schema` every round runs twice free and twice with `response_format` a schema of one
+long string (so constrained answers run to max_tokens like free ones), alternating; the best of
+each side is printed with the constrained/free ratio: the grammar's cost in batched steps.
+
 For the GPU run, a model folder with random weights of a real shape and the Qwen3 tokenizer:
 
     scripts/load-serve.py --make-model /tmp/qwen3-8b --shape qwen3-8b   # MLX, or transformers
@@ -35,9 +41,26 @@ WORDS = [
 ]
 
 
-def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict) -> None:
+MODEL = ["default"]  # the server's first model (`served_model`)
+
+LONG_STRING_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "story",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "minLength": 20000}},
+            "required": ["text"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict, fmt: dict | None = None) -> None:
     body = {
-        "model": "any",
+        "model": MODEL[0],
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -45,6 +68,8 @@ def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict) -> No
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if fmt is not None:
+        body["response_format"] = fmt
     result["start"] = time.perf_counter()
     with http.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -63,10 +88,10 @@ def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict) -> No
     result["end"] = time.perf_counter()
 
 
-def guarded_stream(http, url: str, prompt: str, max_tokens: int, result: dict) -> None:
+def guarded_stream(http, url: str, prompt: str, max_tokens: int, result: dict, fmt: dict | None = None) -> None:
     """one_stream on a thread: whatever stops it is kept in `result` (a thread's SystemExit vanishes)."""
     try:
-        one_stream(http, url, prompt, max_tokens, result)
+        one_stream(http, url, prompt, max_tokens, result, fmt)
     except BaseException as e:  # noqa: BLE001 - reported by the caller
         result["error"] = str(e) or type(e).__name__
 
@@ -85,7 +110,15 @@ def wait_for_server(url: str, seconds: float = 300) -> None:
     raise SystemExit(f"load-serve: no server answered at {url}/health within {seconds:.0f} s")
 
 
-def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int) -> dict:
+def served_model(url: str, api_key: str | None) -> str:
+    """The first model /v1/models lists: the one the server was started with."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+
+def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int, fmt: dict | None = None) -> dict:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -94,7 +127,8 @@ def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int) 
     with httpx.Client(headers=headers, timeout=600, limits=limits) as http:
         threads = [
             threading.Thread(
-                target=guarded_stream, args=(http, url, f"{WORDS[i % len(WORDS)]} ({i})", max_tokens, results[i])
+                target=guarded_stream,
+                args=(http, url, f"{WORDS[i % len(WORDS)]} ({i})", max_tokens, results[i], fmt),
             )
             for i in range(concurrency)
         ]
@@ -174,6 +208,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="Comma-separated stream counts, one round each.")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--api-key")
+    parser.add_argument("--schema", action="store_true", help="Each round free and with a JSON schema, alternating.")
     parser.add_argument("--make-model", type=Path, help="Write a random-weight model folder and exit.")
     parser.add_argument("--shape", default="qwen3-8b")
     parser.add_argument(
@@ -184,8 +219,11 @@ def main() -> None:
         return make_model(args.make_model, args.shape, args.tokenizer)
     url = args.url.rstrip("/").removesuffix("/v1")
     wait_for_server(url)
+    MODEL[0] = served_model(url, args.api_key)
     for c in args.concurrency.split(","):  # warm-up: kernels, caches and each batch size's CUDA graphs
         one_round(url, args.api_key, int(c), 8)
+    if args.schema:
+        return compare_schema(url, args.api_key, [int(c) for c in args.concurrency.split(",")], args.max_tokens)
     rows = [one_round(url, args.api_key, int(c), args.max_tokens) for c in args.concurrency.split(",")]
     for row in rows:
         print(json.dumps(row))
@@ -194,6 +232,17 @@ def main() -> None:
         " ".join(f"c{r['concurrency']}={r['decode_tps']} tok/s ({r['decode_tps'] / base:.1f}x)" for r in rows),
         file=sys.stderr,
     )
+
+
+def compare_schema(url: str, api_key: str | None, concurrencies: list[int], max_tokens: int) -> None:
+    one_round(url, api_key, concurrencies[-1], 8, LONG_STRING_SCHEMA)  # the grammar's first compile
+    for c in concurrencies:
+        best = {"free": 0.0, "schema": 0.0}
+        for _ in range(2):
+            for side, fmt in (("free", None), ("schema", LONG_STRING_SCHEMA)):
+                best[side] = max(best[side], one_round(url, api_key, c, max_tokens, fmt)["decode_tps"])
+        row = {"concurrency": c, **best, "schema_over_free": round(best["schema"] / best["free"], 3)}
+        print(json.dumps(row))
 
 
 if __name__ == "__main__":

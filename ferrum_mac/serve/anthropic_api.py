@@ -117,8 +117,8 @@ class MessagesRoutes:
         return JSONResponse({"input_tokens": await self.server.count_tokens(call)})
 
 
-def bad(message: str, status: int = 400) -> api.ApiError:
-    return api.ApiError(status, message)
+def bad(message: str) -> api.ApiError:
+    return api.ApiError(400, message)
 
 
 # -- requests: Anthropic's body -> an OpenAI-shaped one ---------------------------------------
@@ -217,7 +217,11 @@ def tool_call(block: dict, where: str) -> dict:
     call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
     if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not isinstance(arguments, dict):
         raise bad(f"{where}: a tool_use block needs 'id' and 'name' strings and an 'input' object")
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
 
 
 def user_messages(blocks: list[dict], where: str, call_ids: set[str]) -> list[dict]:
@@ -300,7 +304,9 @@ def response_format(output_config) -> dict | None:
     """OpenAI's response_format for `output_config.format` (structured outputs); `effort` is a hint."""
     if output_config is None:
         return None
-    fmt = output_config.get("format") if isinstance(output_config, dict) else "?"
+    if not isinstance(output_config, dict):
+        raise bad("output_config: must be an object")
+    fmt = output_config.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):

@@ -434,23 +434,23 @@ def smollm2_claude(smollm2_gguf):
     scheduler.stop()
 
 
-def _validated_call(message):
+def _validated_calls(message) -> list:
     import jsonschema
 
     calls = [b for b in message.content if b.type == "tool_use"]
-    assert message.stop_reason == "tool_use" and len(calls) == 1, message
-    call = calls[0]
-    assert call.name == "get_weather" and call.id.startswith("toolu_")
-    jsonschema.validate(call.input, WEATHER["input_schema"])
-    return call
+    assert message.stop_reason == "tool_use" and calls, message
+    for call in calls:
+        assert call.name == "get_weather" and call.id.startswith("toolu_")
+        jsonschema.validate(call.input, WEATHER["input_schema"])
+    return calls
 
 
 def test_a_forced_tool_call_validates_and_its_result_round_trips(smollm2_claude):
-    forced = {"type": "tool", "name": "get_weather"}
+    forced = {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}
     message = smollm2_claude.messages.create(
         model="smollm2", max_tokens=80, messages=QUESTION, tools=[WEATHER], tool_choice=forced
     )
-    call = _validated_call(message)
+    [call] = _validated_calls(message)
     turns = [
         *QUESTION,
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
@@ -467,7 +467,7 @@ def test_a_required_tool_call_streams_as_input_json(smollm2_claude):
         kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()
     assert "input_json_delta" in kinds and "text_delta" not in kinds
-    _validated_call(final)
+    _validated_calls(final)
 
 
 def test_output_config_format_constrains_the_answer_to_its_schema(smollm2_claude):

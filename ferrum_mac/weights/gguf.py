@@ -115,15 +115,17 @@ def _quantization_by_module(path: Path, info: GgufInfo) -> dict:
     return {"group_size": first["group_size"], "bits": first["bits"], **per_module}
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, "LazyTensors", int]:
+def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
     """The config (from the header alone), the canonical tensors (read on first use) and how
-    many weights the file stores quantized."""
-    try:
-        import mlx.core  # noqa: F401
-    except ImportError:
-        raise UnsupportedModelError(
-            f"{path}: reading GGUF files needs MLX (pip install mlx); use a safetensors checkpoint"
-        ) from None
+    many weights the file stores quantized. `read(path, info)`: another reader of the canonical
+    tensors (in MLX's layout, as `mx.load` gives them) than MLX's."""
+    if read is None:
+        try:
+            import mlx.core  # noqa: F401
+        except ImportError:
+            raise UnsupportedModelError(
+                f"{path}: reading GGUF files needs MLX (pip install mlx); use a safetensors checkpoint"
+            ) from None
 
     info = cached_gguf_info(path)  # the tokenizer reads the same header
     size = path.stat().st_size
@@ -140,7 +142,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, "LazyTensors", int]:
         path, info.metadata, quantization, has_output="lm_head.weight" in names,
         token_count=info.array_lengths.get("tokenizer.ggml.tokens", 0),
     )  # fmt: skip
-    tensors = LazyTensors(lambda: _read_tensors(path))
+    tensors = LazyTensors(lambda: _read_tensors(path) if read is None else read(path, info))
     if "rope_freqs.weight" in info.offsets:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
         config.rope_scaling = {"rope_type": "freq_factors", "factors": _rope_freqs(path, info)}
     # Only modules GGUF stored quantized are quantized; mark the rest dense.

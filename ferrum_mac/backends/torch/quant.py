@@ -112,6 +112,53 @@ def from_mlx(weight, scales, biases, bits: int, group_size: int) -> Packed:
     return Packed(words.view(torch.int32), to_torch(scales), to_torch(biases), bits, group_size)
 
 
+# GGUF's quantized types MLX's layout holds: bytes per block of 32 values
+GGUF_BLOCKS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def read_gguf(path, info) -> dict:
+    """A GGUF file's canonical tensors as torch tensors in the layout `mx.load` gives them:
+    Q4_0, Q4_1 and Q8_0 as words, scales and biases (group 32), F16 and F32 dense. The torch
+    backend's reader (`weights.load_onto`), which needs no MLX."""
+    from ferrum_mac.weights.gguf import canonical_module
+
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {}
+    for name, shape, kind in info.tensors:
+        module, _, suffix = name.rpartition(".")
+        canonical = canonical_module(module)
+        if canonical is None:
+            continue
+        start, count = info.offsets[name], int(np.prod(shape))
+        if kind in GGUF_BLOCKS:
+            blocks = data[start : start + count // 32 * GGUF_BLOCKS[kind]].reshape(-1, GGUF_BLOCKS[kind])
+            words, scales, biases = gguf_affine(blocks, kind)
+            tensors[f"{canonical}.{suffix}"] = torch.from_numpy(words.reshape(*shape[:-1], -1))
+            tensors[f"{canonical}.scales"] = torch.from_numpy(scales.reshape(*shape[:-1], -1))
+            tensors[f"{canonical}.biases"] = torch.from_numpy(biases.reshape(*shape[:-1], -1))
+        else:  # F32, F16 (load_gguf refused any other type)
+            dtype = np.float32 if kind == "F32" else np.float16
+            raw = data[start : start + count * np.dtype(dtype).itemsize]
+            tensors[f"{canonical}.{suffix}"] = torch.from_numpy(raw.view(dtype).reshape(shape).copy())
+    return tensors
+
+
+def gguf_affine(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks `(n, bytes)` -> int32 words `(n, 4 or 8)`, float16 scales and biases `(n, 1)`:
+    Q4_0 is d * (q - 8), Q4_1 d * q + m, Q8_0 d * q over signed q (+128 makes it unsigned)."""
+    d = blocks[:, 0:2].copy().view(np.float16)
+    if kind == "Q8_0":
+        codes = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return codes.view(np.int32), d, d * np.float16(-128)
+    low_first = 4 if kind == "Q4_1" else 2
+    qs = blocks[:, low_first:]
+    # a block's byte j holds values j (low nibble) and j + 16 (high): in order, two a byte
+    codes = np.concatenate((qs & 15, qs >> 4), axis=1)
+    octets = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    bias = blocks[:, 2:4].copy().view(np.float16) if kind == "Q4_1" else d * np.float16(-8)
+    return np.ascontiguousarray(octets).view(np.int32), d, bias
+
+
 def quantize(weight: torch.Tensor, bits: int, group_size: int = ON_THE_FLY_GROUP) -> Packed:
     """A dense `(out, in)` weight quantized affinely per group of `group_size` along `in`:
     the group's min is the bias and (max - min) / (2^bits - 1) the scale, both rounded to the

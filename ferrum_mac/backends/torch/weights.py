@@ -20,8 +20,9 @@ import torch
 
 from ferrum_mac.backends.torch import quant
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
-from ferrum_mac.weights import Checkpoint, ModelConfig, load_checkpoint
+from ferrum_mac.weights import Checkpoint, ModelConfig, find_gguf, load_checkpoint
 from ferrum_mac.weights.config import config_from_hf
+from ferrum_mac.weights.gguf import load_gguf
 from ferrum_mac.weights.safetensors import load_safetensors
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -29,9 +30,16 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def load_onto(path: str | Path, device: torch.device) -> Checkpoint:
     """The checkpoint at `path` for the torch backend: a safetensors folder (dense, or
-    MLX-quantized in bits `quant.Packed` reads) read onto `device` without MLX; other
-    MLX-quantized and GGUF checkpoints through `load_checkpoint` (MLX reads them)."""
+    MLX-quantized in bits `quant.Packed` reads) read onto `device`, and a GGUF file read onto
+    the CPU, both without MLX; other MLX-quantized checkpoints through `load_checkpoint`
+    (MLX reads them)."""
     folder = Path(path).expanduser()
+    gguf = folder if folder.suffix == ".gguf" and folder.is_file() else None
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        gguf = find_gguf(folder)
+    if gguf is not None:
+        config, tensors, quantized = load_gguf(gguf, read=quant.read_gguf)
+        return Checkpoint(config, tensors, gguf, "gguf", quantized)
     if not (folder.is_dir() and (folder / "config.json").is_file()):
         return load_checkpoint(folder)
     config = config_from_hf(folder)

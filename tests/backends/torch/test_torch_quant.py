@@ -54,15 +54,25 @@ def test_mlx_affine_arrays_pack_without_changing_a_value(bits, group):
     assert torch.equal(quant.pack_codes(packed.codes(), bits), packed.words)
 
 
-def test_gguf_q4_1_and_q8_0_pack_without_changing_a_value(smollm2_gguf):
+def test_gguf_files_read_without_mlx_bit_for_bit_and_pack_without_changing_a_value(smollm2_gguf):
+    """`load_onto` reads GGUF files without MLX, into MLX's own layout, bit for bit; packed,
+    their Q4_1 and Q8_0 weights dequantize to exactly what `mx.dequantize` gives."""
     mx = mlx_core()
     from ferrum_mac.weights import load_checkpoint
 
-    checkpoint = load_checkpoint(smollm2_gguf)
+    by_mlx = load_checkpoint(smollm2_gguf)
+    by_torch = load_onto(smollm2_gguf, CPU)
+    assert by_torch.format == "gguf" and by_torch.quantized_weights
+    assert set(by_torch.tensors) == set(by_mlx.tensors)
+    for name, array in by_mlx.tensors.items():
+        want = torch.from_numpy(np.array(array))
+        got = by_torch.tensors[name]
+        assert torch.equal(got.view(want.dtype) if name.endswith(".weight") else got, want), name
     for module in ("layers.0.mlp.down_proj", "layers.0.self_attn.k_proj", "embed_tokens"):  # Q4_1, Q4_1, Q8_0
-        spec = checkpoint.config.quant_for(module)
-        words, scales, biases = (checkpoint.tensors[f"{module}.{part}"] for part in ("weight", "scales", "biases"))
-        packed = quant.from_mlx(words, scales, biases, spec["bits"], spec["group_size"])
+        spec = by_mlx.config.quant_for(module)
+        words, scales, biases = (by_mlx.tensors[f"{module}.{part}"] for part in ("weight", "scales", "biases"))
+        packed = quant.from_mlx(*(by_torch.tensors[f"{module}.{part}"] for part in ("weight", "scales", "biases")),
+                                spec["bits"], spec["group_size"])  # fmt: skip
         wide = (scales.astype(mx.float32), biases.astype(mx.float32))
         want = np.array(mx.dequantize(words, *wide, group_size=spec["group_size"], bits=spec["bits"]))
         assert torch.equal(packed.dequantize(), torch.from_numpy(want)), module

@@ -4,13 +4,14 @@
 random weights quantized affinely (group 64 as MLX's 4-bit checkpoints, 32 as GGUF's):
 
 - correctness: `triton_quant.gemv` at 1, 4 and 8 rows (plain, + residual, RMSNorm + SwiGLU on
-  the fused gate_up) and `triton_quant.matmul` at 512 rows, against torch's matmul of the
-  dequantized weight (`Packed.dequantize`, in bf16)
+  the fused gate_up) and `triton_quant.matmul` at 512 rows, each way of unpacking, against
+  torch's matmul of the dequantized weight (`Packed.dequantize`, in bf16)
 - decode: device microseconds per one-row GEMV, from CUDA graphs of back-to-back calls that
-  cycle through enough copies of the weight to outgrow the L2 cache (as a step's layers do);
-  the bytes a call reads (packed weight, scales and biases), the GB/s that makes and its share
-  of the H100's 3.35 TB/s; beside it cuBLAS on the same shape in bf16
-- prefill: microseconds and TFLOP/s of 512 rows, beside cuBLAS in bf16
+  cycle through enough copies of the weight to outgrow the L2 cache (as a step's layers do),
+  with each way of unpacking a tile (`triton_quant.UNPACK`: gather, words); the bytes a call
+  reads (packed weight, scales and biases), the GB/s the faster way makes and its share of the
+  H100's 3.35 TB/s; beside it cuBLAS on the same shape in bf16
+- prefill: microseconds and TFLOP/s of 512 rows (the faster unpacking), beside cuBLAS in bf16
 - the decode step's matmuls summed over Qwen3-8B's 36 layers and its head: the tok/s those
   alone allow (attention, norms and launches come on top)
 
@@ -46,6 +47,7 @@ SHAPES = [
     ("lm_head", VOCAB, HIDDEN, False, False),
 ]
 QUANTS = [(4, 64), (4, 32), (8, 64)]  # (bits, group)
+UNPACKS = ("gather", "words")
 ROWS = (1, 4, 8)
 PREFILL_ROWS = 512
 SWEEP_GEMV = [(16, 256), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)]  # (block_n, block_k)
@@ -76,10 +78,10 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     print(f"\ndecode, 1 row, weights past L2\n{'bits':>4} {'group':>5}  {'matmul':<15} {'MB read':>8} "
-          f"{'us':>8} {'GB/s':>6} {'of peak':>7}  {'bf16 cuBLAS us':>14} {'speedup':>7}")  # fmt: skip
-    for bits, group, name, _, us, read, dense_us in decode:
-        print(f"{bits:>4} {group:>5}  {name:<15} {read / 1e6:>8.2f} {us:>8.2f} {read / us / 1e3:>6.0f} "
-              f"{read / us / 1e3 / PEAK_GBS:>6.0%}  {dense_us:>14.2f} {dense_us / us:>6.2f}x")  # fmt: skip
+          f"{'gather us':>9} {'words us':>8} {'GB/s':>6} {'of peak':>7}  {'bf16 cuBLAS us':>14} {'speedup':>7}")  # fmt: skip
+    for bits, group, name, _, us, read, dense_us, by_way in decode:
+        print(f"{bits:>4} {group:>5}  {name:<15} {read / 1e6:>8.2f} {by_way['gather']:>9.2f} {by_way['words']:>8.2f} "
+              f"{read / us / 1e3:>6.0f} {read / us / 1e3 / PEAK_GBS:>6.0%}  {dense_us:>14.2f} {dense_us / us:>6.2f}x")  # fmt: skip
     print(f"\nprefill, {PREFILL_ROWS} rows\n{'bits':>4} {'group':>5}  {'matmul':<15} {'us':>8} {'TFLOP/s':>7}  "
           f"{'bf16 cuBLAS us':>14} {'ratio':>6}")  # fmt: skip
     for bits, group, name, us, flops, dense_us in prefill:
@@ -92,12 +94,14 @@ def main() -> int:
         us = sum(r[4] * (LAYERS if r[3] else 1) for r in rows)
         dense = sum(r[6] * (LAYERS if r[3] else 1) for r in rows)
         read = sum(r[5] * (LAYERS if r[3] else 1) for r in rows)
-        print(f"  {bits}-bit g{group}: {us / 1e3:.3f} ms, {1e6 / us:.0f} tok/s at most ({read / 1e9:.2f} GB, "
+        ways = {way: sum(r[7][way] * (LAYERS if r[3] else 1) for r in rows) for way in UNPACKS}
+        by_way = ", ".join(f"{way} only {1e6 / t:.0f}" for way, t in ways.items())
+        print(f"  {bits}-bit g{group}: {us / 1e3:.3f} ms, {1e6 / us:.0f} tok/s at most ({by_way}; {read / 1e9:.2f} GB, "
               f"{read / us / 1e3:.0f} GB/s); bf16 cuBLAS {dense / 1e3:.3f} ms, {1e6 / dense:.0f} tok/s")  # fmt: skip
     if sweeps:
-        print(f"\n{'bits':>4} {'group':>5}  {'matmul':<15} {'kernel':<7} {'blocks':<22} {'us':>8}")
+        print(f"\n{'bits':>4} {'group':>5}  {'matmul':<15} {'kernel':<12} {'blocks':<22} {'us':>8}")
         for bits, group, name, kernel, blocks, us in sweeps:
-            print(f"{bits:>4} {group:>5}  {name:<15} {kernel:<7} {str(blocks):<22} {us:>8.2f}")
+            print(f"{bits:>4} {group:>5}  {name:<15} {kernel:<12} {str(blocks):<22} {us:>8.2f}")
     return verdict()
 
 
@@ -116,40 +120,48 @@ def check(name: str, w: quant.Packed, swiglu: bool, bits: int, group: int) -> No
     where = f"{bits}-bit g{group} {name}"
     n, k = w.shape
     norm = RmsNorm(torch.rand(k, device="cuda", dtype=DTYPE) + 0.5, 1e-6)
-    for rows in ROWS:
+    for rows, way in ((rows, way) for rows in ROWS for way in UNPACKS):
         x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
         if swiglu:
             y = F.linear(norm(x), dense)
             want = F.silu(y[:, : n // 2]) * y[:, n // 2 :]
-            got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True)
-            compare(f"{where} rows={rows} norm+gemv+swiglu", got, want)
+            got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, unpack=way)
+            compare(f"{where} rows={rows} {way} norm+gemv+swiglu", got, want)
         else:
-            compare(f"{where} rows={rows} gemv", triton_quant.gemv(x, w), F.linear(x, dense))
+            compare(f"{where} rows={rows} {way} gemv", triton_quant.gemv(x, w, unpack=way), F.linear(x, dense))
             residual = torch.randn(rows, n, device="cuda", dtype=DTYPE)
             compare(
-                f"{where} rows={rows} gemv+residual",
-                triton_quant.gemv(x, w, residual=residual),
+                f"{where} rows={rows} {way} gemv+residual",
+                triton_quant.gemv(x, w, residual=residual, unpack=way),
                 torch.addmm(residual, x, dense.t()),
             )
     x = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=DTYPE)
-    compare(f"{where} matmul {PREFILL_ROWS} rows", triton_quant.matmul(x, w), F.linear(x, dense))
+    for way in UNPACKS:
+        compare(f"{where} matmul {way} {PREFILL_ROWS} rows", triton_quant.matmul(x, w, unpack=way), F.linear(x, dense))
 
 
-def time_gemv(copies: list[quant.Packed], swiglu: bool, blocks=None) -> tuple[float, int, float]:
-    """(us per one-row call, bytes it reads, us of cuBLAS's bf16 matmul on the same shape)."""
+def time_gemv(copies: list[quant.Packed], swiglu: bool, blocks=None) -> tuple[float, int, float, dict]:
+    """(us per one-row call the faster way, bytes it reads, us of cuBLAS's bf16 matmul on the
+    same shape, us by way of unpacking)."""
     n, k = copies[0].shape
     x = torch.randn(1, k, device="cuda", dtype=DTYPE)
-    us = graph_us(cycling(lambda w: triton_quant.gemv(x, w, swiglu=swiglu, blocks=blocks), copies))
+    by_way = {
+        way: graph_us(cycling(lambda w: triton_quant.gemv(x, w, swiglu=swiglu, blocks=blocks, unpack=way), copies))
+        for way in UNPACKS
+    }
     read = copies[0].nbytes + x.numel() * 2 + (n // 2 if swiglu else n) * 2
     dense = [torch.randn(n, k, device="cuda", dtype=DTYPE) for _ in range(max(2, -(-L2_PAST // (n * k * 2))))]
     dense_us = graph_us(cycling(lambda w: F.linear(x, w), dense))
-    return us, read, dense_us
+    return min(by_way.values()), read, dense_us, by_way
 
 
 def time_matmul(w: quant.Packed, blocks=None, warps: int = 4, stages: int = 3) -> tuple[float, int, float]:
     n, k = w.shape
     x = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=DTYPE)
-    us = graph_us(lambda: triton_quant.matmul(x, w, blocks=blocks, warps=warps, stages=stages))
+    us = min(
+        graph_us(lambda: triton_quant.matmul(x, w, blocks=blocks, warps=warps, stages=stages, unpack=way))
+        for way in UNPACKS
+    )
     dense = torch.randn(n, k, device="cuda", dtype=DTYPE)
     return us, 2 * PREFILL_ROWS * n * k, graph_us(lambda: F.linear(x, dense))
 
@@ -157,7 +169,8 @@ def time_matmul(w: quant.Packed, blocks=None, warps: int = 4, stages: int = 3) -
 def sweep(name: str, bits: int, group: int, copies: list[quant.Packed]) -> list[tuple]:
     rows = []
     for blocks in SWEEP_GEMV:
-        rows.append((bits, group, name, "gemv", blocks, time_gemv(copies, "swiglu" in name, blocks)[0]))
+        for way, us in time_gemv(copies, "swiglu" in name, blocks)[3].items():
+            rows.append((bits, group, name, f"gemv {way}", blocks, us))
     for *blocks, warps, stages in SWEEP_MATMUL:
         us = time_matmul(copies[0], tuple(blocks), warps, stages)[0]
         rows.append((bits, group, name, "matmul", (*blocks, warps, stages), us))

@@ -10,9 +10,12 @@ packed and dequantized in registers, never stored dense.
 
 A tile of the weight is dequantized as `scale * q + bias` in float32 and rounded once to x's
 dtype, as `Packed.dequantize(x.dtype)` rounds the dense weight, so the kernels compute the
-matmul of the dequantized model; sums in float32, rounded once. Each k's word and group are
-gathered by index (`ks // values per word`, `ks // group`): neighbouring k share a word in
-the same cache line, and no layout shuffle is needed. Entry functions launch on whatever
+matmul of the dequantized model; sums in float32, rounded once. A tile is unpacked one of
+two ways (`UNPACK`): "gather", each k's word and group loaded by index (`ks // values per
+word`, `ks // group`: neighbouring k share a word, so one cache line, and no layout shuffle);
+"words", the tile's words and group scales loaded once each and spread over their values
+with reshapes (fewer loads; whether the reshapes cost a shuffle is the compiler's choice).
+`scripts/check-torch-quant.py --sweep` times both. Entry functions launch on whatever
 tensors they are given (CUDA, or CPU tensors under `TRITON_INTERPRET=1`); the module loads
 without triton.
 """
@@ -36,11 +39,13 @@ GEMV_TILE_BYTES = 8192  # of the packed weight (each of gate and up), per progra
 GEMV_STAGES = 4
 # prefill tiles: rows, columns, K per step
 MATMUL_BLOCKS = (64, 64, 64)
+UNPACK = "gather"  # or "words" (see above)
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
-         splits: int | None = None, blocks: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+         splits: int | None = None, blocks: tuple[int, int] | None = None,
+         unpack: str = UNPACK) -> torch.Tensor:  # fmt: skip
     """x `(M, K)` (M up to 16) times the packed W `(N, K)` transposed -> `(M, N)`, with x first
     RMS-normed by `norm_weight` (and `eps`) if given, plus `bias` and `residual` if given;
     `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
@@ -53,6 +58,7 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block_n, block_k = blocks or gemv_blocks(n, k, x.device, weight.bits)
+    block_k = max(block_k, weight.group_size) if unpack == "words" else block_k  # (whole groups)
     column_blocks = triton.cdiv(n, block_n)
     splits, k_per_split = gemv_splits(column_blocks, k, block_k, x.device, splits)
     if splits > 1:
@@ -67,7 +73,7 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
         rows, eps, splits,  # (x: any pointer, never read)
         ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, BITS=weight.bits, GROUP=weight.group_size,
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
+        SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k, WORDS=unpack == "words",
         NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION=precision(x),
         num_warps=4, num_stages=GEMV_STAGES,
     )  # fmt: skip
@@ -75,7 +81,8 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
 
 
 def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
-           blocks: tuple[int, int, int] | None = None, warps: int = 4, stages: int = 3) -> torch.Tensor:  # fmt: skip
+           blocks: tuple[int, int, int] | None = None, warps: int = 4, stages: int = 3,
+           unpack: str = UNPACK) -> torch.Tensor:  # fmt: skip
     """x `(M, K)` times the packed W `(N, K)` transposed (+ bias) -> `(M, N)`, for any M
     (`blocks`: rows, columns, K per step; by default MATMUL_BLOCKS, rows capped to M's)."""
     rows, k = x.shape
@@ -86,11 +93,13 @@ def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
     block_m, block_n, block_k = blocks or MATMUL_BLOCKS
     if blocks is None:
         block_m = min(block_m, max(MIN_DOT_ROWS, triton.next_power_of_2(rows)))
+    block_k = max(block_k, weight.group_size) if unpack == "words" else block_k
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
     _qmatmul_kernel[grid](
         x, weight.words, weight.scales, weight.biases, x if bias is None else bias, out, rows,
         N=n, K=k, BITS=weight.bits, GROUP=weight.group_size, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision(x), num_warps=warps, num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORDS=unpack == "words", PRECISION=precision(x),
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -117,9 +126,9 @@ if triton is not None:
 
     @triton.jit
     def dequantized_tile(words_ptr, scales_ptr, biases_ptr, columns, inside, ks, k_inside,
-                         K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr):  # fmt: skip
+                         K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
         """The packed weight's `columns` (where `inside`) at `ks` (where `k_inside`) as a dense
-        `(columns, ks)` tile of `dtype`: scale * q + bias in float32, rounded once."""
+        float32 `(columns, ks)` tile: scale * q + bias (the caller rounds it once, to x's dtype)."""
         per_word: tl.constexpr = 32 // BITS
         mask = inside[:, None] & k_inside[None, :]
         row_words = columns[:, None].to(tl.int64) * (K // per_word)
@@ -129,7 +138,44 @@ if triton is not None:
         groups = (ks // GROUP)[None, :]
         scale = tl.load(scales_ptr + row_groups + groups, mask=mask, other=0.0).to(tl.float32)
         bias = tl.load(biases_ptr + row_groups + groups, mask=mask, other=0.0).to(tl.float32)
-        return (q.to(tl.float32) * scale + bias).to(dtype)
+        return q.to(tl.float32) * scale + bias
+
+    @triton.jit
+    def words_tile(words_ptr, scales_ptr, biases_ptr, columns, inside, start, k_end,
+                   K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        """As `dequantized_tile` for ks = start .. start + BLOCK_K (whole groups), reading each
+        word and each group's scale and bias once and spreading them with reshapes."""
+        per_word: tl.constexpr = 32 // BITS
+        words_per_tile: tl.constexpr = BLOCK_K // per_word
+        groups_per_tile: tl.constexpr = BLOCK_K // GROUP
+        block_n: tl.constexpr = columns.shape[0]
+        rows = columns[:, None].to(tl.int64)
+        wi = start // per_word + tl.arange(0, words_per_tile)
+        words = tl.load(
+            words_ptr + rows * (K // per_word) + wi[None, :],
+            mask=inside[:, None] & (wi * per_word < k_end)[None, :],
+            other=0,
+        )
+        q = (words[:, :, None] >> (tl.arange(0, per_word) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (block_n, groups_per_tile, GROUP)).to(tl.float32)
+        gi = start // GROUP + tl.arange(0, groups_per_tile)
+        g_mask = inside[:, None] & (gi * GROUP < k_end)[None, :]
+        scale = tl.load(scales_ptr + rows * (K // GROUP) + gi[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        bias = tl.load(biases_ptr + rows * (K // GROUP) + gi[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        return tl.reshape(q * scale[:, :, None] + bias[:, :, None], (block_n, BLOCK_K))
+
+    @triton.jit
+    def weight_tile(words_ptr, scales_ptr, biases_ptr, columns, inside, start, k_end,
+                    K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                    WORDS: tl.constexpr):  # fmt: skip
+        """The float32 tile of the weight's `columns` at start .. start + BLOCK_K (masked past
+        k_end), unpacked as WORDS asks (`words_tile`, else `dequantized_tile`)."""
+        if WORDS:
+            w = words_tile(words_ptr, scales_ptr, biases_ptr, columns, inside, start, k_end, K, BITS, GROUP, BLOCK_K)
+        else:
+            ks = start + tl.arange(0, BLOCK_K)
+            w = dequantized_tile(words_ptr, scales_ptr, biases_ptr, columns, inside, ks, ks < k_end, K, BITS, GROUP)
+        return w
 
     @triton.jit
     def _qgemv_kernel(
@@ -138,7 +184,7 @@ if triton is not None:
         ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
         HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
         SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+        WORDS: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # As triton_gemv._gemv_kernel, over a packed weight: one program per (block of BLOCK_N
         # output columns, split of K); with SWIGLU also up's columns, N rows further down. x's
@@ -155,7 +201,6 @@ if triton is not None:
         row_ids = tl.arange(0, ROWS_PAD)
         live = row_ids < rows
         inv_rms = inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else None
-        dtype = out_ptr.dtype.element_ty
         acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
         for start in range(k_begin, k_end, BLOCK_K):
@@ -165,14 +210,14 @@ if triton is not None:
             if HAS_NORM:  # scaled by 1/rms and the weight in float32, rounded once (as F.rms_norm)
                 norm = tl.load(norm_ptr + ks, mask=k_inside, other=0.0).to(tl.float32)
                 x = (x.to(tl.float32) * inv_rms[:, None] * norm[None, :]).to(x.dtype)
-            w = dequantized_tile(
-                words_ptr, scales_ptr, biases_ptr, columns, inside, ks, k_inside, K, BITS, GROUP, dtype
-            )
+            w = weight_tile(
+                words_ptr, scales_ptr, biases_ptr, columns, inside, start, k_end, K, BITS, GROUP, BLOCK_K, WORDS
+            ).to(x.dtype)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             if SWIGLU:
-                up = dequantized_tile(
-                    words_ptr, scales_ptr, biases_ptr, columns + N, inside, ks, k_inside, K, BITS, GROUP, dtype
-                )
+                up = weight_tile(
+                    words_ptr, scales_ptr, biases_ptr, columns + N, inside, start, k_end, K, BITS, GROUP, BLOCK_K, WORDS
+                ).to(x.dtype)
                 up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
 
         if SPLIT:
@@ -201,7 +246,8 @@ if triton is not None:
     def _qmatmul_kernel(
         x_ptr, words_ptr, scales_ptr, biases_ptr, bias_ptr, out_ptr, rows,
         N: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):  # fmt: skip
         # One program per (BLOCK_M rows, BLOCK_N columns) tile of the output; per step of K a
         # tile of the weight dequantized in registers and multiplied with tl.dot.
@@ -215,9 +261,9 @@ if triton is not None:
             ks = start + tl.arange(0, BLOCK_K)
             k_inside = ks < K
             x = tl.load(x_rows + ks[None, :], mask=live[:, None] & k_inside[None, :], other=0.0)
-            w = dequantized_tile(
-                words_ptr, scales_ptr, biases_ptr, columns, inside, ks, k_inside, K, BITS, GROUP, dtype
-            )
+            w = weight_tile(
+                words_ptr, scales_ptr, biases_ptr, columns, inside, start, K, K, BITS, GROUP, BLOCK_K, WORDS
+            ).to(x.dtype)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + columns, mask=inside, other=0.0).to(tl.float32)[None, :]

@@ -129,6 +129,7 @@ CASES = [(4, 32, torch.bfloat16), (8, 64, torch.float32), (4, 128, torch.float16
 @kernels
 @pytest.mark.parametrize("bits,group,dtype", CASES)
 def test_gemv_equals_the_dequantized_matmul(gpu_like, bits, group, dtype):
+    unpack = "words" if group == 128 else "gather"  # (each way of unpacking a tile, in turn)
     n, k = 80, 256
     w = packed_random(n, k, bits, group, dtype, seed=bits + group)
     dense = w.dequantize(dtype)
@@ -136,7 +137,7 @@ def test_gemv_equals_the_dequantized_matmul(gpu_like, bits, group, dtype):
     bias, residual = (torch.randn(*shape, dtype=dtype, device=DEVICE) for shape in ((n,), (3, n)))
     want = F.linear(x.float(), dense.float(), bias.float()) + residual.float()
     for splits in (1, 2):  # split K: the last program adds the parts up
-        assert_near(triton_quant.gemv(x, w, bias, residual=residual, splits=splits), want, dtype)
+        assert_near(triton_quant.gemv(x, w, bias, residual=residual, splits=splits, unpack=unpack), want, dtype)
 
 
 @pytest.mark.interpreter
@@ -148,8 +149,9 @@ def test_gemv_fuses_the_norm_and_swiglu(gpu_like):
     norm = RmsNorm(torch.rand(k, dtype=dtype, device=DEVICE) + 0.5, 1e-5)
     y = F.linear(norm(x), gate_up.dequantize(dtype))
     want = F.silu(y[:, :width]) * y[:, width:]
-    got = triton_quant.gemv(x, gate_up, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=2)
-    assert_near(got, want, dtype)
+    for unpack in ("gather", "words"):
+        got = triton_quant.gemv(x, gate_up, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=2, unpack=unpack)
+        assert_near(got, want, dtype)
 
 
 @pytest.mark.interpreter
@@ -159,7 +161,8 @@ def test_prefill_matmul_equals_the_dequantized_matmul(gpu_like, bits, group, dty
     w = packed_random(72, 192, bits, group, dtype, seed=7)
     x = torch.randn(21, 192, dtype=dtype, device=DEVICE)
     bias = torch.randn(72, dtype=dtype, device=DEVICE)
-    assert_near(triton_quant.matmul(x, w, bias), F.linear(x, w.dequantize(dtype), bias), dtype)
+    for unpack in ("gather", "words"):
+        assert_near(triton_quant.matmul(x, w, bias, unpack=unpack), F.linear(x, w.dequantize(dtype), bias), dtype)
 
 
 @pytest.mark.interpreter

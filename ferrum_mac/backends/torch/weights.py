@@ -129,8 +129,10 @@ class TensorSource:
     def _dequantized(self, module: str) -> torch.Tensor:
         spec = self.config.quant_for(module)
         if isinstance(self._raw(f"{module}.weight"), torch.Tensor):  # read by `load_onto`, without MLX
-            parts = (self._raw(f"{module}.{part}") for part in ("weight", "scales", "biases"))
-            return quant.from_mlx(*parts, spec["bits"], spec["group_size"]).dequantize()
+            words, scales, biases = (self._raw(f"{module}.{part}") for part in ("weight", "scales", "biases"))
+            rows = words.shape[:-1]  # (stacked MoE experts: (experts, out))
+            flat = (t.reshape(-1, t.shape[-1]) for t in (words, scales, biases))
+            return quant.from_mlx(*flat, spec["bits"], spec["group_size"]).dequantize().view(*rows, -1)
         try:
             import mlx.core as mx
         except ImportError:

@@ -54,6 +54,23 @@ def test_mlx_affine_arrays_pack_without_changing_a_value(bits, group):
     assert torch.equal(quant.pack_codes(packed.codes(), bits), packed.words)
 
 
+def test_stacked_experts_read_without_mlx_dequantize_as_mlx_does():
+    """MoE experts stacked `(experts, out, in)` (mlx-lm's switch_mlp, GGUF's *_exps), read as
+    torch tensors: dequantized at load expert by expert, as `mx.dequantize` does all at once."""
+    mx = mlx_core()
+    from ferrum_mac.backends.torch.weights import TensorSource
+    from ferrum_mac.weights import ModelConfig
+
+    w = mx.random.normal((3, 40, 128), key=mx.random.key(3))
+    words, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    module = "layers.0.mlp.switch_mlp.up_proj"
+    tensors = {f"{module}.{part}": torch.from_numpy(np.array(t)) for part, t in zip(("weight", "scales", "biases"), (words, scales, biases))}  # fmt: skip
+    config = ModelConfig("qwen3_moe", 64, 128, 40, 1, 2, 2, 64, quantization={"group_size": 64, "bits": 4})
+    got = TensorSource(tensors, config, torch.float32, CPU, "test").take(f"{module}.weight", (3, 40, 128))
+    want = np.array(mx.dequantize(words, scales, biases, group_size=64, bits=4))
+    assert torch.equal(got, torch.from_numpy(want))
+
+
 def test_gguf_files_read_without_mlx_bit_for_bit_and_pack_without_changing_a_value(smollm2_gguf):
     """`load_onto` reads GGUF files without MLX, into MLX's own layout, bit for bit; packed,
     their Q4_1 and Q8_0 weights dequantize to exactly what `mx.dequantize` gives."""

@@ -8,6 +8,9 @@ on the contract, the text layer and the errors.
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,3 +98,30 @@ def open_engine(
 def kv_capacity_or_setting(kv_capacity: int | None) -> int | None:
     """The KV capacity asked for, else FERRUM_KV_CAPACITY's (None: the model's maximum)."""
     return kv_capacity if kv_capacity is not None else settings.value("FERRUM_KV_CAPACITY")
+
+
+def free_memory_bytes(backend: str = "auto", device: str | None = None) -> int:
+    """Memory a model about to be opened on `backend` (and `device`) may still take."""
+    if choose(backend) == "mlx":
+        from ferrum_mac.backends.mlx.memory import free_memory_bytes as mlx_free
+
+        return mlx_free()
+    from ferrum_mac.backends.torch.memory import free_memory_bytes as torch_free
+    from ferrum_mac.backends.torch.memory import resolve_device
+
+    return torch_free(resolve_device(device))
+
+
+def release_cached_memory() -> None:
+    """Give memory back once a model's last reference is gone: collect it, then empty the
+    allocators' caches of freed buffers (MLX's, torch's on CUDA, and on Linux the C heap's)."""
+    gc.collect()
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        mx.clear_cache()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" else None
+    if trim is not None:
+        trim(0)  # glibc keeps freed heap pages mapped otherwise

@@ -244,6 +244,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("HF_ENDPOINT", "text", None, HF, "Another Hub (a mirror).", shown_default="the Hugging Face Hub"),
     Setting("HF_HUB_OFFLINE", "bool", False, HF, "1: use only models already downloaded."),
+    Setting(
+        "OLLAMA_HOST",
+        "text",
+        None,
+        "serve/command.py",
+        "Where `ferrum serve --ollama` listens, as Ollama reads it: host, host:port or a URL.",
+        shown_default="127.0.0.1:11434",
+    ),
     # the scripts and tests
     Setting(
         "FERRUM_VENV",

@@ -181,8 +181,12 @@ def serve(
     model: Optional[str] = typer.Argument(
         None, help="Model to serve (default $FERRUM_MODEL or smollm2:135m). " + NAME_HELP
     ),
-    host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
-    port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
+    host: Optional[str] = typer.Option(
+        None, help="Address to listen on (default 127.0.0.1, loopback; with --ollama $OLLAMA_HOST's)."
+    ),
+    port: Optional[int] = typer.Option(
+        None, min=1, max=65535, help="Port to listen on (default 8000; with --ollama 11434 or $OLLAMA_HOST's)."
+    ),
     api_key: ServerApiKey = None,
     backend: Backend = "auto",
     device: Device = None,
@@ -199,9 +203,19 @@ def serve(
     verbose: bool = typer.Option(
         False, "--verbose", "-v", help="Log a line per request: prompt tokens reused from the prefix cache."
     ),
+    keep_alive: str = typer.Option(
+        "5m",
+        "--keep-alive",
+        help="Unload a model after this long without requests: seconds or a duration (300, 5m, 1h); "
+        "0 after each request, -1 never. Requests may set their own (Ollama's keep_alive).",
+    ),
+    ollama: bool = typer.Option(
+        False, "--ollama", help="Listen where Ollama's clients look: $OLLAMA_HOST, else 127.0.0.1:11434."
+    ),
 ) -> None:
-    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
-    from ferrum_mac.serve.command import serve_command
+    """An OpenAI-, Anthropic- and Ollama-compatible server of the default model and any model in the
+    store (/v1/chat/completions, /v1/messages, /api/chat, /v1/models, /health, /metrics, ...)."""
+    from ferrum_mac.serve.command import keep_alive_option, serve_command
 
     serve_command(
         model,
@@ -214,6 +228,8 @@ def serve(
         max_body=max_body,
         allow_origins=tuple(allow_origin or ()),
         verbose=verbose,
+        keep_alive_s=keep_alive_option(keep_alive),
+        ollama=ollama,
     )
 
 

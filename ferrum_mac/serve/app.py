@@ -18,6 +18,7 @@ rendering and tokenizing run on worker threads, so one big prompt never stalls t
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any, AsyncIterator, Mapping, NamedTuple
 
 from starlette.applications import Starlette
@@ -30,20 +31,14 @@ from starlette.routing import Route
 
 from ferrum_mac.engine import Done, LocalEngine, ReasoningDelta, ResponseFormat, TextDelta
 from ferrum_mac.errors import FerrumError, KvCapacityError
-from ferrum_mac.grammar import (
-    GrammarError,
-    GrammarMatcher,
-    UnsupportedSchemaError,
-    compile_grammar,
-    tool_call_grammar,
-)
-from ferrum_mac.grammar.schema import marked_tool_call_grammar
+from ferrum_mac.grammar import GrammarError, GrammarMatcher, UnsupportedSchemaError
 from ferrum_mac.serve import openai_schema as api
 from ferrum_mac.serve.call import ChatCall, Limits, call_from_openai
 from ferrum_mac.serve.error_shapes import error_response, error_shapes
 from ferrum_mac.serve.events import AnswerEvent, Finished, ToolCallDelta, ToolCalls, calls_of
 from ferrum_mac.serve.guards import ApiKeyCheck, HostCheck, OriginCheck, loopback_host_names
 from ferrum_mac.serve.metrics import prometheus_text
+from ferrum_mac.serve.models import FOREVER, LoadedModel, Models
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
 from ferrum_mac.serve.scheduler import Scheduler
 from ferrum_mac.text import prompt_opens_reasoning
@@ -60,8 +55,8 @@ DISCONNECT_POLL_S = 0.1
 
 
 def build_app(
-    scheduler: Scheduler,
-    model_name: str,
+    models: Models | Scheduler,
+    model_name: str | None = None,
     api_key: str | None = None,
     *,
     max_body: int = MAX_BODY,
@@ -69,10 +64,11 @@ def build_app(
     loopback_only: bool = False,
 ) -> Starlette:
     """The ASGI app; `allow_origins`: web origins besides loopback ones that may call it;
-    `loopback_only` (a server bound to loopback): refuse requests whose Host names another machine."""
+    `loopback_only` (a server bound to loopback): refuse requests whose Host names another machine.
+    `models`: the registry of the models it serves, or the scheduler of its one model (`model_name`)."""
     from ferrum_mac.serve import openai_api
 
-    server = Server(scheduler, model_name, max_body)
+    server = Server(models, model_name, max_body)
     middleware = [Middleware(OriginCheck, allowed=allow_origins)]
     if loopback_only:
         middleware.insert(0, Middleware(HostCheck, allowed=loopback_host_names(allow_origins)))
@@ -118,8 +114,10 @@ class Answer:
         model_name: str,
         prompt_tokens: int,
         calls: ToolCalls,
+        on_end=None,
     ):
         self.http = http
+        self.on_end = on_end or (lambda: None)  # the request no longer holds its model
         self.handle = handle
         self.queue = queue
         self.model_name = model_name
@@ -129,6 +127,7 @@ class Answer:
     def cancel(self) -> None:
         """Stop generating after the current step and free the sequence (a no-op once done)."""
         self.handle.cancel()
+        self.on_end()
 
     async def events(self) -> AsyncIterator[AnswerEvent]:
         """The answer's events. A stream route should also `cancel()` in its own `finally`:
@@ -181,14 +180,44 @@ class Answer:
 
 
 class Server:
-    """The core every API module drives: a call in, an `Answer` out."""
+    """The core every API module drives: a call in, an `Answer` out, on the model it names
+    (`models`; a bare scheduler is a server of that one model, whatever name a request gives)."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str, max_body: int = MAX_BODY):
-        self.scheduler = scheduler
-        self.engine = scheduler.engine  # started: it raises otherwise
-        self.model_name = model_name
+    def __init__(self, models: Models | Scheduler, model_name: str | None = None, max_body: int = MAX_BODY):
+        if isinstance(models, Scheduler):
+            models = Models(LoadedModel(model_name or models.engine.name, models, 0, FOREVER))
+        self.models = models
+        self.model_name = models.default_name
         self.max_body = max_body
-        self.prompting = Prompting(self.engine, lambda: scheduler.capacity)
+
+    # -- the default model (the one `ferrum serve MODEL` names) -------------------------------
+
+    @property
+    def default(self) -> LoadedModel:
+        """The default model, when loaded (503 while keep-alive has it unloaded)."""
+        model = self.models.get_loaded(None)
+        if model is None:
+            raise api.ApiError(
+                503, f"the model '{self.model_name}' is not loaded; a request for it loads it", code="unavailable"
+            )
+        return model
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.default.scheduler
+
+    @property
+    def engine(self) -> LocalEngine:
+        return self.default.engine
+
+    @property
+    def prompting(self) -> "Prompting":
+        return self.prompting_of(self.default)
+
+    def prompting_of(self, model: LoadedModel) -> "Prompting":
+        if model.prompting is None:
+            model.prompting = Prompting(model.engine, lambda: model.scheduler.capacity)
+        return model.prompting
 
     # -- for the API modules -----------------------------------------------------------------
 
@@ -202,20 +231,50 @@ class Server:
         self, body: dict, renames: Mapping[str, str] | None = None, *, chat: bool = True
     ) -> ChatCall:
         """`body` (OpenAI-shaped) checked into a call against the model it names."""
-        limits = await self.limits(body.get("model") if isinstance(body, dict) else None)
+        model = body.get("model") if isinstance(body, dict) else None
+        limits = await self.limits(model if isinstance(model, str) else None)
         return await run_in_threadpool(call_from_openai, body, limits, renames, chat=chat)
 
     async def limits(self, model: str | None = None) -> Limits:
-        """What a request for `model` is checked against."""
-        return self.prompting.limits()
+        """What a request for `model` is checked against (it loads the model; 404 for a name
+        this server does not have)."""
+        loaded = await self.models.acquire(model)
+        try:
+            return self.prompting_of(loaded).limits()
+        finally:
+            self.models.release(loaded)
+
+    async def context(self, model: str | None = None) -> int:
+        """The context (tokens per sequence) of the model `model` names (it loads the model)."""
+        loaded = await self.models.acquire(model)
+        try:
+            return loaded.context
+        finally:
+            self.models.release(loaded)
 
     async def start(self, http: Request | None, call: ChatCall) -> Answer:
-        """Render the call's prompt, build its matcher, submit it; `http` (when given) is watched
-        so a whole answer stops when its client goes."""
-        prepared = await run_in_threadpool(self.prompting.prepare, call)
+        """Render the call's prompt, build its matcher, submit it to its model's scheduler (loaded
+        first if need be); `http` (when given) is watched so a whole answer stops when its client goes."""
+        model = await self.models.acquire(call.model, call.keep_alive_s)
+        done = Once(lambda: self.models.release(model))
+        try:
+            return await self._start(http, call, model, done)
+        except BaseException:
+            done()
+            raise
+
+    async def _start(self, http: Request | None, call: ChatCall, model: LoadedModel, done: "Once") -> Answer:
+        prompting = self.prompting_of(model)
+        prepared = await run_in_threadpool(prompting.prepare, call)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         options = call.options
+
+        def emit(event) -> None:  # on the scheduler's thread
+            _put_threadsafe(loop, queue, event)
+            if isinstance(event, (Done, Failed)):
+                done()
+
         request = GenerationRequest(
             prepared.ids,
             sampling=options.sampling,
@@ -225,27 +284,21 @@ class Server:
             raw=call.messages is None,
             ignore_eos=options.ignore_eos,
             matcher=prepared.matcher,
-            emit=lambda event: _put_threadsafe(loop, queue, event),
+            emit=emit,
         )
-        handle = self._submit(request, "messages" if call.messages is not None else "prompt")
+        handle = _submit(model.scheduler, request, "messages" if call.messages is not None else "prompt")
         tools = call.tools
-        fmt = self.engine.template.tool_format if tools is not None else None
+        fmt = prompting.engine.template.tool_format if tools is not None else None
         calls = ToolCalls(fmt, tools is None or tools.parallel, prepared.call_prefix)
-        return Answer(http, handle, queue, self.model_name, len(prepared.ids), calls)
+        return Answer(http, handle, queue, model.name, len(prepared.ids), calls, done)
 
     async def count_tokens(self, call: ChatCall) -> int:
         """How many tokens the call's prompt is, as `start` would render it."""
-        return await run_in_threadpool(self.prompting.count_tokens, call)
-
-    def _submit(self, request: GenerationRequest, param: str) -> RequestHandle:
+        model = await self.models.acquire(call.model, call.keep_alive_s)
         try:
-            return self.scheduler.submit(request)
-        except KvCapacityError as e:
-            raise api.ApiError(400, str(e), param=param, code="context_length_exceeded") from None
-        except FerrumError as e:  # the request's (token ids, settings), or a scheduler that stopped
-            if not self.scheduler.alive:
-                raise api.ApiError(503, str(e), kind="server_error", code="unavailable") from None
-            raise api.ApiError(400, str(e)) from None
+            return await run_in_threadpool(self.prompting_of(model).count_tokens, call)
+        finally:
+            self.models.release(model)
 
     # -- kept for callers of the single-model server ----------------------------------------
 
@@ -255,20 +308,50 @@ class Server:
     # -- routes every protocol shares --------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        if not self.scheduler.alive:
-            return JSONResponse(
-                {
-                    "status": "error",
-                    "model": self.model_name,
-                    "error": self.scheduler.death or "the scheduler is not running",
-                },
-                status_code=503,
-            )
+        """503 when a loaded model's scheduler has stopped (an unloaded model is no fault)."""
+        for model in self.models.loaded():
+            if not model.scheduler.alive:
+                return JSONResponse(
+                    {
+                        "status": "error",
+                        "model": model.name,
+                        "error": model.scheduler.death or "the scheduler is not running",
+                    },
+                    status_code=503,
+                )
         return JSONResponse({"status": "ok", "model": self.model_name})
 
     async def metrics(self, request: Request) -> Response:
-        text = prometheus_text(self.scheduler.stats, up=self.scheduler.alive)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        """The default model's figures (the last it had, while keep-alive has it unloaded)."""
+        model = self.models.get_loaded(None)
+        stats = model.stats if model is not None else self.models.last_stats[self.model_name]
+        up = model is None or model.scheduler.alive
+        return PlainTextResponse(prometheus_text(stats, up=up), media_type="text/plain; version=0.0.4")
+
+
+class Once:
+    """A callable that runs `action` the first time it is called, from any thread."""
+
+    def __init__(self, action):
+        self._action = action
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            action, self._action = self._action, None
+        if action is not None:
+            action()
+
+
+def _submit(scheduler: Scheduler, request: GenerationRequest, param: str) -> RequestHandle:
+    try:
+        return scheduler.submit(request)
+    except KvCapacityError as e:
+        raise api.ApiError(400, str(e), param=param, code="context_length_exceeded") from None
+    except FerrumError as e:  # the request's (token ids, settings), or a scheduler that stopped
+        if not scheduler.alive:
+            raise api.ApiError(503, str(e), kind="server_error", code="unavailable") from None
+        raise api.ApiError(400, str(e)) from None
 
 
 class Prompting:
@@ -362,20 +445,10 @@ class Prompting:
         with its markers after the model's reasoning; with "auto" the answer is free until the
         model writes its family's opener, then the one call is constrained (None for Llama's bare
         JSON, whose opener is the call itself)."""
-        fmt = self.engine.template.tool_format
-        if not tools.forced and not fmt.forced_prefix:
-            return None
-        constraints = self.engine.constraints
-        try:
-            if tools.forced and not prefilled and fmt.closer is not None:
-                text = marked_tool_call_grammar(tools.forced, fmt.forced_prefix, "\n" + fmt.closer)
-                return constraints.matcher(compile_grammar(text, constraints.vocab), prompt_text)
-            grammar = compile_grammar(tool_call_grammar(tools.forced or tools.functions), constraints.vocab)
+        try:  # the engine's conversations build theirs the same way (parallel calls included)
+            return self.engine.constraints.tool_matcher(tools, self.engine.template.tool_format, prompt_text, prefilled)
         except GrammarError as e:
             raise api.ApiError(400, str(e), param="tools", code="invalid_schema") from None
-        if tools.forced:
-            return constraints.matcher(grammar, None)
-        return GrammarMatcher(grammar, self.engine.tokenizer.encode(fmt.opener, add_special_tokens=False))
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of `text`, or a 400 as soon as it is clear they cannot fit the context."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, AsyncIterator
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -41,28 +42,30 @@ class OpenAiRoutes:
         return await self._answer(request, chat=False)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+        """The loaded models (with their context), then the store's others."""
+        return JSONResponse({"object": "list", "data": await run_in_threadpool(self._entries)})
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        name = self.server.model_name
-        if model_id != name:
+        entries = await run_in_threadpool(self._entries)
+        entry = next((e for e in entries if e["id"] == model_id), None)
+        if entry is None:
             raise api.ApiError(
                 404,
-                f"the model '{model_id[:200]}' does not exist; this server has '{name}'",
+                f"the model '{model_id[:200]}' does not exist; this server has "
+                + ", ".join(f"'{e['id']}'" for e in entries[:20]),
                 param="model",
                 code="model_not_found",
             )
-        return JSONResponse(self._model_entry())
+        return JSONResponse(entry)
 
-    def _model_entry(self) -> dict:
-        return {
-            "id": self.server.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "ferrum",
-            "max_model_len": self.server.scheduler.capacity,
-        }
+    def _entries(self) -> list[dict]:
+        models = self.server.models
+        loaded = [model_entry(m.name, max_model_len=m.context) for m in models.loaded()]
+        if not any(e["id"] == models.default_name for e in loaded):
+            loaded.insert(0, model_entry(models.default_name))  # unloaded by keep-alive: loaded again on use
+        names = {e["id"] for e in loaded}
+        return loaded + [model_entry(m.name, int(m.modified)) for m in models.available() if m.name not in names]
 
     async def _answer(self, request: Request, chat: bool) -> Response:
         body = await self.server.read_json(request)
@@ -74,6 +77,10 @@ class OpenAiRoutes:
             chunks = stream_chunks(answer, envelope, chat, call.options.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
         return JSONResponse(whole_body(await answer.whole(), envelope, chat))
+
+
+def model_entry(name: str, created: int = 0, **extra) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "ferrum", **extra}
 
 
 def finish_reason(done: Finished) -> str:

@@ -156,6 +156,7 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._unloading = False  # stop() was unload(): drop the model once the loop ends
         self._stopped = threading.Event()
         self._looping = False  # set while the loop runs; False before start, after stop and if it died
         self.death: str | None = None  # why the loop ended, when it ended by an error no guard caught
@@ -189,6 +190,12 @@ class Scheduler:
         self._inbox.put(None)
         if self._thread is not None:
             self._stopped.wait(timeout=30)
+
+    def unload(self) -> None:
+        """Stop, and let the model's memory go: its caches are reset on its own thread and this
+        scheduler drops every reference to it (the caller drops its own, then collects)."""
+        self._unloading = True
+        self.stop()
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue `request`; its events arrive through `request.emit`. A prompt that cannot fit
@@ -232,6 +239,8 @@ class Scheduler:
             self._looping = True
             opened.set_result(None)
             self._loop_until_stopped()
+            if self._unloading:
+                self._drop_model()
         self._stopped.set()
         threading.Event().wait()  # park: MLX aborts the process at exit when a thread that used it has ended
 
@@ -289,6 +298,14 @@ class Scheduler:
         for handle, _ in self._waiting:
             self._fail_one(handle, message)
         self._waiting.clear()
+
+    def _drop_model(self) -> None:
+        try:
+            self.model.reset()  # on this thread: MLX's arrays belong to it
+        except Exception:
+            log.exception("resetting the model before unloading it failed")
+        self._engine = None
+        del self.model, self.tokenizer
 
     def _load(self) -> None:
         self._engine = engine = self._open_engine()

@@ -72,3 +72,33 @@ def post_raw(server, path: str, raw: bytes, **headers) -> httpx.Response:
 def chat(server, timeout: float = 60, **fields) -> httpx.Response:
     body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, **fields}
     return httpx.post(server.url + CHAT, json=body, timeout=timeout)
+
+
+# -- several models --------------------------------------------------------------------------
+
+
+def open_models(
+    default: Path,
+    default_name: str,
+    others: dict[str, Path],
+    kv_capacity: int | None = None,
+    max_batch: int = 4,
+    **registry,
+):
+    """A registry of `default` (opened now) plus `others` (name -> path) as the store's models,
+    opened on first use, as `ferrum serve` builds it; `registry`: Models' keyword settings.
+    `max_batch`: a small batch makes the schedulers' warm-up, and so each load, quick."""
+    from ferrum_mac.compose import release_cached_memory
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.models import LoadedModel, Models, size_of
+    from ferrum_mac.store.catalog import LocalModel
+
+    def open_scheduler(path):
+        return Scheduler(open_stories(Path(path), kv_capacity=kv_capacity), max_batch=max_batch).start()
+
+    store = [LocalModel(name, path, size_of(path), "?", "?", 0.0) for name, path in others.items()]
+    first = LoadedModel(
+        default_name, open_scheduler(default), size_of(default), registry.get("keep_alive_s", 300.0), default
+    )
+    registry.setdefault("release_memory", release_cached_memory)
+    return Models(first, open_scheduler, lambda: store, **registry)

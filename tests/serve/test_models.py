@@ -1,0 +1,181 @@
+"""Several models behind one live server: stories260K (the default, opened at start) and the
+bundled SmolLM2 (opened when a request names it) each answer with their own model's greedy
+output; an idle model unloads after its keep-alive and its memory returns to the system (RSS,
+measured); an unknown model is a 404 naming what exists; a model that does not fit unloads an
+idle one first, else is refused naming who holds the memory; bad --keep-alive and OLLAMA_HOST
+values are one-line errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from serve_support import CHAT, MESSAGES, LiveServer, error_of, open_models
+
+from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve.app import build_app
+from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address
+from ferrum_mac.serve.models import FOREVER
+
+SMOLLM2 = "smollm2:135m"
+STORIES = "stories260K"
+
+
+def rss_mib() -> float:
+    """This process's resident memory (Linux's /proc; the test skips elsewhere)."""
+    pages = int(open("/proc/self/statm").read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def settled_rss(below: float, wait_s: float = 10) -> float:
+    """RSS once it has dropped under `below` (the unload finishes after the registry drops the
+    model from its list), or when `wait_s` has passed."""
+    deadline = time.monotonic() + wait_s
+    while (rss := rss_mib()) >= below and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return rss
+
+
+@pytest.fixture(scope="module")
+def two(stories_path, smollm2_gguf):
+    models = open_models(stories_path, STORIES, {SMOLLM2: smollm2_gguf}, kv_capacity=512, keep_alive_s=FOREVER)
+    live = LiveServer(build_app(models))
+    yield live, models
+    live.stop()
+    models.close()
+
+
+def greedy(server, model: str, **extra) -> str:
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0, **extra}
+    response = httpx.post(server.url + CHAT, json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["model"] == model
+    return answer["choices"][0]["message"]["content"]
+
+
+def loaded(models) -> list[str]:
+    return sorted(m.name for m in models.loaded())
+
+
+def test_each_model_answers_with_its_own_output(two, server):
+    live, models = two
+    stories_alone = greedy(server, STORIES)  # the session's server holds stories260K alone
+    assert greedy(live, STORIES) == stories_alone
+    smollm2 = greedy(live, SMOLLM2)  # opened now
+    assert smollm2 != stories_alone and loaded(models) == [SMOLLM2, STORIES]
+    with ThreadPoolExecutor(4) as pool:
+        both = list(pool.map(lambda name: greedy(live, name), [STORIES, SMOLLM2, STORIES, STORIES]))
+    assert both == [stories_alone, smollm2, stories_alone, stories_alone]
+    listed = httpx.get(live.url + "/v1/models").json()["data"]
+    assert {m["id"]: m["max_model_len"] for m in listed} == {STORIES: 512, SMOLLM2: 512}
+    assert models.unload(STORIES) and loaded(models) == [SMOLLM2]
+    assert greedy(live, SMOLLM2) == smollm2  # alone now
+    assert greedy(live, STORIES) == stories_alone  # opened again
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_an_idle_model_unloads_after_its_keep_alive_and_its_memory_returns(two):
+    live, models = two
+    models.unload(SMOLLM2)
+    before = rss_mib()
+    models.keep_alive_s = 1.0
+    try:
+        greedy(live, SMOLLM2)
+        held = rss_mib()
+        deadline = time.monotonic() + 15
+        while SMOLLM2 in loaded(models) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        models.keep_alive_s = FOREVER
+    assert SMOLLM2 not in loaded(models)
+    after = settled_rss(below=before + 0.2 * (held - before))
+    print(f"RSS: {before:.0f} MiB idle, {held:.0f} MiB with SmolLM2 loaded, {after:.0f} MiB after it unloaded")
+    assert held - before > 200  # the model's weights and KV pool
+    assert after - before < 0.2 * (held - before)
+    ids = [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]]
+    assert SMOLLM2 in ids and httpx.get(live.url + "/health").json()["status"] == "ok"
+
+
+def test_an_unknown_model_is_a_404_naming_the_models(two):
+    live, _ = two
+    body = {"model": "no-such-model:7b", "messages": MESSAGES, "max_tokens": 4}
+    error = error_of(httpx.post(live.url + CHAT, json=body, timeout=30), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert STORIES in error["message"] and SMOLLM2 in error["message"]
+    bad_type = error_of(httpx.post(live.url + CHAT, json={**body, "model": 7}, timeout=30), 400)
+    assert bad_type["param"] == "model"
+
+
+def test_a_model_that_does_not_fit_unloads_an_idle_one_first_else_is_refused(stories_path, tmp_path):
+    copy = shutil.copytree(stories_path, tmp_path / "stories-b")
+    free = {"bytes": 0}
+    models = open_models(
+        stories_path,
+        "a",
+        {"b": copy},
+        kv_capacity=64,
+        free_memory=lambda: 0 if "a" in loaded(models) else free["bytes"],
+    )
+    try:
+        free["bytes"] = 10**12
+        b = asyncio.run(models.acquire("b"))  # "a" was idle: unloaded to make room
+        assert loaded(models) == ["b"]
+        free["bytes"] = 0
+        with pytest.raises(api.ApiError) as busy:
+            asyncio.run(models.acquire("a"))
+        assert busy.value.status == 503 and "'b'" in busy.value.message
+        models.release(b)
+        with pytest.raises(api.ApiError) as never:
+            asyncio.run(models.acquire("a"))  # "b" goes, and still nothing is free
+        assert never.value.status == 507 and loaded(models) == []
+    finally:
+        models.close()
+
+
+@pytest.mark.parametrize("text, seconds", [("5m", 300.0), ("300", 300.0), ("0", 0.0), ("-1", FOREVER), ("1h", 3600.0)])
+def test_keep_alive_takes_ollamas_forms(text, seconds):
+    assert keep_alive_option(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["5x", "", "forever", "1e999"])
+def test_a_bad_keep_alive_is_refused(text):
+    with pytest.raises(ServeOptionError, match="--keep-alive"):
+        keep_alive_option(text)
+
+
+@pytest.mark.parametrize(
+    "value, address",
+    [
+        (None, ("127.0.0.1", 11434)),
+        ("0.0.0.0", ("0.0.0.0", 11434)),
+        ("localhost:9000", ("localhost", 9000)),
+        ("http://[::1]:8080", ("::1", 8080)),
+        (":4000", ("127.0.0.1", 4000)),
+    ],
+)
+def test_ollama_host_forms(value, address):
+    assert ollama_address(value) == address
+
+
+@pytest.mark.parametrize("value", ["host:99999", "ftp://host:1", "host:port", "http://host:1/path"])
+def test_a_bad_ollama_host_is_refused(value):
+    with pytest.raises(ServeOptionError, match="OLLAMA_HOST"):
+        ollama_address(value)
+
+
+def test_ferrum_serve_refuses_a_bad_keep_alive_in_one_line(stories_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "ferrum_mac.cli", "serve", str(stories_path), "--keep-alive", "soon"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and result.stderr.count("\n") == 1 and "--keep-alive" in result.stderr

@@ -155,7 +155,9 @@ def time_gemv(copies: list[quant.Packed], swiglu: bool, blocks=None) -> tuple[fl
     return min(by_way.values()), read, dense_us, by_way
 
 
-def time_matmul(w: quant.Packed, blocks=None, warps: int = 4, stages: int = 3) -> tuple[float, int, float]:
+def time_matmul(
+    w: quant.Packed, blocks=None, warps: int | None = None, stages: int | None = None
+) -> tuple[float, int, float]:
     n, k = w.shape
     x = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=DTYPE)
     us = min(

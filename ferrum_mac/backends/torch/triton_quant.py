@@ -37,8 +37,10 @@ except ImportError:
 
 GEMV_TILE_BYTES = 8192  # of the packed weight (each of gate and up), per program and step over K
 GEMV_STAGES = 4
-# prefill tiles: rows, columns, K per step
-MATMUL_BLOCKS = (64, 64, 64)
+# prefill tiles (rows, columns, K per step, warps, stages): the wide one from MATMUL_WIDE_ROWS
+# rows on, the usual shape of an SM90 bf16 tile; the narrow one for a few rows
+MATMUL_NARROW, MATMUL_WIDE = (64, 64, 64, 4, 3), (128, 128, 64, 8, 3)
+MATMUL_WIDE_ROWS = 256
 UNPACK = "gather"  # or "words" (see above)
 
 
@@ -81,16 +83,18 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
 
 
 def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
-           blocks: tuple[int, int, int] | None = None, warps: int = 4, stages: int = 3,
+           blocks: tuple[int, int, int] | None = None, warps: int | None = None, stages: int | None = None,
            unpack: str = UNPACK) -> torch.Tensor:  # fmt: skip
     """x `(M, K)` times the packed W `(N, K)` transposed (+ bias) -> `(M, N)`, for any M
-    (`blocks`: rows, columns, K per step; by default MATMUL_BLOCKS, rows capped to M's)."""
+    (`blocks`: rows, columns, K per step, and `warps`, `stages`: by default MATMUL_WIDE's or
+    MATMUL_NARROW's, its rows capped to M's)."""
     rows, k = x.shape
     n, k_weight = weight.shape
     assert k_weight == k
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = blocks or MATMUL_BLOCKS
+    *tile, default_warps, default_stages = MATMUL_WIDE if rows >= MATMUL_WIDE_ROWS else MATMUL_NARROW
+    block_m, block_n, block_k = blocks or tile
     if blocks is None:
         block_m = min(block_m, max(MIN_DOT_ROWS, triton.next_power_of_2(rows)))
     block_k = max(block_k, weight.group_size) if unpack == "words" else block_k
@@ -99,7 +103,7 @@ def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         x, weight.words, weight.scales, weight.biases, x if bias is None else bias, out, rows,
         N=n, K=k, BITS=weight.bits, GROUP=weight.group_size, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORDS=unpack == "words", PRECISION=precision(x),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps or default_warps, num_stages=stages or default_stages,
     )  # fmt: skip
     return out
 

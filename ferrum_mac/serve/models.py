@@ -283,7 +283,7 @@ class Models:
         model.scheduler.unload()
         model.prompting = None  # it holds the engine
         self.release_memory()
-        log.info("unloaded a model; memory released")
+        log.info("unloaded %s; its memory released", model.name)
 
     def _reap(self) -> None:
         while not self._closing.wait(REAP_INTERVAL_S):

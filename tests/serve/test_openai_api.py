@@ -184,3 +184,32 @@ def test_api_key(keyed_server):
     assert error["code"] == "invalid_api_key"
     assert httpx.get(keyed_server.url + "/health").status_code == 200
     assert good.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4).usage.completion_tokens == 4
+
+
+def test_another_protocol_hears_its_own_field_names():
+    from ferrum_mac.engine import SamplingParams
+    from ferrum_mac.serve import openai_schema as api
+    from ferrum_mac.serve.call import Limits, call_from_openai
+
+    limits = Limits(SamplingParams(), vocab_size=512)
+    renames = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages"}
+    body = {"messages": MESSAGES, "max_completion_tokens": 0}
+    with pytest.raises(api.ApiError) as error:
+        call_from_openai(body, limits, renames)
+    assert error.value.param == "max_tokens" and "'max_tokens'" in error.value.message
+    with pytest.raises(api.ApiError) as error:
+        call_from_openai({"messages": MESSAGES, "stop": ["x"] * 5}, limits, renames)
+    assert error.value.param == "stop_sequences" and "'stop_sequences'" in error.value.message
+    call = call_from_openai({**body, "max_completion_tokens": 8, "model": "m"}, limits, renames)
+    assert call.options.max_tokens == 8 and call.model == "m" and call.messages[0]["content"] == MESSAGES[0]["content"]
+
+
+def test_errors_take_the_shape_of_the_longest_registered_prefix(monkeypatch):
+    from ferrum_mac.serve import error_shapes as shapes
+    from ferrum_mac.serve import openai_schema as api
+
+    monkeypatch.setattr(shapes, "error_shapes", {"/x/": lambda e: {"x": e.message}, "/x/y": lambda e: {"y": e.status}})
+    error = api.ApiError(400, "bad")
+    assert shapes.error_body("/x/z", error) == {"x": "bad"}
+    assert shapes.error_body("/x/y/z", error) == {"y": 400}
+    assert shapes.error_body("/v1/chat/completions", error)["error"]["message"] == "bad"

@@ -101,15 +101,32 @@ def kv_capacity_or_setting(kv_capacity: int | None) -> int | None:
 
 
 def free_memory_bytes(backend: str = "auto", device: str | None = None) -> int:
-    """Memory a model about to be opened on `backend` (and `device`) may still take."""
+    """Memory a model about to be opened on `backend` (and `device`) may still take. On a CPU
+    that is Linux's MemAvailable where it can be read: free pages alone leave out the page
+    cache, which gives way to a model's weights."""
     if choose(backend) == "mlx":
         from ferrum_mac.backends.mlx.memory import free_memory_bytes as mlx_free
+        from ferrum_mac.backends.mlx.memory import on_cpu
 
-        return mlx_free()
+        return max(mlx_free(), available_memory_bytes()) if on_cpu() else mlx_free()
     from ferrum_mac.backends.torch.memory import free_memory_bytes as torch_free
     from ferrum_mac.backends.torch.memory import resolve_device
 
-    return torch_free(resolve_device(device))
+    chosen = resolve_device(device)
+    free = torch_free(chosen)
+    return max(free, available_memory_bytes()) if chosen.type == "cpu" else free
+
+
+def available_memory_bytes() -> int:
+    """Linux's MemAvailable (0 where /proc/meminfo says nothing of it)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def release_cached_memory() -> None:

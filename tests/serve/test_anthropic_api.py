@@ -9,7 +9,7 @@ import json
 
 import httpx
 import pytest
-from serve_support import API_KEY, CHAT, LiveServer, open_stories
+from serve_support import API_KEY, CHAT, LiveServer, open_models, open_stories
 
 from ferrum_mac.engine import Done, ReasoningDelta, TextDelta
 from ferrum_mac.serve import anthropic_api as anthropic_api
@@ -401,18 +401,28 @@ def test_a_resent_prompt_is_read_from_the_prefix_cache(claude):
     assert second.input_tokens + second.cache_read_input_tokens == first.input_tokens + first.cache_read_input_tokens
 
 
-def test_an_unknown_model_is_a_not_found_error(server, claude):
+@pytest.fixture(scope="module")
+def registry_claude(stories_path):
+    """A server that serves the models of a registry (as `ferrum serve` does), so a name matters."""
     import anthropic
 
-    openai = httpx.post(server.url + CHAT, json={"model": "no-such-model", "messages": STORY, "max_tokens": 1})
-    if openai.status_code == 200:
-        pytest.skip("this server answers every request with its one model, whatever 'model' names")
+    from ferrum_mac.serve.app import build_app
+
+    models = open_models(stories_path, MODEL, {})
+    live = LiveServer(build_app(models))
+    yield anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=60)
+    live.stop()
+    models.close()
+
+
+def test_an_unknown_model_is_a_not_found_error(registry_claude):
+    import anthropic
+
     with pytest.raises(anthropic.NotFoundError) as error:
-        claude.messages.create(model="no-such-model", max_tokens=4, messages=STORY)
-    assert (
-        error.value.body["error"]["type"] == "not_found_error"
-        and "no-such-model" in error.value.body["error"]["message"]
-    )
+        registry_claude.messages.create(model="no-such-model", max_tokens=4, messages=STORY)
+    assert error.value.body["error"]["type"] == "not_found_error"
+    assert "'no-such-model'" in error.value.body["error"]["message"] and MODEL in error.value.body["error"]["message"]
+    assert registry_claude.messages.create(model=MODEL, max_tokens=2, messages=STORY).model == MODEL
 
 
 # -- tools, on the bundled SmolLM2 (its template renders tools) --------------------------------

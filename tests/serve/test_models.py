@@ -179,3 +179,20 @@ def test_ferrum_serve_refuses_a_bad_keep_alive_in_one_line(stories_path):
         timeout=60,
     )
     assert result.returncode != 0 and result.stderr.count("\n") == 1 and "--keep-alive" in result.stderr
+
+
+def test_requests_that_arrive_while_a_model_loads_wait_for_that_one_load(stories_path, tmp_path):
+    copy = shutil.copytree(stories_path, tmp_path / "stories-c")
+    models = open_models(stories_path, "a", {"c": copy}, kv_capacity=64)
+    opened = []
+    open_scheduler = models.opener
+    models.opener = lambda path: opened.append(path) or open_scheduler(path)
+
+    async def three():
+        return await asyncio.gather(*(models.acquire("c") for _ in range(3)))
+
+    try:
+        first, second, third = asyncio.run(three())
+        assert first is second is third and first.active == 3 and opened == [copy]
+    finally:
+        models.close()

@@ -40,7 +40,7 @@ from ferrum_mac.serve.app import BODY_TIMEOUT_S, body_too_large, read_at_most
 from ferrum_mac.serve.error_shapes import error_shapes
 from ferrum_mac.serve.events import Finished, ToolCallDelta, calls_of
 from ferrum_mac.serve.request import Failed
-from ferrum_mac.store import LocalModel, ModelFacts, PullProgress, describe_model, list_models, parse_name
+from ferrum_mac.store import LocalModel, ModelFacts, PullProgress, describe_model, parse_name
 from ferrum_mac.store import plan_removal, pull_model
 from ferrum_mac.store.bundled import bundled_sampling
 from ferrum_mac.store.describe import read_config
@@ -114,6 +114,12 @@ def model_name(body: dict) -> str:
         raise bad("model is required")
     name = name.strip()
     return name.removesuffix(":latest") if name.endswith(":latest") else name
+
+
+def name_sent(body: dict) -> str:
+    """The model's name as the client wrote it (answers echo it, as Ollama's do)."""
+    name = body.get("model", body.get("name"))
+    return name if isinstance(name, str) else ""
 
 
 def stream_wanted(body: dict) -> bool:
@@ -700,13 +706,17 @@ class OllamaRoutes:
         options = check_options(body.get("options"))
         call = await self.server.call_from_openai(openai, RENAMES, chat="messages" in openai)
         call.keep_alive_s = keep_alive
-        capacity = self.server.prompting.capacity
-        context_limit(options, capacity)
-        window = penalty_window(options, capacity)
-        if window is not None:
-            call.options.sampling = call.options.sampling.replace(penalty_window=window)
-        answer = await self.server.start(http, call)
-        out = OllamaAnswer(body["model"], chat=chat, show_thinking=body.get("think") is not False)
+        models = self.server.models
+        model = await models.acquire(call.model, keep_alive)  # held, so its context is known and stays
+        try:
+            context_limit(options, model.context)
+            window = penalty_window(options, model.context)
+            if window is not None:
+                call.options.sampling = call.options.sampling.replace(penalty_window=window)
+            answer = await self.server.start(http, call)
+        finally:
+            models.release(model)
+        out = OllamaAnswer(name_sent(body), chat=chat, show_thinking=body.get("think") is not False)
         if stream:
             return StreamingResponse(self.lines(answer, out, started), media_type=NDJSON)
         whole = await answer.whole()
@@ -737,8 +747,14 @@ class OllamaRoutes:
         unloading it: answered at once with `done_reason` "load" or "unload"."""
         keep_alive = keep_alive_seconds(body.get("keep_alive"))
         name = model_name(body)
-        await self.server.limits(name)  # a 404 for a model this server does not have
-        out = OllamaAnswer(body["model"], chat=chat)
+        models = self.server.models
+        if keep_alive == 0:
+            if models.get_loaded(name) is None:
+                await run_in_threadpool(self.find, name)  # a 404 for a model this server does not have
+            await run_in_threadpool(models.unload, name)
+        else:
+            models.release(await models.acquire(name, keep_alive))
+        out = OllamaAnswer(name_sent(body), chat=chat)
         return JSONResponse({**out.empty(), "done": True, "done_reason": "unload" if keep_alive == 0 else "load"})
 
     # -- models --------------------------------------------------------------------------------
@@ -751,8 +767,9 @@ class OllamaRoutes:
         body = await self.body(http)
         name = model_name(body)
         model = await run_in_threadpool(self.find, name)
-        if name == self.server.model_name:
-            sampling, context = self.server.engine.default_sampling, self.server.prompting.capacity
+        loaded = self.server.models.get_loaded(name)
+        if loaded is not None:
+            sampling, context = loaded.engine.default_sampling, loaded.context
         else:
             sampling, context = (
                 await run_in_threadpool(sampling_defaults, model.path, bundled_sampling(model.path)),
@@ -761,10 +778,23 @@ class OllamaRoutes:
         return JSONResponse(await run_in_threadpool(show_body, model, sampling, context))
 
     async def ps(self, http: Request) -> Response:
-        model = await run_in_threadpool(self.find, self.server.model_name)
-        entry = await run_in_threadpool(tag_entry, model)
-        entry.update(expires_at=FOREVER_TEXT, size_vram=0, context_length=self.server.prompting.capacity)
-        return JSONResponse({"models": [entry]})
+        """The loaded models, with their size, context and when keep-alive unloads them."""
+        entries = [await run_in_threadpool(self.running_entry, m) for m in self.server.models.loaded()]
+        return JSONResponse({"models": entries})
+
+    def running_entry(self, model) -> dict:
+        found = next((m for m in self.store_models() if m.name == model.name), None)
+        entry = tag_entry(found or local_entry(model.name, model.engine.path))
+        expires = model.expires_at()
+        on_gpu = " cpu" not in (model.engine.device or " cpu")
+        size = model.size or entry["size"]
+        return {
+            **entry,
+            "size": size,
+            "size_vram": size if on_gpu else 0,
+            "expires_at": iso_time(expires) if expires is not None else FOREVER_TEXT,
+            "context_length": model.context,
+        }
 
     async def pull(self, http: Request) -> Response:
         body = await self.body(http)
@@ -800,6 +830,7 @@ class OllamaRoutes:
         name = model_name(body)
         if name == self.server.model_name:
             raise bad(f"{name} is the model this server was started with; stop the server to delete it")
+        await run_in_threadpool(self.server.models.unload, name)  # its files go: it must not run on
         try:
             removal = await run_in_threadpool(plan_removal, name, self.backend)
             await run_in_threadpool(removal.execute)
@@ -813,7 +844,10 @@ class OllamaRoutes:
 
     @property
     def backend(self) -> str:
-        return "mlx"
+        """The backend the server runs ("mlx" or "torch"), which picks what an alias fetches."""
+        loaded = self.server.models.get_loaded(None)
+        device = (loaded.engine.device if loaded is not None else None) or "mlx"
+        return device.split(" ")[0]
 
     async def body(self, http: Request) -> dict:
         """The request's JSON object. Ollama's clients (curl -d included) do not always say the
@@ -825,14 +859,29 @@ class OllamaRoutes:
         return body
 
     def store_models(self) -> list[LocalModel]:
-        """The server's own model first, then every complete model of the store."""
-        models = [m for m in list_models() if m.complete]
-        if not any(m.name == self.server.model_name for m in models):
-            models.insert(0, local_entry(self.server.model_name, self.server.engine.path))
+        """The server's own model first, then the store's complete models it serves (none on a
+        server of one model, which answers every name with it)."""
+        models = self.server.models.available()
+        default = self.server.models.default_name
+        if not any(m.name == default for m in models):
+            models.insert(0, local_entry(default, self.default_path()))
         return models
 
+    def default_path(self) -> Path:
+        source = self.server.models.default_source
+        if source is not None and Path(source).exists():
+            return Path(source)
+        return self.server.engine.path
+
     def find(self, name: str) -> LocalModel:
-        found = next((m for m in self.store_models() if m.name == name), None)
+        """The model `name` means: a name as /api/tags lists it, or an alias or repo id of a
+        stored one (a 404 otherwise; never a path a client typed)."""
+        models = self.store_models()
+        found = next((m for m in models if m.name == name), None)
+        resolve = self.server.models.resolve
+        if found is None and resolve is not None:
+            path = resolve(name)
+            found = next((m for m in models if path is not None and m.path == path), None)
         if found is None:
             raise api.ApiError(404, f"model '{name[:200]}' not found")
         return found

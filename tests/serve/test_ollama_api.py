@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,7 @@ import ollama
 import pytest
 from serve_support import LiveServer, open_stories
 
+from ferrum_mac.engine import ReasoningDelta
 from ferrum_mac.serve import ollama_api as oa
 from ferrum_mac.serve import openai_schema as api
 
@@ -269,7 +271,7 @@ def test_curl_style_bodies_without_a_json_content_type_are_read(server):
     assert response.status_code == 200 and response.json()["done"] is True
 
 
-# -- pull and delete through a fake Hub -------------------------------------------------------------
+# -- the store: pull, serve, unload and delete, through a fake Hub -------------------------------------
 
 REPO = "tiny-org/tiny-stories"
 
@@ -298,7 +300,28 @@ def hub(stories_path, tmp_path, monkeypatch):
     server.stop()
 
 
-def test_pull_streams_progress_then_the_model_is_listed_and_deleted(hub, client):
+@pytest.fixture(scope="module")
+def store_server(stories_path):
+    """A server of several models, as `ferrum serve` builds it: stories260K by default, and the
+    store's models (`ferrum list`) opened when a request names them."""
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+    from ferrum_mac.serve.models import LoadedModel, Models, size_of
+    from ferrum_mac.store import list_models
+
+    def open_scheduler(path):
+        return Scheduler(open_stories(Path(path)), max_batch=4).start()
+
+    default = LoadedModel(MODEL, open_scheduler(stories_path), size_of(stories_path), 300.0, stories_path)
+    models = Models(default, open_scheduler, list_models)
+    live = LiveServer(build_app(models))
+    yield live
+    live.stop()
+    models.close()
+
+
+def test_pull_serve_unload_and_delete_a_model(hub, store_server):
+    client = ollama.Client(host=store_server.url, timeout=120)
     progress = list(client.pull(REPO, stream=True))
     assert progress[0].status == "pulling manifest" and progress[-1].status == "success"
     files = {p.digest: p for p in progress if p.digest}  # the last object of each file
@@ -308,20 +331,36 @@ def test_pull_streams_progress_then_the_model_is_listed_and_deleted(hub, client)
     assert REPO in [m.model for m in client.list().models]
     assert client.pull(REPO, stream=False).status == "success"  # already here: nothing to fetch
 
+    # the pulled copy of stories260K answers as the default model does, loaded beside it
+    pulled = client.chat(model=f"{REPO}:latest", messages=ASK, options=GREEDY, keep_alive="1h")
+    assert pulled.message.content == client.chat(model=MODEL, messages=ASK, options=GREEDY).message.content
+    running = {m.model: m for m in client.ps().models}
+    assert set(running) == {MODEL, REPO} and running[REPO].context_length > 0
+    hour = running[REPO].expires_at.timestamp() - time.time()
+    assert 3500 < hour <= 3600
+    unloaded = client.generate(model=REPO, keep_alive=0)
+    assert unloaded.done_reason == "unload" and [m.model for m in client.ps().models] == [MODEL]
+    assert client.generate(model=REPO, keep_alive="1m").done_reason == "load"  # Ollama's preload idiom
+    assert {m.model for m in client.ps().models} == {MODEL, REPO}
+
     assert client.delete(REPO).status == "success"
-    assert REPO not in [m.model for m in client.list().models]
+    assert REPO not in [m.model for m in client.list().models + client.ps().models]
     with pytest.raises(ollama.ResponseError) as caught:
         client.delete(REPO)
     assert caught.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as caught:
+        client.chat(model=REPO, messages=ASK)
+    assert caught.value.status_code == 404 and MODEL in caught.value.error  # it names what exists
 
 
-def test_pull_of_a_missing_model_fails_clearly(hub, client, server):
+def test_pull_of_a_missing_model_fails_clearly(hub, store_server):
+    client = ollama.Client(host=store_server.url, timeout=120)
     with pytest.raises(ollama.ResponseError, match="no model tiny-org/nope"):
         list(client.pull("tiny-org/nope", stream=True))
-    assert "no model tiny-org/nope" in error_of(
-        httpx.post(server.url + "/api/pull", json={"model": "tiny-org/nope", "stream": False}, timeout=60), 404
-    )
-    assert "unknown model" in error_of(httpx.post(server.url + "/api/pull", json={"model": "nope:1b"}), 404)
+    body = {"model": "tiny-org/nope", "stream": False}
+    response = httpx.post(store_server.url + "/api/pull", json=body, timeout=60)
+    assert "no model tiny-org/nope" in error_of(response, 404)
+    assert "unknown model" in error_of(httpx.post(store_server.url + "/api/pull", json={"model": "nope:1b"}), 404)
 
 
 def test_the_served_model_cannot_be_deleted(server):
@@ -402,3 +441,49 @@ def test_tool_calls_stream_with_arguments_as_objects(smollm2):
     jsonschema.validate(dict(call.function.arguments), WEATHER["function"]["parameters"])
     assert not "".join(p.message.content for p in parts).strip()  # no call markup as text
     assert parts[-1].done and parts[-1].done_reason == "stop"
+
+
+# -- think, through Qwen3's own template and tokenizer on random weights ------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, shared_assets):
+    import shutil
+
+    import helpers
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    folder = tmp_path_factory.mktemp("qwen3-think")
+    torch.manual_seed(0)
+    config = Qwen3Config(**{**helpers.TINY, "vocab_size": 151936}, head_dim=32, tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(shared_assets / "tokenizers" / "qwen3" / name, folder / name)
+    scheduler = Scheduler(open_stories(folder, kv_capacity=512)).start()
+    live = LiveServer(build_app(scheduler, "qwen3-random"))
+    yield ollama.Client(host=live.url, timeout=120)
+    live.stop()
+    scheduler.stop()
+
+
+@pytest.mark.slow  # building and loading the random Qwen3 (its 152k-token vocabulary) takes a while
+def test_think_reaches_the_template_and_reasoning_comes_as_thinking(qwen3):
+    def prompt_tokens(think: bool) -> int:
+        return qwen3.chat(
+            model="qwen3-random", messages=ASK, think=think, options=GREEDY | {"num_predict": 1}
+        ).prompt_eval_count
+
+    assert prompt_tokens(False) > prompt_tokens(True)  # the template closes an empty <think> when it is off
+    assert "thinking" in qwen3.show("qwen3-random").capabilities
+    out = oa.OllamaAnswer("m", chat=True)
+    assert out.piece(ReasoningDelta("Paris is in France."))["message"] == {
+        "role": "assistant",
+        "content": "",
+        "thinking": "Paris is in France.",
+    }
+    assert oa.OllamaAnswer("m", chat=True, show_thinking=False).piece(ReasoningDelta("x")) is None  # think: false
+    assert oa.OllamaAnswer("m", chat=False).piece(ReasoningDelta("y"))["thinking"] == "y"  # /api/generate

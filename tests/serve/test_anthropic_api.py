@@ -525,6 +525,7 @@ def qwen3_claude(tmp_path_factory, shared_assets):
     scheduler.stop()
 
 
+@pytest.mark.slow  # building the random Qwen3 takes seconds; the blocks' order is also tested without a model
 def test_thinking_reaches_the_template_and_reasoning_comes_first(qwen3_claude):
     def count(**thinking) -> int:
         return qwen3_claude.messages.count_tokens(model="qwen3-random", messages=STORY, **thinking).input_tokens

@@ -48,8 +48,10 @@ PASSED = (
     "stream",
     "chat_template_kwargs",
 )
-# Hints a local server has no use for, accepted so clients that always send them work.
-IGNORED = ("metadata", "service_tier", "cache_control", "inference_geo", "speed")
+# Fields asking for what only Anthropic's own servers run: refused, so the client knows it did
+# not happen. Any other field this module does not read is a hint (metadata, service_tier,
+# context_management, ...) and ignored, as other local servers do.
+SERVER_FEATURES = ("container", "mcp_servers")
 TRANSLATED = (
     "model",
     "messages",
@@ -129,8 +131,10 @@ def openai_body(body, counting: bool = False) -> dict:
     `max_tokens` and samples nothing)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    allowed = COUNTED if counting else (*TRANSLATED, *PASSED, *IGNORED)
-    unknown = sorted(k for k in body if k not in allowed)
+    if counting:
+        unknown = sorted(k for k in body if k not in COUNTED)
+    else:  # agent harnesses send the newest hints first: a field that is not a server feature is ignored
+        unknown = sorted(k for k in body if k in SERVER_FEATURES)
     if unknown:
         raise bad(f"{unknown[0][:64]}: this field is not supported by this server")
     model = body.get("model")

@@ -162,6 +162,14 @@ def test_bad_bodies_name_the_field(case, change, fragment):
     assert error.value.status == 400 and fragment in error.value.message, error.value.message
 
 
+def test_hints_the_server_has_no_use_for_are_ignored():
+    """Agent harnesses send newer fields (context management, service tiers) before local
+    servers know them: they must not fail the request."""
+    body = {"model": "m", "max_tokens": 4, "messages": STORY, "context_management": {"edits": []}, "speed": "x"}
+    out = anthropic_api.openai_body(body)
+    assert "context_management" not in out and "speed" not in out and out["messages"]
+
+
 def test_count_tokens_bodies_need_no_max_tokens_but_take_no_sampling():
     assert "max_tokens" not in anthropic_api.openai_body({"model": "m", "messages": STORY}, counting=True)
     with pytest.raises(api.ApiError, match="temperature"):

@@ -245,7 +245,7 @@ def penalty_window(options: dict, capacity: int) -> int | None:
         return None
     if last_n < -1:
         raise bad("options.repeat_last_n must be 0 (off), a count of tokens or -1 (the whole context)")
-    return options.get("num_ctx", capacity) if last_n == -1 else last_n
+    return options.get("num_ctx", capacity) if last_n == -1 else min(last_n, capacity)
 
 
 # -- messages ------------------------------------------------------------------------------------

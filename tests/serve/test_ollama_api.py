@@ -263,6 +263,11 @@ def test_bad_json_and_unknown_routes_take_ollamas_shape(server):
     assert error_of(httpx.get(server.url + "/api/chat"), 405)
 
 
+def test_the_body_limit_holds_on_ollamas_routes(server):
+    big = json.dumps({"model": MODEL, "prompt": "x" * (5 * 2**20)})
+    assert "is over 4194304 bytes" in error_of(httpx.post(server.url + "/api/generate", content=big, timeout=60), 413)
+
+
 def test_curl_style_bodies_without_a_json_content_type_are_read(server):
     body = json.dumps({"model": MODEL, "prompt": "Lily", "stream": False, "options": GREEDY})
     response = httpx.post(

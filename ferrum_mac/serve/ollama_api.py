@@ -411,8 +411,9 @@ class OllamaAnswer:
     """Neutral answer events -> Ollama objects, for /api/chat (`chat`) or /api/generate.
     Tool calls are gathered from their pieces and sent whole, in one object before the last."""
 
-    def __init__(self, model: str, chat: bool, show_thinking: bool = True):
+    def __init__(self, model: str, chat: bool, show_thinking: bool = True, load_s: float = 0.0):
         self.model, self.chat, self.show_thinking = model, chat, show_thinking
+        self.load_s = load_s  # the time this request waited for its model to load
         self.calls: dict[int, list[ToolCallDelta]] = {}
 
     def piece(self, event) -> dict | None:
@@ -439,16 +440,16 @@ class OllamaAnswer:
         calls = self.tool_calls()
         return self._object(tool_calls=calls) if calls and self.chat else None
 
-    def last(self, done, total_s: float, load_s: float = 0.0) -> dict:
-        return {**self._object(), **final_fields(done, total_s, load_s)}
+    def last(self, done, total_s: float) -> dict:
+        return {**self._object(), **final_fields(done, total_s, self.load_s)}
 
-    def whole_answer(self, whole, total_s: float, load_s: float = 0.0) -> dict:
+    def whole_answer(self, whole, total_s: float) -> dict:
         """The one object of a `stream: false` answer, from the core's whole answer."""
         thinking = whole.reasoning if self.show_thinking and whole.reasoning else None
         calls = [ollama_call(c, i) for i, c in enumerate(whole.calls)] if self.chat else []
         return {
             **self._object(content=whole.text, thinking=thinking, tool_calls=calls or None),
-            **final_fields(whole.done, total_s, load_s),
+            **final_fields(whole.done, total_s, self.load_s),
         }
 
     def empty(self) -> dict:
@@ -704,9 +705,12 @@ class OllamaRoutes:
         stream = stream_wanted(body)
         keep_alive = keep_alive_seconds(body.get("keep_alive"))
         options = check_options(body.get("options"))
-        call = await self.server.call_from_openai(openai, RENAMES, chat="messages" in openai)
-        call.keep_alive_s = keep_alive
         models = self.server.models
+        loading = models.get_loaded(openai["model"]) is None
+        checking = time.monotonic()
+        call = await self.server.call_from_openai(openai, RENAMES, chat="messages" in openai)  # loads the model
+        load_s = elapsed_since(checking) if loading else 0.0
+        call.keep_alive_s = keep_alive
         model = await models.acquire(call.model, keep_alive)  # held, so its context is known and stays
         try:
             context_limit(options, model.context)
@@ -716,7 +720,7 @@ class OllamaRoutes:
             answer = await self.server.start(http, call)
         finally:
             models.release(model)
-        out = OllamaAnswer(name_sent(body), chat=chat, show_thinking=body.get("think") is not False)
+        out = OllamaAnswer(name_sent(body), chat, show_thinking=body.get("think") is not False, load_s=load_s)
         if stream:
             return StreamingResponse(self.lines(answer, out, started), media_type=NDJSON)
         whole = await answer.whole()

@@ -339,6 +339,8 @@ def test_pull_serve_unload_and_delete_a_model(hub, store_server):
     # the pulled copy of stories260K answers as the default model does, loaded beside it
     pulled = client.chat(model=f"{REPO}:latest", messages=ASK, options=GREEDY, keep_alive="1h")
     assert pulled.message.content == client.chat(model=MODEL, messages=ASK, options=GREEDY).message.content
+    assert pulled.load_duration > 0  # it waited for the load; the next request finds it loaded
+    assert client.chat(model=REPO, messages=ASK, options=GREEDY, keep_alive="1h").load_duration == 0
     running = {m.model: m for m in client.ps().models}
     assert set(running) == {MODEL, REPO} and running[REPO].context_length > 0
     hour = running[REPO].expires_at.timestamp() - time.time()

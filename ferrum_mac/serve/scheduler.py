@@ -133,6 +133,37 @@ def fed_token(seq: Sequence) -> int:
     return seq.next_token
 
 
+class SchedulerThreads:
+    """The threads schedulers run on. A thread that has used MLX must never end (MLX aborts the
+    process at exit when one has), so the thread of a scheduler that stopped waits to run the
+    next one instead: a server that loads and unloads models keeps as many threads as it ever
+    had models loaded at once."""
+
+    def __init__(self):
+        self._idle: queue.Queue = queue.Queue()  # each idle thread's own queue of work
+
+    def run(self, work: Callable[[], None]) -> None:
+        try:
+            jobs = self._idle.get_nowait()
+        except queue.Empty:
+            jobs = queue.Queue()
+            threading.Thread(target=self._serve, args=(jobs,), name="ferrum-scheduler", daemon=True).start()
+        jobs.put(work)
+
+    def _serve(self, jobs: queue.Queue) -> None:
+        while True:
+            work = jobs.get()
+            try:
+                work()
+            except BaseException:
+                log.exception("a scheduler's thread failed")
+            del work  # before waiting: nothing of the last scheduler stays referenced here
+            self._idle.put(jobs)
+
+
+_THREADS = SchedulerThreads()
+
+
 class Scheduler:
     def __init__(
         self,
@@ -154,7 +185,7 @@ class Scheduler:
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[tuple[RequestHandle, Timing]] = []
         self._running: list[Sequence] = []
-        self._thread: threading.Thread | None = None
+        self._started = False
         self._stopping = False
         self._unloading = False  # stop() was unload(): drop the model once the loop ends
         self._stopped = threading.Event()
@@ -175,8 +206,8 @@ class Scheduler:
     def start(self) -> "Scheduler":
         """Open the engine on a new thread and start scheduling there; errors opening it raise here."""
         opened: Future = Future()
-        self._thread = threading.Thread(target=self._run, args=(opened,), name="ferrum-scheduler", daemon=True)
-        self._thread.start()
+        self._started = True
+        _THREADS.run(lambda: self._run(opened))
         opened.result()
         return self
 
@@ -188,7 +219,7 @@ class Scheduler:
     def stop(self) -> None:
         self._stopping = True
         self._inbox.put(None)
-        if self._thread is not None:
+        if self._started:
             self._stopped.wait(timeout=30)
 
     def unload(self) -> None:
@@ -242,7 +273,6 @@ class Scheduler:
             if self._unloading:
                 self._drop_model()
         self._stopped.set()
-        threading.Event().wait()  # park: MLX aborts the process at exit when a thread that used it has ended
 
     def _loop_until_stopped(self) -> None:
         """The loop, and what is left to say to clients once it ends, however it ends."""

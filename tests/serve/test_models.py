@@ -196,3 +196,24 @@ def test_requests_that_arrive_while_a_model_loads_wait_for_that_one_load(stories
         assert first is second is third and first.active == 3 and opened == [copy]
     finally:
         models.close()
+
+
+def test_loading_again_after_an_unload_reuses_the_schedulers_thread(stories_path, tmp_path):
+    import threading
+
+    copy = shutil.copytree(stories_path, tmp_path / "stories-d")
+    models = open_models(stories_path, "a", {"d": copy}, kv_capacity=64)
+
+    def threads() -> int:
+        time.sleep(0.05)  # a stopped scheduler's thread puts itself back just after it says so
+        return sum(t.name == "ferrum-scheduler" for t in threading.enumerate())
+
+    try:
+        counts = []
+        for _ in range(3):
+            models.release(asyncio.run(models.acquire("d")))
+            assert models.unload("d")
+            counts.append(threads())
+        assert counts[0] == counts[1] == counts[2]
+    finally:
+        models.close()

@@ -57,10 +57,11 @@ MIGRATIONS: list[str] = [
     ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT '';
     ALTER TABLE messages ADD COLUMN stats TEXT NOT NULL DEFAULT '{}';
     """,
-    # 2 -> 3: full-text search over the messages, kept in step by triggers on every write
+    # 2 -> 3: full-text search over the messages, kept in step by triggers on every write; the
+    # prefix indexes serve the short prefixes a person types (every word is searched as a prefix)
     """
     CREATE VIRTUAL TABLE messages_fts USING fts5(
-        content, content='messages', content_rowid='id', tokenize='unicode61 remove_diacritics 2'
+        content, content='messages', content_rowid='id', tokenize='unicode61 remove_diacritics 2', prefix='2 3'
     );
     CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
         INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);

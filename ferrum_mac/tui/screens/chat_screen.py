@@ -117,8 +117,12 @@ class ChatScreen(Screen):
         self.current_id = conversation_id
         self.end_editing()
         messages = self.history.messages(conversation_id) if conversation_id else []
-        widgets = [self.message_widget(m) for m in messages] or [Static(WELCOME, id="welcome")]
-        await self.query_one(MessageList).show_messages(widgets)
+        shown = self.query_one(MessageList)
+        if messages:
+            around = next((i for i, m in enumerate(messages) if m.id == at_message), None)
+            await shown.show_stored(messages, self.message_widget, around)
+        else:
+            await shown.show_messages([Static(WELCOME, id="welcome")])
         await self.refresh_sidebar()
         self.refresh_status()
         if at_message is not None:
@@ -227,6 +231,8 @@ class ChatScreen(Screen):
         path = self.history.messages(self.current_id)
         earlier = engine_messages(path[:-1] if resend else path)
         messages = self.query_one(MessageList)
+        if not messages.shows_the_end:  # opened at a search hit far back: the new turn goes at the end
+            await self.open_conversation(self.current_id)
         if not resend:
             stats = {"attachments": attachments} if attachments else None
             user = self.history.add_message(self.current_id, "user", text, stats=stats)
@@ -406,9 +412,14 @@ class ChatScreen(Screen):
         if views:
             views[-1].focus()
 
-    def focus_next_message(self, view: MessageView, step: int) -> None:
-        views = self.query_one(MessageList).message_views()
+    async def focus_next_message(self, view: MessageView, step: int) -> None:
+        shown = self.query_one(MessageList)
+        views = shown.message_views()
         place = views.index(view) + step
+        if not 0 <= place < len(views) and (shown.first if step < 0 else not shown.shows_the_end):
+            await shown.load_more(earlier=step < 0)  # the window's edge: mount the next one
+            views = shown.message_views()
+            place = views.index(view) + step
         if 0 <= place < len(views):
             views[place].focus()
         elif step > 0:

@@ -15,6 +15,10 @@ from ferrum_mac.tui.widgets.conversation_item import ConversationItem
 class ConversationList(Vertical):
     BINDINGS = [Binding("delete", "screen.delete_chat", "Delete")]
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.shown: list[tuple[int, str]] = []  # (id, title) of the items in the list
+
     def compose(self) -> ComposeResult:
         yield Label("Conversations", classes="title")
         yield Input(placeholder="Filter", id="search")
@@ -23,9 +27,12 @@ class ConversationList(Vertical):
 
     async def show(self, conversations, selected: int | None) -> None:
         view = self.query_one(ListView)
-        await view.clear()
-        await view.extend(ConversationItem(c.id, c.title) for c in conversations)
-        ids = [c.id for c in conversations]
+        shown = [(c.id, c.title) for c in conversations]
+        if shown != self.shown:  # rebuilding the list costs a mount per item: only when it changed
+            self.shown = shown
+            await view.clear()
+            await view.extend(ConversationItem(i, title) for i, title in shown)
+        ids = [i for i, _ in shown]
         view.index = ids.index(selected) if selected in ids else None
 
     def highlighted_id(self) -> int | None:

@@ -59,9 +59,8 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self.role_text(), classes="role")
-        with Collapsible(title="Reasoning", collapsed=not self.show_reasoning, classes="reasoning") as box:
-            box.display = bool(self.reasoning)
-            yield Static(self.reasoning, markup=False, classes="reasoning-text")
+        if self.reasoning:  # most messages have none: no collapsible to mount for them
+            yield self.reasoning_box()
         typed, attached = split_message(self.content) if self.attachments else (self.content, [])
         yield ChatMarkdown(typed)
         if attached:
@@ -73,14 +72,20 @@ class MessageView(Vertical, can_focus=True):
     def on_mount(self) -> None:
         self.query_one(".footer").display = bool(self.footer)
 
+    def reasoning_box(self) -> Collapsible:
+        text = Static(self.reasoning, markup=False, classes="reasoning-text")
+        return Collapsible(text, title="Reasoning", collapsed=not self.show_reasoning, classes="reasoning")
+
     # -- streaming --------------------------------------------------------------------------
 
     async def append(self, text: str, reasoning: str) -> None:
         if reasoning:
             self.reasoning += reasoning
-            box = self.query_one(Collapsible)
-            box.display = True
-            box.query_one(".reasoning-text", Static).update(self.reasoning)
+            boxes = self.query(Collapsible)
+            if boxes:
+                boxes.first().query_one(".reasoning-text", Static).update(self.reasoning)
+            else:
+                await self.mount(self.reasoning_box(), after=self.query_one(".role"))
         if text:
             self.content += text
             if self._stream is None:
@@ -119,7 +124,8 @@ class MessageView(Vertical, can_focus=True):
 
     def set_reasoning_shown(self, shown: bool) -> None:
         self.show_reasoning = shown
-        self.query_one(Collapsible).collapsed = not shown
+        for box in self.query(Collapsible):
+            box.collapsed = not shown
 
     # -- actions ------------------------------------------------------------------------------
 
@@ -134,8 +140,8 @@ class MessageView(Vertical, can_focus=True):
         else:
             self.notify("No code block in this message.", severity="warning")
 
-    def action_step(self, step: int) -> None:
-        self.screen.focus_next_message(self, step)
+    async def action_step(self, step: int) -> None:
+        await self.screen.focus_next_message(self, step)
 
     def action_branch(self, step: int) -> None:
         if self.message_id is not None and self.branch[1] > 1:

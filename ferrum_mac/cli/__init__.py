@@ -133,6 +133,11 @@ def run(
     schema: Optional[Path] = typer.Option(
         None, "--schema", metavar="FILE", help="Every answer JSON valid against the JSON schema in FILE."
     ),
+    speculate: str = typer.Option(
+        "auto",
+        "--speculate",
+        help="Speculative decoding: auto (prompt lookup where it pays), ngram, draft:MODEL or off.",
+    ),
     backend: Backend = "auto",
     device: Device = None,
     kv_capacity: KvCapacity = None,
@@ -172,6 +177,7 @@ def run(
             api_key=api_key,
             format=answer_format,
             schema=schema,
+            speculate=speculate,
         ),
     )
 

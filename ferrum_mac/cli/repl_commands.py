@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Callable
 
 from ferrum_mac.cli.session import ChatSession
-from ferrum_mac.engine import CONTEXT_POLICIES, ChatSettings, ResponseFormat, SamplingParams
+from ferrum_mac.engine import CONTEXT_POLICIES, ChatSettings, Engine, ResponseFormat, SamplingParams
+from ferrum_mac.engine.speculation import Speculate, draft_name
 from ferrum_mac.errors import FerrumError
 
 HELP = """Available commands:
@@ -23,6 +24,7 @@ HELP = """Available commands:
   /set verbose | quiet        show or hide the stats line after each answer
   /set context error|truncate-oldest   what to do when the conversation outgrows the context
   /set format json | text     every answer a JSON object (enforced), or free text again
+  /set speculate auto|ngram|draft:MODEL|off   speculative decoding (auto: prompt lookup where it pays)
   /show info|template|system|parameters
   /clear                      forget the conversation (keeps the system prompt and settings)
   /save NAME, /load NAME      save or restore the conversation
@@ -99,6 +101,9 @@ class Commands:
                 raise FerrumError("/set format takes json or text, e.g. /set format json")
             self._change(response_format=ResponseFormat.parse(value.lower()))
             say(f"Set answer format to {value.lower()}.")
+        elif what == "speculate":
+            self._change(speculate=self._speculation(value))
+            say(f"Set speculation to {self.conv.settings.speculate}.")
         else:
             say(f"Unknown setting '{what}'. Type /? for help")
 
@@ -116,6 +121,16 @@ class Commands:
                 sampling=dataclasses.replace(self.conv.settings.sampling, **{field: _parse(name, value, kind)})
             )
         say(f"Set parameter '{name}' to '{value}'.")
+
+    def _speculation(self, value: str) -> Speculate:
+        name = draft_name(value)
+        if name is None:
+            return Speculate.parse(value)
+        if not isinstance(self.session.engine, Engine):
+            raise FerrumError("/set speculate draft:MODEL needs a local model; a remote server decodes on its own")
+        from ferrum_mac.cli.run import open_draft
+
+        return open_draft(self.session.engine, name)
 
     def _change(self, **changes) -> None:
         self.conv.settings = self.conv.settings.replace(**changes)
@@ -215,6 +230,7 @@ def parameters_text(settings: ChatSettings) -> str:
         ("think", {None: "template default", True: "on", False: "off"}[settings.think]),
         ("context", settings.context_policy),
         ("format", settings.response_format.describe() if settings.response_format else "text"),
+        ("speculate", str(settings.speculate)),
     ]
     return "\n".join(f"  {name:<18}{value}" for name, value in rows)
 
@@ -229,7 +245,12 @@ def saved_path(name: str) -> Path:
 
 
 def settings_to_dict(settings: ChatSettings) -> dict:
-    return {**dataclasses.asdict(settings), "sampling": settings.sampling.as_dict(), "stop": list(settings.stop)}
+    return {
+        **dataclasses.asdict(settings),
+        "sampling": settings.sampling.as_dict(),
+        "stop": list(settings.stop),
+        "speculate": str(settings.speculate),
+    }
 
 
 def settings_from_dict(data: dict) -> ChatSettings:
@@ -244,7 +265,16 @@ def settings_from_dict(data: dict) -> ChatSettings:
         context_policy=data.get("context_policy", "error"),
         stop=tuple(data.get("stop", ())),
         response_format=_saved_format(data.get("response_format")),
+        speculate=_saved_speculation(data.get("speculate")),
     ).checked()
+
+
+def _saved_speculation(word) -> Speculate:
+    """A saved conversation's speculation; a draft model is not loaded again (auto instead)."""
+    try:
+        return Speculate.parse(word) if isinstance(word, str) else Speculate()
+    except FerrumError:
+        return Speculate()
 
 
 def _saved_format(data) -> ResponseFormat | None:

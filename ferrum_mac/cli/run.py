@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ferrum_mac.cli.printer import EventPrinter
 from ferrum_mac.engine import ChatEngine, ChatSettings, Conversation, Notice, ResponseFormat, SamplingParams
+from ferrum_mac.engine.speculation import DRAFT, Speculate, check_speculate, draft_name, same_vocabulary
 from ferrum_mac.errors import FerrumError
 
 FORMATS = ("text", "json")
@@ -45,6 +46,7 @@ class RunOptions:
     api_key: str | None = None
     format: str = "text"  # "json": every answer a JSON object
     schema: Path | None = None  # every answer JSON valid against the schema in this file
+    speculate: str = "auto"  # auto, ngram, draft:MODEL or off
 
     def response_format(self) -> ResponseFormat | None:
         """What every answer must be (None: free text); a bad --format or schema file raises."""
@@ -81,6 +83,7 @@ def run(words: list[str], options: RunOptions) -> None:
         context_policy=options.context,
         stop=tuple(options.stop),
         response_format=options.response_format(),
+        speculate=speculate_setting(engine, options),
     )
     printer = EventPrinter(show_reasoning=not options.hide_thinking, verbose=options.verbose)
     if prompt is None:
@@ -146,9 +149,39 @@ def check_options(options: RunOptions) -> None:
     SamplingParams().replace(**options.sampling_changes())
     ChatSettings(max_tokens=options.max_tokens, context_policy=options.context).checked()
     options.response_format()
+    check_speculate(options.speculate)
+    if options.remote and draft_name(options.speculate):
+        raise FerrumError("--speculate draft:MODEL needs a local model; a remote server decodes on its own")
     if options.kv_capacity is not None:
         if options.kv_capacity < 2:
             raise FerrumError(f"--kv-capacity {options.kv_capacity} is too small; give at least 2 tokens")
+
+
+def speculate_setting(engine: ChatEngine, options: RunOptions) -> Speculate:
+    """--speculate as a setting; `draft:MODEL` loads the draft model beside the engine's."""
+    name = draft_name(options.speculate)
+    if name is None:
+        return Speculate.parse(options.speculate)
+    return open_draft(engine, name, backend=options.backend, device=options.device, pull=options.pull)
+
+
+def open_draft(engine: ChatEngine, name: str, *, backend: str = "auto", device=None, pull: bool = True) -> Speculate:
+    """The draft model `name` (an alias, repo id, folder or .gguf) as a `Speculate` for
+    `engine`'s model, or a FerrumError when its vocabulary is not the same."""
+    from ferrum_mac.backends import choose
+    from ferrum_mac.compose import open_model
+    from ferrum_mac.store import resolve_model
+    from ferrum_mac.text import load_tokenizer
+
+    path = Path(name).expanduser()
+    if not path.exists():
+        path = resolve_model(name, backend=choose(backend), pull=pull)
+    if not same_vocabulary(load_tokenizer(path), engine.tokenizer):
+        raise FerrumError(
+            f"the draft model {name!r} has another vocabulary than {engine.name or 'the model'}; "
+            "choose a draft of the same family (the same tokenizer)"
+        )
+    return Speculate(DRAFT, open_model(path, backend=backend, device=device, pull=pull), name)
 
 
 def answer_as_json(engine: ChatEngine, conv: Conversation, prompt: str) -> dict:

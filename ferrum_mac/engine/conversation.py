@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Mapping
 
 from ferrum_mac.engine.sampling import SamplingParams
+from ferrum_mac.engine.speculation import Speculate
 from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.errors import FerrumError
@@ -33,6 +34,7 @@ class ChatSettings:
     stop: tuple[str, ...] = ()
     # what every answer must be: None (free text) or `ResponseFormat` (JSON, maybe a schema)
     response_format: ResponseFormat | None = None
+    speculate: Speculate = field(default_factory=Speculate)  # guess tokens, verify them in one forward
 
     def checked(self) -> "ChatSettings":
         if self.context_policy not in CONTEXT_POLICIES:

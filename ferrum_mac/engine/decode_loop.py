@@ -13,17 +13,45 @@ One answer in time (`sample` and `decode` only queue work; `read` waits for a to
     yield read(t3)                         step 2 done; step 3 runs
     ...
     yield read(tn)                         the last: nothing queued after it
+
+`answer_tokens` picks the loop for an answer: under a grammar `constrained_tokens`, else the
+speculative loop (`ferrum_mac.engine.speculation`), which runs this timeline whenever
+guessing does not pay, or `sampled_tokens` with speculation off.
 """
 
 from __future__ import annotations
 
-from typing import Any, Generator
+from typing import Any, Generator, Sequence
 
 import numpy as np
 
 from ferrum_mac.engine.sampling import Sampler
+from ferrum_mac.engine.speculation import Speculate, SpeculationStats
+from ferrum_mac.engine.speculation.verify import Speculator, speculative_tokens
 from ferrum_mac.grammar import GrammarMatcher
 from ferrum_mac.llm import DecoderOnlyLLM
+
+
+def answer_tokens(
+    model: DecoderOnlyLLM,
+    sampler: Sampler,
+    cache_id: str,
+    logits: Any,
+    limit: int | None,
+    *,
+    matcher: GrammarMatcher | None = None,
+    speculate: Speculate | None = None,
+    prompt: Sequence[int] = (),
+) -> tuple[Generator[int, None, None], SpeculationStats | None]:
+    """The answer's token ids, and the speculation counts they will have filled in when the
+    answer ends (None: it does not speculate). A grammar turns speculation off: its mask
+    for a guessed position depends on the guesses before it, which are not read yet."""
+    if matcher is not None:
+        return constrained_tokens(model, sampler, cache_id, logits, limit, matcher), None
+    if speculate is None or not speculate.enabled:
+        return sampled_tokens(model, sampler, cache_id, logits, limit), None
+    speculator = Speculator.for_answer(model, speculate, cache_id)
+    return speculative_tokens(model, sampler, cache_id, logits, limit, speculator, prompt), speculator.stats
 
 
 def sampled_tokens(

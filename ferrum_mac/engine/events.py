@@ -57,6 +57,7 @@ class Done:
     prefill_tps: float  # prompt_tokens / ttft_s
     decode_tps: float  # tokens after the first / time after the first
     stop_string: str | None = None
+    speculation: dict | None = None  # {proposed, accepted, steps}; None: the answer did not speculate
 
     def as_dict(self) -> dict:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}

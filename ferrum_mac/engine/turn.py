@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 from ferrum_mac.engine.answer_text import AnswerText
 from ferrum_mac.engine.context import common_prefix, fit
 from ferrum_mac.engine.conversation import Conversation
-from ferrum_mac.engine.decode_loop import constrained_tokens, sampled_tokens
+from ferrum_mac.engine.decode_loop import answer_tokens
 from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.engine.events import (
     CANCELLED,
@@ -90,6 +90,7 @@ def run_turn(
     calls = CallSplitter(tools, call_format, call_format.forced_prefix if prefilled else "")
     generated = 0
     reason = CANCELLED  # unless the loop says otherwise
+    speculation = None
     try:
         if dropped:
             yield Notice(
@@ -99,10 +100,16 @@ def run_turn(
         reused = model.kv_reuse(conv.cache_id, ids).tokens
         logits = model.prefill(conv.cache_id, ids[reused:])
         model.kv_remember(conv.cache_id, ids)  # a conversation started alike shares it from now on
-        if matcher is None:
-            tokens = sampled_tokens(model, sampler, conv.cache_id, logits, settings.max_tokens)
-        else:
-            tokens = constrained_tokens(model, sampler, conv.cache_id, logits, settings.max_tokens, matcher)
+        tokens, speculation = answer_tokens(
+            model,
+            sampler,
+            conv.cache_id,
+            logits,
+            settings.max_tokens,
+            matcher=matcher,
+            speculate=settings.speculate,
+            prompt=ids,
+        )
         for token in tokens:
             timing.token()
             known.append(token)
@@ -129,7 +136,7 @@ def run_turn(
     if calls.calls:
         yield ToolCallRequested(tuple(calls.calls))
         reason = TOOL_CALLS if reason == EOS else reason
-    yield done_event(reason, len(ids) - reused, reused, generated, timing, answer.stop_string)
+    yield done_event(reason, len(ids) - reused, reused, generated, timing, answer.stop_string, speculation)
 
 
 class CallSplitter:
@@ -245,7 +252,10 @@ def _commit(engine: "Engine", conv: Conversation, known: list[int], answer: Answ
     engine.model.kv_remember(conv.cache_id, conv.ledger)  # the answer too: the next turn starts with it
 
 
-def done_event(reason: str, prompt: int, cached: int, generated: int, timing: Timing, stop: str | None) -> Done:
+def done_event(
+    reason: str, prompt: int, cached: int, generated: int, timing: Timing, stop: str | None, speculation=None
+) -> Done:
+    """`speculation`: the answer's `SpeculationStats` (None: it did not speculate)."""
     first = timing.first if timing.first is not None else time.perf_counter()
     ttft = first - timing.start
     decode_time = (timing.last or first) - first
@@ -258,4 +268,5 @@ def done_event(reason: str, prompt: int, cached: int, generated: int, timing: Ti
         prefill_tps=prompt / ttft if ttft > 0 else 0.0,
         decode_tps=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0,
         stop_string=stop,
+        speculation=speculation.as_dict() if speculation is not None else None,
     )

@@ -1,0 +1,146 @@
+"""The speculative decode loop: plain pipelined steps while guessing does not pay, and a
+verify step (one `forward_verify` of the last token and k guesses) when it does.
+
+Acceptance. The sampler draws the target's token at each verified position in turn, exactly
+as plain decoding would draw it there, and a guess is kept while it equals that draw; at the
+first difference the draw itself is the next token, and when every guess is kept the last
+row gives one more. For a deterministic proposer (q one-hot on its guess x) this is the
+standard rejection rule: x is kept with probability p(x) = min(1, p(x)/q(x)), and a rejected
+position yields a draw from p without x, which is norm(max(0, p - q)). Greedy answers are
+the plain greedy tokens. The sampler is called once per answer token, in order, so the
+penalties' window and the seeded generator advance as they do without speculation.
+
+Cache. After a verify, the cache is cut back (`truncate_kv`) to the last token and the kept
+guesses; the next token (the draw) is not in it yet, as in the plain loop. The prefix cache's
+blocks follow the cut: a cut block that was shared is copied before it is written again.
+Limits. A verify never holds more guesses than the answer limit and the KV capacity leave
+room for, so the answer ends at the same token, for the same reason, as without speculation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generator, Sequence
+
+from ferrum_mac.engine.sampling import Sampler
+from ferrum_mac.engine.speculation.controller import MAX_K, Controller, CostCurve, cost_curve
+from ferrum_mac.engine.speculation.proposers import DraftModel, PromptLookup, Proposal, Proposer
+from ferrum_mac.engine.speculation.setting import DRAFT, Speculate, SpeculationStats
+from ferrum_mac.llm import DecoderOnlyLLM
+
+
+class Speculator:
+    """One answer's proposer, controller and counts. The controller needs the model's cost
+    curve, measured at its first use: an answer that never has a guess measures nothing."""
+
+    def __init__(self, proposer: Proposer, curve: Callable[[], CostCurve]):
+        self.proposer = proposer
+        self._curve = curve
+        self._controller: Controller | None = None
+        self.stats = SpeculationStats()
+
+    @classmethod
+    def for_answer(cls, model: DecoderOnlyLLM, setting: Speculate, cache_id: str) -> "Speculator":
+        if setting.mode == DRAFT:
+            draft = setting.draft_model
+            proposer = DraftModel(draft, f"{cache_id}:draft", model.config.vocab_size)
+            return cls(proposer, lambda: cost_curve(model, draft))
+        return cls(PromptLookup(), lambda: cost_curve(model))
+
+    @property
+    def controller(self) -> Controller:
+        if self._controller is None:
+            self._controller = Controller(self._curve())
+        return self._controller
+
+    def guesses(self, history: Sequence[int], room: int) -> int:
+        """How many guesses to verify after `history` (0: a plain step)."""
+        kind = self.proposer.peek(history)
+        return self.controller.guesses(kind, min(room, MAX_K)) if kind is not None and room > 0 else 0
+
+    def propose(self, history: Sequence[int], room: int) -> Proposal | None:
+        k = self.guesses(history, room)
+        return self.proposer.propose(history, k) if k else None
+
+    def plain_token(self) -> None:
+        if self._controller is not None:
+            self._controller.plain_token()
+
+    def record(self, proposal: Proposal, accepted: int) -> None:
+        self.controller.record(proposal.kind, len(proposal.tokens), accepted)
+        self.stats.proposed += len(proposal.tokens)
+        self.stats.accepted += accepted
+        self.stats.steps += 1
+
+    def close(self) -> None:
+        self.proposer.close()
+
+
+def speculative_tokens(
+    model: DecoderOnlyLLM,
+    sampler: Sampler,
+    cache_id: str,
+    logits: Any,
+    limit: int | None,
+    speculator: Speculator,
+    prompt: Sequence[int],
+) -> Generator[int, None, None]:
+    """`decode_loop.sampled_tokens` with speculation: the same token ids, for the same
+    reasons, at most `limit` of them; `prompt` holds the ids in the cache before the answer.
+
+    Every id is in the cache when it is yielded except the first, those after a plain step's
+    (as in `sampled_tokens`) and the last. A caller that stops early may leave kept guesses
+    after the last id it read in the cache: truncate to what it read.
+    """
+    capacity = model.kv_capacity()
+    pos = model.kv_len(cache_id)
+    history = list(prompt)
+    token = sampler.sample(logits)  # the next answer token: drawn, maybe not read, not in the cache
+    first = True  # read before step 1 is built, as in the plain loop
+    try:
+        while True:
+            produced = len(history) - len(prompt)
+            if limit is not None and produced + 1 >= limit or pos + 1 > capacity:
+                yield _read(sampler, token, history)  # the last one
+                return
+            room = capacity - pos - 1  # guesses the cache holds after the token
+            if limit is not None:
+                room = min(room, limit - produced - 2)  # guesses, the token and the draw after them
+            if not first and not speculator.guesses(history, room):  # plain, the next step queued first
+                following = sampler.sample(model.decode(cache_id, token, pos))
+                pos += 1
+                yield _read(sampler, token, history)
+                speculator.plain_token()
+                token = following
+                continue
+            first = False
+            yield _read(sampler, token, history)
+            proposal = speculator.propose(history, room)
+            if proposal is None:
+                token = sampler.sample(model.decode(cache_id, history[-1], pos))
+                pos += 1
+                continue
+            rows = model.forward_verify(cache_id, [history[-1], *proposal.tokens])
+            kept, token = _accepted(sampler, rows, proposal.tokens)
+            pos += 1 + kept
+            model.truncate_kv(cache_id, pos)
+            speculator.record(proposal, kept)
+            for guess in proposal.tokens[:kept]:
+                history.append(guess)
+                yield guess
+    finally:
+        speculator.close()
+
+
+def _read(sampler: Sampler, token: Any, history: list[int]) -> int:
+    token_id = sampler.read(token)
+    history.append(token_id)
+    return token_id
+
+
+def _accepted(sampler: Sampler, rows: Any, guesses: Sequence[int]) -> tuple[int, Any]:
+    """How many guesses the target's draws keep, and the draw after them (the next token)."""
+    for i, guess in enumerate(guesses):
+        token = sampler.sample(rows[i])
+        if sampler.read(token) != guess:
+            return i, token
+    return len(guesses), sampler.sample(rows[len(guesses)])

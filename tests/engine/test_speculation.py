@@ -1,0 +1,267 @@
+"""Speculative decoding: the same answers as plain decoding, for the same reasons, with the
+sampler's own distribution, and a cache (and prefix cache) left as plain decoding leaves it.
+
+The cost curve is set per model (`use_costs`) so that speculation runs, or never runs,
+whatever this machine measures: correctness must not depend on the controller's choice.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from engine_helpers import answer, assert_consistent, done
+from helpers import to_np
+from ferrum_mac.engine import ChatSettings, Engine
+from ferrum_mac.engine.events import CONTEXT, EOS, MAX_TOKENS, STOP_STRING
+from ferrum_mac.engine.speculation import DRAFT, Speculate
+from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve, use_costs
+from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
+from ferrum_mac.engine.speculation.verify import Speculator, speculative_tokens
+from ferrum_mac.errors import FerrumError
+
+CHEAP = [1.0] * (MAX_K + 1)  # a verify as cheap as a decode step: always worth guessing
+PROMPTS = ("Once upon a time", "Tom and Lily went to the park. Tom and Lily", "The cat sat on the mat. The cat")
+NGRAM, OFF = Speculate("ngram"), Speculate("off")
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path) -> Engine:
+    engine = Engine.open(stories_path, backend="mlx")
+    use_costs(engine.model, CHEAP)
+    return engine
+
+
+def greedy_answer(engine, prompt: str, speculate: Speculate, **changes) -> tuple[str, list]:
+    sampling = engine.default_sampling.replace(temperature=0.0, repetition_penalty=1.0)
+    sampling = sampling.replace(**changes.pop("sampling", {}))
+    conv = engine.conversation(sampling=sampling, prepare=False, speculate=speculate, **changes)
+    events = list(conv.send(prompt))
+    assert_consistent(engine, conv)
+    conv.close()
+    return answer(events), events
+
+
+def test_greedy_answers_are_plain_greedy_answers(stories):
+    for prompt in PROMPTS:
+        plain, _ = greedy_answer(stories, prompt, OFF, max_tokens=80)
+        fast, events = greedy_answer(stories, prompt, NGRAM, max_tokens=80)
+        assert fast == plain, prompt
+        stats = done(events).speculation
+        assert stats["steps"] > 0 and 0 < stats["accepted"] <= stats["proposed"], stats
+    assert done(greedy_answer(stories, PROMPTS[0], OFF, max_tokens=8)[1]).speculation is None
+
+
+def test_greedy_answers_are_plain_greedy_answers_on_torch(stories_path):
+    engine = Engine.open(stories_path, backend="torch")
+    use_costs(engine.model, CHEAP)
+    plain, _ = greedy_answer(engine, PROMPTS[1], OFF, max_tokens=20)
+    fast, events = greedy_answer(engine, PROMPTS[1], NGRAM, max_tokens=20)
+    assert fast == plain
+    assert done(events).speculation["steps"] > 0
+
+
+def test_penalties_apply_at_every_verified_position(stories):
+    """A repetition penalty depends on the tokens before each position: the sampler is called
+    once per answer token in order, so a guessed position sees the same window as plain."""
+    penalty = {"repetition_penalty": 1.3, "presence_penalty": 0.2}
+    for prompt in PROMPTS[1:]:
+        plain, _ = greedy_answer(stories, prompt, OFF, max_tokens=80, sampling=penalty)
+        fast, _ = greedy_answer(stories, prompt, NGRAM, max_tokens=80, sampling=penalty)
+        assert fast == plain
+
+
+def test_limits_stop_strings_and_eos_end_answers_as_without_speculation(stories):
+    for limit in (1, 2, 3, 7, 30):
+        plain, plain_events = greedy_answer(stories, PROMPTS[1], OFF, max_tokens=limit)
+        fast, fast_events = greedy_answer(stories, PROMPTS[1], NGRAM, max_tokens=limit)
+        assert (fast, done(fast_events).generated_tokens) == (plain, done(plain_events).generated_tokens)
+        assert done(fast_events).stop_reason == MAX_TOKENS
+    # stories260K's greedy stories do not end, so a common id plays the end-of-sequence token
+    eos_ids = stories.eos_ids
+    stories.eos_ids = frozenset(
+        {stories.tokenizer.encode("Tom and Lily went to the park.", add_special_tokens=False)[-1]}
+    )
+    try:
+        plain, plain_events = greedy_answer(stories, PROMPTS[1], OFF, max_tokens=400)
+        fast, fast_events = greedy_answer(stories, PROMPTS[1], NGRAM, max_tokens=400)
+    finally:
+        stories.eos_ids = eos_ids
+    assert done(plain_events).stop_reason == EOS
+    assert (fast, done(fast_events).stop_reason, done(fast_events).generated_tokens) == (
+        plain,
+        EOS,
+        done(plain_events).generated_tokens,
+    )
+    stop = plain[len(plain) // 2 : len(plain) // 2 + 6]
+    cut, cut_events = greedy_answer(stories, PROMPTS[1], NGRAM, max_tokens=400, stop=(stop,))
+    assert done(cut_events).stop_reason == STOP_STRING
+    assert cut == plain[: plain.index(stop)]
+
+
+def test_a_full_context_ends_the_answer_where_plain_decoding_does(small_context):
+    engine = small_context(64)
+    use_costs(engine.model, CHEAP)
+    plain, plain_events = greedy_answer(engine, PROMPTS[2], OFF, max_tokens=None)
+    fast, fast_events = greedy_answer(engine, PROMPTS[2], NGRAM, max_tokens=None)
+    assert done(plain_events).stop_reason == done(fast_events).stop_reason == CONTEXT
+    assert fast == plain
+    assert done(fast_events).speculation["steps"] > 0
+
+
+def test_the_next_turn_and_the_prefix_cache_see_the_kept_tokens_only(stories):
+    """Rejected guesses are cut from the cache and its blocks: a second turn (the conversation's
+    own cache), and a new conversation that reuses the first one's blocks, answer as plain."""
+    turns = ("Tom and Lily went to the park.", "Then Tom and Lily went home.")
+
+    def two_turns(speculate):
+        conv = stories.conversation(
+            sampling=stories.default_sampling.replace(temperature=0.0, repetition_penalty=1.0),
+            prepare=False,
+            speculate=speculate,
+            max_tokens=60,
+        )
+        answers = [answer(conv.send(text)) for text in turns]
+        assert_consistent(stories, conv)
+        return conv, answers
+
+    first, fast = two_turns(NGRAM)
+    second, plain = two_turns(OFF)  # its prompts reuse blocks `first` remembered
+    assert fast == plain
+    held = list(first.ledger)
+    first.close()
+    reuse = stories.model.kv_reuse("replay", held)
+    assert reuse.cached > len(held) // 2
+    logits = stories.model.prefill("replay", held[reuse.tokens :])
+    fresh = stories.model.prefill("fresh", held)
+    assert int(np.argmax(to_np(logits))) == int(np.argmax(to_np(fresh)))
+    np.testing.assert_allclose(to_np(logits), to_np(fresh), rtol=1e-3, atol=1e-3)
+    for cache_id in ("replay", "fresh"):
+        stories.model.release(cache_id)
+    second.close()
+
+
+def test_a_draft_model_keeps_its_cache_in_step(stories_path, stories):
+    """The draft (here the same weights, so every greedy guess is right) is cut back and fed
+    the accepted tokens before each guess; its cache is released with the answer."""
+    draft = Engine.open(stories_path, backend="mlx").model
+    use_costs(draft, CHEAP, decode_time=1e-6)
+    use_costs(stories.model, CHEAP, decode_time=1.0)
+    setting = Speculate(DRAFT, draft, "stories")
+    for prompt in PROMPTS:
+        plain, _ = greedy_answer(stories, prompt, OFF, max_tokens=50)
+        fast, events = greedy_answer(stories, prompt, setting, max_tokens=50)
+        assert fast == plain
+        stats = done(events).speculation
+        assert stats["accepted"] == stats["proposed"] > 20, stats
+    assert draft.kv_used_tokens() == 0
+
+
+def test_sampled_tokens_follow_the_targets_distribution(stories_path):
+    """Temperature 1 on stories260K (512 ids): a fixed guess after the first token is kept or
+    replaced by the sampler's draw. The second token's frequencies match the model's own
+    softmax at that position (within 5 standard errors per frequent id), and so does the
+    first's, where no guess was made."""
+    engine = Engine.open(stories_path, backend="mlx")
+    model = engine.model
+    use_costs(model, CHEAP)
+    prompt = engine.tokenizer.encode("Once upon a time, there was a", add_special_tokens=True)
+    start = model.prefill("stats", prompt)
+    first_p = softmax(to_np(start))
+    first_id = int(np.argmax(first_p))
+    second_p = softmax(to_np(model.forward_verify("stats", [first_id])[0]))
+    model.truncate_kv("stats", len(prompt))
+    guess = int(np.argsort(second_p)[-2])  # the second most likely: kept often, rejected often
+    runs, firsts, seconds = 700, collections.Counter(), collections.Counter()
+    for seed in range(runs):
+        sampler = model.sampler(engine.default_sampling.replace(temperature=1.0, top_p=1.0, top_k=0, seed=seed))
+        speculator = Speculator(FixedGuess(guess), lambda: fixed_curve(CHEAP))
+        tokens = speculative_tokens(model, sampler, "stats", start, 3, speculator, prompt)
+        t1, t2 = next(tokens), next(tokens)
+        tokens.close()
+        model.truncate_kv("stats", len(prompt))
+        firsts[t1] += 1
+        if t1 == first_id:
+            seconds[t2] += 1
+    model.release("stats")
+    assert_follows(firsts, first_p)
+    assert sum(seconds.values()) > 150
+    assert_follows(seconds, second_p)
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
+    lookup = PromptLookup()
+    history = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4]
+    assert lookup.propose(history, 3) == Proposal([7, 8, 2], "ngram3")  # the latest "2 3 4"
+    assert lookup.propose([*history, 6], 2) is None  # 6 never occurred
+    assert lookup.propose([*history, 6, 4], 2) == Proposal([6, 4], "ngram1")  # the latest "4"
+    assert PromptLookup().propose([5, 5], 4) == Proposal([5], "ngram1")
+
+
+def test_the_controller_guesses_only_where_it_pays_and_stands_aside_after_misses():
+    cheap, costly = Controller(fixed_curve(CHEAP)), Controller(fixed_curve([1.0, 3.0, 3.5, 4.0]))
+    assert cheap.guesses("ngram3") == MAX_K and cheap.guesses(None) == 0
+    assert costly.guesses("ngram1") == 0
+    assert cheap.guesses("ngram3", available=2) == 2
+    for _ in range(6):
+        cheap.record("ngram1", 8, 0)
+    assert cheap.wait > 0 and cheap.guesses("ngram3") == 0
+    for _ in range(cheap.wait):
+        cheap.plain_token()
+    assert cheap.guesses("ngram3") == MAX_K
+    assert cheap.acceptance("ngram1") < 0.1
+
+
+def test_a_grammar_turns_speculation_off(stories):
+    sampling = stories.default_sampling.replace(temperature=0.0)
+    conv = stories.conversation(sampling=sampling, prepare=False, speculate=NGRAM, max_tokens=30)
+    events = list(conv.send("Give me a JSON object", response_format="json"))
+    assert done(events).speculation is None
+    conv.close()
+
+
+def test_settings_refuse_unknown_speculation_and_never_copy_a_draft():
+    with pytest.raises(FerrumError, match="choose auto, ngram, draft:MODEL or off"):
+        Speculate.parse("fast")
+    with pytest.raises(FerrumError, match="load the draft model first"):
+        Speculate.parse("draft:qwen3:0.6b")
+    model = object()
+    settings = ChatSettings(speculate=Speculate(DRAFT, model, "x"))
+    assert dataclasses.asdict(settings)["speculate"].draft_model is model
+    assert str(settings.replace(max_tokens=3).speculate) == "draft:x"
+
+
+class FixedGuess:
+    """A proposer that always guesses one given token."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def peek(self, history):
+        return "fixed"
+
+    def propose(self, history, k):
+        return Proposal([self.token], "fixed")
+
+    def close(self):
+        pass
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits.astype(np.float64) - logits.max())
+    return z / z.sum()
+
+
+def assert_follows(counts: collections.Counter, p: np.ndarray) -> None:
+    n = sum(counts.values())
+    for token in np.argsort(p)[-8:]:
+        expected = p[token]
+        if expected * n < 10:
+            continue
+        got = counts[int(token)] / n
+        sigma = math.sqrt(expected * (1 - expected) / n)
+        assert abs(got - expected) < 5 * sigma + 1e-3, (int(token), got, expected, n)

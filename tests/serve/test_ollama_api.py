@@ -411,6 +411,11 @@ def smollm2(smollm2_gguf):
 def test_format_schema_answers_validate(smollm2):
     import jsonschema
 
+    shown = smollm2.show("smollm2")  # the GGUF's own template and facts
+    assert "<|im_start|>" in shown.template and f'TEMPLATE """{shown.template}"""' in shown.modelfile
+    assert shown.details.quantization_level == "Q4_1" and shown.details.parameter_size == "135M"
+    assert "temperature 0.2" in shown.parameters  # its authors' recommendation, as the server samples
+
     answer = smollm2.chat(
         model="smollm2",
         messages=[{"role": "user", "content": "Describe a person as JSON."}],

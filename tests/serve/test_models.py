@@ -99,7 +99,7 @@ def test_an_idle_model_unloads_after_its_keep_alive_and_its_memory_returns(two):
     after = settled_rss(below=before + 0.3 * (held - before))
     print(f"RSS: {before:.0f} MiB idle, {held:.0f} MiB with SmolLM2 loaded, {after:.0f} MiB after it unloaded")
     assert held - before > 200  # the model's weights and KV pool
-    assert after - before < 0.3 * (held - before)  # at least 70% back (12 to 93 MiB stay, by the heap)
+    assert after - before < 0.3 * (held - before)  # most of it back; what stays depends on the C heap
     ids = [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]]
     assert SMOLLM2 in ids and httpx.get(live.url + "/health").json()["status"] == "ok"
 

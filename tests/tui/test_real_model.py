@@ -48,6 +48,15 @@ async def test_real_engine_answers_reuses_and_truncates_its_cache(smollm2_gguf, 
         assert 0 < edited.stats["cached_tokens"] < second.stats["cached_tokens"]
         assert [m.content for m in history.messages(chat.id)][0] == "What is the capital of Italy?"
 
+        # back to the first branch: the prefix cache still holds it, so only the new turn is computed
+        app.chat.query(MessageView).first().focus()
+        await pilot.press("left")
+        await wait_for(pilot, lambda: len(history.messages(chat.id)) == 4, what="the first branch")
+        await send(pilot, "And of Germany?", timeout=60)
+        third = history.messages(chat.id)[-1]
+        assert [m.content for m in history.messages(chat.id)][2] == "And of Spain?"
+        assert third.stats["cached_tokens"] > second.stats["cached_tokens"]
+
 
 def chat_command() -> list[str]:
     script = Path(sys.executable).parent / "ferrum-chat"
@@ -78,7 +87,9 @@ def test_ferrum_chat_in_tmux(smollm2_gguf, tmp_path):
     command = chat_command() + [str(smollm2_gguf), "--db", str(db), "--max-tokens", str(MAX_TOKENS)]
     shell = f"{shlex.join(command)}; echo $? > {exit_file}; sleep 30"  # (Textual draws on stderr)
     session = f"ferrum-chat-test-{tmp_path.name}"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "110", "-y", "32", shell], check=True)
+    (tmp_path / "notes.txt").write_text("The lighthouse lamp needs oil.\nThe keeper's cat is grey.\n")
+    tmux = ["tmux", "new-session", "-d", "-s", session, "-x", "110", "-y", "32", "-c", str(tmp_path), shell]
+    subprocess.run(tmux, check=True)
     try:
         wait_for_screen(session, lambda s: "mlx ·" in s, 120, "the model to load")
         subprocess.run(["tmux", "send-keys", "-t", session, "What is the capital of France?", "Enter"], check=True)
@@ -88,6 +99,21 @@ def test_ferrum_chat_in_tmux(smollm2_gguf, tmp_path):
         answer = lines[assistant + 1].split("▕")[-1].strip()
         assert answer and "tok/s" not in answer, screen
         assert "What is the capital of France?" in screen
+
+        def keys(*sent: str) -> None:
+            subprocess.run(["tmux", "send-keys", "-t", session, *sent], check=True)
+
+        keys("Summarise @no", "Tab")  # the path completes; the file goes as a chip
+        wait_for_screen(session, lambda s: "@notes.txt" in s, 10, "the completed path")
+        keys("Enter")
+        wait_for_screen(session, lambda s: "📎 notes.txt · 2 lines" in s and s.count("tok/s ·") >= 2, 90, "answer 2")
+        keys("C-r")  # regenerate: the old answer stays as a branch
+        wait_for_screen(session, lambda s: "‹ 2/2 ›" in s, 90, "the regenerated answer")
+        keys("C-f")
+        wait_for_screen(session, lambda s: "Search every conversation" in s, 10, "the search screen")
+        keys("capital")
+        wait_for_screen(session, lambda s: " found" in s and "nothing found" not in s, 10, "the search result")
+        keys("Escape")
         subprocess.run(["tmux", "send-keys", "-t", session, "C-q"], check=True)
         end = time.monotonic() + 20
         while not exit_file.exists() or not exit_file.read_text().strip():
@@ -99,6 +125,8 @@ def test_ferrum_chat_in_tmux(smollm2_gguf, tmp_path):
     history = History.open(db)
     try:
         chat = history.conversations()[0]
-        assert [m.role for m in history.messages(chat.id)] == ["user", "assistant"]
+        path = history.messages(chat.id)
+        assert [m.role for m in path] == ["user", "assistant", "user", "assistant"]
+        assert "The keeper's cat is grey." in path[2].content and path[3].branch == (2, 2)
     finally:
         history.close()

@@ -670,7 +670,15 @@ def routes(server) -> list[Route]:
         Route("/api/ps", ollama.ps, methods=["GET"]),
         Route("/api/pull", ollama.pull, methods=["POST"]),
         Route("/api/delete", ollama.delete, methods=["DELETE"]),
-    ]
+    ] + [Route(path, not_offered, methods=["GET", "POST", "HEAD", "DELETE"]) for path in NOT_OFFERED]
+
+
+# Ollama's routes this server has no counterpart for: answered with a 404 that says so.
+NOT_OFFERED = ("/api/embed", "/api/embeddings", "/api/create", "/api/copy", "/api/push", "/api/blobs/{digest}")
+
+
+async def not_offered(http: Request) -> Response:
+    raise api.ApiError(404, f"ferrum serve does not offer Ollama's {http.url.path[:64]}")
 
 
 class OllamaRoutes:

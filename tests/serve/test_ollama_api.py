@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import ollama
 import pytest
-from serve_support import LiveServer, open_stories
+from serve_support import API_KEY, LiveServer, open_stories
 
 from ferrum_mac.engine import ReasoningDelta
 from ferrum_mac.serve import ollama_api as oa
@@ -266,6 +266,17 @@ def test_bad_json_and_unknown_routes_take_ollamas_shape(server):
 def test_the_body_limit_holds_on_ollamas_routes(server):
     big = json.dumps({"model": MODEL, "prompt": "x" * (5 * 2**20)})
     assert "is over 4194304 bytes" in error_of(httpx.post(server.url + "/api/generate", content=big, timeout=60), 413)
+
+
+def test_ollamas_routes_without_a_counterpart_say_so(server):
+    response = httpx.post(server.url + "/api/embed", json={"model": MODEL, "input": "x"})
+    assert error_of(response, 404) == "ferrum serve does not offer Ollama's /api/embed"
+
+
+def test_the_api_key_guards_ollamas_routes(keyed_server):
+    assert error_of(httpx.post(keyed_server.url + "/api/chat", json={"model": MODEL, "messages": ASK}), 401)
+    client = ollama.Client(host=keyed_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert client.chat(model=MODEL, messages=ASK, options=GREEDY).done
 
 
 def test_curl_style_bodies_without_a_json_content_type_are_read(server):

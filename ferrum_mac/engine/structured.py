@@ -129,12 +129,14 @@ class Constraints:
         A required call's JSON comes right after the opener the prompt ends with (`prefilled`), or
         with its markers after the model's reasoning; with "auto" the answer is free until the
         model writes its family's opener, then the calls are constrained (None for Llama's bare
-        JSON, whose opener is the call itself). With `tools.parallel` one or more calls, else one.
-        A parameters schema the engine cannot compile is a `GrammarError`."""
+        JSON, whose opener is the call itself). With `tools.parallel` one or more calls ("auto"
+        and "required"; a named function is called once), else one. A parameters schema the
+        engine cannot compile is a `GrammarError`."""
         if not tools.forced and not fmt.forced_prefix:
             return None
         opened = prefilled or not tools.forced or fmt.closer is None
-        head, between, tail = fmt.calls_markup(opened, tools.parallel)
+        many = tools.parallel and tools.choice in ("auto", "required")
+        head, between, tail = fmt.calls_markup(opened, many)
         grammar = compile_grammar(tool_calls_grammar(tools.forced or tools.functions, head, between, tail), self.vocab)
         if not tools.forced:
             return GrammarMatcher(grammar, self.tokenizer.encode(fmt.opener, add_special_tokens=False))

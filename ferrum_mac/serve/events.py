@@ -12,22 +12,11 @@ from dataclasses import asdict, dataclass
 
 from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDelta, TextDelta
 from ferrum_mac.serve.request import Failed
-from ferrum_mac.text.tool_calls import StreamingToolParser, ToolCall, ToolFormat
+from ferrum_mac.text.tool_calls import StreamingToolParser, ToolCall, ToolCallDelta, ToolFormat, calls_of
 
 # Why an answer ended, in the words the API modules translate into their own.
 STOP, LENGTH, TOOL_CALLS = "stop", "length", "tool_calls"
 FINISH_CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """A piece of call number `index`: the first piece has its `id` and `name`, later ones
-    (if any) only more `arguments` (JSON text, whole once every piece has come)."""
-
-    index: int
-    id: str | None
-    name: str | None
-    arguments: str
 
 
 @dataclass(frozen=True)
@@ -53,16 +42,22 @@ AnswerEvent = TextDelta | ReasoningDelta | ToolCallDelta | Done | Failed
 
 
 class ToolCalls:
-    """Splits an answer's text into text and calls as it arrives. Without a format (no tools) it
-    passes text through untouched. `prefix`: what the prompt already opened the answer with (a
-    forced call's opener); `parallel` False keeps only the first call."""
+    """Splits an answer's text into text and calls as it arrives, each call's arguments streamed
+    as the model writes them (`ToolCallDelta`s). Without a format (no tools) it passes text
+    through untouched. `prefix`: what the prompt already opened the answer with (a forced call's
+    opener); `parallel` False keeps only the first call."""
 
     def __init__(self, fmt: ToolFormat | None, parallel: bool = True, prefix: str = ""):
-        self.parser = StreamingToolParser(fmt) if fmt is not None else None
+        self.parser = StreamingToolParser(fmt, stream_arguments=True) if fmt is not None else None
         self.parallel = parallel
-        self.calls: list[ToolCall] = []
+        self.pieces: list[ToolCallDelta] = []
         if self.parser is not None and prefix:
             self.parser.feed(prefix)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls so far (the last one's arguments as far as they have come)."""
+        return calls_of(self.pieces)
 
     def feed(self, text: str) -> list[TextDelta | ToolCallDelta]:
         if self.parser is None:
@@ -79,18 +74,7 @@ class ToolCalls:
             if isinstance(item, str):
                 if item:
                     out.append(TextDelta(item))
-            elif self.parallel or not self.calls:
-                self.calls.append(item)
-                out.append(ToolCallDelta(len(self.calls) - 1, item.id, item.name, item.arguments))
+            elif self.parallel or item.index == 0:
+                self.pieces.append(item)
+                out.append(item)
         return out
-
-
-def calls_of(deltas: list[ToolCallDelta]) -> list[ToolCall]:
-    """Whole calls from their pieces, in index order."""
-    heads: dict[int, ToolCallDelta] = {}
-    arguments: dict[int, list[str]] = {}
-    for d in deltas:
-        if d.index not in heads:
-            heads[d.index] = d
-        arguments.setdefault(d.index, []).append(d.arguments)
-    return [ToolCall(heads[i].name or "", "".join(arguments[i]), heads[i].id or "") for i in sorted(heads)]

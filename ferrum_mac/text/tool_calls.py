@@ -11,8 +11,10 @@ Families (picked from the template's source by `tool_format`):
     parser = StreamingToolParser(tool_format(template.source))
     for piece in generated_text: for event in parser.feed(piece): ...   # then parser.finish()
 
-Events are `str` (answer text, never holding call markup) or `ToolCall`s, each whole: a call is only
-known to be one once it has been closed and parsed.
+Events are `str` (answer text, never holding call markup) and `ToolCall`s, each whole: a call is
+only known to be one once it has been closed and parsed. With `stream_arguments` the calls come
+in pieces instead, as OpenAI streams them: a `ToolCallDelta` with the call's id and name as soon
+as `{"name": ..., "arguments": ` has been read, then its arguments' JSON text as it is written.
 """
 
 from __future__ import annotations
@@ -40,6 +42,28 @@ class ToolCall:
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of call number `index` of an answer: the first piece has its `id` and `name`,
+    later ones (if any) only more `arguments` (JSON text, whole once every piece has come)."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+def calls_of(deltas: Sequence[ToolCallDelta]) -> list[ToolCall]:
+    """Whole calls from their pieces, in index order."""
+    heads: dict[int, ToolCallDelta] = {}
+    arguments: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.index not in heads:
+            heads[d.index] = d
+        arguments.setdefault(d.index, []).append(d.arguments)
+    return [ToolCall(heads[i].name or "", "".join(arguments[i]), heads[i].id or "") for i in sorted(heads)]
 
 
 @dataclass(frozen=True)
@@ -131,14 +155,18 @@ def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str, list[ToolCall]]:
 class StreamingToolParser:
     """Splits streamed answer text into text and calls. Text that may be the start of an opener
     is held back until it is clearly not, so markup never reaches the text; a call that does not
-    parse comes out as text at its end (the model wrote something else)."""
+    parse comes out as text at its end (the model wrote something else), unless pieces of it
+    were streamed already (`stream_arguments`), which then stand as they are."""
 
-    def __init__(self, fmt: ToolFormat):
+    def __init__(self, fmt: ToolFormat, stream_arguments: bool = False):
         self.fmt = fmt
         self._pending = ""  # text held back: a possible opener, or a call's body
         self._opener: str | None = None  # the opener of the call being read
         self._started = False  # whether answer text (not whitespace) has come out yet
         self._after_call = False  # a call just closed: the whitespace separating calls is no text
+        self._stream = stream_arguments
+        self._index = 0  # calls of the answer so far (the next one's index)
+        self._body = _BodyStream()  # how much of the call's body has been streamed
 
     @property
     def in_call(self) -> bool:
@@ -201,6 +229,8 @@ class StreamingToolParser:
     def _scan_call(self, events: list) -> bool:
         closer = self.fmt.closer
         if closer is None or closer not in self._pending:
+            if self._stream:
+                events.extend(self._body.pieces(self._pending, self._next_index))
             return False
         body, _, rest = self._pending.partition(closer)
         self._end_call(body, events)
@@ -209,15 +239,90 @@ class StreamingToolParser:
 
     def _enter(self, opener: str, rest: str) -> None:
         self._opener, self._pending, self._started = opener, rest, True
+        self._body = _BodyStream()
+
+    def _next_index(self) -> int:
+        self._index += 1
+        return self._index - 1
 
     def _end_call(self, body: str, events: list) -> None:
         calls = self.fmt.parse_calls(body)
+        if self._stream:
+            events.extend(self._body.pieces(body, self._next_index))
+            streamed = self._body.heads
+            if calls is None and streamed:
+                calls = []  # its pieces are out already; the rest of the body is no text either
+            for call in (calls or [])[streamed:]:
+                events.append(ToolCallDelta(self._next_index(), call.id, call.name, call.arguments))
+        elif calls is not None:
+            events.extend(calls)
         if calls is None:
             events.append(body)  # without its opener: markup never reaches the text
         else:
-            events.extend(calls)
             self._after_call = True
         self._opener = None
+
+
+# A call's head as the grammar (and most models) write it; the arguments must be an object to be
+# streamed (some models write them as a JSON string, which is only parsed whole).
+_CALL_HEAD = re.compile(
+    r'[\s\[\]{},;]*?\{\s*"name"\s*:\s*"([a-zA-Z0-9_.-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+
+
+class _BodyStream:
+    """The pieces of a call's body read so far: each call's head once it is whole, then its
+    arguments object as far as it goes (a JSON scanner finds where the object ends)."""
+
+    def __init__(self):
+        self.at = 0  # how far into the body has been streamed
+        self.heads = 0  # calls whose head was streamed
+        self.depth = 0  # inside the arguments: bracket depth (0: not inside)
+        self.in_string = self.escaped = False
+
+    def pieces(self, body: str, next_index) -> list[ToolCallDelta]:
+        out: list[ToolCallDelta] = []
+        while True:
+            if self.depth == 0:
+                head = _CALL_HEAD.match(body, self.at)
+                if head is None:
+                    return out
+                self.at, self.depth, self.heads = head.end(), 0, self.heads + 1
+                self.index = next_index()
+                out.append(ToolCallDelta(self.index, new_call_id(), head.group(1), ""))
+                self.depth = -1  # at the arguments' first character
+            start, end = self.at, self._scan(body)
+            if end > start:
+                out.append(ToolCallDelta(self.index, None, None, body[start:end]))
+            if self.depth != 0:
+                return out
+
+    def _scan(self, body: str) -> int:
+        """Advance through the arguments' JSON; where it stopped (the body's end, or just past
+        the object's closing brace, then depth is 0)."""
+        if self.depth == -1:
+            self.depth = 0
+        i = self.at
+        while i < len(body):
+            ch = body[i]
+            i += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    break
+        self.at = i
+        return i
 
 
 def _first_opener(text: str, openers: Sequence[str]) -> tuple[int, str] | None:

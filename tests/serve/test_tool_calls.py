@@ -290,7 +290,7 @@ def test_required_call_streams_as_delta_tool_calls(smollm2_client):
     stream = smollm2_client.chat.completions.create(
         model="smollm2", messages=QUESTION, tools=TWENTY_TOOLS, tool_choice="required", max_tokens=160, stream=True
     )
-    content, calls, finish = [], {}, None
+    content, calls, finish, pieces = [], {}, None, 0
     for chunk in stream:
         choice = chunk.choices[0]
         content.append(choice.delta.content or "")
@@ -300,14 +300,16 @@ def test_required_call_streams_as_delta_tool_calls(smollm2_client):
                 assert call["id"] is None and not call["arguments"]  # id and name come first
                 call["id"], call["name"] = piece.id, piece.function.name
             call["arguments"] += piece.function.arguments or ""
+            pieces += bool(piece.function.arguments)
         finish = choice.finish_reason or finish
-    assert finish == "tool_calls" and len(calls) == 1
+    assert finish == "tool_calls" and len(calls) >= 1
     assert not any(m in "".join(content) for m in MARKUP)
+    assert pieces > len(calls)  # the arguments came as the model wrote them, not in one chunk a call
     import jsonschema
 
-    call = calls[0]
-    schema = next(t["function"]["parameters"] for t in TWENTY_TOOLS if t["function"]["name"] == call["name"])
-    jsonschema.validate(json.loads(call["arguments"]), schema)
+    for call in calls.values():
+        schema = next(t["function"]["parameters"] for t in TWENTY_TOOLS if t["function"]["name"] == call["name"])
+        jsonschema.validate(json.loads(call["arguments"]), schema)
 
 
 def test_auto_answer_never_leaks_markup(smollm2_server):
@@ -350,6 +352,9 @@ def test_auto_answer_is_free_until_the_model_opens_a_call_then_constrained(smoll
     for token in encode('{"name": "get_time", "arguments": {"zone": "UTC"}}'):
         assert _allowed(matcher, token)
         matcher.accept(token)
+    assert not matcher.is_complete()  # the call is closed as the family closes it
+    for token in encode("\n</tool_call>"):
+        matcher.accept(token)
     assert matcher.is_complete()
     wrong = server._tool_matcher(api.tool_request({"tools": TWENTY_TOOLS[:3]}), "", False)
     for token in encode("<tool_call>") + encode('{"name": "'):
@@ -380,6 +385,55 @@ def test_answers_keep_one_call_when_parallel_calls_are_off(parallel):
     assert all(h["function"]["arguments"] == "" and h["type"] == "function" for h in heads)
     assert not any("content" in d for d in deltas)
     assert stream.finish_reason(Done("eos", 1, 0, 1, 0.1, 10.0, 10.0)) == "tool_calls"
+
+
+STREAMED = [
+    ("hermes", "Let me see. " + TWO_CALLS, ["get_weather", "get_time"]),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+        ["get_weather", "get_time"],
+    ),
+    (
+        "llama3",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"zone": "UTC"}}',
+        ["get_weather", "get_time"],
+    ),
+]
+
+
+@pytest.mark.parametrize("family, text, names", STREAMED, ids=[s[0] for s in STREAMED])
+def test_arguments_stream_as_they_are_written(family, text, names):
+    """Fed a character at a time, each call's id and name come once its head is read, then its
+    arguments in pieces; together they are the call, and no markup is text."""
+    from ferrum_mac.serve.events import ToolCalls
+    from ferrum_mac.text.tool_calls import FORMATS, ToolCallDelta, calls_of
+
+    split = ToolCalls(FORMATS[family])
+    events = [e for ch in text for e in split.feed(ch)] + split.finish()
+    pieces = [e for e in events if isinstance(e, ToolCallDelta)]
+    text_out = "".join(e.text for e in events if not isinstance(e, ToolCallDelta))
+    assert text_out.strip() in ("", "Let me see.") and not any(m in text_out for m in MARKUP + ("[TOOL_CALLS]",))
+    heads = [p for p in pieces if p.id is not None]
+    assert [h.name for h in heads] == names and [h.index for h in heads] == [0, 1]
+    assert all(p.name is None for p in pieces if p.id is None)
+    assert len(pieces) > 2 * len(names) + 2  # many pieces, not one per call
+    calls = calls_of(pieces)
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}, {"zone": "UTC"}]
+
+
+def test_a_call_that_never_parses_is_text_and_a_cut_one_keeps_its_pieces():
+    from ferrum_mac.serve.events import ToolCalls
+    from ferrum_mac.text.tool_calls import FORMATS, HERMES, ToolCallDelta
+
+    split = ToolCalls(FORMATS[HERMES])
+    events = split.feed("<tool_call>\nnot a call\n</tool_call> ok") + split.finish()
+    assert "".join(e.text for e in events) == "\nnot a call\n ok" and not split.calls
+    cut = ToolCalls(FORMATS[HERMES])
+    events = cut.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U') + cut.finish()
+    assert all(isinstance(e, ToolCallDelta) for e in events)  # cut by the limit: the pieces stand
+    assert [(c.name, c.arguments) for c in cut.calls] == [("get_time", '{"zone": "U')]
 
 
 # -- Qwen3's own template and tokenizer (<tool_call> is one token there), on random weights -----

@@ -112,8 +112,7 @@ def model_name(body: dict) -> str:
     name = body.get("model", body.get("name"))
     if not isinstance(name, str) or not name.strip():
         raise bad("model is required")
-    name = name.strip()
-    return name.removesuffix(":latest") if name.endswith(":latest") else name
+    return name.strip().removesuffix(":latest")
 
 
 def name_sent(body: dict) -> str:

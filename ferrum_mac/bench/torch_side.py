@@ -277,7 +277,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 def decode_bytes_per_token(llm, context: int, quant: str | None = None) -> int:
     """Bytes one batch-1 decode step reads: the weights it uses and the KV cache of `context`
-    tokens (with `quant`, the linear layers packed; the MoE experts stay dense)."""
+    tokens (with `quant`, the linear layers and MoE experts packed; the router dense)."""
     from ferrum_mac.backends.torch.quant import ON_THE_FLY, ON_THE_FLY_GROUP, bytes_per_weight
 
     c = llm.model_config
@@ -291,8 +291,8 @@ def decode_bytes_per_token(llm, context: int, quant: str | None = None) -> int:
     per_layer = []
     for layer in range(c.num_layers):
         if moe is not None and moe.is_sparse(layer):
-            experts = moe.num_experts * c.hidden_size + moe.top_k * 3 * c.hidden_size * moe.intermediate_size
-            per_layer.append(attention * linear + experts * size)
+            router, experts = moe.num_experts * c.hidden_size, moe.top_k * 3 * c.hidden_size * moe.intermediate_size
+            per_layer.append((attention + experts) * linear + router * size)
         else:
             per_layer.append((attention + dense_mlp) * linear)
     weights = sum(per_layer) + c.vocab_size * c.hidden_size * linear + c.hidden_size * size  # head, one embedding row

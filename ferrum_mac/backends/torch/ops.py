@@ -168,7 +168,7 @@ class TritonOps(Ops):
         route is forced (`qwen3_moe.ROUTE`)."""
         from ferrum_mac.backends.torch.models import qwen3_moe
 
-        if qwen3_moe.ROUTE or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
+        if qwen3_moe.ROUTE or moe.experts.packed or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
             return super().sparse_moe(moe, x, residual)
         from ferrum_mac.backends.torch import triton_moe
 

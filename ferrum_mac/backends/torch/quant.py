@@ -187,16 +187,54 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 def concatenated(parts: list[Packed]) -> Packed | None:
     """Packed weights that read the same input, stacked along `out` (as `layers.fuse` stacks
     dense ones); None when their bits, groups or scale dtypes differ (per-layer overrides)."""
+    return per_expert_concatenated(parts, 1)
+
+
+def per_expert_concatenated(parts: list[Packed], experts: int) -> Packed | None:
+    """Stacked experts' packed weights side by side per expert (as `layers.fuse` puts dense
+    ones side by side): expert e's rows of each part in turn; None where they do not share
+    bits, groups and scale dtypes."""
     first = parts[0]
     if any((p.bits, p.group_size, p.scales.dtype) != (first.bits, first.group_size, first.scales.dtype) for p in parts):
         return None
+
+    def side_by_side(tensors: list[torch.Tensor]) -> torch.Tensor:
+        stacked = torch.cat([t.view(experts, -1, t.shape[-1]) for t in tensors], dim=1)
+        return stacked.reshape(-1, stacked.shape[-1])
+
     return Packed(
-        torch.cat([p.words for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        torch.cat([p.biases for p in parts]),
+        side_by_side([p.words for p in parts]),
+        side_by_side([p.scales for p in parts]),
+        side_by_side([p.biases for p in parts]),
         first.bits,
         first.group_size,
     )
+
+
+class ExpertStack:
+    """Stacked experts' weights `(experts, out, in)` kept packed, as one `Packed` of
+    `(experts * out, in)`; dequantized when used: all of them (`dense`), or only the experts a
+    step chose (`chosen`), in the model's `dtype`."""
+
+    def __init__(self, packed: Packed, experts: int, dtype: torch.dtype):
+        self.packed, self.experts, self.dtype = packed, experts, dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        rows, k = self.packed.shape
+        return self.experts, rows // self.experts, k
+
+    def dense(self) -> torch.Tensor:
+        return self.packed.dequantize(self.dtype).view(self.shape)
+
+    def chosen(self, ids: torch.Tensor) -> torch.Tensor:
+        """`(len(ids), out, in)`: expert ids[i]'s weight at i (ids on the device: no host sync)."""
+        experts, out, k = self.shape
+        parts = (t.view(experts, out, -1)[ids].reshape(len(ids) * out, -1) for t in self._tensors())
+        return Packed(*parts, self.packed.bits, self.packed.group_size).dequantize(self.dtype).view(len(ids), out, k)
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.packed.words, self.packed.scales, self.packed.biases
 
 
 class QuantLinear:

@@ -13,6 +13,7 @@ they load.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -94,10 +95,11 @@ class TensorSource:
             )
         return tensor.to(device=self.device, dtype=self.dtype)
 
-    def packed(self, module: str, shape: tuple[int, int]) -> quant.Packed | None:
+    def packed(self, module: str, shape: tuple[int, ...]) -> quant.Packed | None:
         """Linear `module`'s weight kept quantized, or None for a dense one: the file's own
         packing where it quantized the module (in bits and groups the kernels take: others are
-        dequantized), else quantized now where `on_the_fly` asks."""
+        dequantized), else quantized now where `on_the_fly` asks. Stacked experts' `(experts,
+        out, in)` come as one `(experts * out, in)`."""
         if module.endswith(".mlp.gate"):  # a MoE router: tiny, and the MoE kernels read it dense
             return None
         spec = self.config.quant_for(module)
@@ -105,12 +107,14 @@ class TensorSource:
             if not (self.keep_packed and quant.kernels_take(spec["bits"], spec["group_size"])):
                 return None
             parts = (self._raw(f"{module}.{part}") for part in ("weight", "scales", "biases"))
-            weight = quant.from_mlx(*parts, spec["bits"], spec["group_size"])
-        elif self.on_the_fly and shape[1] % quant.ON_THE_FLY_GROUP == 0:  # (as mlx-lm: other widths stay dense)
-            weight = quant.quantize(self.take(f"{module}.weight", shape), quant.ON_THE_FLY[self.on_the_fly])
+            flat = (t.reshape(-1, t.shape[-1]) for t in parts)
+            weight = quant.from_mlx(*flat, spec["bits"], spec["group_size"])
+        elif self.on_the_fly and shape[-1] % quant.ON_THE_FLY_GROUP == 0:  # (as mlx-lm: other widths stay dense)
+            dense = self.take(f"{module}.weight", shape)
+            weight = quant.quantize(dense.reshape(-1, shape[-1]), quant.ON_THE_FLY[self.on_the_fly])
         else:
             return None
-        if weight.shape != tuple(shape):
+        if weight.shape != (math.prod(shape[:-1]), shape[-1]):
             raise CorruptModelError(
                 f"{self.where}: tensor {module}.weight has shape {weight.shape}, expected {tuple(shape)} from the model's config"
             )

@@ -294,6 +294,54 @@ def test_open_model_quantizes_on_torch_and_refuses_elsewhere():
         ferrum_mac.open_model(source, backend="mlx", quant="4bit")
 
 
+@pytest.fixture(scope="module")
+def quantized_moe(zoo) -> Checkpoint:
+    """A tiny random Qwen3-MoE whose experts are stacked and quantized as mlx-lm stores them
+    (`switch_mlp`, 4-bit, group 32); the rest dense."""
+    mx = mlx_core()
+    from ferrum_mac.weights import config_from_dict
+    from ferrum_mac.weights.moe import moe_config
+    from ferrum_mac.weights.safetensors import canonical_name
+
+    hf = zoo.hf("qwen3_moe")  # (the session's tiny model of the family)
+    raw = {**hf.config.to_dict(), "quantization": {"group_size": 32, "bits": 4}}
+    config = config_from_dict(raw)
+    tensors = {}
+    for name, t in hf.state_dict().items():
+        name = canonical_name(name)
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = t.detach().clone()
+            continue
+        prefix = name.rsplit(".experts.", 1)[0] + ".switch_mlp"
+        inter = moe_config(config).intermediate_size
+        parts = {"down_proj": t} if name.endswith("down_proj") else {"gate_proj": t[:, :inter], "up_proj": t[:, inter:]}
+        for part, w in parts.items():
+            q, scales, biases = mx.quantize(mx.array(w.detach().numpy()), group_size=32, bits=4)
+            for suffix, array in (("weight", q), ("scales", scales), ("biases", biases)):
+                tensors[f"{prefix}.{part}.{suffix}"] = torch.from_numpy(np.array(array))
+    return Checkpoint(config, tensors, ASSETS / "random-qwen3-moe-4bit", "mlx-quantized")
+
+
+def test_packed_moe_experts_equal_them_dequantized(quantized_moe):
+    """Gathered (only the chosen experts dequantized: decode, short prompts) and grouped (all);
+    the dense model's short prompts take the grouped route, so they agree to float32's rounding."""
+    models = {}
+    for packed in (True, False):
+        c = quantized_moe
+        copy = Checkpoint(c.config, dict(c.tensors), c.path, c.format)
+        models[packed] = TorchLLM(copy, dtype="float32", device="cpu", kv_capacity=64, packed=packed)
+    experts = models[True].model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up, quant.ExpertStack) and experts.route(8) == "gathered"
+    assert isinstance(models[False].model.layers[0].mlp.experts.gate_up, torch.Tensor)
+    short, long = [1, 40, 26, 35, 4], [1 + (7 * i) % 300 for i in range(24)]  # long: 96 pairs, all experts dequantized
+    for prompt in (short, long):
+        got, want = (m.prefill("p", prompt) for m in (models[True], models[False]))
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        for m in models.values():
+            m.release("p")
+    assert ferrum_greedy(models[True], "g", short, 8) == ferrum_greedy(models[False], "g", short, 8)
+
+
 def test_the_smollm2_gguf_packed_equals_it_dequantized(smollm2_gguf):
     """Its first 2 of 30 layers: on this CPU every matmul of the packed path dequantizes its
     weight, which is too slow for the suite over a whole model."""

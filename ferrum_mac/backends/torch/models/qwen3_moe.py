@@ -88,18 +88,62 @@ class Router:
         return experts, weights.to(x.dtype)
 
 
+def packed_expert_weights(src: TensorSource, prefix: str, moe: MoeConfig, hidden: int):
+    """gate_up `(E, 2I, H)` and down `(E, H, I)` kept packed (`quant.ExpertStack`), where an
+    mlx-lm or GGUF checkpoint quantized its experts or `on_the_fly` asks; else None."""
+    from ferrum_mac.backends.torch.quant import (
+        ON_THE_FLY,
+        ON_THE_FLY_GROUP,
+        ExpertStack,
+        per_expert_concatenated,
+        quantize,
+    )
+
+    E, inter, name = moe.num_experts, moe.intermediate_size, f"{prefix}.switch_mlp"
+    if not src.has(f"{name}.gate_proj.weight"):  # the dense layouts, quantized here if asked
+        if not src.on_the_fly or hidden % ON_THE_FLY_GROUP or inter % ON_THE_FLY_GROUP:
+            return None
+        bits = ON_THE_FLY[src.on_the_fly]
+        stacks = expert_weights(src, prefix, moe, hidden)
+        return tuple(ExpertStack(quantize(w.reshape(-1, w.shape[-1]), bits), E, src.dtype) for w in stacks)
+    shapes = {"gate_proj": (E, inter, hidden), "up_proj": (E, inter, hidden), "down_proj": (E, hidden, inter)}
+    gate, up, down = (src.packed(f"{name}.{part}", shape) for part, shape in shapes.items())
+    if gate is None or up is None or down is None:
+        return None
+    gate_up = per_expert_concatenated([gate, up], E)  # each expert's gate rows, then its up rows
+    if gate_up is None:
+        return None
+    return ExpertStack(gate_up, E, src.dtype), ExpertStack(down, E, src.dtype)
+
+
 class Experts:
     """Every expert's SwiGLU MLP over the token-expert pairs the router chose. The router's
-    weight scales each pair before the (linear) down projection, in SwiGLU's kernel."""
+    weight scales each pair before the (linear) down projection, in SwiGLU's kernel. Packed
+    experts (`quant.ExpertStack`) are dequantized as used: the chosen ones (gathered), or all."""
 
     def __init__(self, src: TensorSource, prefix: str, moe: MoeConfig, hidden: int):
-        self.gate_up, self.down = expert_weights(src, prefix, moe, hidden)
+        self.packed = packed_expert_weights(src, prefix, moe, hidden)
+        self.gate_up, self.down = self.packed or expert_weights(src, prefix, moe, hidden)
         self.num_experts, self.inter = moe.num_experts, moe.intermediate_size
-        self.grouped_ok = grouped_mm_runs(self.gate_up)
+        self.grouped_ok = grouped_mm_runs(torch.empty(0, dtype=src.dtype, device=src.device))
+
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert's gate_up and down, dense."""
+        if self.packed:
+            return self.gate_up.dense(), self.down.dense()
+        return self.gate_up, self.down
+
+    def chosen(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up and down of the `experts` (one per pair), dense."""
+        if self.packed:
+            return self.gate_up.chosen(experts), self.down.chosen(experts)
+        return self.gate_up[experts], self.down[experts]
 
     def route(self, pairs: int) -> str:
         if ROUTE:
             return ROUTE
+        if self.packed and pairs <= GATHER_MAX_PAIRS:  # dequantizes only the chosen experts
+            return "gathered"
         if self.grouped_ok:
             return "grouped"
         return "gathered" if pairs <= GATHER_MAX_PAIRS else "dense"
@@ -120,22 +164,25 @@ class Experts:
         ids = experts[order]
         ends = torch.searchsorted(ids, torch.arange(self.num_experts, device=ids.device), right=True).int()
         rows = x[order // k]
-        a = ops.swiglu(F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends), weights[order, None])
-        y = F.grouped_mm(a, self.down.transpose(1, 2), offs=ends)
+        gate_up, down = self.stacks()
+        a = ops.swiglu(F.grouped_mm(rows, gate_up.transpose(1, 2), offs=ends), weights[order, None])
+        y = F.grouped_mm(a, down.transpose(1, 2), offs=ends)
         return torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
 
     def gathered(self, x, experts, weights, ops: Ops) -> torch.Tensor:
         (T, hidden), k = x.shape, experts.numel() // x.shape[0]
         rows = x[:, None, :].expand(T, k, hidden).reshape(T * k, hidden, 1)
-        a = ops.swiglu(torch.bmm(self.gate_up[experts], rows)[..., 0], weights[:, None])
-        return torch.bmm(self.down[experts], a[:, :, None])[..., 0]
+        gate_up, down = self.chosen(experts)
+        a = ops.swiglu(torch.bmm(gate_up, rows)[..., 0], weights[:, None])
+        return torch.bmm(down, a[:, :, None])[..., 0]
 
     def dense(self, x, experts, weights, ops: Ops) -> torch.Tensor:
         T, E = x.shape[0], self.num_experts
         routing = torch.zeros(T, E, dtype=x.dtype, device=x.device).scatter_(1, experts, weights)
-        gate_up = F.linear(x, self.gate_up.view(E * 2 * self.inter, -1)).view(T, E, -1)
+        gate_up, down = self.stacks()
+        gate_up = F.linear(x, gate_up.view(E * 2 * self.inter, -1)).view(T, E, -1)
         a = ops.swiglu(gate_up, routing[:, :, None])  # (T, E, I), zero for experts not chosen
-        return torch.bmm(self.down, a.permute(1, 2, 0)).sum(dim=0).t()
+        return torch.bmm(down, a.permute(1, 2, 0)).sum(dim=0).t()
 
 
 class SparseMoe:

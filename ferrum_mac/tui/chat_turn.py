@@ -9,8 +9,9 @@ from __future__ import annotations
 import threading
 import time
 
-from ferrum_mac.engine import Done, Notice, ReasoningDelta, TextDelta
+from ferrum_mac.engine import Done, Notice, ReasoningDelta, TextDelta, ToolCallRequested
 from ferrum_mac.tui.messages import AnswerChunk, AnswerDone, AnswerFailed, AnswerNotice
+from ferrum_mac.tui.tool_turn import ToolCallsRequested, answer_events
 
 BATCH_SECONDS = 0.05
 
@@ -67,17 +68,18 @@ def context_used(conv, done: Done) -> int:
     return len(conv.ledger) or done.prompt_tokens + done.cached_tokens + done.generated_tokens
 
 
-def run_turn(conv, history: list[dict], text: str, cancel: threading.Event, post) -> None:
+def run_turn(conv, history: list[dict], text: str | None, cancel: threading.Event, post, tools=None) -> None:
     """Answer `text` after `history` (the chat's earlier messages, as the engine takes them).
 
     The conversation's messages are set to `history` first: the engine keeps the cache's
     common prefix with the new prompt and prefills the rest (an edited or regenerated turn
-    truncates the cache to where it changed).
+    truncates the cache to where it changed). `tools`: what the model may call (a `Toolbox`);
+    `text` None: the answer to the tool results `history` ends with.
     """
     batch = Batcher(post)
     try:
         conv.messages = list(history)
-        for event in conv.send(text, cancel):
+        for event in answer_events(conv, text, cancel, tools):
             if isinstance(event, TextDelta):
                 batch.add(text=event.text)
             elif isinstance(event, ReasoningDelta):
@@ -85,6 +87,8 @@ def run_turn(conv, history: list[dict], text: str, cancel: threading.Event, post
             elif isinstance(event, Notice):
                 batch.flush()
                 post(AnswerNotice(event.text))
+            elif isinstance(event, ToolCallRequested):
+                post(ToolCallsRequested(event.calls))
             elif isinstance(event, Done):
                 batch.flush()
                 answer = conv.messages[-1]

@@ -22,6 +22,7 @@ from textual.widgets import Footer, Label, Static
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.tui.attachments import at_paths, message_text, read_attachment, split_message
 from ferrum_mac.tui.chat_settings import engine_settings, stored_settings
+from ferrum_mac.tui import tool_turn
 from ferrum_mac.tui.chat_turn import run_turn
 from ferrum_mac.tui.token_count import count_tokens
 from ferrum_mac.tui.messages import (
@@ -82,6 +83,7 @@ class ChatScreen(Screen):
         self.editing_id: int | None = None  # the user message being edited, if any
         self.show_reasoning = False
         self.status_shown = 0.0  # when the streaming figures were last shown
+        self.tool_calls: tuple = ()  # the calls of the answer being streamed
         self.pending_tokens = 0  # what the prompt's attachments will add to the context
         self.turn_context = 0  # tokens held before the answer being streamed: earlier turns and the new message
 
@@ -129,6 +131,8 @@ class ChatScreen(Screen):
             self.call_after_refresh(self.focus_message, at_message)
 
     def message_widget(self, m):
+        if m.role in tool_turn.TOOL_ROLES:
+            return tool_turn.tool_widget(m)
         if m.role in NOTICE_ROLES:
             return NoticeLine(m.content, error=m.role == "error")
         return MessageView(
@@ -153,8 +157,9 @@ class ChatScreen(Screen):
         app = self.app
         status.show_model(app.model_name, app.device_text)
         if not self.busy:  # while an answer streams, its own figures are shown (show_streaming)
-            status.show_speed(self.last_answer_stats().get("decode_tps"))
-            status.show_context(self.context_used(), self.capacity(), self.pending_tokens)
+            stats = self.last_answer_stats()
+            status.show_speed(stats.get("decode_tps"))
+            status.show_context(stats.get("context_used", 0), self.capacity(), self.pending_tokens)
         status.show_memory(app.memory_text())
 
     def capacity(self) -> int:
@@ -246,7 +251,25 @@ class ChatScreen(Screen):
         conv = self.app.resident.get(self.current_id, settings)
         self.turn_context = self.context_used() + count_tokens(self.app.engine, text)
         self.cancel_event = threading.Event()
-        self.app.engine_thread.run(run_turn, conv, earlier, text, self.cancel_event, self.post_message)
+        tools = tool_turn.registered_tools()
+        self.app.engine_thread.run(run_turn, conv, earlier, text, self.cancel_event, self.post_message, tools)
+
+    async def continue_after_tools(self) -> None:
+        """Stream the model's answer to the tool results the conversation now ends with."""
+        settings = engine_settings(self.app.engine, self.history.conversation(self.current_id).settings)
+        earlier = engine_messages(self.history.messages(self.current_id))
+        self.answer = MessageView("assistant", show_reasoning=self.show_reasoning)
+        messages = self.query_one(MessageList)
+        await messages.add(self.answer)
+        messages.anchor()
+        conv = self.app.resident.get(self.current_id, settings)
+        self.turn_context = self.context_used()
+        self.cancel_event = threading.Event()
+        tools = tool_turn.registered_tools()
+        self.app.engine_thread.run(run_turn, conv, earlier, None, self.cancel_event, self.post_message, tools)
+
+    def on_tool_calls_requested(self, event: tool_turn.ToolCallsRequested) -> None:
+        self.tool_calls = event.calls  # run once the answer is saved (on_answer_done)
 
     async def on_answer_chunk(self, event: AnswerChunk) -> None:
         if self.answer is not None:
@@ -275,6 +298,10 @@ class ChatScreen(Screen):
         await self.answer.finish(event.content, event.reasoning, answer_footer(stats), saved.id)
         self.answer.set_branch(saved.branch)
         self.turn_ended()
+        calls, self.tool_calls = self.tool_calls, ()
+        tools = tool_turn.registered_tools()
+        if calls and tools is not None:
+            self.run_worker(tool_turn.handle_calls(self, calls, tools))
 
     async def on_answer_failed(self, event: AnswerFailed) -> None:
         if self.answer is None:
@@ -558,9 +585,11 @@ def title_from(text: str) -> str:
 
 def engine_messages(stored) -> list[dict]:
     """The chat's messages as the engine takes them (notices and errors are not sent)."""
-    messages = []
+    messages: list[dict] = []
     for m in stored:
-        if m.role in SHOWN_ROLES:
+        if m.role in tool_turn.TOOL_ROLES:
+            tool_turn.add_tool_row(messages, m)
+        elif m.role in SHOWN_ROLES:
             message = {"role": m.role, "content": m.content}
             if m.reasoning:
                 message["reasoning_content"] = m.reasoning

@@ -129,6 +129,7 @@ class SearchHit:
 MATCH_START, MATCH_END = "\x02", "\x03"  # control characters no message text is shown with
 SNIPPET_WORDS = 12
 SEARCH_LIMIT = 50
+SEARCH_WORDS = 32  # a query's words past this are ignored (a pasted page is not a search)
 
 
 class History:
@@ -336,7 +337,7 @@ class History:
 def fts_query(text: str) -> str:
     """The person's words as an FTS5 query: every word, each as a prefix. Only word characters reach
     FTS5, so its query syntax (quotes, AND, NEAR, column filters) cannot be typed by accident."""
-    return " ".join(f'"{word}"*' for word in re.findall(r"\w+", text))
+    return " ".join(f'"{word}"*' for word in re.findall(r"\w+", text)[:SEARCH_WORDS])
 
 
 def stored_object(text: str | None) -> dict:

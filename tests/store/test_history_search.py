@@ -28,6 +28,7 @@ def test_search_finds_words_by_prefix_and_follows_deletes(tmp_path):
     # FTS5's own syntax is not the person's: quotes, operators and column filters are plain words
     assert history.search('"') == [] and history.search("content:bark OR") == []
     assert [h.title for h in history.search('("bark*')] == ["Dogs"]
+    assert [h.title for h in history.search("bark " * 5000)] == ["Dogs"]  # a pasted page: its first words
 
     history.delete(cats.id)
     assert history.search("purr") == []

@@ -168,12 +168,16 @@ class TritonOps(Ops):
         route is forced (`qwen3_moe.ROUTE`)."""
         from ferrum_mac.backends.torch.models import qwen3_moe
 
-        if qwen3_moe.ROUTE or moe.experts.packed or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
+        if qwen3_moe.ROUTE or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
             return super().sparse_moe(moe, x, residual)
         from ferrum_mac.backends.torch import triton_moe
 
         router, experts = moe.router, moe.experts  # (the gate has no bias)
         ids, weights = triton_moe.gate_route(x, router.gate.weight, router.top_k, router.renormalise)
+        if experts.packed:  # the same two kernels over packed experts
+            from ferrum_mac.backends.torch import triton_quant
+
+            return triton_quant.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
         return triton_moe.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ferrum_mac.backends.torch.quant import Packed
+from ferrum_mac.backends.torch.quant import ExpertStack, Packed
 from ferrum_mac.backends.torch.triton_gemv import gemv_splits
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
@@ -108,6 +108,51 @@ def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
     return out
 
 
+def experts_plus(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ExpertStack,
+                 down: ExpertStack, residual: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`triton_moe.experts_plus` over packed experts: residual + the router-weighted sum of
+    each token's chosen experts' SwiGLU MLPs, x `(T, H)`, ids/weights `(T, k)` -> `(T, H)`."""
+    return expert_down_sum_plus(expert_gate_up_swiglu(x, ids, weights, gate_up), ids, down, residual)
+
+
+def expert_gate_up_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ExpertStack,
+                          block_i: int = 16, block_h: int = 128) -> torch.Tensor:  # fmt: skip
+    """As `triton_moe.gate_up_swiglu` over a packed gate_up `(E, 2I, H)`: the pairs'
+    activations `(T * k, I)`, each chosen expert's weights read (and dequantized) once."""
+    (tokens, hidden), (_, top_k), (_, double, _) = x.shape, ids.shape, gate_up.shape
+    inter, packed = double // 2, gate_up.packed
+    assert x.stride(1) == 1 and ids.is_contiguous() and weights.is_contiguous()
+    pairs = tokens * top_k
+    out = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    _expert_gate_up_swiglu_kernel[(pairs, triton.cdiv(inter, block_i))](
+        x, x.stride(0), ids, weights, packed.words, packed.scales, packed.biases, out, tokens,
+        K=top_k, HIDDEN=hidden, INTER=inter, BITS=packed.bits, GROUP=packed.group_size,
+        TOKENS_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(tokens)), PAIRS_PAD=triton.next_power_of_2(pairs),
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_I=block_i, BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
+        PRECISION=precision(x), num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def expert_down_sum_plus(activations: torch.Tensor, ids: torch.Tensor, down: ExpertStack, residual: torch.Tensor,
+                         block_h: int = 16, block_i: int = 512) -> torch.Tensor:  # fmt: skip
+    """As `triton_moe.down_sum_plus` (split over the pairs) over a packed down `(E, H, I)`."""
+    (tokens, top_k), (_, hidden, inter), packed = ids.shape, down.shape, down.packed
+    assert activations.is_contiguous() and ids.is_contiguous() and residual.stride(1) == 1
+    block_i = min(block_i, triton.next_power_of_2(inter))
+    blocks = triton.cdiv(hidden, block_h)
+    assert tokens * blocks <= SPLIT_COUNTERS
+    out = torch.empty((tokens, hidden), dtype=residual.dtype, device=residual.device)
+    products = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=residual.device)
+    _expert_down_sum_plus_kernel[(tokens * top_k, blocks)](
+        activations, ids, packed.words, packed.scales, packed.biases, residual, residual.stride(0), products,
+        split_counters(residual.device), out,
+        K=top_k, HIDDEN=hidden, INTER=inter, BITS=packed.bits, GROUP=packed.group_size,
+        BLOCK_H=block_h, BLOCK_I=block_i, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
 def precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
@@ -126,6 +171,7 @@ def gemv_blocks(n: int, k: int, device: torch.device, bits: int) -> tuple[int, i
 
 if triton is not None:
     from ferrum_mac.backends.torch.triton_gemv import _finish_gemv, inverse_rms
+    from ferrum_mac.backends.torch.triton_moe import _swiglu_as_torch
     from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
 
     @triton.jit
@@ -273,3 +319,97 @@ if triton is not None:
             acc += tl.load(bias_ptr + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + row_ids[:, None].to(tl.int64) * N + columns[None, :]
         tl.store(out, acc.to(dtype), mask=live[:, None] & inside[None, :])
+
+    @triton.jit
+    def _expert_gate_up_swiglu_kernel(
+        x_ptr, x_row_stride, ids_ptr, weights_ptr, words_ptr, scales_ptr, biases_ptr, out_ptr, tokens,
+        K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+        TOKENS_PAD: tl.constexpr, PAIRS_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_I: tl.constexpr,
+        BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        # As triton_moe._gate_up_swiglu_kernel: one program per (pair, block of BLOCK_I
+        # intermediate columns); only the expert's first pair works, for every token that chose
+        # it. The expert's gate rows are rows expert * 2I + columns of the packed stack, its up
+        # rows INTER further.
+        pair, block = tl.program_id(0), tl.program_id(1)
+        expert = tl.load(ids_ptr + pair)
+        before = tl.arange(0, PAIRS_PAD)
+        earlier_ids = tl.load(ids_ptr + before, mask=before < pair, other=-1)
+        if tl.max((earlier_ids == expert).to(tl.int32), axis=0) == 0:
+            rows = tl.arange(0, TOKENS_PAD)
+            slots = tl.arange(0, K_PAD)
+            pairs = rows[:, None] * K + slots[None, :]
+            ids = tl.load(ids_ptr + pairs, mask=(rows[:, None] < tokens) & (slots[None, :] < K), other=-1)
+            hits = ids == expert
+            uses = tl.max(hits.to(tl.int32), axis=1) > 0
+            pair_of = tl.sum(tl.where(hits, pairs, 0), axis=1)
+            columns = block * BLOCK_I + tl.arange(0, BLOCK_I)
+            in_columns = columns < INTER
+            gate_rows = expert * (2 * INTER) + columns
+            gate = tl.zeros([TOKENS_PAD, BLOCK_I], dtype=tl.float32)
+            up = tl.zeros([TOKENS_PAD, BLOCK_I], dtype=tl.float32)
+            for start in range(0, HIDDEN, BLOCK_H):
+                hidden = start + tl.arange(0, BLOCK_H)
+                in_hidden = hidden < HIDDEN
+                x = tl.load(
+                    x_ptr + rows[:, None] * x_row_stride + hidden[None, :],
+                    mask=uses[:, None] & in_hidden[None, :],
+                    other=0.0,
+                )
+                wg = dequantized_tile(
+                    words_ptr, scales_ptr, biases_ptr, gate_rows, in_columns, hidden, in_hidden, HIDDEN, BITS, GROUP
+                ).to(x.dtype)
+                wu = dequantized_tile(
+                    words_ptr,
+                    scales_ptr,
+                    biases_ptr,
+                    gate_rows + INTER,
+                    in_columns,
+                    hidden,
+                    in_hidden,
+                    HIDDEN,
+                    BITS,
+                    GROUP,
+                ).to(x.dtype)
+                gate = tl.dot(x, tl.trans(wg), gate, input_precision=PRECISION)
+                up = tl.dot(x, tl.trans(wu), up, input_precision=PRECISION)
+            weight = tl.load(weights_ptr + pair_of, mask=uses, other=0.0).to(tl.float32)
+            out = _swiglu_as_torch(gate, up, weight[:, None], out_ptr.dtype.element_ty)
+            tl.store(
+                out_ptr + pair_of[:, None] * INTER + columns[None, :], out, mask=uses[:, None] & in_columns[None, :]
+            )
+
+    @triton.jit
+    def _expert_down_sum_plus_kernel(
+        activations_ptr, ids_ptr, words_ptr, scales_ptr, biases_ptr, residual_ptr, residual_row_stride, products_ptr,
+        counters_ptr, out_ptr,
+        K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+    ):  # fmt: skip
+        # As triton_moe._down_split_sum_plus_kernel: one program per (pair, block of BLOCK_H
+        # hidden columns), its expert's rows (expert * H + columns of the packed stack) dotted
+        # with the pair's activation into `products`; the last of a token's K programs for the
+        # block sums them in slot order and adds the residual.
+        pair, block = tl.program_id(0), tl.program_id(1)
+        token = pair // K
+        columns = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        in_columns = columns < HIDDEN
+        expert = tl.load(ids_ptr + pair)
+        rows = expert * HIDDEN + columns
+        acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+        for start in range(0, INTER, BLOCK_I):
+            inner = start + tl.arange(0, BLOCK_I)
+            in_inner = inner < INTER
+            a = tl.load(activations_ptr + pair * INTER + inner, mask=in_inner, other=0.0).to(tl.float32)
+            w = dequantized_tile(
+                words_ptr, scales_ptr, biases_ptr, rows, in_columns, inner, in_inner, INTER, BITS, GROUP
+            )
+            acc += (
+                w.to(activations_ptr.dtype.element_ty).to(tl.float32) * a[None, :]
+            )  # (the weight as the torch path rounds it)
+        tl.store(products_ptr + pair * HIDDEN + columns, tl.sum(acc, axis=1), mask=in_columns)
+        if arrived_last(counters_ptr + token * tl.num_programs(1) + block, K):
+            products = sum_of_splits(products_ptr, token * K * HIDDEN + columns, in_columns, K, HIDDEN)
+            residual = tl.load(residual_ptr + token * residual_row_stride + columns, mask=in_columns, other=0.0)
+            out = residual.to(tl.float32) + products
+            tl.store(out_ptr + token * HIDDEN + columns, out.to(residual.dtype), mask=in_columns)

@@ -202,6 +202,27 @@ def test_a_decode_steps_ops_route_packed_linears_to_the_kernels(gpu_like):
         assert_near(op(triton_ops), op(torch_ops), dtype)
 
 
+@pytest.mark.interpreter
+@kernels
+def test_packed_experts_kernels_equal_torchs_route_over_them(gpu_like):
+    """gate_up + SwiGLU and down + sum over k + residual over packed experts, against the
+    gathered route over the same experts dequantized (tokens sharing experts included)."""
+    from ferrum_mac.backends.torch.pointwise import torch_swiglu
+
+    dtype, experts, hidden, inter, k = torch.bfloat16, 8, 64, 32, 4
+    gate_up = quant.ExpertStack(packed_random(experts * 2 * inter, hidden, 4, 32, dtype, 5), experts, dtype)
+    down = quant.ExpertStack(packed_random(experts * hidden, inter, 8, 32, dtype, 6), experts, dtype)
+    x, residual = torch.randn(3, hidden, dtype=dtype, device=DEVICE), torch.randn(3, hidden, dtype=dtype, device=DEVICE)
+    ids = torch.tensor([[0, 3, 5, 7], [3, 1, 0, 6], [2, 4, 5, 1]], dtype=torch.int32, device=DEVICE)
+    weights = torch.softmax(torch.randn(3, k, device=DEVICE), dim=-1).to(dtype)
+    chosen = ids.reshape(-1).long()
+    rows = x.repeat_interleave(k, dim=0)[:, :, None]
+    a = torch_swiglu(torch.bmm(gate_up.chosen(chosen), rows)[..., 0], weights.reshape(-1, 1))
+    assert_near(triton_quant.expert_gate_up_swiglu(x, ids, weights, gate_up), a, dtype)
+    want = residual + torch.bmm(down.chosen(chosen), a[:, :, None])[..., 0].view(3, k, hidden).sum(dim=1)
+    assert_near(triton_quant.experts_plus(x, ids, weights, gate_up, down, residual), want, dtype)
+
+
 # -- whole models -------------------------------------------------------------------------------
 
 # MLX-style overrides: layer 1's v_proj in 8 bits (its fused qkv mixes bits: dequantized at
@@ -340,6 +361,18 @@ def test_packed_moe_experts_equal_them_dequantized(quantized_moe):
         for m in models.values():
             m.release("p")
     assert ferrum_greedy(models[True], "g", short, 8) == ferrum_greedy(models[False], "g", short, 8)
+
+
+@pytest.mark.interpreter
+@kernels
+def test_a_decode_steps_moe_block_over_packed_experts_equals_torchs(quantized_moe, gpu_like):
+    """`TritonOps.sparse_moe` (router kernel, then the packed-expert kernels) on a real layer."""
+    c = quantized_moe
+    llm = TorchLLM(Checkpoint(c.config, dict(c.tensors), c.path, c.format), dtype="float32", device="cpu", packed=True)
+    moe = llm.model.layers[0].mlp
+    torch.manual_seed(0)
+    x, residual = (torch.randn(2, c.config.hidden_size) for _ in range(2))
+    assert_near(ops.TritonOps().sparse_moe(moe, x, residual), ops.Ops().sparse_moe(moe, x, residual), torch.float32)
 
 
 def test_the_smollm2_gguf_packed_equals_it_dequantized(smollm2_gguf):

@@ -14,6 +14,11 @@ random weights quantized affinely (group 64 as MLX's 4-bit checkpoints, 32 as GG
 - prefill: microseconds and TFLOP/s of 512 rows (the faster unpacking), beside cuBLAS in bf16
 - the decode step's matmuls summed over Qwen3-8B's 36 layers and its head: the tok/s those
   alone allow (attention, norms and launches come on top)
+- Qwen3-30B-A3B's MoE layer (128 experts, top 8, hidden 2048, intermediate 768) with packed
+  experts: `triton_quant.experts_plus` against torch's gathered route over the chosen experts
+  dequantized, and its microseconds at 1 and 8 tokens (calls cycling through random
+  routings), the chosen experts' packed bytes over that time, beside the bf16 kernels
+  (`triton_moe.experts_plus`) on the same routings; x 48 layers: the experts' share of a step
 
 `--sweep` also times other GEMV and matmul tile sizes. Exits 1 on a mismatch. Needs only torch
 (with its triton); from the repository root:
@@ -31,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_check import can_check, compare, cycling, graph_us, verdict  # noqa: E402  (this folder)
 
-from ferrum_mac.backends.torch import quant, triton_quant  # noqa: E402
+from ferrum_mac.backends.torch import pointwise, quant, triton_moe, triton_quant  # noqa: E402
 from ferrum_mac.backends.torch.layers import RmsNorm  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -48,6 +53,8 @@ SHAPES = [
 ]
 QUANTS = [(4, 64), (4, 32), (8, 64)]  # (bits, group)
 UNPACKS = ("gather", "words")
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER, MOE_LAYERS = 128, 8, 2048, 768, 48
+MOE_TOKENS = (1, 8)
 ROWS = (1, 4, 8)
 PREFILL_ROWS = 512
 SWEEP_GEMV = [(16, 256), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)]  # (block_n, block_k)
@@ -88,6 +95,12 @@ def main() -> int:
         print(
             f"{bits:>4} {group:>5}  {name:<15} {us:>8.1f} {flops / us / 1e6:>7.0f}  {dense_us:>14.1f} {dense_us / us:>5.2f}x"
         )
+    moe = [time_experts(tokens, bits, group) for tokens in MOE_TOKENS for bits, group in QUANTS]
+    print(f"\nQwen3-30B-A3B MoE layer, experts only (routings cycling)\n{'tokens':>6} {'bits':>4} {'group':>5} "
+          f"{'MB read':>8} {'packed us':>9} {'GB/s':>6} {'bf16 us':>8} {'speedup':>7} {'x48 ms':>7}")  # fmt: skip
+    for tokens, bits, group, read, us, dense_us in moe:
+        print(f"{tokens:>6} {bits:>4} {group:>5} {read / 1e6:>8.2f} {us:>9.2f} {read / us / 1e3:>6.0f} "
+              f"{dense_us:>8.2f} {dense_us / us:>6.2f}x {us * MOE_LAYERS / 1e3:>7.3f}")  # fmt: skip
     print(f"\nQwen3-8B decode step, its matmuls alone ({LAYERS} layers + head)")
     for bits, group in QUANTS:
         rows = [r for r in decode if r[:2] == (bits, group)]
@@ -103,6 +116,41 @@ def main() -> int:
         for bits, group, name, kernel, blocks, us in sweeps:
             print(f"{bits:>4} {group:>5}  {name:<15} {kernel:<12} {str(blocks):<22} {us:>8.2f}")
     return verdict()
+
+
+def time_experts(tokens: int, bits: int, group: int) -> tuple:
+    """(tokens, bits, group, the chosen experts' packed bytes per call, us per call packed, us
+    per call of the bf16 kernels), after checking the packed kernels against torch."""
+    E, H, inter = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
+    gate_up = quant.ExpertStack(
+        quant.quantize(torch.randn(E * 2 * inter, H, device="cuda", dtype=DTYPE) * H**-0.5, bits, group), E, DTYPE
+    )
+    down = quant.ExpertStack(
+        quant.quantize(torch.randn(E * H, inter, device="cuda", dtype=DTYPE) * inter**-0.5, bits, group), E, DTYPE
+    )
+    x, residual = (torch.randn(tokens, H, device="cuda", dtype=DTYPE) for _ in range(2))
+    routings = [
+        torch.stack([torch.randperm(E, device="cuda")[:MOE_TOP_K] for _ in range(tokens)]).int() for _ in range(16)
+    ]
+    weights = torch.softmax(torch.randn(tokens, MOE_TOP_K, device="cuda"), dim=-1).to(DTYPE)
+    ids = routings[0]
+    chosen = ids.reshape(-1).long()
+    rows = x.repeat_interleave(MOE_TOP_K, dim=0)[:, :, None]
+    a = pointwise.torch_swiglu(torch.bmm(gate_up.chosen(chosen), rows)[..., 0], weights.reshape(-1, 1))
+    want = residual + torch.bmm(down.chosen(chosen), a[:, :, None])[..., 0].view(tokens, MOE_TOP_K, H).sum(dim=1)
+    compare(
+        f"moe {bits}-bit g{group} tokens={tokens}",
+        triton_quant.experts_plus(x, ids, weights, gate_up, down, residual),
+        want,
+    )
+    us = graph_us(cycling(lambda r: triton_quant.experts_plus(x, r, weights, gate_up, down, residual), routings))
+    dense_gate_up, dense_down = gate_up.dense(), down.dense()
+    dense_us = graph_us(
+        cycling(lambda r: triton_moe.experts_plus(x, r, weights, dense_gate_up, dense_down, residual), routings)
+    )
+    experts_read = sum(r.unique().numel() for r in routings) / len(routings)
+    per_expert = (gate_up.packed.nbytes + down.packed.nbytes) / E
+    return tokens, bits, group, experts_read * per_expert, us, dense_us
 
 
 def weights(n: int, k: int, bits: int, group: int) -> list[quant.Packed]:

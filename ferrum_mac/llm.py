@@ -356,7 +356,7 @@ class DecoderOnlyLLM(abc.ABC):
         if isinstance(tokens, self.device_array_types):
             return
         ids = [tokens] if is_token_id(tokens) else host_tokens(cache_id, tokens)
-        if not all(map(is_token_id, ids)):
+        if not set(map(type, ids)) <= {int} and not all(map(is_token_id, ids)):  # (plain ints: the fast test)
             wrong = next(t for t in ids if not is_token_id(t))
             raise FerrumError(
                 f"token {wrong!r:.40} of sequence {cache_id!r} is not a token id (a whole number); "

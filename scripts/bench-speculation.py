@@ -1,12 +1,15 @@
 """Speculative decoding on and off, side by side, in one process on the same prompts.
 
-    python scripts/bench-speculation.py [MODEL] [--runs 2] [--backend auto] [--part edit,chat]
+    python scripts/bench-speculation.py [MODEL] [--runs 2] [--chat-runs 1] [--backend auto] [--part edit,chat]
 
-(a) edit: rewrite a ~300-token code block with one small change, temperature 0: prompt lookup
-    (`ngram`) against `off`, decode tok/s and whether the outputs are identical (goal: >= 1.8x);
+(a) edit: rewrite a ~300-token text block, then a ~270-token code block, with one small change,
+    temperature 0: prompt lookup (`ngram`) against `off`, decode tok/s and whether the outputs
+    are identical (goal: >= 1.8x). How much the model copies sets the gain: SmolLM2-135M copies
+    the text nearly word for word and rewrites parts of the code;
 (b) chat: ten varied questions with no repetition to copy: `auto` against `off` (goal: >= 0.98x).
 
-Runs alternate the order (off first, then on first) so neither side always runs warm. The rate
+The order alternates from prompt to prompt and run to run (off first, then on first) so
+neither side always runs warm. The rate
 is the answer's decode tok/s (tokens after the first over the time after the first), summed
 over the runs as total tokens over total time. The cost curve the controller measured
 (verify of k guesses / one decode step) is printed too.
@@ -55,7 +58,22 @@ def main():
     local = parse_config("local.conf")
     write_config("merged.conf", merge_configs(base, local))
 '''
-EDIT = f"Rewrite this Python code with the function merge_configs renamed to combine_configs. Output only the full code.\n\n```python\n{CODE}```"
+TEXT = """The river town of Alder Creek wakes up slowly. At six the baker opens the shutters and sets out \
+the first loaves of rye, still warm, on the long wooden counter. At half past six the ferryman checks the \
+ropes of his flat boat and waves to the fishermen who are already out on the river. The school bell rings \
+at eight, and children run along the river path with their bags bouncing on their backs. By nine the market \
+square is full: farmers sell apples, cheese and honey, and the old clockmaker repairs watches at a folding \
+table under a green umbrella. At noon the church bells ring twelve times and the whole town seems to pause \
+for lunch. In the afternoon the river is quiet, the ferry crosses only twice, and the library fills with \
+readers escaping the heat. Two old friends play chess on the bench by the bridge, and a dog sleeps in the \
+shade of the post office. At five the workshops close, the baker sweeps the floor, and the smell of supper \
+drifts from the open kitchen windows. When the sun sets behind the hills, the lamps along the river are lit \
+one by one, and the town goes to sleep as slowly as it woke up."""
+EDITS = {
+    "text": f'Repeat the following text exactly, but replace the word "river" with "stream" everywhere.\n\n{TEXT}',
+    "code": "Rewrite this Python code with the function merge_configs renamed to combine_configs. "
+    f"Output only the full code.\n\n```python\n{CODE}```",
+}
 QUESTIONS = (
     "Why is the sky blue?",
     "Give me three tips for sleeping better.",
@@ -85,8 +103,8 @@ def compare(engine, prompts, on: str, runs: int, max_tokens: int) -> dict:
     totals = {side: [0, 0.0] for side in ("off", on)}
     differ, accepted, proposed = 0, 0, 0
     for run in range(runs):
-        order = ("off", on) if run % 2 == 0 else (on, "off")
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            order = ("off", on) if (run + i) % 2 == 0 else (on, "off")
             texts = {}
             for side in order:
                 text, done = answer(engine, prompt, side, max_tokens)
@@ -116,6 +134,8 @@ def main() -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--part", default="edit,chat")
     parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--chat-runs", type=int, default=1)
+    parser.add_argument("--chat-tokens", type=int, default=120)
     args = parser.parse_args()
     engine = open_engine(args.model, backend=args.backend)
     print(f"model {engine.name or args.model} on {engine.device}")
@@ -123,14 +143,16 @@ def main() -> None:
     curve = cost_curve(engine.model).verify
     print("verify(k)/decode:", " ".join(f"k={k}:{c:.2f}" for k, c in enumerate(curve) if k))
     parts = args.part.split(",")
-    if "edit" in parts:
-        r = compare(engine, [EDIT], "ngram", args.runs, args.max_tokens)
-        print(
-            f"edit  off {r['off']:.1f} tok/s  ngram {r['ngram']:.1f} tok/s  {r['ratio']:.2f}x  "
-            f"acceptance {r['acceptance']:.2f} of {r['proposed']}  outputs differ: {r['differ']}"
-        )
+    for name, prompt in EDITS.items():
+        if "edit" in parts:
+            r = compare(engine, [prompt], "ngram", args.runs, args.max_tokens)
+            print(
+                f"edit ({name})  off {r['off']:.1f} tok/s  ngram {r['ngram']:.1f} tok/s  {r['ratio']:.2f}x  "
+                f"acceptance {r['acceptance']:.2f} of {r['proposed']}  outputs differ: {r['differ']}",
+                flush=True,
+            )
     if "chat" in parts:
-        r = compare(engine, QUESTIONS, "auto", args.runs, min(args.max_tokens, 200))
+        r = compare(engine, QUESTIONS, "auto", args.chat_runs, args.chat_tokens)
         print(
             f"chat  off {r['off']:.1f} tok/s  auto {r['auto']:.1f} tok/s  {r['ratio']:.2f}x  "
             f"acceptance {r['acceptance']:.2f} of {r['proposed']}  outputs differ: {r['differ']}"

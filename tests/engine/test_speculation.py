@@ -200,6 +200,9 @@ def test_prompt_lookup_proposes_what_followed_the_longest_recent_match():
     assert lookup.propose([*history, 6], 2) is None  # 6 never occurred
     assert lookup.propose([*history, 6, 4], 2) == Proposal([6, 4], "ngram1")  # the latest "4"
     assert PromptLookup().propose([5, 5], 4) == Proposal([5], "ngram1")
+    passage = list(range(10, 40))  # a passage being copied: the longest match wins, as "copy"
+    copied = [*passage, 99, 12, 13, 14, 7, *passage[:12]]
+    assert PromptLookup().propose(copied, 4) == Proposal([22, 23, 24, 25], "copy")
 
 
 def test_the_controller_guesses_only_where_it_pays_and_stands_aside_after_misses():

@@ -6,9 +6,9 @@ With a per-token acceptance rate a, a verify of k guesses yields (1 - a^(k+1)) /
 tokens on average, so the rate against plain decoding is that over the verify's cost (plus
 the draft's steps). The controller picks the k with the best rate and speculates only when
 it beats plain decoding by a margin; acceptance is tracked per kind of proposal (a long
-prompt-lookup match is a better bet than a short one) with decaying counts, and a verify
-that keeps nothing makes the stream stand aside for a stretch that doubles while it keeps
-failing.
+prompt-lookup match is a better bet than a short one) with decaying counts, and verify steps
+that keep nothing, twice in a row, make the stream stand aside for a stretch that doubles
+while it keeps failing.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ CALIBRATION_PROMPT = 64  # tokens in the throw-away cache the timings run on
 CALIBRATION_RUNS = 2  # the median ratio counts: one run disturbed by other work does not
 MARGIN = 1.1  # speculate only when the expected rate beats plain decoding by this much
 DECAY = 0.9  # weight left to older verify steps in the acceptance counts
-FIRST_STRETCH = 4  # plain tokens after a verify that kept nothing; doubles up to LONGEST
+MISSES_BEFORE_WAIT = 2  # verify steps in a row that keep nothing before the stream stands aside
+FIRST_STRETCH = 4  # plain tokens it then decodes before guessing again; doubles up to LONGEST
 LONGEST_STRETCH = 64
-# prior (accepted, tried) per kind: a 3-token match often starts a copied passage, 1 rarely
-PRIORS = {"ngram3": (2.4, 3.0), "ngram2": (1.5, 3.0), "ngram1": (0.6, 3.0), "draft": (2.0, 3.0)}
+# prior (accepted, tried) per kind: a long match is a passage being copied, a 1-token match rarely is
+PRIORS = {"copy": (2.7, 3.0), "ngram3": (2.1, 3.0), "ngram2": (1.5, 3.0), "ngram1": (0.6, 3.0), "draft": (2.0, 3.0)}
 DEFAULT_PRIOR = (1.0, 3.0)
 
 
@@ -137,6 +138,7 @@ class Controller:
     curve: CostCurve
     counts: dict[str, list[float]] = field(default_factory=dict)  # kind -> [accepted, tried]
     wait: int = 0  # plain tokens left before speculating again
+    misses: int = 0  # verify steps in a row that kept nothing
     stretch: int = FIRST_STRETCH
 
     def acceptance(self, kind: str) -> float:
@@ -162,8 +164,10 @@ class Controller:
         counts[0] = counts[0] * DECAY + accepted
         counts[1] = counts[1] * DECAY + tried
         if accepted:
-            self.stretch = FIRST_STRETCH
-        else:
+            self.misses, self.stretch = 0, FIRST_STRETCH
+            return
+        self.misses += 1
+        if self.misses >= MISSES_BEFORE_WAIT:
             self.wait = self.stretch
             self.stretch = min(2 * self.stretch, LONGEST_STRETCH)
 

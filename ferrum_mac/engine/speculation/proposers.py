@@ -20,6 +20,8 @@ from ferrum_mac.engine.sampling import SamplingParams
 from ferrum_mac.llm import DecoderOnlyLLM
 
 MAX_NGRAM = 3  # prompt lookup matches the last 3, 2, then 1 tokens
+LONG_MATCH = 8  # a match this long is a passage being copied (the "copy" kind)
+PLACES_KEPT = 4  # latest occurrences of each n-gram the index keeps
 
 
 @dataclass(frozen=True)
@@ -43,43 +45,52 @@ class Proposer(Protocol):
 
 
 class PromptLookup:
-    """N-gram matching over the sequence itself: find the most recent earlier place where the
-    last n tokens (n = 3, then 2, then 1) occurred and propose what followed them there.
+    """N-gram matching over the sequence itself: find an earlier place where the last n tokens
+    (n = 3, then 2, then 1) occurred and propose what followed them there.
 
-    The index maps each n-gram to the position just after its latest occurrence; it grows
+    Of the recent places a 3-token match occurred, the one whose match reaches furthest back
+    wins (a passage being copied, rather than a common phrase), the latest among equals. A
+    match of LONG_MATCH tokens or more is its own kind ("copy"): there the guesses are nearly
+    always right, and the controller learns that apart from the short matches.
+
+    The index maps each n-gram to the positions just after its latest occurrences; it grows
     with the sequence, one token at a time, so a lookup costs the same at any length.
     """
 
     def __init__(self, max_ngram: int = MAX_NGRAM):
         self.max_ngram = max_ngram
-        self.index: dict[tuple[int, ...], int] = {}
+        self.index: dict[tuple[int, ...], list[int]] = {}
         self.indexed = 0  # n-grams ending before this position are in the index
 
     def peek(self, history: Sequence[int]) -> str | None:
         found = self._match(history)
-        return f"ngram{found[0]}" if found else None
+        return found[0] if found else None
 
     def propose(self, history: Sequence[int], k: int) -> Proposal | None:
         found = self._match(history)
         if found is None or k < 1:
             return None
-        n, follows = found
+        kind, follows = found
         tokens = list(history[follows : follows + k])
-        return Proposal(tokens, f"ngram{n}") if tokens else None
+        return Proposal(tokens, kind) if tokens else None
 
     def close(self) -> None:
         pass
 
-    def _match(self, history: Sequence[int]) -> tuple[int, int] | None:
-        """(n, where the continuation starts) for the longest n-gram ending the sequence that
-        occurred before, or None."""
+    def _match(self, history: Sequence[int]) -> tuple[str, int] | None:
+        """(kind, where the continuation starts) for the longest n-gram ending the sequence
+        that occurred before, or None."""
         if len(history) < self.indexed:  # a different sequence: start over
             self.index, self.indexed = {}, 0
         self._index_until(history, len(history) - 1)
         for n in range(min(self.max_ngram, len(history) - 1), 0, -1):
-            follows = self.index.get(tuple(history[-n:]))
-            if follows is not None:
-                return n, follows
+            places = self.index.get(tuple(history[-n:]))
+            if not places:
+                continue
+            if n < self.max_ngram:
+                return f"ngram{n}", places[-1]
+            length, follows = max((_match_length(history, at), at) for at in places)
+            return ("copy" if length >= LONG_MATCH else f"ngram{n}"), follows
         return None
 
     def _index_until(self, history: Sequence[int], end: int) -> None:
@@ -87,8 +98,19 @@ class PromptLookup:
         be an earlier occurrence, with something after it)."""
         for stop in range(self.indexed + 1, end + 1):
             for n in range(1, min(self.max_ngram, stop) + 1):
-                self.index[tuple(history[stop - n : stop])] = stop
+                places = self.index.setdefault(tuple(history[stop - n : stop]), [])
+                places.append(stop)
+                if len(places) > PLACES_KEPT:
+                    del places[0]
         self.indexed = max(self.indexed, end)
+
+
+def _match_length(history: Sequence[int], follows: int) -> int:
+    """How many tokens before `follows` equal the sequence's last ones (at most LONG_MATCH)."""
+    length, end = 0, len(history)
+    while length < LONG_MATCH and length < follows and history[follows - 1 - length] == history[end - 1 - length]:
+        length += 1
+    return length
 
 
 class DraftModel:

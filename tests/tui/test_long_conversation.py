@@ -36,14 +36,15 @@ async def test_only_the_last_screenful_is_mounted_and_more_come_on_demand(make_a
 
         app.chat.query_one(MessageList).scroll_home(animate=False)  # scrolled to the top: the next window
         await wait_for(pilot, lambda: contents(app)[0] == f"message {first - WINDOW}", what="the next window")
+        assert len(contents(app)) == len(shown) + WINDOW
+        # the view stays where it was (on the message that was first), so no second window comes
+        await wait_for(pilot, lambda: app.chat.query_one(MessageList).scroll_y > 0, what="the view kept")
         await pilot.pause(0.2)
-        assert len(contents(app)) == len(shown) + WINDOW  # one window, and the view stayed where it was
-        assert app.chat.query_one(MessageList).scroll_y > 0
+        assert contents(app)[0] == f"message {first - WINDOW}"
 
         app.chat.query(MessageView).first().focus()
         await pilot.press("up")  # the arrows walk past the first shown: one more window
-        await pilot.pause()
-        assert app.focused.content == f"message {first - WINDOW - 1}"
+        await wait_for(pilot, lambda: app.focused.content == f"message {first - WINDOW - 1}", what="the walk up")
 
 
 async def test_a_search_hit_far_back_opens_around_it_and_a_new_turn_goes_at_the_end(make_app, history):

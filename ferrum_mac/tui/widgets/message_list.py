@@ -39,6 +39,7 @@ class MessageList(VerticalScroll):
         self.items: list = []  # the stored messages of the path shown
         self.make = None  # stored message -> its widget
         self.first = self.last = 0  # items[first:last] are mounted
+        self.loading = False  # a window is being mounted
 
     def on_mount(self) -> None:
         self.anchor()  # stays at the bottom as text arrives, until the person scrolls up
@@ -78,6 +79,13 @@ class MessageList(VerticalScroll):
 
     async def load_more(self, earlier: bool) -> None:
         """Mount the next window of earlier (or later) messages, keeping what was shown in place."""
+        self.loading = True
+        try:
+            await self._load_more(earlier)
+        finally:
+            self.loading = False
+
+    async def _load_more(self, earlier: bool) -> None:
         for line in [m for m in self.query(MoreMessages) if m.earlier == earlier]:
             await line.remove()
         if earlier and self.first:
@@ -105,7 +113,8 @@ class MessageList(VerticalScroll):
 
     async def load_if_at_top(self) -> None:
         """Still at the top once the scroll settled (a window loaded meanwhile moves it down)."""
-        if self.scroll_y <= 0 and self.first:
+        if self.scroll_y <= 0 and self.first and not self.loading:
+            self.release_anchor()  # the person went up: new text must not pull the view down
             await self.load_more(earlier=True)
 
     async def add(self, widget) -> None:

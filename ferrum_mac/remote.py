@@ -15,6 +15,7 @@ from ferrum's `stats` field where the server sends it, else from `usage` and loc
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import threading
@@ -26,6 +27,7 @@ from ferrum_mac.engine import (
     EOS,
     FALLBACK_SAMPLING,
     MAX_TOKENS,
+    TOOL_CALLS,
     ChatSettings,
     Conversation,
     Done,
@@ -33,11 +35,14 @@ from ferrum_mac.engine import (
     ReasoningDelta,
     TextDelta,
     Timing,
+    ToolCallRequested,
 )
+from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.errors import FerrumError
+from ferrum_mac.text.tool_calls import ToolCall, new_call_id
 
 TIMEOUT_S = 600.0  # a long answer from a slow server is still an answer
-FINISH_REASONS = {"length": MAX_TOKENS, "stop": EOS}
+FINISH_REASONS = {"length": MAX_TOKENS, "stop": EOS, "tool_calls": TOOL_CALLS}
 # SamplingParams field -> the request field servers beyond OpenAI's (vLLM, ferrum) read
 EXTRA_SAMPLING = {
     "top_k": "top_k",
@@ -97,17 +102,27 @@ class RemoteEngine:
         self.http.close()
 
     def send(
-        self, conv: Conversation, text: str, cancel: threading.Event | None = None, response_format=None
+        self,
+        conv: Conversation,
+        text: str | None,
+        cancel: threading.Event | None = None,
+        response_format=None,
+        tools: ToolRequest | None = None,
     ) -> Iterator[Event]:
         """Stream the answer to `text`; the user message and the answer so far join
         `conv.messages` whatever ends the turn. `response_format` (a `ResponseFormat`): this
-        answer's, sent as the API's; None: the conversation's setting."""
+        answer's, sent as the API's; None: the conversation's setting. `tools`: sent as the
+        API's `tools` and `tool_choice`, the calls coming back as a `ToolCallRequested`;
+        `text` None: the answer to the tool results the conversation ends with."""
         if conv.closed:
             raise FerrumError(f"conversation {conv.cache_id} is closed; open a new one")
         body = self._request_body(conv, text)
         if response_format is not None:
             body["response_format"] = response_format.as_openai()
-        conv.messages.append({"role": "user", "content": text})
+        if tools is not None:
+            body.update(tools.as_openai())
+        if text is not None:
+            conv.messages.append({"role": "user", "content": text})
         self._cancel = cancel = cancel or threading.Event()
         turn = RemoteTurn()
         try:
@@ -115,16 +130,18 @@ class RemoteEngine:
         finally:
             self._cancel = None
             conv.messages.append(turn.message())
+        if turn.calls:
+            yield ToolCallRequested(tuple(turn.tool_calls()))
         yield turn.done()
 
     # -- HTTP --------------------------------------------------------------------------------
 
-    def _request_body(self, conv: Conversation, text: str) -> dict:
+    def _request_body(self, conv: Conversation, text: str | None) -> dict:
         s, sampling = conv.settings, conv.settings.sampling
-        history = [{"role": m["role"], "content": m.get("content") or ""} for m in conv.chat_messages()]
+        history = [_api_message(m) for m in conv.chat_messages()]
         body = {
             "model": self.name,
-            "messages": history + [{"role": "user", "content": text}],
+            "messages": history + ([{"role": "user", "content": text}] if text is not None else []),
             "stream": True,
             "stream_options": {"include_usage": True},
             "temperature": sampling.temperature,
@@ -198,6 +215,7 @@ class RemoteTurn:
         self.usage: dict = {}
         self.stats: dict = {}
         self.cancelled = False
+        self.calls: dict[int, dict] = {}  # index -> id, name and the arguments so far
 
     def read(self, chunks: Iterator[dict], cancel: threading.Event) -> Iterator[Event]:
         for chunk in chunks:
@@ -221,18 +239,35 @@ class RemoteTurn:
             self._token()
             self.answer.append(delta["content"])
             yield TextDelta(delta["content"])
+        for piece in delta.get("tool_calls") or ():
+            call = self.calls.setdefault(piece.get("index", 0), {"id": "", "name": "", "arguments": ""})
+            function = piece.get("function") or {}
+            call["id"] = piece.get("id") or call["id"]
+            call["name"] = function.get("name") or call["name"]
+            call["arguments"] += function.get("arguments") or ""
+
+    def tool_calls(self) -> list[ToolCall]:
+        return [ToolCall(c["name"], c["arguments"], c["id"] or new_call_id()) for _, c in sorted(self.calls.items())]
 
     def _token(self) -> None:
         self.chunks += 1
         self.timing.token()
 
     def message(self) -> dict:
-        message = {"role": "assistant", "content": "".join(self.answer)}
+        message: dict = {"role": "assistant", "content": "".join(self.answer)}
+        if self.calls:
+            message["tool_calls"] = [c.as_openai() for c in self.tool_calls()]
         if self.reasoning:
             message["reasoning_content"] = "".join(self.reasoning)
         return message
 
     def done(self) -> Done:
+        done = self._done()
+        if self.calls and done.stop_reason == EOS:  # ferrum's own stats say how the text ended
+            done = dataclasses.replace(done, stop_reason=TOOL_CALLS)
+        return done
+
+    def _done(self) -> Done:
         if self.stats and not self.cancelled:
             fields = {k: self.stats[k] for k in Done.__dataclass_fields__ if k in self.stats}
             try:
@@ -253,6 +288,13 @@ class RemoteTurn:
             prefill_tps=prompt / ttft if ttft > 0 else 0.0,
             decode_tps=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0,
         )
+
+
+def _api_message(message: dict) -> dict:
+    """A history message as the API takes it: role and content, and a call's or result's ids."""
+    out = {"role": message["role"], "content": message.get("content") or ""}
+    out.update({k: message[k] for k in ("tool_calls", "tool_call_id") if message.get(k)})
+    return out
 
 
 def base_url(url: str) -> str:

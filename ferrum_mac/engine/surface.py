@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ferrum_mac.engine.events import Event
     from ferrum_mac.engine.sampling import SamplingParams
     from ferrum_mac.engine.structured import Constraints, ResponseFormat
+    from ferrum_mac.engine.tools import ToolRequest
     from ferrum_mac.llm import DecoderOnlyLLM
     from ferrum_mac.text import ChatTemplate, Tokenizer
 
@@ -54,12 +55,15 @@ class ChatEngine(Protocol):
     def send(
         self,
         conv: Conversation,
-        text: str,
+        text: str | None,
         cancel: threading.Event | None = None,
         response_format: ResponseFormat | None = None,
+        tools: ToolRequest | None = None,
     ) -> Iterator[Event]:
         """Add the user message `text` to `conv` and stream the answer's events, ending with one Done;
-        `response_format` holds this answer to JSON (None: the conversation's setting)."""
+        `response_format` holds this answer to JSON (None: the conversation's setting); `tools`:
+        what the model may call (its calls come as a `ToolCallRequested`); `text` None: the
+        answer to the tool results the conversation ends with."""
         ...
 
     def cancel(self) -> None:

@@ -184,6 +184,13 @@ class ToolRequest:
     def template_tools(self) -> list[dict]:
         return [{"type": "function", "function": f} for f in self.functions]
 
+    def as_openai(self) -> dict:
+        """The request fields of OpenAI's API for these tools (what a remote engine sends)."""
+        choice: str | dict = self.choice
+        if self.choice not in ("auto", "required"):
+            choice = {"type": "function", "function": {"name": self.choice}}
+        return {"tools": self.template_tools(), "tool_choice": choice, "parallel_tool_calls": self.parallel}
+
 
 def _function_of(t: Tool | Mapping[str, Any]) -> dict:
     """The OpenAI `function` object of a tool given as a `Tool` or an OpenAI tool object."""

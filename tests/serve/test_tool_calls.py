@@ -501,3 +501,34 @@ def test_qwen3_required_call_validates_through_its_template(qwen3_server, stream
     arguments = "".join(c.function.arguments or "" for c in calls)
     schema = next(t for t in tools if t["function"]["name"] == name)["function"]["parameters"]
     jsonschema.validate(json.loads(arguments), schema)
+
+
+def test_remote_engine_calls_tools_and_answers_with_the_result(smollm2_server):
+    """`Conversation.send(tools=...)` on a remote engine: the server's calls come back as a
+    `ToolCallRequested`, the results go back as `tool` messages, and the answer follows."""
+    import jsonschema
+
+    from ferrum_mac.engine import TOOL_CALLS, Done, TextDelta, ToolCallRequested
+    from ferrum_mac.engine.tools import Toolbox, tool
+    from ferrum_mac.remote import RemoteEngine
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return f"It is sunny in {city}."
+
+    box = Toolbox([get_weather])
+    engine = RemoteEngine(smollm2_server.url)
+    try:
+        conv = engine.conversation(max_tokens=60)
+        events = list(conv.send("Weather in Paris?", tools=box, tool_choice="get_weather"))
+        [requested] = [e for e in events if isinstance(e, ToolCallRequested)]
+        assert events[-1].stop_reason == TOOL_CALLS and [c.name for c in requested.calls] == ["get_weather"]
+        jsonschema.validate(json.loads(requested.calls[0].arguments), get_weather.parameters)
+        assert conv.messages[-1]["tool_calls"] == [c.as_openai() for c in requested.calls]
+        conv.add_tool_results(box.results(requested.calls))
+        events = list(conv.continue_answer())
+        assert isinstance(events[-1], Done) and "".join(e.text for e in events if isinstance(e, TextDelta)).strip()
+        assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "assistant"]
+    finally:
+        engine.close()

@@ -56,7 +56,9 @@ class FakeEngine:
     def close(self) -> None:
         pass
 
-    def send(self, conv: Conversation, text: str, cancel: threading.Event | None = None, response_format=None):
+    def send(
+        self, conv: Conversation, text: str, cancel: threading.Event | None = None, response_format=None, tools=None
+    ):  # `tools`: a script has no use for them (test_tool_blocks' engine calls them)
         cancel = cancel or threading.Event()
         self._cancel = cancel
         self.turns.append(

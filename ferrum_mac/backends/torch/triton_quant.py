@@ -35,13 +35,13 @@ try:
 except ImportError:
     triton = None
 
-GEMV_TILE_BYTES = 8192  # of the packed weight (each of gate and up), per program and step over K
-GEMV_STAGES = 4
+GEMV_TILE_BYTES = 4096  # of the packed weight (each of gate and up), per program and step over K
+GEMV_STAGES = 1  # (more stages gave no gain on the H100 and run out of shared memory with "gather")
 # prefill tiles (rows, columns, K per step, warps, stages): the wide one from MATMUL_WIDE_ROWS
 # rows on, the usual shape of an SM90 bf16 tile; the narrow one for a few rows
 MATMUL_NARROW, MATMUL_WIDE = (64, 64, 64, 4, 3), (128, 128, 64, 8, 3)
 MATMUL_WIDE_ROWS = 256
-UNPACK = "gather"  # or "words" (see above)
+UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H100)
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,

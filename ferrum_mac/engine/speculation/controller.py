@@ -33,6 +33,15 @@ LONGEST_STRETCH = 64
 # prior (accepted, tried) per kind: a long match is a passage being copied, a 1-token match rarely is
 PRIORS = {"copy": (2.7, 3.0), "ngram3": (2.1, 3.0), "ngram2": (1.5, 3.0), "ngram1": (0.6, 3.0), "draft": (2.0, 3.0)}
 DEFAULT_PRIOR = (1.0, 3.0)
+MEASURE_FROM = 0.6  # a kind this likely to be kept (by its prior) starts the measuring; weaker ones wait for it
+
+
+def worth_measuring(kind: str) -> bool:
+    """Whether a first guess of `kind` justifies measuring the cost curve (a few forwards on
+    the first answer that has one): a weak guess alone does not, so short answers measure
+    nothing."""
+    accepted, tried = PRIORS.get(kind, DEFAULT_PRIOR)
+    return accepted / tried >= MEASURE_FROM
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,11 @@ def cost_curve(model: DecoderOnlyLLM, draft: DecoderOnlyLLM | None = None) -> Co
         _curves[model] = _measure(model)
     draft_step = _decode_time(draft) / _decode_time(model) if draft is not None else 0.0
     return CostCurve(_curves[model], draft_step)
+
+
+def measured(*models: DecoderOnlyLLM | None) -> bool:
+    """Whether the cost curves of `models` (None: no model) are measured already."""
+    return all(model is None or model in _curves for model in models)
 
 
 def _decode_time(model: DecoderOnlyLLM) -> float:

@@ -22,7 +22,14 @@ from __future__ import annotations
 from typing import Any, Callable, Generator, Sequence
 
 from ferrum_mac.engine.sampling import Sampler
-from ferrum_mac.engine.speculation.controller import MAX_K, Controller, CostCurve, cost_curve
+from ferrum_mac.engine.speculation.controller import (
+    MAX_K,
+    Controller,
+    CostCurve,
+    cost_curve,
+    measured,
+    worth_measuring,
+)
 from ferrum_mac.engine.speculation.proposers import DraftModel, PromptLookup, Proposal, Proposer
 from ferrum_mac.engine.speculation.setting import DRAFT, Speculate, SpeculationStats
 from ferrum_mac.llm import DecoderOnlyLLM
@@ -30,12 +37,12 @@ from ferrum_mac.llm import DecoderOnlyLLM
 
 class Speculator:
     """One answer's proposer, controller and counts. The controller needs the model's cost
-    curve, measured at its first use: an answer that never has a guess measures nothing."""
+    curve, measured at its first use: an answer that never has a good guess measures nothing."""
 
-    def __init__(self, proposer: Proposer, curve: Callable[[], CostCurve]):
+    def __init__(self, proposer: Proposer, curve: Callable[[], CostCurve], measured: bool = False):
         self.proposer = proposer
         self._curve = curve
-        self._controller: Controller | None = None
+        self._controller: Controller | None = Controller(curve()) if measured else None
         self.stats = SpeculationStats()
 
     @classmethod
@@ -43,8 +50,8 @@ class Speculator:
         if setting.mode == DRAFT:
             draft = setting.draft_model
             proposer = DraftModel(draft, f"{cache_id}:draft", model.config.vocab_size)
-            return cls(proposer, lambda: cost_curve(model, draft))
-        return cls(PromptLookup(), lambda: cost_curve(model))
+            return cls(proposer, lambda: cost_curve(model, draft), measured(model, draft))
+        return cls(PromptLookup(), lambda: cost_curve(model), measured(model))
 
     @property
     def controller(self) -> Controller:
@@ -55,7 +62,9 @@ class Speculator:
     def guesses(self, history: Sequence[int], room: int) -> int:
         """How many guesses to verify after `history` (0: a plain step)."""
         kind = self.proposer.peek(history)
-        return self.controller.guesses(kind, min(room, MAX_K)) if kind is not None and room > 0 else 0
+        if kind is None or room < 1 or (self._controller is None and not worth_measuring(kind)):
+            return 0
+        return self.controller.guesses(kind, min(room, MAX_K))
 
     def propose(self, history: Sequence[int], room: int) -> Proposal | None:
         k = self.guesses(history, room)
@@ -87,9 +96,9 @@ def speculative_tokens(
     """`decode_loop.sampled_tokens` with speculation: the same token ids, for the same
     reasons, at most `limit` of them; `prompt` holds the ids in the cache before the answer.
 
-    Every id is in the cache when it is yielded except the first, those after a plain step's
-    (as in `sampled_tokens`) and the last. A caller that stops early may leave kept guesses
-    after the last id it read in the cache: truncate to what it read.
+    Each id is in the cache by the time the next one is yielded; the last one never is (the
+    caller tells `limit` from a full cache by counting). A caller that stops early may leave
+    kept guesses after the last id it read in the cache: truncate to what it read.
     """
     capacity = model.kv_capacity()
     pos = model.kv_len(cache_id)

@@ -96,9 +96,9 @@ def speculative_tokens(
     """`decode_loop.sampled_tokens` with speculation: the same token ids, for the same
     reasons, at most `limit` of them; `prompt` holds the ids in the cache before the answer.
 
-    Each id is in the cache by the time the next one is yielded; the last one never is (the
+    As there, each id is in the cache when it is yielded except the first and the last (the
     caller tells `limit` from a full cache by counting). A caller that stops early may leave
-    kept guesses after the last id it read in the cache: truncate to what it read.
+    guesses after the last id it read in the cache: truncate to what it read.
     """
     capacity = model.kv_capacity()
     pos = model.kv_len(cache_id)
@@ -121,14 +121,22 @@ def speculative_tokens(
                 speculator.plain_token()
                 token = following
                 continue
-            first = False
-            yield _read(sampler, token, history)
+            token_id = _read(sampler, token, history)
+            owed = not first  # the first goes out before any step is built
+            if first:
+                first = False
+                yield token_id
             proposal = speculator.propose(history, room)
+            # the step that feeds the token is queued before it goes out, as in the plain loop
             if proposal is None:
-                token = sampler.sample(model.decode(cache_id, history[-1], pos))
+                token = sampler.sample(model.decode(cache_id, token_id, pos))
                 pos += 1
+                if owed:
+                    yield token_id
                 continue
-            rows = model.forward_verify(cache_id, [history[-1], *proposal.tokens])
+            rows = model.forward_verify(cache_id, [token_id, *proposal.tokens])
+            if owed:
+                yield token_id
             kept, token = _accepted(sampler, rows, proposal.tokens)
             pos += 1 + kept
             model.truncate_kv(cache_id, pos)

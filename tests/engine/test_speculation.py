@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -274,3 +278,31 @@ def assert_follows(counts: collections.Counter, p: np.ndarray) -> None:
         got = counts[int(token)] / n
         sigma = math.sqrt(expected * (1 - expected) / n)
         assert abs(got - expected) < 5 * sigma + 1e-3, (int(token), got, expected, n)
+
+
+def test_ferrum_run_takes_speculate_and_reports_its_figures(stories_path, tmp_path):
+    """`--speculate` and `/set speculate` as a user types them; a bad value is one line."""
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "TERM": "dumb", "NO_COLOR": "1"}
+    env.pop("FERRUM_MODEL", None)
+
+    def ferrum(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", "from ferrum_mac.cli import main; main()", "run", *args]
+        return subprocess.run(command, env=env, input=stdin, capture_output=True, text=True, timeout=120)
+
+    run = ferrum(str(stories_path), "Once upon a time", "--speculate", "ngram", "--max-tokens", "30", "--json")
+    assert run.returncode == 0, run.stderr
+    assert set(json.loads(run.stdout)["stats"]["speculation"]) == {"proposed", "accepted", "steps"}
+    bad = ferrum(str(stories_path), "hi", "--speculate", "fast")
+    assert bad.returncode == 1 and bad.stderr.strip().count("\n") == 0 and "draft:MODEL" in bad.stderr
+    script = [
+        "/set speculate off",
+        "/set speculate fast",
+        f"/set speculate draft:{stories_path}",
+        "/show parameters",
+        "Once upon a time",
+        "/bye",
+    ]
+    repl = ferrum(str(stories_path), "-i", "--max-tokens", "12", stdin="\n".join(script) + "\n")
+    assert repl.returncode == 0, repl.stderr
+    assert "Set speculation to off." in repl.stdout and "choose auto, ngram, draft:MODEL or off" in repl.stdout
+    assert f"speculate         draft:{stories_path}" in repl.stdout

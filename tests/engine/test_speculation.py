@@ -23,7 +23,7 @@ from helpers import to_np
 from ferrum_mac.engine import ChatSettings, Engine
 from ferrum_mac.engine.events import CONTEXT, EOS, MAX_TOKENS, STOP_STRING
 from ferrum_mac.engine.speculation import DRAFT, Speculate
-from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve, use_costs
+from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve, forget_costs, use_costs
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.verify import Speculator, speculative_tokens
 from ferrum_mac.errors import FerrumError
@@ -71,6 +71,20 @@ def test_greedy_answers_are_plain_greedy_answers_on_torch(stories_path):
     fast, events = greedy_answer(engine, PROMPTS[1], NGRAM, max_tokens=20)
     assert fast == plain
     assert done(events).speculation["steps"] > 0
+
+
+def test_smollm2_greedy_answers_are_plain_greedy_answers(smollm2):
+    """The bundled chat model: a copying task (long guesses kept) and a free question."""
+    text = "Repeat exactly: The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire."
+    use_costs(smollm2.model, CHEAP)
+    try:
+        for prompt in (text, "What is the capital of France?"):
+            plain, _ = greedy_answer(smollm2, prompt, OFF, max_tokens=32)
+            fast, events = greedy_answer(smollm2, prompt, NGRAM, max_tokens=32)
+            assert fast == plain, prompt
+        assert done(events).speculation["steps"] > 0
+    finally:
+        forget_costs(smollm2.model)  # the session's other tests measure as a user's run does
 
 
 def test_penalties_apply_at_every_verified_position(stories):

@@ -193,6 +193,12 @@ def use_costs(model: DecoderOnlyLLM, costs: Sequence[float], decode_time: float 
     _step_times[model] = decode_time
 
 
+def forget_costs(model: DecoderOnlyLLM) -> None:
+    """Drop `model`'s curve: the next answer that guesses measures it again."""
+    _curves.pop(model, None)
+    _step_times.pop(model, None)
+
+
 def fixed_curve(costs: Sequence[float], draft_step: float = 0.0) -> CostCurve:
     """A cost curve from given ratios (tests, and machines where measuring is not wanted)."""
     return CostCurve(_interpolated(dict(enumerate(costs))), draft_step)

@@ -155,9 +155,22 @@ def _read(sampler: Sampler, token: Any, history: list[int]) -> int:
 
 
 def _accepted(sampler: Sampler, rows: Any, guesses: Sequence[int]) -> tuple[int, Any]:
-    """How many guesses the target's draws keep, and the draw after them (the next token)."""
+    """How many guesses the target's draws keep, and the draw after them (the next token).
+
+    A plain greedy sampler (no bias, no penalties: nothing that depends on the position) picks
+    every row's argmax, so all rows are compared at one read instead of one read per row."""
+    if _plain_greedy(sampler):
+        best = rows.argmax(-1).tolist()
+        kept = next((i for i, guess in enumerate(guesses) if best[i] != guess), len(guesses))
+        return kept, sampler.sample(rows[kept])
     for i, guess in enumerate(guesses):
         token = sampler.sample(rows[i])
         if sampler.read(token) != guess:
             return i, token
     return len(guesses), sampler.sample(rows[len(guesses)])
+
+
+def _plain_greedy(sampler: Sampler) -> bool:
+    """Whether `sampler` draws a plain argmax; backends' samplers carry their `params`."""
+    params = getattr(sampler, "params", None)
+    return bool(params is not None and params.greedy and not params.logit_bias and not params.penalised)

@@ -123,7 +123,7 @@ def stored_path(name: str, backend: str) -> Path | None:
 def keep_alive_option(value: str) -> float:
     """`--keep-alive` in seconds (FOREVER for a negative one), read as Ollama reads keep_alive."""
     from ferrum_mac.serve import openai_schema as api
-    from ferrum_mac.serve.ollama_api import keep_alive_seconds
+    from ferrum_mac.serve.models import keep_alive_seconds
 
     try:
         seconds = keep_alive_seconds(value)

@@ -10,6 +10,7 @@ first, least recently used first, else the request is refused naming who holds t
 
 Each model unloads once it has had no request for its keep-alive: `keep_alive_s` seconds (the
 server's `--keep-alive`, or the last request's own), 0 right after each answer, FOREVER never.
+A keep-alive is read as Ollama writes it, seconds or a Go duration (`keep_alive_seconds`).
 Unloading stops its scheduler, which drops the model on its own thread, then collects and
 empties the allocators' caches, so the memory really goes back.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import numbers
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,8 +43,49 @@ REAP_INTERVAL_S = 0.2  # how often idle models are looked at
 LOAD_GRACE_S = 1.0  # a model just loaded is kept this long, so the requests that waited for it get it
 KV_SHARE_OF_WEIGHTS = 0.25  # memory a model needs beyond its weights, for its KV pool and activations
 NAMES_SHOWN = 20  # models named in a 404 at most
+# keep-alive as Ollama writes it: Go's durations ("5m", "1h30m")
+GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
+DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 Opener = Callable[[Path | str], Scheduler]  # a model's path or name -> its started scheduler
+
+
+def keep_alive_seconds(value) -> float | None:
+    """Ollama's `keep_alive`: seconds as a number, or a Go duration ("5m", "1h30m", "300ms") or a
+    number as text; 0 unloads after the answer, a negative value never. None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise _bad_keep_alive(value)
+    if isinstance(value, numbers.Real):
+        seconds = float(value)
+    elif isinstance(value, str):
+        seconds = _duration_seconds(value.strip())
+    else:
+        raise _bad_keep_alive(value)
+    if not math.isfinite(seconds):
+        raise _bad_keep_alive(value)
+    return FOREVER if seconds < 0 else seconds
+
+
+def _duration_seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.removeprefix("+"))
+    parts = GO_DURATION.findall(body)
+    if not body or "".join(number + unit for number, unit in parts) != body:
+        raise _bad_keep_alive(text)
+    return sign * sum(float(number) * DURATION_UNITS[unit] for number, unit in parts)
+
+
+def _bad_keep_alive(value) -> api.ApiError:
+    return api.ApiError(
+        400,
+        f'keep_alive {str(value)[:40]!r} is not a duration: give seconds (300), a duration ("5m", "1h30m"), '
+        "0 to unload after the answer or -1 to keep the model loaded",
+    )
 
 
 @dataclass(eq=False)

@@ -17,35 +17,31 @@ suffix is accepted and dropped. Not honoured: images (a 400 until the models rea
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import math
 import numbers
-import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ferrum_mac.engine import ReasoningDelta, SamplingParams, TextDelta
+from ferrum_mac.engine import ReasoningDelta, TextDelta
 from ferrum_mac.engine.defaults import sampling_defaults
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.serve import openai_schema as api
 from ferrum_mac.serve.app import BODY_TIMEOUT_S, body_too_large, read_at_most
 from ferrum_mac.serve.error_shapes import error_shapes
 from ferrum_mac.serve.events import Finished, ToolCallDelta, calls_of
+from ferrum_mac.serve.models import keep_alive_seconds
+from ferrum_mac.serve.ollama_models import PULL_DONE, QueueProgress, iso_time, local_entry, pull_error, pull_updates
+from ferrum_mac.serve.ollama_models import show_body, tag_entry
 from ferrum_mac.serve.request import Failed
-from ferrum_mac.store import LocalModel, ModelFacts, PullProgress, describe_model, parse_name
-from ferrum_mac.store import plan_removal, pull_model
+from ferrum_mac.store import LocalModel, parse_name, plan_removal, pull_model
 from ferrum_mac.store.bundled import bundled_sampling
-from ferrum_mac.store.describe import read_config
-from ferrum_mac.text import chat_templates
-from ferrum_mac.text.tool_calls import template_renders_tools
 
 # The Ollama release whose API these answers follow; clients compare it to gate features.
 OLLAMA_VERSION = "0.13.0"
@@ -91,10 +87,6 @@ RENAMES = {
 }
 TYPE_NAMES = {numbers.Real: "a number", int: "an integer", bool: "true or false", str: "a string"}
 
-GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
-DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-FOREVER = math.inf  # a negative keep_alive: never unload
-
 
 def bad(message: str, status: int = 400) -> api.ApiError:
     return api.ApiError(status, message)
@@ -127,43 +119,6 @@ def stream_wanted(body: dict) -> bool:
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream must be true or false")
     return stream is not False
-
-
-def keep_alive_seconds(value) -> float | None:
-    """Ollama's `keep_alive`: seconds as a number, or a Go duration ("5m", "1h30m", "300ms") or a
-    number as text; 0 unloads after the answer, a negative value never. None when absent."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise _bad_keep_alive(value)
-    if isinstance(value, numbers.Real):
-        seconds = float(value)
-    elif isinstance(value, str):
-        seconds = _duration_seconds(value.strip())
-    else:
-        raise _bad_keep_alive(value)
-    if not math.isfinite(seconds):
-        raise _bad_keep_alive(value)
-    return FOREVER if seconds < 0 else seconds
-
-
-def _duration_seconds(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.removeprefix("+"))
-    parts = GO_DURATION.findall(body)
-    if not body or "".join(number + unit for number, unit in parts) != body:
-        raise _bad_keep_alive(text)
-    return sign * sum(float(number) * DURATION_UNITS[unit] for number, unit in parts)
-
-
-def _bad_keep_alive(value) -> api.ApiError:
-    return bad(
-        f'keep_alive {str(value)[:40]!r} is not a duration: give seconds (300), a duration ("5m", "1h30m"), '
-        "0 to unload after the answer or -1 to keep the model loaded"
-    )
 
 
 def check_options(options) -> dict:
@@ -479,177 +434,6 @@ def elapsed_since(start: float) -> float:
     return time.monotonic() - start
 
 
-# -- the store's models, as Ollama describes them ------------------------------------------------
-
-
-def iso_time(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def digest_of(name: str, size: int, modified: float) -> str:
-    """A stable id for one version of a model (Ollama's is its manifest's sha256; ferrum has none,
-    so this hashes what identifies the files)."""
-    return hashlib.sha256(f"{name}\0{size}\0{modified}".encode()).hexdigest()
-
-
-def parameter_size(count: int | None) -> str:
-    """135000000 -> "135M", as Ollama shows it."""
-    if not count:
-        return ""
-    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if count >= scale:
-            value = count / scale
-            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
-    return str(count)
-
-
-def family_of(path: Path, facts: ModelFacts | None) -> str:
-    """The architecture's short name ("llama", "qwen3"): a GGUF's own, else config.json's model_type."""
-    if path.suffix == ".gguf":
-        return (facts.architecture if facts else None) or ""
-    model_type = read_config(path).get("model_type")
-    return model_type if isinstance(model_type, str) else ""
-
-
-def facts_of(path: Path) -> ModelFacts | None:
-    try:
-        return describe_model(path)
-    except (FerrumError, OSError, ValueError):  # a damaged header: listed with what is known
-        return None
-
-
-def details(path: Path, fmt: str, quant: str, facts: ModelFacts | None) -> dict:
-    family = family_of(path, facts)
-    return {
-        "parent_model": "",
-        "format": fmt,
-        "family": family,
-        "families": [family] if family else None,
-        "parameter_size": parameter_size(facts.parameters if facts else None),
-        "quantization_level": quant,
-    }
-
-
-def tag_entry(model: LocalModel) -> dict:
-    """One model of /api/tags (reads the model's headers: call on a worker thread)."""
-    return {
-        "name": model.name,
-        "model": model.name,
-        "modified_at": iso_time(model.modified),
-        "size": model.size,
-        "digest": digest_of(model.name, model.size, model.modified),
-        "details": details(model.path, model.format, model.quant, facts_of(model.path)),
-    }
-
-
-def local_entry(name: str, path: Path) -> LocalModel:
-    """A model that is not in the store (the server's default, given as a folder or file)."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    size = sum(p.stat().st_size for p in files)
-    facts = facts_of(path)
-    fmt = facts.format if facts else ("gguf" if path.suffix == ".gguf" else "safetensors")
-    quant = facts.quantization if facts else "?"
-    return LocalModel(name, path, size, quant, fmt, path.stat().st_mtime)
-
-
-def model_parameters(sampling: SamplingParams, stops: tuple[str, ...] = ()) -> str:
-    """The model's defaults as a Modelfile's PARAMETER lines (without the word)."""
-    lines = [f"temperature {sampling.temperature:g}", f"top_p {sampling.top_p:g}"]
-    if sampling.top_k:
-        lines.append(f"top_k {sampling.top_k}")
-    if sampling.min_p:
-        lines.append(f"min_p {sampling.min_p:g}")
-    if sampling.repetition_penalty != 1.0:
-        lines += [f"repeat_penalty {sampling.repetition_penalty:g}", f"repeat_last_n {sampling.penalty_window}"]
-    lines += [f"stop {json.dumps(s)}" for s in stops]
-    return "\n".join(lines)
-
-
-def capabilities(template: str) -> list[str]:
-    """What Ollama's clients look for: "completion", "tools" where the template renders tools,
-    "thinking" where it has a reasoning switch or block."""
-    found = ["completion"]
-    if template_renders_tools(template):
-        found.append("tools")
-    if "enable_thinking" in template or "<think>" in template or "reasoning_content" in template:
-        found.append("thinking")
-    return found
-
-
-def show_body(model: LocalModel, sampling: SamplingParams, context: int | None) -> dict:
-    """/api/show's answer (reads the model's headers and template: call on a worker thread)."""
-    facts = facts_of(model.path)
-    template = chat_templates(model.path).get("default", "")
-    info = details(model.path, model.format, model.quant, facts)
-    family = info["family"] or "general"
-    parameters = model_parameters(sampling)
-    context = context or (facts.context_length if facts else None)
-    modelfile = "\n".join(
-        [f"# Modelfile of {model.name} (ferrum)", f"FROM {model.name}", f'TEMPLATE """{template}"""']
-        + [f"PARAMETER {line}" for line in parameters.splitlines()]
-    )
-    model_info: dict[str, Any] = {"general.architecture": family}
-    if facts and facts.parameters:
-        model_info["general.parameter_count"] = facts.parameters
-    if context:
-        model_info[f"{family}.context_length"] = context
-    return {
-        "license": (facts.license if facts else None) or "",
-        "modelfile": modelfile,
-        "parameters": parameters,
-        "template": template,
-        "details": info,
-        "model_info": model_info,
-        "capabilities": capabilities(template),
-        "modified_at": iso_time(model.modified),
-    }
-
-
-# -- pulls ---------------------------------------------------------------------------------------
-
-
-class QueueProgress(PullProgress):
-    """A pull's progress as Ollama's objects, `{"status", "digest", "total", "completed"}`, handed
-    to `put` (from the pull's thread). ferrum knows a file by its path in the repository, so the
-    path stands where Ollama puts a blob's digest. Sent at file starts and ends and at most every
-    PROGRESS_EVERY_S seconds between."""
-
-    def __init__(self, put: Callable[[dict], None]):
-        self.put = put
-        self.current: list | None = None  # [path, size, bytes done]
-        self.sent_at = 0.0
-
-    def file_started(self, path: str, size: int, resume_from: int) -> None:
-        self.current = [path, size, resume_from]
-        self._send()
-
-    def advance(self, n: int) -> None:
-        if self.current is not None:
-            self.current[2] += n
-            if time.monotonic() - self.sent_at >= PROGRESS_EVERY_S:
-                self._send()
-
-    def file_done(self, path: str) -> None:
-        if self.current is not None:
-            self.current[2] = self.current[1]
-            self._send()
-        self.current = None
-
-    def _send(self) -> None:
-        path, size, done = self.current  # type: ignore[misc]
-        self.sent_at = time.monotonic()
-        self.put({"status": f"pulling {path}", "digest": path, "total": size, "completed": min(done, size)})
-
-
-PROGRESS_EVERY_S = 0.1
-PULL_DONE = object()
-
-
-def pull_error(error: FerrumError) -> api.ApiError:
-    status = 404 if isinstance(error, ModelNotFoundError) else 502  # else the Hub or the disk failed
-    return api.ApiError(status, str(error))
-
-
 # -- routes --------------------------------------------------------------------------------------
 
 API_PREFIX = "/api/"
@@ -902,13 +686,8 @@ FOREVER_TEXT = "2318-08-24T00:00:00Z"  # how Ollama writes the expiry of a model
 
 
 async def pull_lines(queue: asyncio.Queue) -> AsyncIterator[str]:
-    yield ndjson({"status": "pulling manifest"})
-    while (item := await queue.get()) is not PULL_DONE:
-        if isinstance(item, api.ApiError):
-            yield ndjson(error_body(item))
-            return
-        yield ndjson(item)
-    yield ndjson({"status": "success"})
+    async for item in pull_updates(queue):
+        yield ndjson(error_body(item) if isinstance(item, api.ApiError) else item)
 
 
 async def read_body(http: Request, limit: int) -> bytes:

@@ -18,6 +18,7 @@ from serve_support import API_KEY, LiveServer, open_stories
 from ferrum_mac.engine import ReasoningDelta
 from ferrum_mac.serve import ollama_api as oa
 from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve.models import FOREVER, keep_alive_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
 from fake_hub import FakeHub, FakeRepo  # noqa: E402  (the store tests' Hub look-alike)
@@ -70,16 +71,16 @@ def error_of(response: httpx.Response, status: int) -> str:
 @pytest.mark.parametrize(
     "value, seconds",
     [(None, None), (300, 300.0), ("300", 300.0), ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), (0, 0.0)]
-    + [("0", 0.0), (-1, oa.FOREVER), ("-1", oa.FOREVER), ("-1m", oa.FOREVER), (2.5, 2.5)],
+    + [("0", 0.0), (-1, FOREVER), ("-1", FOREVER), ("-1m", FOREVER), (2.5, 2.5)],
 )
 def test_keep_alive_takes_seconds_and_go_durations(value, seconds):
-    assert oa.keep_alive_seconds(value) == seconds
+    assert keep_alive_seconds(value) == seconds
 
 
 @pytest.mark.parametrize("value", ["5 minutes", "m", "5x", "", True, [5], {"m": 5}, "1e999"])
 def test_keep_alive_refuses_what_is_no_duration(value):
     with pytest.raises(api.ApiError, match="keep_alive .* is not a duration"):
-        oa.keep_alive_seconds(value)
+        keep_alive_seconds(value)
 
 
 def test_options_map_to_openai_fields_and_unknown_keys_are_ignored():

@@ -12,6 +12,21 @@ from ferrum_mac.backends import route_cpu_blas
 
 route_cpu_blas()  # before any test module imports MLX, as the composition root does
 
+
+def _interpret_triton_without_a_gpu() -> None:
+    """Triton reads TRITON_INTERPRET when a kernel is defined: set it before any test module
+    imports triton (through the torch backend or a kernel test), whatever order the tests
+    run in (pytest-xdist gives each worker its own), so kernels run in the interpreter here."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_triton_without_a_gpu()
+
 import helpers  # noqa: E402
 
 # The tokenizers library forks worker threads and warns when the process forks later on.

@@ -216,10 +216,42 @@ def tool_request(body: dict) -> ToolRequest | None:
         raise ApiError(
             400, f"two tools are named '{twice}'; tool names must differ", param="tools", code="invalid_value"
         )
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        choice, allowed = _allowed_tools(choice.get("allowed_tools"), names)
+        functions = tuple(f for f in functions if f["name"] in allowed)
     choice = _tool_choice(choice, names)
     if choice == "none":
         return None
     return ToolRequest(functions, choice, parallel is not False)
+
+
+def _allowed_tools(allowed, names: list[str]) -> tuple[str, set[str]]:
+    """`tool_choice` {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}: the mode
+    ("auto" or "required") and the names the answer may call (the model is shown only those)."""
+    wrong = ApiError(
+        400,
+        "'tool_choice.allowed_tools' must be {'mode': 'auto' or 'required', 'tools': "
+        "[{'type': 'function', 'function': {'name': ...}}, ...]}",
+        param="tool_choice",
+        code="invalid_value",
+    )
+    if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required"):
+        raise wrong
+    tools = allowed.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise wrong
+    chosen = set()
+    for tool in tools:
+        name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+        if not isinstance(name, str) or name not in names:
+            raise ApiError(
+                400,
+                f"'tool_choice.allowed_tools' names the function {str(name)[:64]!r}, which is not among 'tools'",
+                param="tool_choice",
+                code="invalid_value",
+            )
+        chosen.add(name)
+    return allowed["mode"], chosen
 
 
 def _function(tool, i: int) -> dict:

@@ -72,6 +72,11 @@ def test_unsupported_schema_keyword_is_named(server):
         ({"type": "function", "function": {"name": "nope"}}, "'nope'"),
         ("sometimes", "'tool_choice' must be"),
         ({"type": "function"}, "'tool_choice' must be"),
+        ({"type": "allowed_tools", "allowed_tools": {"mode": "always", "tools": []}}, "allowed_tools"),
+        (
+            {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"function": {"name": "nope"}}]}},
+            "'nope'",
+        ),
     ],
 )
 def test_bad_tool_choice_is_400(server, choice, fragment):
@@ -532,3 +537,18 @@ def test_remote_engine_calls_tools_and_answers_with_the_result(smollm2_server):
         assert [m["role"] for m in conv.messages] == ["user", "assistant", "tool", "assistant"]
     finally:
         engine.close()
+
+
+def test_allowed_tools_narrow_what_an_answer_may_call():
+    """OpenAI's `allowed_tools` choice (pydantic-ai sends it): its mode, and only its tools."""
+    from ferrum_mac.serve import openai_schema as api
+
+    allowed = {
+        "mode": "required",
+        "tools": [{"type": "function", "function": {"name": TWENTY_TOOLS[1]["function"]["name"]}}],
+    }
+    tools = api.tool_request(
+        {"tools": TWENTY_TOOLS[:3], "tool_choice": {"type": "allowed_tools", "allowed_tools": allowed}}
+    )
+    assert tools.choice == "required"
+    assert [f["name"] for f in tools.functions] == [TWENTY_TOOLS[1]["function"]["name"]]

@@ -372,26 +372,29 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv
 
 def test_decode_batch_through_triton_over_shared_blocks_matches_torch(zoo, monkeypatch):
     """Two sequences sharing a prefix's first block (the second copied its partial block) and
-    growing side by side, so their tables interleave: Triton's decode step equals torch's."""
+    growing side by side past a block's end, so their tables interleave: Triton's decode step
+    equals torch's."""
     model = zoo.ferrum("qwen3", "torch")
-    prompt = random_tokens(B + 6, seed=8)
+    prompt = random_tokens(2 * B - 3, seed=8)  # (both cross the second block's end within 8 steps)
+    steps_taken = 8
 
     def decode_shared(tag: str) -> list[torch.Tensor]:
         model.reset()
         model.prefill(f"{tag}-a", prompt)
         model.kv_remember(f"{tag}-a", prompt)
-        other = prompt[: B + 2] + [4]
+        other = prompt[: 2 * B - 6] + [4]
         found = model.kv_reuse(f"{tag}-b", other).tokens
         model.prefill(f"{tag}-b", other[found:])
         lengths = {"a": len(prompt), "b": len(other)}
         logits = []
-        for step in range(B):
+        for step in range(steps_taken):
             items = [DecodeItem(f"{tag}-{n}", 3 + step, lengths[n] + step) for n in lengths]
             out = model.decode_batch(items)
-            if step in (0, B - 1):
+            if step in (0, steps_taken - 1):
                 logits.append(out.clone())
         a, b = model.kv.get(f"{tag}-a"), model.kv.get(f"{tag}-b")
-        assert found == B + 2 and a.blocks[0] == b.blocks[0] and b.first_row_if_contiguous(b.length) is None
+        assert found == 2 * B - 6 and a.blocks[0] == b.blocks[0] and b.first_row_if_contiguous(b.length) is None
+        assert len(a.blocks) == len(b.blocks) == 3 and abs(a.blocks[2] - b.blocks[2]) == 1  # interleaved
         model.reset()
         return logits
 

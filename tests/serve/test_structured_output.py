@@ -226,10 +226,14 @@ def test_remote_engine_sends_the_conversations_format(smollm2_server):
     from ferrum_mac.engine import ResponseFormat, TextDelta
     from ferrum_mac.remote import RemoteEngine
 
+    from ferrum_mac.engine import SamplingParams
+
     engine = RemoteEngine(smollm2_server.url)
     try:
-        conv = engine.conversation(
-            max_tokens=SUITE_MAX_TOKENS, response_format=ResponseFormat(bounded(SCHEMAS["flat_required"]))
+        conv = engine.conversation(  # greedy: the free json_object answer below ends the same way every run
+            max_tokens=SUITE_MAX_TOKENS,
+            sampling=SamplingParams(temperature=0.0),
+            response_format=ResponseFormat(bounded(SCHEMAS["flat_required"])),
         )
         text = "".join(e.text for e in conv.send("Describe a person.") if isinstance(e, TextDelta))
         jsonschema.validate(json.loads(text), SCHEMAS["flat_required"])

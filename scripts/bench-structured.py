@@ -15,6 +15,7 @@ import argparse
 import json
 
 from ferrum_mac.engine import Done, Engine, ResponseFormat
+from ferrum_mac.engine.speculation.setting import OFF, Speculate
 
 PROMPT = "Write a long story about a lighthouse keeper and her cat, as JSON with the story in 'text'."
 SCHEMA = {
@@ -27,7 +28,8 @@ SCHEMA = {
 
 def decode_tps(engine: Engine, tokens: int, fmt: ResponseFormat | None) -> tuple[float, int]:
     """One answer's decode tok/s and its token count (a fresh conversation: the same prompt each run)."""
-    with engine.conversation(max_tokens=tokens, response_format=fmt) as conv:
+    # speculation off on both sides: a grammar turns it off, and the figure is the grammar's cost
+    with engine.conversation(max_tokens=tokens, response_format=fmt, speculate=Speculate(OFF)) as conv:
         done = [e for e in conv.send(PROMPT) if isinstance(e, Done)][0]
     return done.decode_tps, done.generated_tokens
 

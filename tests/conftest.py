@@ -57,6 +57,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.interpreter)
         if any(name in REAL_MODEL_FIXTURES for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
+    heavy_first(items)
+
+
+HEAVY_TIERS = ("interpreter", "real_model", "slow")
+
+
+def heavy_first(items) -> None:
+    """Files holding a test of a heavy tier first (in their order, as the rest): pytest-xdist
+    hands out whole files in this order, so the long ones start early instead of ending last."""
+    heavy = {item.path for item in items if any(item.get_closest_marker(t) for t in HEAVY_TIERS)}
+    items.sort(key=lambda item: item.path not in heavy)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -185,9 +185,9 @@ _MERGE = """
   out[h * D + d] = static_cast<T>(num / den);
 """
 
-BLOCKS_WANTED = 528  # four blocks per SM of an H100: below it, a sequence's keys are split
+BLOCKS_WANTED = 1056  # eight blocks per SM of an H100: below it, a sequence's keys are split
 MIN_KEYS_PER_SPLIT = 32
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 
 
 def supports(head_dim: int, group: int) -> bool:

@@ -144,12 +144,9 @@ class CallSplitter:
     passed through). `prefix`: the call opener the prompt already ended with."""
 
     def __init__(self, tools: ToolRequest | None, fmt: ToolFormat, prefix: str = ""):
-        self.parser = StreamingToolParser(fmt) if tools is not None else None
-        self.parallel = tools is None or tools.parallel
+        self.parser = StreamingToolParser(fmt, parallel=tools.parallel, prefix=prefix) if tools is not None else None
         self.text = ""  # the answer's text without call markup
         self.calls: list[ToolCall] = []
-        if self.parser is not None and prefix:
-            self.parser.feed(prefix)
 
     def split(self, events: list[TextDelta | ReasoningDelta]) -> Iterator[TextDelta | ReasoningDelta]:
         for event in events:
@@ -171,7 +168,7 @@ class CallSplitter:
                 if item:
                     self.text += item
                     yield TextDelta(item)
-            elif self.parallel or not self.calls:
+            else:
                 self.calls.append(item)
 
 

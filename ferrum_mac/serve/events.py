@@ -48,11 +48,12 @@ class ToolCalls:
     opener); `parallel` False keeps only the first call."""
 
     def __init__(self, fmt: ToolFormat | None, parallel: bool = True, prefix: str = ""):
-        self.parser = StreamingToolParser(fmt, stream_arguments=True) if fmt is not None else None
-        self.parallel = parallel
+        self.parser = (
+            StreamingToolParser(fmt, stream_arguments=True, parallel=parallel, prefix=prefix)
+            if fmt is not None
+            else None
+        )
         self.pieces: list[ToolCallDelta] = []
-        if self.parser is not None and prefix:
-            self.parser.feed(prefix)
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -74,7 +75,7 @@ class ToolCalls:
             if isinstance(item, str):
                 if item:
                     out.append(TextDelta(item))
-            elif self.parallel or item.index == 0:
+            else:
                 self.pieces.append(item)
                 out.append(item)
         return out

@@ -156,10 +156,14 @@ class StreamingToolParser:
     """Splits streamed answer text into text and calls. Text that may be the start of an opener
     is held back until it is clearly not, so markup never reaches the text; a call that does not
     parse comes out as text at its end (the model wrote something else), unless pieces of it
-    were streamed already (`stream_arguments`), which then stand as they are."""
+    were streamed already (`stream_arguments`), which then stand as they are. `parallel` False
+    passes on only the answer's first call; `prefix`: what the prompt already opened the answer
+    with (a forced call's opener), read before the answer's own text."""
 
-    def __init__(self, fmt: ToolFormat, stream_arguments: bool = False):
+    def __init__(self, fmt: ToolFormat, stream_arguments: bool = False, parallel: bool = True, prefix: str = ""):
         self.fmt = fmt
+        self._parallel = parallel
+        self._calls_out = 0  # whole calls passed on (with `parallel` False, at most one)
         self._pending = ""  # text held back: a possible opener, or a call's body
         self._opener: str | None = None  # the opener of the call being read
         self._started = False  # whether answer text (not whitespace) has come out yet
@@ -167,6 +171,8 @@ class StreamingToolParser:
         self._stream = stream_arguments
         self._index = 0  # calls of the answer so far (the next one's index)
         self._body = _BodyStream()  # how much of the call's body has been streamed
+        if prefix:
+            self.feed(prefix)
 
     @property
     def in_call(self) -> bool:
@@ -182,7 +188,7 @@ class StreamingToolParser:
                     break
             elif not self._scan_call(events):
                 break
-        return events
+        return self._kept(events)
 
     def finish(self) -> list[str | ToolCall]:
         """What is left once generation ended: an unclosed call parsed as it is, held text released."""
@@ -192,7 +198,23 @@ class StreamingToolParser:
         elif self._pending:
             events.append(self._pending)
         self._pending, self._opener = "", None
-        return events
+        return self._kept(events)
+
+    def _kept(self, events: list) -> list:
+        """`events` less the calls after the first when the answer may make only one."""
+        if self._parallel:
+            return events
+        kept = []
+        for event in events:
+            if isinstance(event, ToolCallDelta):
+                if event.index > 0:
+                    continue
+            elif isinstance(event, ToolCall):
+                if self._calls_out:
+                    continue
+                self._calls_out += 1
+            kept.append(event)
+        return kept
 
     # -- states ----------------------------------------------------------------------------
 

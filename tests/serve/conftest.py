@@ -1,4 +1,5 @@
-"""A scheduler and live `ferrum serve` servers on stories260K, bound to 127.0.0.1 on free ports."""
+"""A scheduler and live `ferrum serve` servers on stories260K, bound to 127.0.0.1 on free ports,
+and a model folder of random Qwen3 weights with Qwen3's own tokenizer and template."""
 
 from __future__ import annotations
 
@@ -63,3 +64,22 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def qwen3_random(tmp_path_factory, shared_assets) -> Path:
+    """A tiny Qwen3 with random weights and Qwen3's real tokenizer and chat template (its tool
+    call format and its <think> section), built once a session."""
+    import shutil
+
+    import helpers
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = tmp_path_factory.mktemp("qwen3-random")
+    torch.manual_seed(0)
+    config = Qwen3Config(**{**helpers.TINY, "vocab_size": 151936}, head_dim=32, tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(shared_assets / "tokenizers" / "qwen3" / name, folder / name)
+    return folder

@@ -509,24 +509,13 @@ THINK_OPEN = 151667  # Qwen3's <think>
 
 
 @pytest.fixture(scope="module")
-def qwen3_claude(tmp_path_factory, shared_assets):
-    import shutil
-
+def qwen3_claude(qwen3_random):
     import anthropic
-    import helpers
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from ferrum_mac.serve import Scheduler
     from ferrum_mac.serve.app import build_app
 
-    folder = tmp_path_factory.mktemp("qwen3-thinking")
-    torch.manual_seed(0)
-    config = Qwen3Config(**{**helpers.TINY, "vocab_size": 151936}, head_dim=32, tie_word_embeddings=True)
-    Qwen3ForCausalLM(config).eval().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(shared_assets / "tokenizers" / "qwen3" / name, folder / name)
-    scheduler = Scheduler(open_stories(folder, kv_capacity=512)).start()
+    scheduler = Scheduler(open_stories(qwen3_random, kv_capacity=512)).start()
     live = LiveServer(build_app(scheduler, "qwen3-random"))
     yield anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=120)
     live.stop()

@@ -28,18 +28,6 @@ ASK = [{"role": "user", "content": "Tell me a story about Lily."}]
 GREEDY = {"temperature": 0, "num_predict": 12}
 
 
-@pytest.fixture(scope="module")
-def server(stories_path):
-    from ferrum_mac.serve import Scheduler
-    from ferrum_mac.serve.app import build_app
-
-    scheduler = Scheduler(open_stories(stories_path)).start()
-    live = LiveServer(build_app(scheduler, MODEL))
-    yield live
-    live.stop()
-    scheduler.stop()
-
-
 @pytest.fixture
 def client(server):
     return ollama.Client(host=server.url, timeout=120)
@@ -471,23 +459,11 @@ def test_tool_calls_stream_with_arguments_as_objects(smollm2):
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory, shared_assets):
-    import shutil
-
-    import helpers
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+def qwen3(qwen3_random):
     from ferrum_mac.serve import Scheduler
     from ferrum_mac.serve.app import build_app
 
-    folder = tmp_path_factory.mktemp("qwen3-think")
-    torch.manual_seed(0)
-    config = Qwen3Config(**{**helpers.TINY, "vocab_size": 151936}, head_dim=32, tie_word_embeddings=True)
-    Qwen3ForCausalLM(config).eval().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(shared_assets / "tokenizers" / "qwen3" / name, folder / name)
-    scheduler = Scheduler(open_stories(folder, kv_capacity=512)).start()
+    scheduler = Scheduler(open_stories(qwen3_random, kv_capacity=512)).start()
     live = LiveServer(build_app(scheduler, "qwen3-random"))
     yield ollama.Client(host=live.url, timeout=120)
     live.stop()

@@ -5,7 +5,6 @@ streamed or whole."""
 from __future__ import annotations
 
 import pytest
-from serve_support import LiveServer, open_stories
 
 MODEL = "stories260K"
 SYSTEM = "You tell short stories."
@@ -15,18 +14,6 @@ TURNS = [
     {"role": "user", "content": "What happened next?"},
 ]
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def server(stories_path):
-    from ferrum_mac.serve import Scheduler
-    from ferrum_mac.serve.app import build_app
-
-    scheduler = Scheduler(open_stories(stories_path)).start()
-    live = LiveServer(build_app(scheduler, MODEL))
-    yield live
-    live.stop()
-    scheduler.stop()
 
 
 def openai_answers(url: str) -> list[str]:

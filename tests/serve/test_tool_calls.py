@@ -445,24 +445,11 @@ def test_a_call_that_never_parses_is_text_and_a_cut_one_keeps_its_pieces():
 
 
 @pytest.fixture(scope="module")
-def qwen3_server(tmp_path_factory, shared_assets):
-    import shutil
-
-    import helpers
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
+def qwen3_server(qwen3_random):
     from ferrum_mac.serve import Scheduler
     from ferrum_mac.serve.app import build_app
 
-    tokenizer = shared_assets / "tokenizers" / "qwen3"
-    folder = tmp_path_factory.mktemp("qwen3-tools")
-    torch.manual_seed(0)
-    config = Qwen3Config(**{**helpers.TINY, "vocab_size": 151936}, head_dim=32, tie_word_embeddings=True)
-    Qwen3ForCausalLM(config).eval().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(tokenizer / name, folder / name)
-    scheduler = Scheduler(open_stories(folder, kv_capacity=2048)).start()
+    scheduler = Scheduler(open_stories(qwen3_random, kv_capacity=2048)).start()
     live = LiveServer(build_app(scheduler, "qwen3-random"))
     yield live
     live.stop()

@@ -152,49 +152,11 @@ if triton is not None:
             N, K, HAS_NORM, SWIGLU, BLOCK_K, PRECISION,
         )  # fmt: skip
 
-        if SPLIT:
-            width: tl.constexpr = 2 * N if SWIGLU else N
-            here = row_ids[:, None] * width + columns[None, :]
-            mine = live[:, None] & inside[None, :]
-            split_stride = rows * width
-            tl.store(partials_ptr + split * split_stride + here, acc, mask=mine)
-            if SWIGLU:
-                tl.store(partials_ptr + split * split_stride + N + here, up_acc, mask=mine)
-            if arrived_last(counters_ptr + block, splits):
-                acc = sum_of_splits(partials_ptr, here, mine, splits, split_stride)
-                if SWIGLU:
-                    up_acc = sum_of_splits(partials_ptr, N + here, mine, splits, split_stride)
-                _finish_gemv(
-                    acc,
-                    up_acc,
-                    bias_ptr,
-                    residual_ptr,
-                    out_ptr,
-                    row_ids,
-                    live,
-                    columns,
-                    inside,
-                    N,
-                    HAS_BIAS,
-                    HAS_RESIDUAL,
-                    SWIGLU,
-                )
-        else:
-            _finish_gemv(
-                acc,
-                up_acc,
-                bias_ptr,
-                residual_ptr,
-                out_ptr,
-                row_ids,
-                live,
-                columns,
-                inside,
-                N,
-                HAS_BIAS,
-                HAS_RESIDUAL,
-                SWIGLU,
-            )
+        finish_split_gemv(
+            acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
+            bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+            N, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
+        )  # fmt: skip
 
     @triton.jit
     def matmul_columns(
@@ -223,6 +185,37 @@ if triton is not None:
                 up = tl.load(tiles + N * K + ks[None, :], mask=both, other=0.0)
                 up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
         return acc, up_acc
+
+    @triton.jit
+    def finish_split_gemv(
+        acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
+        bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+        N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):  # fmt: skip
+        """A program's float32 sums of its columns -> the output (`_finish_gemv`); with K split
+        over programs, each stores its partial sums and the last to arrive adds them up first."""
+        if SPLIT:
+            width: tl.constexpr = 2 * N if SWIGLU else N
+            here = row_ids[:, None] * width + columns[None, :]
+            mine = live[:, None] & inside[None, :]
+            split_stride = rows * width
+            tl.store(partials_ptr + split * split_stride + here, acc, mask=mine)
+            if SWIGLU:
+                tl.store(partials_ptr + split * split_stride + N + here, up_acc, mask=mine)
+            if arrived_last(counters_ptr + block, splits):
+                acc = sum_of_splits(partials_ptr, here, mine, splits, split_stride)
+                if SWIGLU:
+                    up_acc = sum_of_splits(partials_ptr, N + here, mine, splits, split_stride)
+                _finish_gemv(
+                    acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+                    N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
+                )  # fmt: skip
+        else:
+            _finish_gemv(
+                acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+                N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
+            )  # fmt: skip
 
     @triton.jit
     def _finish_gemv(

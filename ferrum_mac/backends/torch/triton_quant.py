@@ -170,7 +170,7 @@ def gemv_blocks(n: int, k: int, device: torch.device, bits: int) -> tuple[int, i
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_gemv import _finish_gemv, inverse_rms
+    from ferrum_mac.backends.torch.triton_gemv import finish_split_gemv, inverse_rms
     from ferrum_mac.backends.torch.triton_moe import _swiglu_as_torch
     from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
 
@@ -270,27 +270,11 @@ if triton is not None:
                 ).to(x.dtype)
                 up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
 
-        if SPLIT:
-            width: tl.constexpr = 2 * N if SWIGLU else N
-            here = row_ids[:, None] * width + columns[None, :]
-            mine = live[:, None] & inside[None, :]
-            split_stride = rows * width
-            tl.store(partials_ptr + split * split_stride + here, acc, mask=mine)
-            if SWIGLU:
-                tl.store(partials_ptr + split * split_stride + N + here, up_acc, mask=mine)
-            if arrived_last(counters_ptr + block, splits):
-                acc = sum_of_splits(partials_ptr, here, mine, splits, split_stride)
-                if SWIGLU:
-                    up_acc = sum_of_splits(partials_ptr, N + here, mine, splits, split_stride)
-                _finish_gemv(
-                    acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
-                    N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
-                )  # fmt: skip
-        else:
-            _finish_gemv(
-                acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
-                N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
-            )  # fmt: skip
+        finish_split_gemv(
+            acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
+            bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+            N, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
+        )  # fmt: skip
 
     @triton.jit
     def _qmatmul_kernel(

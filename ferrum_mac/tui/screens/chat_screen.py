@@ -14,6 +14,7 @@ from pathlib import Path
 
 from textual import on
 from textual.app import ComposeResult
+from textual.css.query import NoMatches
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
@@ -150,10 +151,13 @@ class ChatScreen(Screen):
         await self.query_one(ConversationList).show(self.history.conversations(self.search_text), self.current_id)
 
     def refresh_status(self) -> None:
-        bars = self.query(StatusBar)
-        if not bars:  # the screen is being taken down (the app is closing); the timer fired late
-            return
-        status = bars.first()
+        try:
+            self._refresh_status()
+        except NoMatches:  # the app is closing, its widgets going; the timer fired late
+            pass
+
+    def _refresh_status(self) -> None:
+        status = self.query_one(StatusBar)
         app = self.app
         status.show_model(app.model_name, app.device_text)
         if not self.busy:  # while an answer streams, its own figures are shown (show_streaming)

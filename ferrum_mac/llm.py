@@ -295,6 +295,15 @@ class DecoderOnlyLLM(abc.ABC):
         """Append `tokens` in one forward; return `[len(tokens), vocab]` logits, one row per position."""
         raise UnsupportedError(f"{type(self).__name__} has no multi-token verify; call decode() per token")
 
+    def verify_batch(self, items: Sequence[ForwardItem]) -> list[Logits]:
+        """Append each item's tokens (at `pos_offset`, where its cache ends) in one forward;
+        return each item's `[len(tokens), vocab]` logits, one row per token. Speculative
+        verifies of several sequences, and plain decode steps (items of one token), batched
+        together. The default runs `forward_verify` per item."""
+        if not items:
+            raise FerrumError("verify_batch needs at least one item")
+        return [self.forward_verify(it.cache_id, it.tokens) for it in items]
+
     def unified_forward(self, items: Sequence[ForwardItem]) -> list[Logits | None]:
         """One forward over decode steps and prefill chunks; `[vocab]` logits for final items, else None.
         An empty `items` raises `FerrumError`."""

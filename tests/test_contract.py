@@ -54,9 +54,13 @@ def backend_module(model, name: str):
 
 
 def reference(model, tokens) -> np.ndarray:
-    """Every position's logits of `tokens`, from one forward on a fresh cache."""
+    """Every position's logits of `tokens`, from one forward on a fresh cache (the prefill's
+    route: a backend may run a short verify as decode rows, `verify_rows`)."""
     cid = fresh_id("ref")
-    out = to_np(model.forward_verify(cid, tokens))
+    with pytest.MonkeyPatch.context() as patch:
+        if hasattr(model, "verify_rows"):
+            patch.setattr(model, "verify_rows", 0)
+        out = to_np(model.forward_verify(cid, tokens))
     model.release(cid)
     return out
 
@@ -184,6 +188,28 @@ def test_forward_verify_equals_decode_loop(model):
     assert last.shape == (model.config.vocab_size,)
     model.release(verify)
     model.release(loop)
+
+
+def test_verify_batch_equals_each_alone(model):
+    """Two verifies and a decode step in one call give each one's own logits, and leave each
+    cache as its own call would."""
+    prompts = [random_tokens(9, seed=11), random_tokens(40, seed=12), random_tokens(3, seed=13)]
+    guesses = [random_tokens(4, seed=14), random_tokens(6, seed=15), [7]]
+    batched, alone = [fresh_id() for _ in prompts], [fresh_id() for _ in prompts]
+    for b, a, prompt in zip(batched, alone, prompts):
+        model.prefill(b, prompt)
+        model.prefill(a, prompt)
+    items = [ForwardItem(b, g, len(p)) for b, g, p in zip(batched, guesses, prompts)]
+    rows = model.verify_batch(items)
+    for cid, prompt, guess, got in zip(alone, prompts, guesses, rows):
+        assert got.shape == (len(guess), model.config.vocab_size)
+        assert_close(got, reference(model, prompt + guess)[len(prompt) :])
+        assert model.kv_len(batched[alone.index(cid)]) == len(prompt) + len(guess)
+    for b, a, p, g in zip(batched, alone, prompts, guesses):
+        model.forward_verify(a, g)
+        assert_close(model.decode(b, 5, len(p) + len(g)), model.decode(a, 5, len(p) + len(g)))
+        model.release(b)
+        model.release(a)
 
 
 def test_truncate_then_redecode_reproduces_logits(model):

@@ -2,7 +2,7 @@
 
 Every call is checked (`DecoderOnlyLLM.check_call`) before any cache changes, then runs as
 one forward over a list of (cache_id, tokens, offset) segments: `prefill` one segment (in
-chunks, so activations stay bounded), `forward_verify` one, `unified_forward` a mix of
+chunks, so activations stay bounded), `forward_verify` one, `verify_batch` several, `unified_forward` a mix of
 decode steps and prefill chunks. This class keeps the slots' bookkeeping around that
 forward (acquire a sequence's blocks, make room, record what each sequence now holds), the
 prefix cache's calls (`kv_reuse`, `kv_remember`: the pool's) and the rows of the result each
@@ -12,6 +12,7 @@ call returns; a backend adds only what runs on its device:
 - `_token_ids(tokens)`: one segment's tokens as the backend's ids (device tokens clipped);
 - `_logits_at(h, rows)`: logits of the token rows `rows` (an index, a slice or a list) of `h`;
 - `_decode_batch(items)`: a batched decode step (checked already);
+- `_verify(segments)`: may run short verifies faster than `_forward` (torch: as decode rows);
 - `_computing()`: the context the forwards run in (torch's inference mode);
 - `prepare`, `reset`, `sampler` and its buffers (`kv`, the pool; `segment_type`, its plan's segment).
 """
@@ -162,11 +163,22 @@ class PooledLLM(DecoderOnlyLLM):
             return self._decode_batch(items)
 
     def forward_verify(self, cache_id: str, tokens: Sequence[int]) -> Logits:
-        tokens = host_tokens(cache_id, tokens)
-        offset = self.kv.length(cache_id)
-        self.check_call([(cache_id, tokens, offset)])
+        return self.verify_batch([ForwardItem(cache_id, tokens, self.kv.length(cache_id))])[0]
+
+    def verify_batch(self, items: Sequence[ForwardItem]) -> list[Logits]:
+        segments = [(it.cache_id, host_tokens(it.cache_id, it.tokens), it.pos_offset) for it in items]
+        self.check_call(segments)
         with self._computing():
-            return self._logits_at(self._forward([(cache_id, tokens, offset)]), slice(None))
+            logits = self._verify(segments)
+        parts, start = [], 0
+        for _, tokens, _ in segments:
+            parts.append(logits[start : start + len(tokens)])
+            start += len(tokens)
+        return parts
+
+    def _verify(self, segments: Sequence[tuple[str, list[int], int]]) -> Logits:
+        """`verify_batch` after its checks: `(tokens, vocab)` logits of every segment's tokens, in order."""
+        return self._logits_at(self._forward(segments), slice(None))
 
     def unified_forward(self, items: Sequence[ForwardItem]) -> list[Logits | None]:
         segments = [(it.cache_id, host_tokens(it.cache_id, it.tokens), it.pos_offset) for it in items]

@@ -1,8 +1,9 @@
 """`TorchLLM`: the `DecoderOnlyLLM` contract on PyTorch (CUDA or the CPU).
 
-Prefill, verify and mixed batches are one eager forward over a `Plan` of segments
-(`PooledLLM` keeps the bookkeeping and checks). Decode steps (`decode`, `decode_batch`) run
-as a `DecodeStep` of fixed shapes, captured as a CUDA graph on a GPU. Device tokens (not
+Prefill and mixed batches are one eager forward over a `Plan` of segments (`PooledLLM`
+keeps the bookkeeping and checks). Decode steps (`decode`, `decode_batch`) and short
+verifies (`verify_batch`, a row per token) run as a `DecodeStep` of fixed shapes, captured as
+a CUDA graph on a GPU. Device tokens (not
 checked: that would wait for them) are clipped into the vocabulary inside the decode step
 (`steps.py`), as an embedding lookup past its end is a device assert that ends the CUDA
 context.
@@ -49,6 +50,7 @@ def power_of_two_above(n: int) -> int:
 class TorchLLM(PooledLLM):
     device_array_types = (torch.Tensor,)
     segment_type = Segment
+    verify_rows = 64  # a verify of at most this many tokens in all runs as decode rows (a CUDA graph)
 
     def __init__(
         self,
@@ -141,16 +143,43 @@ class TorchLLM(PooledLLM):
     def _logits_at(self, h: torch.Tensor, rows) -> torch.Tensor:
         return self.model.logits(h if rows == slice(None) else h[rows])
 
+    def _verify(self, segments) -> torch.Tensor:
+        """Verifies of a few tokens in all run as one `DecodeStep` (a CUDA graph), a row per
+        token: row `i` of a segment sits at its position and reads the keys up to it, which
+        its earlier rows wrote in the same step, so attention is causal as in a forward."""
+        rows = sum(len(tokens) for _, tokens, _ in segments)
+        if rows > self.verify_rows:
+            return super()._verify(segments)
+        caches = [self.kv.acquire(cache_id) for cache_id, _, _ in segments]
+        for cache, (_, tokens, offset) in zip(caches, segments):
+            self.kv.reserve(cache, offset, offset + len(tokens))
+        batch = [
+            (token, offset + i, cache.blocks)
+            for cache, (_, tokens, offset) in zip(caches, segments)
+            for i, token in enumerate(tokens)
+        ]  # fmt: skip
+        logits = self._step_over(batch, max(len(cache.blocks) for cache in caches))
+        for cache, (_, tokens, offset) in zip(caches, segments):
+            cache.length = offset + len(tokens)
+        return logits
+
+    def _step_over(self, batch: list[tuple], blocks: int) -> torch.Tensor:
+        """`(len(batch), vocab)` logits of one `DecodeStep` over `batch`'s (token, position,
+        blocks) rows: rows and table width rounded up to powers of two, so a server's changing
+        batches share few steps."""
+        width = max(MIN_WIDTH, power_of_two_above(blocks))
+        step = self.steps.get(power_of_two_above(len(batch)), width)
+        step.load(batch)
+        logits = step.run()
+        return logits if len(batch) == step.rows else logits[: len(batch)]
+
     def _decode_batch(self, items: Sequence[DecodeItem]) -> torch.Tensor:
-        """One `DecodeStep` over the batch's sequences: rows and table width rounded up to
-        powers of two, so a server's changing batches share few steps."""
+        """One `DecodeStep` over the batch's sequences."""
         caches = [self.kv.acquire(it.cache_id) for it in items]
         for cache, it in zip(caches, items):
             self.kv.reserve(cache, it.pos, it.pos + 1)
-        width = max(MIN_WIDTH, power_of_two_above(max(len(cache.blocks) for cache in caches)))
-        step = self.steps.get(power_of_two_above(len(items)), width)
-        step.load([(it.token, it.pos, cache.blocks) for cache, it in zip(caches, items)])
-        logits = step.run()
+        batch = [(it.token, it.pos, cache.blocks) for cache, it in zip(caches, items)]
+        logits = self._step_over(batch, max(len(cache.blocks) for cache in caches))
         for cache, it in zip(caches, items):
             cache.length = it.pos + 1
-        return logits if len(items) == step.rows else logits[: len(items)]
+        return logits

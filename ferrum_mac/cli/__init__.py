@@ -218,6 +218,12 @@ def serve(
     ollama: bool = typer.Option(
         False, "--ollama", help="Listen where Ollama's clients look: $OLLAMA_HOST, else 127.0.0.1:11434."
     ),
+    speculate: str = typer.Option(
+        "auto",
+        "--speculate",
+        help="Speculative decoding for requests that do not choose (their `speculate` field): "
+        "auto (prompt lookup where it pays), ngram or off.",
+    ),
 ) -> None:
     """An OpenAI-, Anthropic- and Ollama-compatible server of the default model and any model in the
     store (/v1/chat/completions, /v1/messages, /api/chat, /v1/models, /health, /metrics, ...)."""
@@ -236,6 +242,7 @@ def serve(
         verbose=verbose,
         keep_alive_s=keep_alive_option(keep_alive),
         ollama=ollama,
+        speculate=speculate,
     )
 
 

@@ -47,6 +47,7 @@ PASSED = (
     "logit_bias",
     "stream",
     "chat_template_kwargs",
+    "speculate",  # ferrum's own: auto, ngram or off
 )
 # Fields asking for what only Anthropic's own servers run: refused, so the client knows it did
 # not happen. Any other field this module does not read is a hint (metadata, service_tier,

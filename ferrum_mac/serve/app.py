@@ -285,6 +285,7 @@ class Server:
             ignore_eos=options.ignore_eos,
             matcher=prepared.matcher,
             emit=emit,
+            speculate=call.speculate,
         )
         handle = _submit(model.scheduler, request, "messages" if call.messages is not None else "prompt")
         tools = call.tools

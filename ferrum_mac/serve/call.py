@@ -17,6 +17,7 @@ from typing import Mapping
 from ferrum_mac.engine import SamplingParams
 from ferrum_mac.serve import openai_schema as api
 from ferrum_mac.serve.events import Finished, ToolCallDelta
+from ferrum_mac.serve.speculation import speculate_field
 
 __all__ = ["ChatCall", "Finished", "Limits", "ToolCallDelta", "call_from_openai", "renamed"]
 
@@ -31,6 +32,7 @@ class ChatCall:
     prompt: str | list[int] | None = None  # a completion (messages None): text or token ids
     model: str | None = None  # the body's model field; None/"" = the server's default
     keep_alive_s: float | None = None  # Ollama's keep_alive for this model; None = the server's
+    speculate: str | None = None  # auto, ngram or off (`speculate`, ferrum's own field); None = the server's
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,13 @@ def call_from_openai(
         prompt = None if chat else api.completion_prompt(body)
         options = api.options(body, limits.sampling, limits.vocab_size, limits.template_names)
         tools = api.tool_request(body) if chat else None
+        speculate = speculate_field(body)
     except api.ApiError as e:
         raise renamed(e, renames or {}) from None
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise renamed(api.ApiError(400, "'model' must be a string", param="model", code="invalid_type"), renames or {})
-    return ChatCall(messages, options, tools, prompt, model or None)
+    return ChatCall(messages, options, tools, prompt, model or None, speculate=speculate)
 
 
 def renamed(error: api.ApiError, renames: Mapping[str, str]) -> api.ApiError:

@@ -41,12 +41,14 @@ def serve_command(
     verbose: bool = False,
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     ollama: bool = False,
+    speculate: str = "auto",
 ) -> None:
     import uvicorn
 
     from ferrum_mac.serve.app import build_app
 
     host, port = listen_address(host, port, ollama, settings.value("OLLAMA_HOST"))
+    speculate = speculate_option(speculate)
     if not is_loopback_host(host) and not api_key:
         print(
             f"ferrum: serving on {host} without --api-key: anyone who can reach this port can use the model",
@@ -56,7 +58,7 @@ def serve_command(
         log_requests()
     sock = bind_socket(host, port)  # first: a taken port fails before the model loads
     try:
-        models = open_models(model, backend, device, kv_capacity, keep_alive_s)
+        models = open_models(model, backend, device, kv_capacity, keep_alive_s, speculate)
         try:
             default = models.loaded()[0]
             app = build_app(
@@ -79,9 +81,17 @@ def serve_command(
         sock.close()
 
 
-def open_models(model: str | None, backend: str, device: str | None, kv_capacity: int | None, keep_alive_s: float):
+def open_models(
+    model: str | None,
+    backend: str,
+    device: str | None,
+    kv_capacity: int | None,
+    keep_alive_s: float,
+    speculate: str = "auto",
+):
     """The registry with the default model open (pulled first if need be, as `ferrum run` does);
-    the store's others are opened from their files, never pulled, when a request names them."""
+    the store's others are opened from their files, never pulled, when a request names them.
+    `speculate`: what requests that do not choose get (auto, ngram or off)."""
     from ferrum_mac.compose import free_memory_bytes, open_engine, release_cached_memory
     from ferrum_mac.serve.models import LoadedModel, Models, size_of
     from ferrum_mac.serve.scheduler import Scheduler
@@ -89,10 +99,13 @@ def open_models(model: str | None, backend: str, device: str | None, kv_capacity
 
     def open_scheduler(source: Path | str) -> Scheduler:
         return Scheduler(
-            lambda: open_engine(source, backend=backend, device=device, kv_capacity=kv_capacity, pull=False)
+            lambda: open_engine(source, backend=backend, device=device, kv_capacity=kv_capacity, pull=False),
+            speculate=speculate,
         ).start()
 
-    scheduler = Scheduler(lambda: open_engine(model, backend=backend, device=device, kv_capacity=kv_capacity)).start()
+    scheduler = Scheduler(
+        lambda: open_engine(model, backend=backend, device=device, kv_capacity=kv_capacity), speculate=speculate
+    ).start()
     engine = scheduler.engine
     default = LoadedModel(engine.name, scheduler, size_of(engine.path), keep_alive_s, source=engine.path)
     return Models(
@@ -135,6 +148,16 @@ def keep_alive_option(value: str) -> float:
             "0 unloads after each request, -1 never"
         )
     return seconds
+
+
+def speculate_option(value: str) -> str:
+    """`--speculate`: auto, ngram or off (a draft model is `ferrum run`'s only)."""
+    from ferrum_mac.serve.speculation import check_mode
+
+    try:
+        return check_mode(value)
+    except ValueError as e:
+        raise ServeOptionError(str(e)) from None
 
 
 def listen_address(host: str | None, port: int | None, ollama: bool, ollama_host: str | None) -> tuple[str, int]:

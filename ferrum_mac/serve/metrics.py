@@ -30,6 +30,18 @@ def prometheus_text(stats: SchedulerStats, up: bool = True) -> str:
         ),
         *metric("ferrum_kv_tokens_used", "gauge", "Tokens cached in the KV buffers.", stats.kv_tokens_used),
         *metric("ferrum_scheduler_steps_total", "counter", "Forward steps run.", stats.steps),
+        *metric(
+            "ferrum_speculation_proposed_tokens_total",
+            "counter",
+            "Guessed tokens verified (speculative decoding).",
+            stats.proposed_tokens,
+        ),
+        *metric(
+            "ferrum_speculation_accepted_tokens_total",
+            "counter",
+            "Guessed tokens kept: the sampler drew them too.",
+            stats.accepted_tokens,
+        ),
     ]
     if stats.prefix is not None:
         lines += prefix_cache_lines(stats.prefix)

@@ -59,6 +59,7 @@ OPTIONS: dict[str, tuple[str | None, type | tuple[type, ...]]] = {
     "repeat_penalty": ("repetition_penalty", numbers.Real),
     "presence_penalty": ("presence_penalty", numbers.Real),
     "frequency_penalty": ("frequency_penalty", numbers.Real),
+    "speculate": ("speculate", str),  # ferrum's own: auto, ngram or off
     # checked here, applied after the OpenAI checks (they have no OpenAI field)
     "repeat_last_n": (None, int),
     "num_ctx": (None, int),

@@ -3,7 +3,10 @@
 Each step runs every decoding sequence's next token plus prefill chunks of newly admitted
 ones under a token budget, as one `unified_forward` where the backend has it (else whole
 prefills, then one `decode_batch`, else one `decode` per sequence). A step with nothing to
-prefill is one `decode_batch`: the backends' fastest path (a replayed CUDA graph on torch). Requests are admitted
+prefill is one `decode_batch`: the backends' fastest path (a replayed CUDA graph on torch), or,
+when some sequences' guesses of their next tokens are worth their rows (`serve.speculation`),
+one `verify_batch` of every sequence's token and those guesses; the guesses the sampler would
+itself have drawn are kept, the rest cut from the cache (`truncate_kv`). Requests are admitted
 first come, first served, while the batch has room and the KV the model would hold with
 them all at their full length (prompt plus max_tokens; the pool's whole shape) fits what
 free memory held at start; a decoding sequence gets a token every step, so a
@@ -44,6 +47,10 @@ from ferrum_mac.engine import (
     Timing,
     done_event,
 )
+from ferrum_mac.engine.speculation import SpeculationStats
+from ferrum_mac.engine.speculation.proposers import Proposal
+from ferrum_mac.engine.speculation.setting import OFF
+from ferrum_mac.engine.speculation.verify import Speculator, accepted_guesses
 from ferrum_mac.errors import FerrumError, UnsupportedError
 from ferrum_mac.grammar import fill_masks
 from ferrum_mac.engine.context import common_prefix
@@ -58,6 +65,7 @@ from ferrum_mac.llm import (
     PrefixStats,
 )
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
+from ferrum_mac.serve.speculation import MAX_ROWS, Offer, check_mode, plan, row_costs, stream_speculator
 
 log = logging.getLogger("ferrum.serve")
 
@@ -84,6 +92,8 @@ class SchedulerStats:
     kv_tokens_allocated: int = 0  # positions the model's KV buffers hold, used or not
     kv_tokens_used: int = 0  # tokens every cache of the model holds (active sequences and any other)
     steps: int = 0
+    proposed_tokens: int = 0  # guesses verified (speculation)
+    accepted_tokens: int = 0  # of them, kept
     prefix: PrefixStats | None = None  # the model's prefix cache counters (None: it keeps none)
 
 
@@ -107,6 +117,12 @@ class Sequence:
         self.miss: str | None = None  # why the prefix cache gave no more (`PrefixReuse.miss`)
         self.leader: Sequence | None = None  # an earlier sequence prefilling a prefix this one shares
         self.shared = 0  # prompt tokens in common with `leader`: this one waits until it holds them
+        self.speculator: Speculator | None = None  # set when it may guess its next tokens
+        self.history: list[int] = []  # while it may: the prompt and the answer, which guesses are looked up in
+
+    @property
+    def speculation(self) -> SpeculationStats | None:
+        return self.speculator.stats if self.speculator is not None else None
 
     def attach(self, reuse: PrefixReuse) -> None:
         """Start from what `kv_reuse` attached: prefill only the rest of the prompt."""
@@ -172,14 +188,18 @@ class Scheduler:
         max_batch: int = MAX_BATCH,
         step_tokens: int = STEP_TOKENS,
         kv_budget: int | None = None,
+        speculate: str = OFF,
     ):
         """`open_engine` runs on the scheduler's thread: MLX arrays belong to the thread that
-        made them (another thread's lazy arrays fail to evaluate), so the model is opened there."""
+        made them (another thread's lazy arrays fail to evaluate), so the model is opened there.
+        `speculate`: auto, ngram or off, for requests that do not choose (`GenerationRequest.speculate`)."""
         self._open_engine = open_engine
         self._engine: LocalEngine | None = None
         self.max_batch = max_batch
         self.step_tokens = step_tokens
         self.kv_budget = kv_budget
+        self.speculate = check_mode(speculate)
+        self.verifies = True  # the model runs verify_batch (False once it says it cannot)
         self.mode = UNIFIED
         self.stats = SchedulerStats()
         self._inbox: queue.Queue = queue.Queue()
@@ -399,6 +419,8 @@ class Scheduler:
                 sampler = self.model.sampler(request.sampling, request.prompt_ids)
                 text = AnswerText(self.tokenizer, request.stop, request.opens_reasoning, raw=request.raw)
                 seq = Sequence(handle, sampler, text, need, timing)
+                if self._speculates(request):
+                    seq.speculator, seq.history = stream_speculator(self.model), list(request.prompt_ids)
                 self._attach_prefix(seq)
             except Exception as e:  # this request's settings, its cache lookup or a bug: only this request fails
                 if not isinstance(e, FerrumError):
@@ -408,6 +430,11 @@ class Scheduler:
                 continue
             self._running.append(seq)
             self.stats.prompt_tokens += len(request.prompt_ids)
+
+    def _speculates(self, request: GenerationRequest) -> bool:
+        """Whether a request may guess: not under a grammar (each row would need its mask)."""
+        mode = request.speculate or self.speculate
+        return mode != OFF and request.matcher is None and self.verifies
 
     def _attach_prefix(self, seq: Sequence) -> None:
         """Give `seq` what the prefix cache holds of its prompt; when a sequence still prefilling
@@ -475,9 +502,107 @@ class Scheduler:
             except UnsupportedError:
                 self.mode = SPLIT
                 finals = self._split_step()
+        elif not self._prefilling() and self._speculative_step():
+            return
         else:
             finals = self._split_step()
         self._accept_all(finals)
+
+    # -- speculation ------------------------------------------------------------------------
+
+    def _speculative_step(self) -> bool:
+        """One `verify_batch` of every decoding sequence's token and the guesses worth their rows
+        (`serve.speculation.plan`); False, having run nothing, when no guess is worth one."""
+        decoding = self._decoding()
+        guesses = self._guesses(decoding)
+        if not guesses:
+            for seq in decoding:
+                if seq.speculator is not None:
+                    seq.speculator.plain_token()
+            return False
+        items = [
+            ForwardItem(s.cache_id, [fed_token(s), *guesses[s].tokens] if s in guesses else [fed_token(s)], s.pos)
+            for s in decoding
+        ]
+        try:
+            blocks = self.model.verify_batch(items)
+        except UnsupportedError:  # raised before any cache changed: decode plainly from now on
+            self.verifies = False
+            for seq in decoding:
+                seq.speculator = None
+            return False
+        plain: list[tuple[Sequence, Logits]] = []
+        for seq, rows in zip(decoding, blocks):
+            if seq in guesses:
+                continue
+            if seq.speculator is not None:
+                seq.speculator.plain_token()
+            self._advance(seq, 1)
+            plain.append((seq, rows[0]))
+        self._accept_all(plain)
+        for seq, rows in zip(decoding, blocks):
+            proposal = guesses.get(seq)
+            if proposal is not None:
+                self._accept_guessed(seq, rows, proposal)
+        return True
+
+    def _guesses(self, decoding: list[Sequence]) -> dict[Sequence, Proposal]:
+        """The proposals (cut to what `plan` keeps of them) of the sequences that guess this step."""
+        if len(decoding) >= MAX_ROWS:
+            return {}
+        candidates: list[tuple[Sequence, Speculator, Proposal]] = []
+        for seq in decoding:
+            if seq.speculator is not None:
+                proposal = seq.speculator.candidate(seq.history, self._guess_room(seq))
+                if proposal is not None:
+                    candidates.append((seq, seq.speculator, proposal))
+        if not candidates:
+            return {}
+        try:
+            costs = row_costs(self.model)
+        except FerrumError as e:  # no room to time steps now (a full KV pool): guess later
+            log.debug("speculation waits: %s", _one_line(e))
+            return {}
+        offers = [
+            Offer(proposal, speculator.controller.acceptance(proposal.kind)) for _, speculator, proposal in candidates
+        ]
+        counts = plan(offers, len(decoding), costs)
+        return {
+            seq: Proposal(proposal.tokens[:k], proposal.kind) for (seq, _, proposal), k in zip(candidates, counts) if k
+        }
+
+    def _guess_room(self, seq: Sequence) -> int:
+        """Guesses the sequence may verify after its token: the cache must hold them, and the
+        answer's limit leaves room for them and the token drawn after them (the KV it was
+        admitted with covers exactly that)."""
+        room = self.capacity - seq.pos - 1
+        if seq.request.max_tokens is not None:
+            room = min(room, seq.request.max_tokens - seq.generated - 1)
+        return room
+
+    def _accept_guessed(self, seq: Sequence, rows: Logits, proposal: Proposal) -> None:
+        """Keep the guesses the sampler draws too, cut the others from the cache, and hand the
+        kept ones and the draw after them to `_accept` one by one, as plain steps would."""
+        assert seq.speculator is not None
+        try:
+            kept, token = accepted_guesses(seq.sampler, rows, proposal.tokens)
+            drawn = seq.sampler.read(token)
+            start = seq.pos
+            if kept < len(proposal.tokens):
+                self.model.truncate_kv(seq.cache_id, start + 1 + kept)
+            seq.speculator.record(proposal, kept)
+            self.stats.proposed_tokens += len(proposal.tokens)
+            self.stats.accepted_tokens += kept
+            for i, token_id in enumerate([*proposal.tokens[:kept], drawn]):
+                seq.pos, seq.next_token = start + 1 + i, None  # its cache holds what plain steps would have fed
+                self._accept(seq, token_id)
+                if seq.next_token is None:  # finished
+                    return
+        except Exception as e:  # this sequence's draws or detokenizer: fail it, not the others
+            log.exception("accepting guessed tokens failed")
+            if seq in self._running:
+                seq.emit(Failed(_one_line(e)))
+                self._release(seq, "error")
 
     def _unified_step(self) -> list[tuple[Sequence, Logits]]:
         """One unified_forward: every decoding sequence's token, then prefill chunks in
@@ -583,6 +708,8 @@ class Scheduler:
         seq.timing.token()
         seq.generated += 1
         seq.answer.append(token)
+        if seq.speculator is not None:
+            seq.history.append(token)
         self.stats.generated_tokens += 1
         matcher = seq.request.matcher
         if matcher is not None:
@@ -607,7 +734,11 @@ class Scheduler:
         for event in seq.text.finish():
             seq.emit(event)
         prompt = len(seq.request.prompt_ids)
-        seq.emit(done_event(reason, prompt, seq.cached, seq.generated, seq.timing, seq.text.stop_string))
+        seq.emit(
+            done_event(reason, prompt, seq.cached, seq.generated, seq.timing, seq.text.stop_string, seq.speculation)
+        )
+        if seq.speculation is not None and seq.speculation.steps:
+            log.info("%s", speculation_line(seq))
         self._remember_answer(seq)
         self._release(seq, reason)
 
@@ -615,7 +746,8 @@ class Scheduler:
         """Keep the prompt and answer cached after the release (a client's next request
         sends both back); a failure here must not stop the loop."""
         try:
-            self.model.kv_remember(seq.cache_id, seq.held_tokens(self.model.kv_len(seq.cache_id)))
+            held = min(self.model.kv_len(seq.cache_id), seq.pos)  # a finished step's later guesses are no answer
+            self.model.kv_remember(seq.cache_id, seq.held_tokens(held))
         except Exception:
             log.exception("remembering %s failed", seq.cache_id)
 
@@ -658,6 +790,13 @@ def prefix_line(seq: Sequence) -> str:
     prompt = len(seq.request.prompt_ids)
     line = f"{seq.cache_id}: {seq.cached} of {prompt} prompt tokens reused from the prefix cache"
     return f"{line} (miss: {seq.miss})" if seq.miss else line
+
+
+def speculation_line(seq: Sequence) -> str:
+    """What `ferrum serve --verbose` logs of a request that speculated, when it ends."""
+    stats = seq.speculation
+    assert stats is not None
+    return f"{seq.cache_id}: {stats.accepted} of {stats.proposed} guessed tokens accepted in {stats.steps} verify steps"
 
 
 def _snapshot(prefix: PrefixStats | None) -> PrefixStats | None:

@@ -88,14 +88,14 @@ def _measure(model: DecoderOnlyLLM) -> tuple[float, ...]:
         _step_times[model] = 1.0
         return (1.0,) + (float("inf"),) * MAX_K
     try:
-        _wait(model.prefill(cache_id, prompt))
+        wait_for(model.prefill(cache_id, prompt))
         held = model.kv_len(cache_id)
 
         def decode() -> None:
-            _wait(model.decode(cache_id, prompt[-1], held))
+            wait_for(model.decode(cache_id, prompt[-1], held))
 
         def verify(k: int):
-            return lambda: _wait(model.forward_verify(cache_id, prompt[-k - 1 :]))
+            return lambda: wait_for(model.forward_verify(cache_id, prompt[-k - 1 :]))
 
         def seconds(step) -> float:
             start = time.perf_counter()
@@ -120,7 +120,7 @@ def _measure(model: DecoderOnlyLLM) -> tuple[float, ...]:
     return _interpolated(measured)
 
 
-def _wait(logits) -> None:
+def wait_for(logits) -> None:
     """Run the queued forward: read one value of the logits (nothing else reaches the host)."""
     logits.reshape(-1)[0].item()
 

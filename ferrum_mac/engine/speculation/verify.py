@@ -70,6 +70,17 @@ class Speculator:
         k = self.guesses(history, room)
         return self.proposer.propose(history, k) if k else None
 
+    def candidate(self, history: Sequence[int], room: int) -> Proposal | None:
+        """The longest proposal (at most `room` and MAX_K guesses) a caller that weighs several
+        streams together may verify a prefix of; None while the stream stands aside, without a
+        guess, or with only a weak one before the cost curve is measured."""
+        if room < 1 or (self._controller is not None and self._controller.wait > 0):
+            return None
+        proposal = self.proposer.propose(history, min(room, MAX_K))
+        if proposal is None or (self._controller is None and not worth_measuring(proposal.kind)):
+            return None
+        return proposal
+
     def plain_token(self) -> None:
         if self._controller is not None:
             self._controller.plain_token()
@@ -137,7 +148,7 @@ def speculative_tokens(
             rows = model.forward_verify(cache_id, [token_id, *proposal.tokens])
             if owed:
                 yield token_id
-            kept, token = _accepted(sampler, rows, proposal.tokens)
+            kept, token = accepted_guesses(sampler, rows, proposal.tokens)
             pos += 1 + kept
             model.truncate_kv(cache_id, pos)
             speculator.record(proposal, kept)
@@ -154,8 +165,9 @@ def _read(sampler: Sampler, token: Any, history: list[int]) -> int:
     return token_id
 
 
-def _accepted(sampler: Sampler, rows: Any, guesses: Sequence[int]) -> tuple[int, Any]:
-    """How many guesses the target's draws keep, and the draw after them (the next token).
+def accepted_guesses(sampler: Sampler, rows: Any, guesses: Sequence[int]) -> tuple[int, Any]:
+    """How many guesses the target's draws keep, and the draw after them (the next token):
+    the acceptance rule of every speculating loop (this one, and `ferrum serve`'s batched steps).
 
     A plain greedy sampler (no bias, no penalties: nothing that depends on the position) picks
     every row's argmax, so all rows are compared at one read instead of one read per row."""

@@ -1,0 +1,169 @@
+"""Speculation in `ferrum serve`: which decoding sequences add guesses to a step, and how many.
+
+A step with nothing to prefill is one `verify_batch`: each decoding sequence feeds its next
+token, and a speculating one also its guesses (prompt lookup, `PromptLookup`), a row each.
+The time of a step grows with its rows, so a guess is worth a row only when the step's
+expected tokens per second rise with it. The time of a step of R rows is measured once per
+model, at the first step that has a guess worth it (`row_costs`: R in powers of two up to
+MAX_ROWS, a few forwards on a throw-away cache), and read as the time of the next power of
+two at or above R (a torch step rounds its rows up so; elsewhere the estimate is on the safe
+side). Each guess adds the chance that it and the guesses before it are kept, from its
+stream's own controller (`Controller.acceptance`, by kind of proposal); `plan` adds guesses
+in order of that chance and keeps the prefix with the best rate, when it beats the step
+without guesses by the controller's MARGIN. With one stream this is the engine's rule
+(`Controller.guesses`). A stream whose verifies keep nothing stands aside for a stretch, as
+in the engine. Guesses are accepted by the engine's rule (`accepted_guesses`), so answers
+are those of plain decoding.
+
+Draft models are not offered here: a request for one is refused (`speculate_field`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+from ferrum_mac.engine.speculation.controller import MARGIN, MAX_K, CostCurve, wait_for
+from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
+from ferrum_mac.engine.speculation.setting import AUTO, DRAFT, NGRAM, OFF
+from ferrum_mac.engine.speculation.verify import Speculator
+from ferrum_mac.llm import DecoderOnlyLLM, ForwardItem
+from ferrum_mac.serve import openai_schema as api
+
+SERVE_MODES = (AUTO, NGRAM, OFF)
+MAX_ROWS = 64  # rows of one speculating step (torch runs up to this many as a captured decode step)
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes timed
+CALIBRATION_PROMPT = 32  # tokens in the throw-away cache the steps are timed on
+CALIBRATION_RUNS = 2  # the fastest run counts: a run disturbed by other work does not
+CALIBRATION_ID = "serve-speculation-calibration"
+
+
+def speculate_field(body: dict) -> str | None:
+    """The body's `speculate` ("auto", "ngram" or "off"; None: the server's default), or a 400."""
+    value = body.get("speculate")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise api.ApiError(400, "'speculate' must be a string", param="speculate", code="invalid_type")
+    word = value.strip().lower()
+    if word.partition(":")[0] == DRAFT:
+        raise api.ApiError(
+            400,
+            "'speculate': a draft model is not available in ferrum serve; use auto, ngram or off",
+            param="speculate",
+            code="unsupported_parameter",
+        )
+    if word not in SERVE_MODES:
+        raise api.ApiError(
+            400, f"'speculate' must be auto, ngram or off, not {value[:40]!r}", param="speculate", code="invalid_value"
+        )
+    return word
+
+
+def check_mode(mode: str) -> str:
+    """`ferrum serve --speculate`: one of SERVE_MODES, else ValueError with the choices."""
+    word = str(mode).strip().lower()
+    if word not in SERVE_MODES:
+        raise ValueError(f"--speculate {mode!r}: choose auto, ngram or off (no draft model in ferrum serve)")
+    return word
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """Seconds of a step of ROW_COUNTS[i] rows."""
+
+    seconds: tuple[float, ...]
+
+    def time(self, rows: int) -> float:
+        """A step of `rows` rows: as long as the smallest measured step that holds them."""
+        for count, seconds in zip(ROW_COUNTS, self.seconds):
+            if count >= rows:
+                return seconds
+        return float("inf")
+
+    def curve(self) -> CostCurve:
+        """One stream's verify costs in decode steps, as the engine's controller reads them."""
+        return CostCurve(tuple(self.time(k + 1) / self.time(1) for k in range(MAX_K + 1)))
+
+
+_costs: "weakref.WeakKeyDictionary[DecoderOnlyLLM, RowCosts]" = weakref.WeakKeyDictionary()
+
+
+def row_costs(model: DecoderOnlyLLM) -> RowCosts:
+    """The model's step times (measured at the first call, then kept)."""
+    if model not in _costs:
+        _costs[model] = _measure(model)
+    return _costs[model]
+
+
+def use_row_costs(model: DecoderOnlyLLM, seconds: Sequence[float]) -> None:
+    """Take `seconds` (a step of each of ROW_COUNTS rows) as `model`'s instead of measuring:
+    tests that need speculation to run, or never to run, on any machine."""
+    _costs[model] = RowCosts(tuple(seconds))
+
+
+def _measure(model: DecoderOnlyLLM) -> RowCosts:
+    """Time verify steps of each of ROW_COUNTS rows on one throw-away cache (a row per token)."""
+    vocab = model.config.vocab_size
+    room = model.kv_capacity() - MAX_ROWS - 1
+    if room < 1:  # a context too small to hold a step of guesses: never speculate
+        return RowCosts((1.0,) + (float("inf"),) * (len(ROW_COUNTS) - 1))
+    prompt = [(7 * i + 3) % vocab for i in range(min(CALIBRATION_PROMPT, room))]
+    try:
+        wait_for(model.prefill(CALIBRATION_ID, prompt))
+        held = model.kv_len(CALIBRATION_ID)
+
+        def seconds(rows: int) -> float:
+            tokens = [(5 * i + 1) % vocab for i in range(rows)]
+            start = time.perf_counter()
+            wait_for(model.verify_batch([ForwardItem(CALIBRATION_ID, tokens, held)])[0])
+            elapsed = time.perf_counter() - start
+            model.truncate_kv(CALIBRATION_ID, held)
+            return elapsed
+
+        for rows in ROW_COUNTS:  # first use: kernels compiled, graphs captured
+            seconds(rows)
+        times = [min(seconds(rows) for _ in range(CALIBRATION_RUNS)) for rows in ROW_COUNTS]
+    finally:
+        model.release(CALIBRATION_ID)
+    return RowCosts(tuple(max(times[: i + 1]) for i in range(len(times))))  # never cheaper with more rows
+
+
+def stream_speculator(model: DecoderOnlyLLM) -> Speculator:
+    """One sequence's proposer, controller (its acceptance figures, its stretches aside) and counts."""
+    return Speculator(PromptLookup(), lambda: row_costs(model).curve(), model in _costs)
+
+
+@dataclass
+class Offer:
+    """What one stream may add to a step: `proposal` (its longest), kept each with `acceptance`."""
+
+    proposal: Proposal
+    acceptance: float
+
+
+def plan(offers: Sequence[Offer], rows: int, costs: RowCosts) -> list[int]:
+    """Guesses to verify from each offer on a step of `rows` plain rows (one per decoding
+    sequence): guesses added in order of the chance that they are kept (a guess counts only
+    when those before it in its stream are kept too), the prefix with the best expected tokens
+    per second, or none when that does not beat the plain step by MARGIN."""
+    taken = [0] * len(offers)
+    plain_rate = rows / costs.time(rows)
+    best_rate, best = plain_rate, list(taken)
+    expected = float(rows)
+    chances = [(-offer.acceptance, i) for i, offer in enumerate(offers) if offer.proposal.tokens]
+    heapq.heapify(chances)
+    while chances and rows < MAX_ROWS:
+        chance, i = heapq.heappop(chances)
+        taken[i] += 1
+        rows += 1
+        expected -= chance
+        rate = expected / costs.time(rows)
+        if rate > best_rate:
+            best_rate, best = rate, list(taken)
+        if taken[i] < len(offers[i].proposal.tokens):
+            heapq.heappush(chances, (chance * offers[i].acceptance, i))
+    return best if best_rate >= MARGIN * plain_rate else [0] * len(offers)

@@ -1,0 +1,206 @@
+"""Speculation in `ferrum serve`: with `speculate` auto or ngram, several concurrent requests get
+exactly the answers they get with it off (streamed and whole, greedy and seeded), end for the
+same reasons, and the guesses kept show in the answer's stats and in /metrics.
+
+The step times are set per model (`use_row_costs`: every step as fast as one row) so that
+guessing runs whatever this machine measures: correctness must not depend on the plan.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from serve_support import CHAT, COMPLETIONS, LiveServer, error_of, open_stories
+
+from ferrum_mac.engine.speculation.controller import MAX_K, Controller
+from ferrum_mac.engine.speculation.proposers import Proposal
+from ferrum_mac.serve.command import ServeOptionError, speculate_option
+from ferrum_mac.serve.speculation import ROW_COUNTS, Offer, RowCosts, plan, use_row_costs
+
+FLAT = [1.0] * len(ROW_COUNTS)  # a step of many rows as fast as one: guessing always pays
+PROMPTS = (
+    "Tom and Lily went to the park. Tom and Lily",
+    "The cat sat on the mat. The cat sat on the mat. The cat",
+    "Once upon a time",
+    "Lily had a red ball. Lily had a red ball. Lily",
+)
+EDIT = (
+    "Copy this text exactly, changing 'red' to 'blue':\n"
+    "The red house stands at the end of the long road, next to the old oak tree and the small river."
+)
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    scheduler = Scheduler(open_stories(stories_path), max_batch=4).start()
+    use_row_costs(scheduler.model, FLAT)
+    live = LiveServer(build_app(scheduler, "stories260K"))
+    yield live
+    live.stop()
+    scheduler.stop()
+
+
+def completion(server, prompt: str, speculate: str, stream: bool = False, **fields) -> tuple[str, dict]:
+    """The text and ferrum's stats of one /v1/completions answer."""
+    body = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "speculate": speculate, "stream": stream, **fields}
+    if not stream:
+        response = httpx.post(server.url + COMPLETIONS, json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        data = response.json()
+        return data["choices"][0]["text"], data["stats"]
+    text, stats = [], {}
+    with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = httpx.Response(200, content=line[6:]).json()
+                text += [c["text"] for c in chunk["choices"]]
+                stats = chunk.get("stats", stats)
+    return "".join(text), stats
+
+
+def concurrently(server, speculate: str, stream: bool, **fields) -> list[tuple[str, dict]]:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(lambda p: completion(server, p, speculate, stream, **fields), PROMPTS))
+
+
+def test_greedy_answers_are_those_without_speculation(server):
+    plain = [text for text, _ in concurrently(server, "off", stream=False)]
+    kept = 0
+    for mode, stream in (("auto", False), ("ngram", True)):
+        answers = concurrently(server, mode, stream)
+        assert [text for text, _ in answers] == plain, (mode, stream)
+        for _, stats in answers:
+            assert stats["generated_tokens"] == 60 and stats["stop_reason"] == "max_tokens"
+            assert 0 <= stats["speculation"]["accepted"] <= stats["speculation"]["proposed"]
+            kept += stats["speculation"]["accepted"]
+    assert kept > 0
+
+
+def test_limits_and_stop_strings_end_answers_as_without_speculation(server):
+    prompt = PROMPTS[0]
+    for limit in (1, 2, 3, 9):
+        fast, fast_stats = completion(server, prompt, "auto", max_tokens=limit)
+        plain, plain_stats = completion(server, prompt, "off", max_tokens=limit)
+        assert fast == plain and fast_stats["generated_tokens"] == plain_stats["generated_tokens"] == limit
+    text, _ = completion(server, prompt, "off", max_tokens=60)
+    stop = text[20:26]  # a stop string inside a guessed stretch as often as not
+    fast, stats = completion(server, prompt, "auto", max_tokens=60, stop=[stop])
+    assert (fast, stats["stop_string"]) == (text[: text.index(stop)], stop)
+    assert (
+        stats["generated_tokens"]
+        == completion(server, prompt, "off", max_tokens=60, stop=[stop])[1]["generated_tokens"]
+    )
+
+
+def test_seeded_sampling_draws_the_same_answer(server):
+    """The sampler is called once per token, in order, whether the token was guessed or not:
+    a seeded answer is the same with speculation, and it still honours max_tokens and stop."""
+    sampled = {"temperature": 0.8, "seed": 7, "max_tokens": 40}
+    plain = concurrently(server, "off", stream=False, **sampled)
+    fast = concurrently(server, "auto", stream=True, **sampled)
+    assert [t for t, _ in fast] == [t for t, _ in plain]
+    assert all(s["generated_tokens"] <= 40 for _, s in fast)
+
+
+def test_bad_speculate_values_are_refused_on_every_protocol(server):
+    for value, words in (("fast", "auto, ngram or off"), ("draft:tiny", "draft model"), (3, "string")):
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "speculate": value}
+        error = error_of(httpx.post(server.url + CHAT, json=body, timeout=30), 400)
+        assert words in error["message"] and error["param"] == "speculate"
+        body = {"model": "stories260K", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        response = httpx.post(server.url + "/v1/messages", json={**body, "speculate": value}, timeout=30)
+        assert response.status_code == 400 and response.json()["type"] == "error", response.text
+        assert words in response.json()["error"]["message"]
+        ollama = {
+            "model": "stories260K",
+            "messages": body["messages"],
+            "stream": False,
+            "options": {"speculate": value},
+        }
+        response = httpx.post(server.url + "/api/chat", json=ollama, timeout=30)
+        assert response.status_code == 400 and "options.speculate" in response.json()["error"], response.text
+    with pytest.raises(ServeOptionError, match="auto, ngram or off"):
+        speculate_option("draft:tiny")
+
+
+def test_other_protocols_speculate_too(server):
+    """Anthropic's and Ollama's bodies carry the field to the same request model."""
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    answers = []
+    for mode in ("off", "ngram"):
+        body = {"model": "stories260K", "messages": messages, "max_tokens": 30, "temperature": 0, "speculate": mode}
+        response = httpx.post(server.url + "/v1/messages", json=body, timeout=60)
+        options = {"speculate": mode, "temperature": 0, "num_predict": 30}
+        ollama = {"model": "stories260K", "messages": messages, "stream": False, "options": options}
+        chat = httpx.post(server.url + "/api/chat", json=ollama, timeout=60)
+        answers.append((response.json()["content"][0]["text"], chat.json()["message"]["content"]))
+    assert answers[0] == answers[1]
+
+
+def test_metrics_count_guesses(server):
+    def counters() -> tuple[int, int]:
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        found = [
+            re.search(rf"^ferrum_speculation_{name}_tokens_total (\d+)$", text, re.M)
+            for name in ("proposed", "accepted")
+        ]
+        assert all(found), text
+        return int(found[0].group(1)), int(found[1].group(1))
+
+    before = counters()
+    _, stats = completion(server, PROMPTS[1], "auto")
+    after = counters()
+    assert after[0] - before[0] == stats["speculation"]["proposed"] > 0
+    assert after[1] - before[1] == stats["speculation"]["accepted"]
+
+
+def test_smollm2_edit_answers_are_plain_and_keep_guesses(smollm2_gguf):
+    """The bundled chat model on an editing task (its answer copies the prompt): two
+    concurrent answers, the same as without speculation, with guesses kept."""
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    scheduler = Scheduler(open_stories(smollm2_gguf, kv_capacity=512), max_batch=2).start()
+    use_row_costs(scheduler.model, FLAT)
+    live = LiveServer(build_app(scheduler, "smollm2"))
+    try:
+
+        def answer(mode: str, question: str) -> dict:
+            body = {"messages": [{"role": "user", "content": question}], "max_tokens": 32, "temperature": 0}
+            return httpx.post(live.url + CHAT, json={**body, "speculate": mode}, timeout=120).json()
+
+        questions = (EDIT, EDIT.replace("'blue'", "'green'"))
+        with ThreadPoolExecutor(2) as pool:
+            plain = list(pool.map(lambda q: answer("off", q), questions))
+            fast = list(pool.map(lambda q: answer("auto", q), questions))
+        texts = [[a["choices"][0]["message"]["content"] for a in side] for side in (plain, fast)]
+        assert texts[0] == texts[1]
+        kept = sum(a["stats"]["speculation"]["accepted"] for a in fast)
+        assert kept > 10, [a["stats"]["speculation"] for a in fast]
+    finally:
+        live.stop()
+        scheduler.stop()
+
+
+def test_plan_for_one_stream_is_the_engines_rule():
+    """One stream alone: the plan verifies what the engine's controller would, with the same
+    costs (a step of k+1 rows against one of one row)."""
+    for seconds in (FLAT, [1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 9.0], [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]):
+        costs = RowCosts(tuple(seconds))
+        for accepted in (0.1, 0.5, 0.8, 0.95):
+            controller = Controller(costs.curve(), counts={"copy": [accepted, 1.0]})
+            offer = Offer(Proposal(list(range(MAX_K)), "copy"), accepted)
+            assert plan([offer], 1, costs) == [controller.guesses("copy")], (seconds, accepted)
+
+
+def test_plan_spends_rows_on_the_likeliest_guesses():
+    costs = RowCosts((1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 4.0))  # 16 rows as fast as 1, 32 twice as slow
+    offers = [Offer(Proposal([1] * 8, "copy"), 0.9), Offer(Proposal([2] * 8, "ngram1"), 0.2)]
+    assert plan(offers, 8, costs) == [8, 0]  # 8 rows free: the likely stream's; the other's would not pay
+    assert plan(offers, 16, costs) == [0, 0]  # every further row doubles the step

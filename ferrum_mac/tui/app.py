@@ -11,6 +11,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from ferrum_mac.tui.drafts import DraftModels
 from ferrum_mac.tui.engine_thread import EngineThread
 from ferrum_mac.tui.export import default_export_dir
 from ferrum_mac.tui.messages import EngineFailed, EngineOpened
@@ -46,6 +47,7 @@ class ChatApp(App):
         self.resident: ResidentConversations | None = None
         self.device_text = "loading…"
         self.engine_thread = EngineThread()
+        self.drafts = DraftModels(services)  # speculation's draft model, loaded on the engine thread
 
     def on_mount(self) -> None:
         self.push_screen(ChatScreen())
@@ -101,6 +103,7 @@ class ChatApp(App):
         if self.engine is not None:
             self.engine.cancel()  # a turn still running ends at its next token
             self.engine_thread.run(self.engine.close)
+            self.engine_thread.run(self.drafts.forget)
         self.engine = self.resident = None
 
     def on_unmount(self) -> None:

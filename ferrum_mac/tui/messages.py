@@ -129,3 +129,22 @@ class EngineFailed(Message):
         super().__init__()
         self.name = name
         self.error = error
+
+
+class DraftOpened(Message):
+    """The draft model `name` is loaded beside the chat's model."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+
+class DraftFailed(Message):
+    """The draft model `name`, named by chat `chat_id`'s settings (None: the next new chat's),
+    could not be loaded or does not match the chat's model; `error` is one line."""
+
+    def __init__(self, name: str, chat_id: int | None, error: str):
+        super().__init__()
+        self.name = name
+        self.chat_id = chat_id
+        self.error = error

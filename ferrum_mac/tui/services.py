@@ -6,10 +6,12 @@ Tests hand the app a `Services` of their own (a scripted engine, a fixed model l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ferrum_mac.engine import ChatEngine
+    from ferrum_mac.engine.speculation import Speculate
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,36 @@ class Services:
         from ferrum_mac.store.units import human_bytes
 
         return [ModelEntry(m.name, f"{human_bytes(m.size)}  {m.format} {m.quant}") for m in list_models() if m.complete]
+
+    def draft_models(self, engine: ChatEngine) -> list[str]:
+        """The local models that can draft for `engine`'s model: the same vocabulary, another
+        file. Reads every model's tokenizer: call it off the UI thread."""
+        from ferrum_mac.backends import choose
+        from ferrum_mac.engine.speculation import same_vocabulary
+        from ferrum_mac.errors import FerrumError
+        from ferrum_mac.store import resolve_model
+        from ferrum_mac.text import load_tokenizer
+
+        tokenizer = getattr(engine, "tokenizer", None)  # a remote or scripted engine has none
+        if tokenizer is None:
+            return []
+        own, backend = getattr(engine, "path", None), choose(self.backend)
+        names = []
+        for entry in self.local_models():
+            try:
+                path = resolve_model(entry.name, backend=backend, pull=False)
+                if own is None or path.resolve() != Path(own).resolve():
+                    if same_vocabulary(load_tokenizer(path), tokenizer):
+                        names.append(entry.name)
+            except (FerrumError, OSError, ValueError):  # unreadable: no candidate
+                continue
+        return names
+
+    def open_draft(self, engine: ChatEngine, name: str) -> Speculate:
+        """The local model `name` loaded as `engine`'s draft (FerrumError: missing, or another vocabulary)."""
+        from ferrum_mac.cli.run import open_draft
+
+        return open_draft(engine, name, backend=self.backend, device=self.device, pull=False)
 
     def pull(self, name: str, progress) -> None:
         from ferrum_mac.backends import choose
@@ -83,6 +115,14 @@ class RemoteServices(Services):
 
     def local_models(self) -> list[ModelEntry]:
         return []
+
+    def draft_models(self, engine: ChatEngine) -> list[str]:
+        return []
+
+    def open_draft(self, engine: ChatEngine, name: str) -> Speculate:
+        from ferrum_mac.errors import FerrumError
+
+        raise FerrumError("a draft model needs a local model; the server decodes on its own")
 
     def pull(self, name: str, progress) -> None:
         from ferrum_mac.errors import FerrumError

@@ -44,7 +44,7 @@ def test_speculation_and_a_stop_by_the_person_in_the_footer():
     stats = {"generated_tokens": 40, "decode_tps": 80.0, "ttft_s": 0.5, "cached_tokens": 12}
     speculation = {"proposed": 40, "accepted": 30, "steps": 12}
     assert answer_footer({**stats, "speculation": speculation, "stop_reason": "cancelled"}) == (
-        "40 tokens · 80.0 tok/s · first token 0.50 s · 12 cached · 75% drafts accepted · stopped by you"
+        "40 tokens · 80.0 tok/s · first token 0.50 s · 12 cached · guessed 40, kept 30 · stopped by you"
     )
     assert answer_footer({**stats, "speculation": None, "stop_reason": "eos"}).endswith("12 cached")
 

@@ -22,7 +22,7 @@ from textual.widgets import Footer, Label, Static
 
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.tui.attachments import at_paths, message_text, read_attachment, split_message
-from ferrum_mac.tui.chat_settings import engine_settings, stored_settings
+from ferrum_mac.tui.chat_settings import engine_settings, stored_settings, wanted_draft
 from ferrum_mac.tui import tool_turn
 from ferrum_mac.tui.chat_turn import run_turn
 from ferrum_mac.tui.token_count import count_tokens
@@ -35,6 +35,8 @@ from ferrum_mac.tui.messages import (
     BranchRequested,
     ConversationChosen,
     CopyRequested,
+    DraftFailed,
+    DraftOpened,
     EditRequested,
     PromptSubmitted,
     SearchChanged,
@@ -233,7 +235,7 @@ class ChatScreen(Screen):
             chat = self.history.new_conversation(title, stored_settings(self.app.default_settings))
             self.current_id = chat.id
         try:
-            settings = engine_settings(self.app.engine, self.history.conversation(self.current_id).settings)
+            settings, draft = self.turn_settings()
         except FerrumError as e:
             self.notify(str(e), severity="error")
             return
@@ -252,7 +254,7 @@ class ChatScreen(Screen):
         await messages.add(self.answer)
         messages.anchor()
         await self.refresh_sidebar()
-        conv = self.app.resident.get(self.current_id, settings)
+        conv = self.resident_conversation(settings, draft)
         self.turn_context = self.context_used() + count_tokens(self.app.engine, text)
         self.cancel_event = threading.Event()
         tools = tool_turn.registered_tools()
@@ -260,17 +262,33 @@ class ChatScreen(Screen):
 
     async def continue_after_tools(self) -> None:
         """Stream the model's answer to the tool results the conversation now ends with."""
-        settings = engine_settings(self.app.engine, self.history.conversation(self.current_id).settings)
+        settings, draft = self.turn_settings()
         earlier = engine_messages(self.history.messages(self.current_id))
         self.answer = MessageView("assistant", show_reasoning=self.show_reasoning)
         messages = self.query_one(MessageList)
         await messages.add(self.answer)
         messages.anchor()
-        conv = self.app.resident.get(self.current_id, settings)
+        conv = self.resident_conversation(settings, draft)
         self.turn_context = self.context_used()
         self.cancel_event = threading.Event()
         tools = tool_turn.registered_tools()
         self.app.engine_thread.run(run_turn, conv, earlier, None, self.cancel_event, self.post_message, tools)
+
+    def turn_settings(self):
+        """The current chat's engine settings, and the draft model they name that is not loaded
+        yet (None: none): the turn speculates with auto until it is."""
+        stored = self.history.conversation(self.current_id).settings
+        name = wanted_draft(stored)
+        draft = self.app.drafts.loaded(self.app.engine, name) if name else None
+        return engine_settings(self.app.engine, stored, draft), (name if name and draft is None else None)
+
+    def resident_conversation(self, settings, draft: str | None):
+        """The current chat's engine conversation with `settings`; `draft` (a draft model's name)
+        is loaded on the engine thread first, so the turn queued after it speculates with it."""
+        conv = self.app.resident.get(self.current_id, settings)
+        if draft is not None:
+            self.app.engine_thread.run(self.app.drafts.load_into, conv, draft, self.current_id, self.post_message)
+        return conv
 
     def on_tool_calls_requested(self, event: tool_turn.ToolCallsRequested) -> None:
         self.tool_calls = event.calls  # run once the answer is saved (on_answer_done)
@@ -373,7 +391,9 @@ class ChatScreen(Screen):
         else:
             chat = self.history.conversation(self.current_id)
             title, settings = chat.title, stored_settings(chat.settings)
-        self.app.push_screen(SettingsScreen(title, settings), self.settings_saved)
+        engine = self.app.engine
+        find_drafts = partial(self.app.services.draft_models, engine) if engine is not None else None
+        self.app.push_screen(SettingsScreen(title, settings, find_drafts), self.settings_saved)
 
     async def settings_saved(self, settings: dict | None) -> None:
         if settings is None:
@@ -383,6 +403,34 @@ class ChatScreen(Screen):
         else:
             self.history.save_settings(self.current_id, settings)
         self.notify("Settings saved.")
+        self.load_draft(settings)
+
+    def load_draft(self, settings: dict) -> None:
+        """Load the draft model `settings` name now, off the UI thread, so a bad one is said at once."""
+        name, engine = wanted_draft(settings), self.app.engine
+        if name and engine is not None and self.app.drafts.loaded(engine, name) is None:
+            self.notify(f"Loading the draft model {name}…")
+            self.app.engine_thread.run(self.app.drafts.load, engine, name, self.current_id, self.post_message)
+
+    def on_draft_opened(self, event: DraftOpened) -> None:
+        self.notify(f"Draft model {event.name} loaded: answers guess ahead with it.")
+
+    def on_draft_failed(self, event: DraftFailed) -> None:
+        """Say why, and fall back to auto where the settings still name that draft."""
+        self.notify(
+            f"Draft model {event.name}: {event.error}. Speculation is back to auto.", severity="error", timeout=15
+        )
+        word = f"draft:{event.name}"
+        if event.chat_id is None:
+            if self.app.default_settings.get("speculate") == word:
+                self.app.default_settings = stored_settings(self.app.default_settings, speculate=None)
+            return
+        try:
+            stored = self.history.conversation(event.chat_id).settings
+        except FerrumError:  # deleted while the draft loaded
+            return
+        if stored.get("speculate") == word:
+            self.history.save_settings(event.chat_id, stored_settings(stored, speculate=None))
 
     def action_search(self) -> None:
         from ferrum_mac.tui.screens.search_screen import SearchScreen
@@ -625,7 +673,7 @@ def answer_footer(stats: dict) -> str:
         parts.append(f"{stats['cached_tokens']} cached")
     speculation = stats.get("speculation")
     if isinstance(speculation, dict) and speculation.get("proposed"):
-        parts.append(f"{speculation.get('accepted', 0) / speculation['proposed']:.0%} drafts accepted")
+        parts.append(f"guessed {speculation['proposed']}, kept {speculation.get('accepted', 0)}")
     reason = stats.get("stop_reason")
     if reason == "stop":
         parts.append(f"stop string {stats['stop_string']!r}" if stats.get("stop_string") else "stop string")

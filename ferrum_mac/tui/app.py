@@ -118,7 +118,9 @@ class ChatApp(App):
         yield SystemCommand("New conversation", "Start a new conversation (Ctrl+N)", chat.action_new_chat)
         yield SystemCommand("Rename conversation", "Give this conversation a title (F2)", chat.action_rename)
         yield SystemCommand("Delete conversation", "Delete this conversation", chat.action_delete_chat)
-        yield SystemCommand("Conversation settings", "System prompt, sampling, thinking (Ctrl+S)", chat.action_settings)
+        yield SystemCommand(
+            "Conversation settings", "System prompt, sampling, thinking, speculation (Ctrl+S)", chat.action_settings
+        )
         yield SystemCommand("Choose model", "Switch to a local model or pull one (F4)", chat.action_pick_model)
         yield SystemCommand("Export to Markdown", "Write this conversation to a .md file (F3)", chat.action_export)
         yield SystemCommand("Regenerate answer", "Answer the last message again (Ctrl+R)", chat.action_regenerate)

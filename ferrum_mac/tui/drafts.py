@@ -18,14 +18,13 @@ if TYPE_CHECKING:
 class DraftModels:
     def __init__(self, services):
         self.services = services
-        self._engine: ChatEngine | None = None
-        self._draft: Speculate | None = None
+        self._loaded: tuple[ChatEngine, Speculate] | None = None  # one attribute: read from the UI thread
 
     def loaded(self, engine: ChatEngine, name: str) -> Speculate | None:
         """The draft `name` when it is loaded for `engine`, else None."""
-        draft = self._draft
-        if draft is not None and self._engine is engine and draft.draft_name == name:
-            return draft
+        loaded = self._loaded
+        if loaded is not None and loaded[0] is engine and loaded[1].draft_name == name:
+            return loaded[1]
         return None
 
     def load(self, engine: ChatEngine, name: str, chat_id: int | None, post) -> Speculate | None:
@@ -40,7 +39,7 @@ class DraftModels:
         except Exception as e:  # a missing, broken or mismatched model: said in the app
             post(DraftFailed(name, chat_id, str(e).splitlines()[0] if str(e) else type(e).__name__))
             return None
-        self._engine, self._draft = engine, draft
+        self._loaded = (engine, draft)
         post(DraftOpened(name))
         return draft
 
@@ -51,4 +50,4 @@ class DraftModels:
             conv.settings = conv.settings.replace(speculate=draft)
 
     def forget(self) -> None:
-        self._engine = self._draft = None
+        self._loaded = None

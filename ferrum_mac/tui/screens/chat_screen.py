@@ -418,7 +418,9 @@ class ChatScreen(Screen):
     def on_draft_failed(self, event: DraftFailed) -> None:
         """Say why, and fall back to auto where the settings still name that draft."""
         self.notify(
-            f"Draft model {event.name}: {event.error}. Speculation is back to auto.", severity="error", timeout=15
+            f"Draft model {event.name}: {event.error.rstrip('.')}. Speculation is back to auto.",
+            severity="error",
+            timeout=15,
         )
         word = f"draft:{event.name}"
         if event.chat_id is None:

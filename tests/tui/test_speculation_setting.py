@@ -33,7 +33,7 @@ class StoriesServices(Services):
     draft with the same vocabulary) and a Qwen3 tokenizer (another vocabulary)."""
 
     def __init__(self, models: list[str]):
-        super().__init__("mlx")
+        super().__init__("auto")
         self.models = models
 
     def local_models(self):

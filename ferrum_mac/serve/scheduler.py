@@ -50,7 +50,7 @@ from ferrum_mac.engine import (
 from ferrum_mac.engine.speculation import SpeculationStats
 from ferrum_mac.engine.speculation.proposers import Proposal
 from ferrum_mac.engine.speculation.setting import OFF
-from ferrum_mac.engine.speculation.verify import Speculator, accepted_guesses
+from ferrum_mac.engine.speculation.verify import Speculator, accepted_ids
 from ferrum_mac.errors import FerrumError, UnsupportedError
 from ferrum_mac.grammar import fill_masks
 from ferrum_mac.engine.context import common_prefix
@@ -585,8 +585,7 @@ class Scheduler:
         kept ones and the draw after them to `_accept` one by one, as plain steps would."""
         assert seq.speculator is not None
         try:
-            kept, token = accepted_guesses(seq.sampler, rows, proposal.tokens)
-            drawn = seq.sampler.read(token)
+            kept, drawn = accepted_ids(seq.sampler, rows, proposal.tokens)
             start = seq.pos
             if kept < len(proposal.tokens):
                 self.model.truncate_kv(seq.cache_id, start + 1 + kept)

@@ -30,7 +30,8 @@ from ferrum_mac.engine.speculation.controller import MARGIN, MAX_K, CostCurve, w
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.setting import AUTO, DRAFT, NGRAM, OFF
 from ferrum_mac.engine.speculation.verify import Speculator
-from ferrum_mac.llm import DecoderOnlyLLM, ForwardItem
+from ferrum_mac.errors import UnsupportedError
+from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem
 from ferrum_mac.serve import openai_schema as api
 
 SERVE_MODES = (AUTO, NGRAM, OFF)
@@ -73,9 +74,12 @@ def check_mode(mode: str) -> str:
 
 @dataclass(frozen=True)
 class RowCosts:
-    """Seconds of a step of ROW_COUNTS[i] rows."""
+    """Seconds of a verify step of ROW_COUNTS[i] rows; `plain`: a plain decode step (the
+    scheduler's `decode_batch`) as a share of a verify step of as many rows (timed at one row;
+    at most 1: a backend whose decode step is its own, faster path makes guesses pay less)."""
 
     seconds: tuple[float, ...]
+    plain: float = 1.0
 
     def time(self, rows: int) -> float:
         """A step of `rows` rows: as long as the smallest measured step that holds them."""
@@ -84,9 +88,13 @@ class RowCosts:
                 return seconds
         return float("inf")
 
+    def plain_time(self, rows: int) -> float:
+        """A plain decode step of `rows` sequences."""
+        return self.time(rows) * self.plain
+
     def curve(self) -> CostCurve:
         """One stream's verify costs in decode steps, as the engine's controller reads them."""
-        return CostCurve(tuple(self.time(k + 1) / self.time(1) for k in range(MAX_K + 1)))
+        return CostCurve(tuple(self.time(k + 1) / self.plain_time(1) for k in range(MAX_K + 1)))
 
 
 _costs: "weakref.WeakKeyDictionary[DecoderOnlyLLM, RowCosts]" = weakref.WeakKeyDictionary()
@@ -99,10 +107,10 @@ def row_costs(model: DecoderOnlyLLM) -> RowCosts:
     return _costs[model]
 
 
-def use_row_costs(model: DecoderOnlyLLM, seconds: Sequence[float]) -> None:
+def use_row_costs(model: DecoderOnlyLLM, seconds: Sequence[float], plain: float = 1.0) -> None:
     """Take `seconds` (a step of each of ROW_COUNTS rows) as `model`'s instead of measuring:
     tests that need speculation to run, or never to run, on any machine."""
-    _costs[model] = RowCosts(tuple(seconds))
+    _costs[model] = RowCosts(tuple(seconds), plain)
 
 
 def _measure(model: DecoderOnlyLLM) -> RowCosts:
@@ -124,12 +132,25 @@ def _measure(model: DecoderOnlyLLM) -> RowCosts:
             model.truncate_kv(CALIBRATION_ID, held)
             return elapsed
 
+        def decode_seconds() -> float:
+            start = time.perf_counter()
+            wait_for(model.decode_batch([DecodeItem(CALIBRATION_ID, prompt[-1], held)]))
+            elapsed = time.perf_counter() - start
+            model.truncate_kv(CALIBRATION_ID, held)
+            return elapsed
+
         for rows in ROW_COUNTS:  # first use: kernels compiled, graphs captured
             seconds(rows)
         times = [min(seconds(rows) for _ in range(CALIBRATION_RUNS)) for rows in ROW_COUNTS]
+        try:
+            decode_seconds()
+            plain = min(decode_seconds() for _ in range(CALIBRATION_RUNS)) / times[0]
+        except UnsupportedError:  # no batched decode: the scheduler decodes one by one
+            plain = 1.0
     finally:
         model.release(CALIBRATION_ID)
-    return RowCosts(tuple(max(times[: i + 1]) for i in range(len(times))))  # never cheaper with more rows
+    times = [max(times[: i + 1]) for i in range(len(times))]  # never cheaper with more rows
+    return RowCosts(tuple(times), min(plain, 1.0))
 
 
 def stream_speculator(model: DecoderOnlyLLM) -> Speculator:
@@ -151,7 +172,7 @@ def plan(offers: Sequence[Offer], rows: int, costs: RowCosts) -> list[int]:
     when those before it in its stream are kept too), the prefix with the best expected tokens
     per second, or none when that does not beat the plain step by MARGIN."""
     taken = [0] * len(offers)
-    plain_rate = rows / costs.time(rows)
+    plain_rate = rows / costs.plain_time(rows)
     best_rate, best = plain_rate, list(taken)
     expected = float(rows)
     chances = [(-offer.acceptance, i) for i, offer in enumerate(offers) if offer.proposal.tokens]

@@ -172,14 +172,30 @@ def accepted_guesses(sampler: Sampler, rows: Any, guesses: Sequence[int]) -> tup
     A plain greedy sampler (no bias, no penalties: nothing that depends on the position) picks
     every row's argmax, so all rows are compared at one read instead of one read per row."""
     if _plain_greedy(sampler):
-        best = rows.argmax(-1).tolist()
-        kept = next((i for i, guess in enumerate(guesses) if best[i] != guess), len(guesses))
+        kept = _kept(rows.argmax(-1).tolist(), guesses)
         return kept, sampler.sample(rows[kept])
     for i, guess in enumerate(guesses):
         token = sampler.sample(rows[i])
         if sampler.read(token) != guess:
             return i, token
     return len(guesses), sampler.sample(rows[len(guesses)])
+
+
+def accepted_ids(sampler: Sampler, rows: Any, guesses: Sequence[int]) -> tuple[int, int]:
+    """`accepted_guesses` with the draw read: for a plain greedy sampler, from the one read of
+    every row's argmax (the draw is the argmax of its row), so a caller that reads at once
+    waits on the device once per verify."""
+    if _plain_greedy(sampler):
+        best = rows.argmax(-1).tolist()
+        kept = _kept(best, guesses)
+        return kept, best[kept]
+    kept, token = accepted_guesses(sampler, rows, guesses)
+    return kept, sampler.read(token)
+
+
+def _kept(best: list[int], guesses: Sequence[int]) -> int:
+    """How many guesses equal the rows' argmax, from the first."""
+    return next((i for i, guess in enumerate(guesses) if best[i] != guess), len(guesses))
 
 
 def _plain_greedy(sampler: Sampler) -> bool:

@@ -147,12 +147,17 @@ class DecodePlan:
     captured once as a CUDA graph and replayed at any position.
 
     `ops` run the step: with torch's, `attend` takes roped q, k, v; Triton's take the block's
-    input and do the rest in their kernels (`TritonOps.attention`)."""
+    input and do the rest in their kernels (`TritonOps.attention`).
+
+    `sequences`: how many sequences the rows belong to (default one a row; a verify's rows
+    share one). Attention spreads each row's keys over programs as for a batch of that many,
+    so a verify's rows are summed exactly as that sequence's decode steps would be."""
 
     def __init__(self, pool: KvManager, table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
-                 ops: Ops = TORCH_OPS):  # fmt: skip
+                 ops: Ops = TORCH_OPS, sequences: int | None = None):  # fmt: skip
         self.pool, self.table, self.positions, self.ops = pool, table, positions, ops
         self.total = rows = positions.shape[0]
+        self.sequences = sequences or rows
         B, device = pool.block_tokens, positions.device
         # Each (row, kv head)'s place among a layer's `kv_heads * token_rows` key rows.
         block = table.gather(1, (positions // B)[:, None])  # (rows, 1)

@@ -160,7 +160,9 @@ class TritonOps(Ops):
         else:
             qkv = self.norm_matmul(h, norm, attn.qkv)
             q = triton_ops.norm_rope_write(qkv, attn.heads, attn.qk_norm, cos, sin, attn.eps, interleaved, kv, places)
-        return triton_ops.decode_attention(q, kv, plan.table, plan.positions, attn.scale, plan.pool.block_tokens)
+        B = plan.pool.block_tokens
+        splits = triton_ops.default_splits(plan.sequences * kv.shape[1], plan.table.shape[1] * B, h.device)
+        return triton_ops.decode_attention(q, kv, plan.table, plan.positions, attn.scale, B, splits)
 
     def sparse_moe(self, moe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Gate projection with the router, gate_up with SwiGLU, down with the sum over k and

@@ -158,17 +158,18 @@ class TorchLLM(PooledLLM):
             for cache, (_, tokens, offset) in zip(caches, segments)
             for i, token in enumerate(tokens)
         ]  # fmt: skip
-        logits = self._step_over(batch, max(len(cache.blocks) for cache in caches))
+        logits = self._step_over(batch, max(len(cache.blocks) for cache in caches), len(segments))
         for cache, (_, tokens, offset) in zip(caches, segments):
             cache.length = offset + len(tokens)
         return logits
 
-    def _step_over(self, batch: list[tuple], blocks: int) -> torch.Tensor:
+    def _step_over(self, batch: list[tuple], blocks: int, sequences: int | None = None) -> torch.Tensor:
         """`(len(batch), vocab)` logits of one `DecodeStep` over `batch`'s (token, position,
-        blocks) rows: rows and table width rounded up to powers of two, so a server's changing
-        batches share few steps."""
+        blocks) rows of `sequences` sequences (default: one a row): rows, table width and
+        sequences rounded up to powers of two, so a server's changing batches share few steps."""
         width = max(MIN_WIDTH, power_of_two_above(blocks))
-        step = self.steps.get(power_of_two_above(len(batch)), width)
+        rows = power_of_two_above(len(batch))
+        step = self.steps.get(rows, width, power_of_two_above(sequences) if sequences else rows)
         step.load(batch)
         logits = step.run()
         return logits if len(batch) == step.rows else logits[: len(batch)]

@@ -33,8 +33,10 @@ MAX_STEPS = 16  # captured graphs kept (least recently used dropped first)
 
 
 class DecodeStep:
-    def __init__(self, model, pool: KvManager, rows: int, width: int, dtype: torch.dtype, device: torch.device, graphs):
+    def __init__(self, model, pool: KvManager, rows: int, width: int, dtype: torch.dtype, device: torch.device, graphs,
+                 sequences: int | None = None):  # fmt: skip
         self.model, self.pool, self.rows, self.width = model, pool, rows, width
+        self.sequences = sequences or rows  # (`DecodePlan`'s: a verify's rows are one sequence's)
         self.dtype, self.device, self.graphs = dtype, device, graphs
         self.inputs = torch.zeros(2 * rows, dtype=torch.int64, device=device)  # tokens, positions
         self.tokens, self.positions = self.inputs[:rows], self.inputs[rows:]
@@ -85,7 +87,7 @@ class DecodeStep:
         return self.out.clone()
 
     def forward(self) -> torch.Tensor:
-        plan = DecodePlan(self.pool, self.table, self.positions, self.dtype, self.ops)
+        plan = DecodePlan(self.pool, self.table, self.positions, self.dtype, self.ops, self.sequences)
         # device tokens are never read on the host: clip them so an id past the vocabulary
         # cannot index past the embedding (a device assert that ends the CUDA context)
         tokens = self.tokens.clamp(0, self.model.config.vocab_size - 1)
@@ -110,7 +112,7 @@ class DecodeStep:
 
 
 class DecodeSteps:
-    """Decode steps by their `(rows, width)`, least recently used dropped first."""
+    """Decode steps by their `(rows, width, sequences)`, least recently used dropped first."""
 
     def __init__(self, model, pool: KvManager, dtype: torch.dtype, device: torch.device):
         self.model, self.pool, self.dtype, self.device = model, pool, dtype, device
@@ -118,15 +120,15 @@ class DecodeSteps:
         self.steps: OrderedDict[tuple, DecodeStep] = OrderedDict()
         self.version = pool.version
 
-    def get(self, rows: int, width: int) -> DecodeStep:
+    def get(self, rows: int, width: int, sequences: int | None = None) -> DecodeStep:
         if self.pool.version != self.version:  # the pool was reallocated: every graph is stale
             self.clear()
             self.version = self.pool.version
-        key = (rows, width)
+        key = (rows, width, sequences or rows)
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = DecodeStep(
-                self.model, self.pool, rows, width, self.dtype, self.device, self.graphs
+                self.model, self.pool, rows, width, self.dtype, self.device, self.graphs, sequences
             )
             while len(self.steps) > MAX_STEPS:
                 self.steps.popitem(last=False)

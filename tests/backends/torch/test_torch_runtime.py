@@ -50,11 +50,11 @@ def test_steps_are_kept_by_rows_and_width(zoo):
     model = torch_model(zoo, "llama")
     model.reset()  # the model is shared: earlier tests left caches in its pool
     model.prepare("first", 40)  # warms up (captures, on CUDA) a one-row step
-    step = model.steps.steps[(1, MIN_WIDTH)]
+    step = model.steps.steps[(1, MIN_WIDTH, 1)]
     model.release("first")
     model.prefill("second", PROMPT)
     model.decode("second", 3, len(PROMPT))
-    assert model.steps.steps[(1, MIN_WIDTH)] is step  # short sequences share the narrowest step
+    assert model.steps.steps[(1, MIN_WIDTH, 1)] is step  # short sequences share the narrowest step
     blocks = model.kv.blocks
     held = model.kv_len("second")
     longer = random_tokens(blocks * BLOCK_TOKENS - held, seed=3)  # more blocks than the pool holds
@@ -62,7 +62,7 @@ def test_steps_are_kept_by_rows_and_width(zoo):
     model.decode("second", 3, held + len(longer))
     assert model.kv.blocks > blocks
     width = max(MIN_WIDTH, 1 << (len(model.kv.get("second").blocks) - 1).bit_length())
-    assert list(model.steps.steps) == [(1, width)]  # the others died with the old buffers
+    assert list(model.steps.steps) == [(1, width, 1)]  # the others died with the old buffers
     model.release("second")
 
 
@@ -84,8 +84,8 @@ def test_prepare_captures_the_one_row_steps_up_to_its_tokens(zoo, monkeypatch):
 def captured_steps(get):
     """`DecodeSteps.get`, its steps marked as captured (as on CUDA)."""
 
-    def get_captured(rows: int, width: int):
-        step = get(rows, width)
+    def get_captured(rows: int, width: int, sequences: int | None = None):
+        step = get(rows, width, sequences)
         step.captured = True
         return step
 
@@ -100,7 +100,7 @@ def test_decode_batch_leaves_sequences_outside_the_batch_alone(zoo):
     for cid in ("a", "b", "c", "d"):
         model.prefill(cid, PROMPT)
     model.decode_batch([DecodeItem(cid, 5, len(PROMPT)) for cid in ("a", "c", "d")])
-    assert list(model.steps.steps) == [(4, 8)]  # rows a power of two; the narrowest width
+    assert list(model.steps.steps) == [(4, 8, 4)]  # rows a power of two; the narrowest width
     got = model.decode("b", 7, len(PROMPT))
     model.prefill("fresh", PROMPT)
     want = model.decode("fresh", 7, len(PROMPT))

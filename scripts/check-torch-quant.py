@@ -8,7 +8,8 @@ random weights quantized affinely (group 64 as MLX's 4-bit checkpoints, 32 as GG
   torch's matmul of the dequantized weight (`Packed.dequantize`, in bf16)
 - decode: device microseconds per one-row GEMV, from CUDA graphs of back-to-back calls that
   cycle through enough copies of the weight to outgrow the L2 cache (as a step's layers do),
-  with each way of unpacking a tile (`triton_quant.UNPACK`: gather, words); the bytes a call
+  the tl.dot kernel with each way of unpacking a tile (`triton_quant.UNPACK`: gather, words)
+  and the FMA kernel (`triton_quant.fma_gemv`); the bytes a call
   reads (packed weight, scales and biases), the GB/s the faster way makes and its share of the
   H100's 3.35 TB/s; beside it cuBLAS on the same shape in bf16
 - prefill: microseconds and TFLOP/s of 512 rows (the faster unpacking), beside cuBLAS in bf16
@@ -20,13 +21,18 @@ random weights quantized affinely (group 64 as MLX's 4-bit checkpoints, 32 as GG
   routings), the chosen experts' packed bytes over that time, beside the bf16 kernels
   (`triton_moe.experts_plus`) on the same routings; x 48 layers: the experts' share of a step
 
-`--sweep` also times other GEMV and matmul tile sizes. Exits 1 on a mismatch. Needs only torch
-(with its triton); from the repository root:
+Exits 1 on a mismatch. `--sweep` instead times and checks the decode GEMV alone (4-bit group
+64), at Qwen3-8B's and Qwen3-0.6B's shapes with what the model fuses into each (RMSNorm,
+residual, SwiGLU), at 1, 2 and 4 rows: the tl.dot kernel, the FMA kernel's variants (tile,
+warps, stages, split target) and cuBLAS over the dense bf16 weight; then the fastest per shape
+and the step's GEMVs summed; it goes on past a variant that fails (and exits 0). Needs only
+torch (with its triton); from the repository root:
 
     python3 scripts/check-torch-quant.py [--sweep]
 """
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -57,21 +63,13 @@ MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER, MOE_LAYERS = 128, 8, 2048, 768, 4
 MOE_TOKENS = (1, 8)
 ROWS = (1, 4, 8)
 PREFILL_ROWS = 512
-SWEEP_GEMV = [(16, 256), (32, 256), (32, 512), (64, 128), (64, 256), (128, 128)]  # (block_n, block_k)
-SWEEP_MATMUL = [
-    (64, 64, 64, 4, 3),
-    (128, 64, 64, 4, 3),
-    (128, 128, 64, 8, 3),
-    (64, 128, 128, 4, 3),
-    (128, 128, 32, 4, 4),
-]
 
 
 def main() -> int:
     if not can_check(triton_quant):
         return 2
     torch.manual_seed(0)
-    decode, prefill, sweeps = [], [], []
+    decode, prefill = [], []
     for bits, group in QUANTS:
         print(f"{bits}-bit, group {group} ...", flush=True)
         for name, n, k, swiglu, per_layer in SHAPES:
@@ -79,15 +77,13 @@ def main() -> int:
             check(name, copies[0], swiglu, bits, group)
             decode.append((bits, group, name, per_layer, *time_gemv(copies, swiglu)))
             prefill.append((bits, group, name, *time_matmul(copies[0])))
-            if "--sweep" in sys.argv:
-                sweeps += sweep(name, bits, group, copies)
             del copies
             torch.cuda.empty_cache()
 
     print(f"\ndecode, 1 row, weights past L2\n{'bits':>4} {'group':>5}  {'matmul':<15} {'MB read':>8} "
-          f"{'gather us':>9} {'words us':>8} {'GB/s':>6} {'of peak':>7}  {'bf16 cuBLAS us':>14} {'speedup':>7}")  # fmt: skip
+          f"{'gather us':>9} {'words us':>8} {'fma us':>8} {'GB/s':>6} {'of peak':>7}  {'bf16 cuBLAS us':>14} {'speedup':>7}")  # fmt: skip
     for bits, group, name, _, us, read, dense_us, by_way in decode:
-        print(f"{bits:>4} {group:>5}  {name:<15} {read / 1e6:>8.2f} {by_way['gather']:>9.2f} {by_way['words']:>8.2f} "
+        print(f"{bits:>4} {group:>5}  {name:<15} {read / 1e6:>8.2f} {by_way['gather']:>9.2f} {by_way['words']:>8.2f} {by_way['fma']:>8.2f} "
               f"{read / us / 1e3:>6.0f} {read / us / 1e3 / PEAK_GBS:>6.0%}  {dense_us:>14.2f} {dense_us / us:>6.2f}x")  # fmt: skip
     print(f"\nprefill, {PREFILL_ROWS} rows\n{'bits':>4} {'group':>5}  {'matmul':<15} {'us':>8} {'TFLOP/s':>7}  "
           f"{'bf16 cuBLAS us':>14} {'ratio':>6}")  # fmt: skip
@@ -107,14 +103,10 @@ def main() -> int:
         us = sum(r[4] * (LAYERS if r[3] else 1) for r in rows)
         dense = sum(r[6] * (LAYERS if r[3] else 1) for r in rows)
         read = sum(r[5] * (LAYERS if r[3] else 1) for r in rows)
-        ways = {way: sum(r[7][way] * (LAYERS if r[3] else 1) for r in rows) for way in UNPACKS}
+        ways = {way: sum(r[7][way] * (LAYERS if r[3] else 1) for r in rows) for way in (*UNPACKS, "fma")}
         by_way = ", ".join(f"{way} only {1e6 / t:.0f}" for way, t in ways.items())
         print(f"  {bits}-bit g{group}: {us / 1e3:.3f} ms, {1e6 / us:.0f} tok/s at most ({by_way}; {read / 1e9:.2f} GB, "
               f"{read / us / 1e3:.0f} GB/s); bf16 cuBLAS {dense / 1e3:.3f} ms, {1e6 / dense:.0f} tok/s")  # fmt: skip
-    if sweeps:
-        print(f"\n{'bits':>4} {'group':>5}  {'matmul':<15} {'kernel':<12} {'blocks':<22} {'us':>8}")
-        for bits, group, name, kernel, blocks, us in sweeps:
-            print(f"{bits:>4} {group:>5}  {name:<15} {kernel:<12} {str(blocks):<22} {us:>8.2f}")
     return verdict()
 
 
@@ -188,15 +180,16 @@ def check(name: str, w: quant.Packed, swiglu: bool, bits: int, group: int) -> No
         compare(f"{where} matmul {way} {PREFILL_ROWS} rows", triton_quant.matmul(x, w, unpack=way), F.linear(x, dense))
 
 
-def time_gemv(copies: list[quant.Packed], swiglu: bool, blocks=None) -> tuple[float, int, float, dict]:
+def time_gemv(copies: list[quant.Packed], swiglu: bool) -> tuple[float, int, float, dict]:
     """(us per one-row call the faster way, bytes it reads, us of cuBLAS's bf16 matmul on the
     same shape, us by way of unpacking)."""
     n, k = copies[0].shape
     x = torch.randn(1, k, device="cuda", dtype=DTYPE)
     by_way = {
-        way: graph_us(cycling(lambda w: triton_quant.gemv(x, w, swiglu=swiglu, blocks=blocks, unpack=way), copies))
+        way: graph_us(cycling(lambda w: triton_quant.gemv(x, w, swiglu=swiglu, unpack=way, fma=False), copies))
         for way in UNPACKS
     }
+    by_way["fma"] = graph_us(cycling(lambda w: triton_quant.gemv(x, w, swiglu=swiglu, fma=True), copies))
     read = copies[0].nbytes + x.numel() * 2 + (n // 2 if swiglu else n) * 2
     dense = [torch.randn(n, k, device="cuda", dtype=DTYPE) for _ in range(max(2, -(-L2_PAST // (n * k * 2))))]
     dense_us = graph_us(cycling(lambda w: F.linear(x, w), dense))
@@ -216,16 +209,158 @@ def time_matmul(
     return us, 2 * PREFILL_ROWS * n * k, graph_us(lambda: F.linear(x, dense))
 
 
-def sweep(name: str, bits: int, group: int, copies: list[quant.Packed]) -> list[tuple]:
-    rows = []
-    for blocks in SWEEP_GEMV:
-        for way, us in time_gemv(copies, "swiglu" in name, blocks)[3].items():
-            rows.append((bits, group, name, f"gemv {way}", blocks, us))
-    for *blocks, warps, stages in SWEEP_MATMUL:
-        us = time_matmul(copies[0], tuple(blocks), warps, stages)[0]
-        rows.append((bits, group, name, "matmul", (*blocks, warps, stages), us))
-    return rows
+# -- --sweep: the decode GEMV's variants, timed and checked at each model's shapes -------------
+
+# (name, out N, in K, what the model fuses into it, calls per step): Qwen3-8B's, then Qwen3-0.6B's
+SWEEP_SHAPES = [
+    ("8B qkv", QKV, HIDDEN, "norm", LAYERS),
+    ("8B o_proj", HIDDEN, HIDDEN, "residual", LAYERS),
+    ("8B gate_up+swiglu", 2 * INTER, HIDDEN, "swiglu", LAYERS),
+    ("8B down", HIDDEN, INTER, "residual", LAYERS),
+    ("8B lm_head", VOCAB, HIDDEN, "norm", 1),
+    ("0.6B qkv", 4096, 1024, "norm", 28),
+    ("0.6B o_proj", 1024, 2048, "residual", 28),
+    ("0.6B gate_up+swiglu", 6144, 1024, "swiglu", 28),
+    ("0.6B down", 1024, 3072, "residual", 28),
+    ("0.6B lm_head", VOCAB, 1024, "norm", 1),
+]
+SWEEP_ROWS = (1, 2, 4)
+SWEEP_BITS, SWEEP_GROUP = 4, 64
+# the FMA GEMV's variants: (columns, K per step, warps, stages, programs per SM the split aims at);
+# None: its defaults (`triton_quant.fma_config`)
+SWEEP_FMA = [
+    None,
+    (32, 512, 4, 1, 8),
+    (32, 512, 4, 3, 8),
+    (64, 512, 4, 2, 8),
+    (64, 512, 8, 2, 8),
+    (16, 1024, 4, 2, 8),
+    (32, 512, 4, 2, 16),
+]
+MAX_ERROR = 2e-2  # of the largest output, against the dequantized weight's matmul in float32
+
+
+def main_sweep() -> int:
+    """Each shape x rows x variant (the tl.dot kernel, the FMA kernel's variants, cuBLAS over
+    the dequantized weight in bf16): us per call, GB/s of the packed weight, share of
+    PEAK_GBS, max error; then the best variant per shape and the step's GEMVs summed."""
+    if not can_check(triton_quant):
+        return 2
+    torch.manual_seed(0)
+    start = time.time()
+    results = {}  # (shape, rows, variant) -> us
+    for name, n, k, fused, _ in SWEEP_SHAPES:
+        copies = weights(n, k, SWEEP_BITS, SWEEP_GROUP)
+        nbytes = copies[0].nbytes
+        print(f"\n{name}: {n} x {k}, + {fused}, {SWEEP_BITS}-bit g{SWEEP_GROUP}, {nbytes / 1e6:.1f} MB packed "
+              f"({time.time() - start:.0f} s)\n{'variant':<28}" + "".join(
+                  f" | {rows} row{'s' if rows > 1 else ' '}: {'us':>7} {'GB/s':>5} {'peak':>4} {'err':>7}" for rows in SWEEP_ROWS),
+              flush=True)  # fmt: skip
+        variants = [("dot (tl.dot, old)", {"fma": False})]
+        variants += [(fma_label(v), fma_options(v)) for v in SWEEP_FMA]
+        for label, options in variants:
+            cells = []
+            for rows in SWEEP_ROWS:
+                try:
+                    us, err = time_variant(copies, fused, rows, options)
+                except Exception as e:  # (a variant that fails to compile or launch: said, and the sweep goes on)
+                    cells.append(f" | {'failed: ' + first_line(e):<30.30}")
+                    continue
+                results[(name, rows, label)] = us
+                flag = " BAD" if err > MAX_ERROR else ""
+                gbs = nbytes / us / 1e3
+                cells.append(f" | {'':6} {us:>7.1f} {gbs:>5.0f} {gbs / PEAK_GBS:>4.0%} {err:>7.1e}{flag}")
+            print(f"{label:<28}" + "".join(cells), flush=True)
+        dense = [torch.randn(n, k, device="cuda", dtype=DTYPE) for _ in range(max(2, -(-L2_PAST // (n * k * 2))))]
+        cells = []
+        for rows in SWEEP_ROWS:
+            x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
+            us = graph_us(cycling(lambda w: F.linear(x, w), dense))
+            cells.append(f" | {'':6} {us:>7.1f} {n * k * 2 / us / 1e3:>5.0f} {'(bf16)':>12}")
+        print(f"{'cuBLAS bf16, dense':<28}" + "".join(cells), flush=True)
+        del copies, dense
+        torch.cuda.empty_cache()
+    print_best(results)
+    print(f"\nsweep took {time.time() - start:.0f} s")
+    return 0
+
+
+def fma_label(v) -> str:
+    return "fma defaults" if v is None else f"fma n{v[0]} k{v[1]} w{v[2]} s{v[3]} sm{v[4]}"
+
+
+def fma_options(v) -> dict:
+    if v is None:
+        return {"fma": True}
+    block_n, block_k, warps, stages, per_sm = v
+    return {"fma": True, "blocks": (block_n, block_k), "warps": warps, "stages": stages, "per_sm": per_sm}
+
+
+def first_line(e: Exception) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
+def time_variant(copies: list[quant.Packed], fused: str, rows: int, options: dict) -> tuple[float, float]:
+    """(us per call cycling through the copies, max error of the first against the dequantized
+    weight's matmul in float32, relative to its largest output) of `gemv` with `options`."""
+    n, k = copies[0].shape
+    x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
+    dense = copies[0].dequantize(DTYPE).float()
+    options = dict(options)
+    if options.pop("fma"):
+        per_sm = options.pop("per_sm", None)
+
+        def call(w, **kw):
+            return triton_quant.fma_gemv(x, w, per_sm=per_sm, **kw, **options)
+    else:
+
+        def call(w, **kw):
+            return triton_quant.gemv(x, w, fma=False, **kw, **options)
+
+    if fused == "norm":
+        norm = RmsNorm(torch.rand(k, device="cuda", dtype=DTYPE) + 0.5, 1e-6)
+        kw = {"norm_weight": norm.weight, "eps": norm.eps}
+        want = F.linear(norm(x).float(), dense)
+    elif fused == "residual":
+        residual = torch.randn(rows, n, device="cuda", dtype=DTYPE)
+        kw = {"residual": residual}
+        want = F.linear(x.float(), dense) + residual.float()
+    else:
+        norm = RmsNorm(torch.rand(k, device="cuda", dtype=DTYPE) + 0.5, 1e-6)
+        kw = {"norm_weight": norm.weight, "eps": norm.eps, "swiglu": True}
+        y = F.linear(norm(x).float(), dense)
+        want = F.silu(y[:, : n // 2]) * y[:, n // 2 :]
+    got = call(copies[0], **kw).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    return graph_us(cycling(lambda w: call(w, **kw), copies)), err
+
+
+def print_best(results: dict) -> None:
+    """The fastest variant per shape and rows, beside the defaults; and per model the step's
+    GEMVs summed (x layers) with the defaults and with each shape's best."""
+    print(
+        f"\nbest per shape\n{'shape':<22} {'rows':>4} {'dot us':>8} {'fma default us':>14} {'best us':>8}  best variant"
+    )
+    for name, n, k, fused, _ in SWEEP_SHAPES:
+        for rows in SWEEP_ROWS:
+            mine = {label: us for (s, r, label), us in results.items() if s == name and r == rows}
+            if not mine:
+                continue
+            label, us = min(mine.items(), key=lambda item: item[1])
+            dot, default = mine.get("dot (tl.dot, old)", float("nan")), mine.get("fma defaults", float("nan"))
+            print(f"{name:<22} {rows:>4} {dot:>8.1f} {default:>14.1f} {us:>8.1f}  {label}")
+    for model in ("8B", "0.6B"):
+        for rows in SWEEP_ROWS:
+            sums = {"dot (tl.dot, old)": 0.0, "fma defaults": 0.0, "best": 0.0}
+            for name, _, _, _, calls in (s for s in SWEEP_SHAPES if s[0].startswith(model + " ")):
+                mine = {label: us for (s, r, label), us in results.items() if s == name and r == rows}
+                for key in ("dot (tl.dot, old)", "fma defaults"):
+                    sums[key] += calls * mine.get(key, float("nan"))
+                sums["best"] += calls * min(mine.values(), default=float("nan"))
+            print(f"Qwen3-{model} step GEMVs, {rows} row(s): " + ", ".join(
+                f"{key} {us / 1e3:.3f} ms ({1e6 / us:.0f} steps/s)" for key, us in sums.items()))  # fmt: skip
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_sweep() if "--sweep" in sys.argv else main())

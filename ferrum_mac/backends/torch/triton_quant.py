@@ -22,6 +22,8 @@ without triton.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ferrum_mac.backends.torch.quant import ExpertStack, Packed
@@ -42,17 +44,28 @@ GEMV_STAGES = 1  # (more stages gave no gain on the H100 and run out of shared m
 MATMUL_NARROW, MATMUL_WIDE = (64, 64, 64, 4, 3), (128, 128, 64, 8, 3)
 MATMUL_WIDE_ROWS = 256
 UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H100)
+# The FMA GEMV (`fma_gemv`): up to FMA_MAX_ROWS rows; per program and step of K, FMA_COLUMNS
+# columns of FMA_ROW_BYTES packed bytes each (a whole number of 128-byte lines a column)
+FMA_MAX_ROWS = 4
+FMA_COLUMNS, FMA_ROW_BYTES, FMA_WARPS, FMA_STAGES = 32, 256, 4, 2
+FMA_PROGRAMS_PER_SM = 8
+FMA_MAX_SPLITS = 16
+FMA_NORM_BLOCK = 1024
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
          splits: int | None = None, blocks: tuple[int, int] | None = None,
-         unpack: str = UNPACK) -> torch.Tensor:  # fmt: skip
+         unpack: str = UNPACK, fma: bool | None = None, warps: int | None = None,
+         stages: int | None = None) -> torch.Tensor:  # fmt: skip
     """x `(M, K)` (M up to 16) times the packed W `(N, K)` transposed -> `(M, N)`, with x first
     RMS-normed by `norm_weight` (and `eps`) if given, plus `bias` and `residual` if given;
     `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
-    `(M, width)`. `splits` of K: by default as `triton_gemv.gemv_splits` chooses; `blocks`
-    (columns, K per step): by default `gemv_blocks`'."""
+    `(M, width)`. `fma` (by default up to FMA_MAX_ROWS rows): the kernel that multiplies in
+    registers (`fma_gemv`), else the tl.dot one. `splits` of K: by default as the kernel's
+    rule chooses; `blocks` (columns, K per step), `warps`, `stages`: by default its rule's."""
+    if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:
+        return fma_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, blocks, warps, stages)
     rows, k = x.shape
     n_all, k_weight = weight.shape
     n = n_all // 2 if swiglu else n_all
@@ -80,6 +93,63 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
         num_warps=4, num_stages=GEMV_STAGES,
     )  # fmt: skip
     return out
+
+
+def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+             swiglu: bool = False, splits: int | None = None, blocks: tuple[int, int] | None = None,
+             warps: int | None = None, stages: int | None = None,
+             per_sm: int | None = None) -> torch.Tensor:  # fmt: skip
+    """`gemv` for up to FMA_MAX_ROWS rows, multiplied in registers (`_qgemv_fma_kernel`):
+    `blocks` (columns, K per step), `warps`, `stages`, `splits` of K (or `per_sm`, the
+    programs per SM the default splits aim at): by default `fma_config`'s."""
+    rows, k = x.shape
+    n_all, k_weight = weight.shape
+    n = n_all // 2 if swiglu else n_all
+    assert rows <= FMA_MAX_ROWS and k_weight == k
+    x = x.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    config = fma_config(n, k, weight.bits, weight.group_size, x.device)
+    block_n, block_k = blocks or config.blocks
+    per_word = 32 // weight.bits
+    block_w = max(block_k, weight.group_size) // per_word  # (whole groups, and words, a step)
+    word_stride = k // per_word
+    column_blocks = triton.cdiv(n, block_n)
+    if splits is None:  # enough programs to give each SM per_sm (at most FMA_MAX_SPLITS of a block)
+        wanted = triton.cdiv((per_sm or config.per_sm) * multiprocessors(x.device), column_blocks)
+        splits = max(1, min(FMA_MAX_SPLITS, wanted))
+    splits, words_per_split = gemv_splits(column_blocks, word_stride, block_w, x.device, splits)
+    if splits > 1:
+        assert column_blocks <= SPLIT_COUNTERS
+        partials = torch.empty((splits, rows, n_all), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device)
+    else:
+        partials = counters = x
+    _qgemv_fma_kernel[(column_blocks, splits)](
+        x, weight.words, weight.scales, weight.biases, x if norm_weight is None else norm_weight,
+        x if bias is None else bias, x if residual is None else residual.contiguous(), out, partials, counters,
+        rows, n, k, word_stride, k // weight.group_size, words_per_split, splits, eps,  # (x: any pointer, never read)
+        ROWS=triton.next_power_of_2(rows), BITS=weight.bits, GROUP=weight.group_size,
+        HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, NORM_BLOCK=FMA_NORM_BLOCK,
+        num_warps=warps or config.warps, num_stages=stages or config.stages,
+    )  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class FmaConfig:
+    blocks: tuple[int, int]  # (columns, K) a program takes per step
+    warps: int
+    stages: int
+    per_sm: int  # programs per SM that splitting K aims at, where the column blocks are fewer
+
+
+def fma_config(n: int, k: int, bits: int, group: int, device: torch.device) -> FmaConfig:
+    """The FMA GEMV's tile: FMA_TILE_BYTES of the packed weight per program and step, as
+    FMA_ROW_BYTES of each of FMA_COLUMNS columns."""
+    block_k = max(group, FMA_ROW_BYTES * 8 // bits)
+    return FmaConfig((FMA_COLUMNS, block_k), FMA_WARPS, FMA_STAGES, FMA_PROGRAMS_PER_SM)
 
 
 def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
@@ -275,6 +345,148 @@ if triton is not None:
             bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
             N, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
         )  # fmt: skip
+
+    @triton.jit
+    def _qgemv_fma_kernel(
+        x_ptr, words_ptr, scales_ptr, biases_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, partials_ptr,
+        counters_ptr, rows, n, k, word_stride, group_stride, words_per_split, splits, eps,
+        ROWS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (block of BLOCK_N output columns, split of K), as _qgemv_kernel, but
+        # no tl.dot: per step a (BLOCK_N, BLOCK_W) tile of words (a column's words contiguous,
+        # so each thread loads a few neighbouring words of one column), unpacked with shifts
+        # to (BLOCK_N, BLOCK_W, values per word) and multiplied with x's matching values in
+        # registers, summed per word; a word's sum q.x times its group's scale, plus the bias
+        # times the word's sum of x, is its share of (scale * q + bias).x. The sizes the
+        # compiler needs known (strides, the split) are ints it specializes as multiples of 16.
+        # x's rows are ROWS (a power of 2 up to 4) vectors of sums each, padding rows masked.
+        block, split = tl.program_id(0), tl.program_id(1)
+        columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = columns < n
+        if SPLIT:
+            w_begin = split * words_per_split
+            w_end = tl.minimum(w_begin + words_per_split, word_stride)
+        else:
+            w_begin, w_end = 0, word_stride
+        inv0 = row_inverse_rms(x_ptr, 0, rows, k, eps, HAS_NORM, NORM_BLOCK)
+        inv1 = row_inverse_rms(x_ptr, 1, rows, k, eps, HAS_NORM and ROWS > 1, NORM_BLOCK)
+        inv2 = row_inverse_rms(x_ptr, 2, rows, k, eps, HAS_NORM and ROWS > 2, NORM_BLOCK)
+        inv3 = row_inverse_rms(x_ptr, 3, rows, k, eps, HAS_NORM and ROWS > 3, NORM_BLOCK)
+        zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc0, acc1, acc2, acc3 = zeros, zeros, zeros, zeros
+        up0, up1, up2, up3 = zeros, zeros, zeros, zeros
+        for w0 in range(w_begin, w_end, BLOCK_W):
+            wi = w0 + tl.arange(0, BLOCK_W)
+            w_in = wi < w_end
+            words, s, b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, wi, w_in, w_end,
+                                       word_stride, group_stride, GROUP // (32 // BITS))  # fmt: skip
+            if SWIGLU:
+                up_words, up_s, up_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0, wi, w_in,
+                                                    w_end, word_stride, group_stride, GROUP // (32 // BITS))  # fmt: skip
+            else:
+                up_words, up_s, up_b = words, s, b
+            acc0, up0 = row_step(acc0, up0, words, s, b, up_words, up_s, up_b, x_ptr, norm_ptr, inv0, 0, rows, k,
+                                 wi, w_in, BITS, HAS_NORM, SWIGLU)  # fmt: skip
+            if ROWS > 1:
+                acc1, up1 = row_step(acc1, up1, words, s, b, up_words, up_s, up_b, x_ptr, norm_ptr, inv1, 1, rows,
+                                     k, wi, w_in, BITS, HAS_NORM, SWIGLU)  # fmt: skip
+            if ROWS > 2:
+                acc2, up2 = row_step(acc2, up2, words, s, b, up_words, up_s, up_b, x_ptr, norm_ptr, inv2, 2, rows,
+                                     k, wi, w_in, BITS, HAS_NORM, SWIGLU)  # fmt: skip
+                acc3, up3 = row_step(acc3, up3, words, s, b, up_words, up_s, up_b, x_ptr, norm_ptr, inv3, 3, rows,
+                                     k, wi, w_in, BITS, HAS_NORM, SWIGLU)  # fmt: skip
+
+        row_ids = tl.arange(0, ROWS)
+        live = row_ids < rows
+        acc = rows_stacked(row_ids, acc0, acc1, acc2, acc3)
+        up_acc = rows_stacked(row_ids, up0, up1, up2, up3)
+        finish_split_gemv(
+            acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
+            bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+            n, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
+        )  # fmt: skip
+
+    @triton.jit
+    def packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, wi, w_in, w_end, word_stride,
+                     group_stride, WORDS_PER_GROUP: tl.constexpr):  # fmt: skip
+        """The weight's words (columns, `wi`: w0 on) (0 outside `inside` and `w_in`), and the
+        scales and biases (columns, groups) of their groups, in float32."""
+        rows = columns[:, None].to(tl.int64)
+        mask = inside[:, None] & w_in[None, :]
+        words = tl.load(words_ptr + rows * word_stride + wi[None, :], mask=mask, other=0)
+        gi = w0 // WORDS_PER_GROUP + tl.arange(0, wi.shape[0] // WORDS_PER_GROUP)
+        groups = rows * group_stride + gi[None, :]
+        g_mask = inside[:, None] & (gi * WORDS_PER_GROUP < w_end)[None, :]
+        scale = tl.load(scales_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
+        bias = tl.load(biases_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
+        return words, scale, bias
+
+    @triton.jit
+    def row_step(acc, up_acc, words, scale, bias, up_words, up_scale, up_bias, x_ptr, norm_ptr, inv_rms, row, rows,
+                 k, wi, w_in, BITS: tl.constexpr, HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+        """acc (and with SWIGLU up_acc) plus this step's words times row `row` of x."""
+        per_word: tl.constexpr = 32 // BITS
+        half: tl.constexpr = per_word // 2
+        sums = tl.zeros(words.shape, dtype=tl.float32)
+        up_sums = tl.zeros(words.shape, dtype=tl.float32)
+        x_sums = tl.zeros(wi.shape, dtype=tl.float32)
+        high, up_high = words >> 16, up_words >> 16
+        x_at = x_ptr + row * k + wi * per_word
+        x_in = w_in & (row < rows)
+        for j in tl.static_range(per_word):
+            x = tl.load(x_at + j, mask=x_in, other=0.0)
+            if HAS_NORM:  # scaled by 1/rms and the weight in float32, rounded once (as F.rms_norm)
+                norm = tl.load(norm_ptr + wi * per_word + j, mask=w_in, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * inv_rms * norm).to(x.dtype)
+            x = x.to(tl.float32)
+            x_sums += x
+            x_scaled = x * (1.0 / (1 << ((j % half) * BITS)))  # (q is read in place, shifted up: exact)
+            sums += values_at(words if j < half else high, (j % half) * BITS, BITS) * x_scaled[None, :]
+            if SWIGLU:
+                up_sums += values_at(up_words if j < half else up_high, (j % half) * BITS, BITS) * x_scaled[None, :]
+        x_sums = per_group(x_sums[None, :], scale.shape[1])
+        acc += tl.sum(per_group(sums, scale.shape[1]) * scale + bias * x_sums, axis=1)
+        if SWIGLU:
+            up_acc += tl.sum(per_group(up_sums, scale.shape[1]) * up_scale + up_bias * x_sums, axis=1)
+        return acc, up_acc
+
+    @triton.jit
+    def per_group(sums, GROUPS: tl.constexpr):
+        """(columns, words) -> (columns, GROUPS): the sums of each group's words."""
+        return tl.sum(tl.reshape(sums, (sums.shape[0], GROUPS, sums.shape[1] // GROUPS)), axis=2)
+
+    @triton.jit
+    def values_at(words, SHIFT: tl.constexpr, BITS: tl.constexpr):
+        """The BITS-bit values at bit SHIFT of the words (SHIFT + BITS <= 16), times 2^SHIFT, as
+        float32: put into the mantissa of 2^23 and 2^23 taken off, exact, and cheaper than an
+        integer-to-float conversion (a quarter of the FMA rate on recent GPUs)."""
+        mantissa = (words & (((1 << BITS) - 1) << SHIFT)) | 0x4B000000
+        return mantissa.to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def rows_stacked(row_ids, v0, v1, v2, v3):
+        """(rows, columns) with v_i at row i (rows past 3 zero)."""
+        ids = row_ids[:, None]
+        out = tl.where(ids == 0, v0[None, :], 0.0)
+        out = tl.where(ids == 1, v1[None, :], out)
+        out = tl.where(ids == 2, v2[None, :], out)
+        return tl.where(ids == 3, v3[None, :], out)
+
+    @triton.jit
+    def row_inverse_rms(x_ptr, row, rows, k, eps, WANTED: tl.constexpr, BLOCK: tl.constexpr):
+        """1 / rms of row `row` of x `(rows, k)` (0 past `rows`, and unless WANTED)."""
+        if WANTED:
+            squares = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, k, BLOCK):
+                ks = start + tl.arange(0, BLOCK)
+                v = tl.load(x_ptr + row * k + ks, mask=(ks < k) & (row < rows), other=0.0).to(tl.float32)
+                squares += v * v
+            inv = tl.where(row < rows, 1.0 / tl.sqrt(tl.sum(squares, axis=0) / k + eps), 0.0)
+        else:
+            inv = 0.0
+        return inv
 
     @triton.jit
     def _qmatmul_kernel(

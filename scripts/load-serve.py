@@ -14,6 +14,14 @@ With `--schema` every round runs twice free and twice with `response_format` a s
 long string (so constrained answers run to max_tokens like free ones), alternating; the best of
 each side is printed with the constrained/free ratio: the grammar's cost in batched steps.
 
+    scripts/load-serve.py URL --speculate off,auto --concurrency 1,16 [--edit]
+
+With `--speculate` every round runs once per mode (the request's `speculate` field), the modes
+alternating, `--repeat` times; the best decode tok/s of each mode is printed side by side with
+the ratio to the first mode and the guesses proposed and kept. `--edit` sends prompts that
+repeat a passage (an editing task's shape, where prompt lookup has something to copy) instead
+of story openings.
+
 For the GPU run, a model folder with random weights of a real shape and the Qwen3 tokenizer:
 
     scripts/load-serve.py --make-model /tmp/qwen3-8b --shape qwen3-8b   # MLX, or transformers
@@ -58,7 +66,24 @@ LONG_STRING_SCHEMA = {
 }
 
 
-def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict, fmt: dict | None = None) -> None:
+EDIT_PASSAGE = (
+    "The lighthouse keeper climbed the stairs every evening at six. He lit the lamp, wound the clock, "
+    "and wrote the weather in his book: wind from the west, waves of two feet, a ship far to the south. "
+    "Then he made tea and watched the light turn over the dark water until the morning came."
+)
+
+
+def prompt_of(i: int, edit: bool) -> str:
+    """Stream i's prompt: a story opening, or (`edit`) a passage and the start of its copy."""
+    if not edit:
+        return f"{WORDS[i % len(WORDS)]} ({i})"
+    passage = EDIT_PASSAGE.replace("six", ["six", "seven", "eight", "nine"][i % 4]).replace("two", str(i + 2))
+    return f"Text {i}: {passage}\n\nThe same text, copied exactly:\n{passage[:40]}"
+
+
+def one_stream(
+    http, url: str, prompt: str, max_tokens: int, result: dict, fmt: dict | None = None, speculate: str | None = None
+) -> None:
     body = {
         "model": MODEL[0],
         "prompt": prompt,
@@ -70,6 +95,8 @@ def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict, fmt: 
     }
     if fmt is not None:
         body["response_format"] = fmt
+    if speculate is not None:
+        body["speculate"] = speculate
     result["start"] = time.perf_counter()
     with http.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -85,13 +112,15 @@ def one_stream(http, url: str, prompt: str, max_tokens: int, result: dict, fmt: 
                 result["first"] = time.perf_counter()
             if chunk.get("usage"):
                 result["tokens"] = chunk["usage"]["completion_tokens"]
+            if (chunk.get("stats") or {}).get("speculation"):
+                result["speculation"] = chunk["stats"]["speculation"]
     result["end"] = time.perf_counter()
 
 
-def guarded_stream(http, url: str, prompt: str, max_tokens: int, result: dict, fmt: dict | None = None) -> None:
+def guarded_stream(http, url: str, prompt: str, max_tokens: int, result: dict, *more) -> None:
     """one_stream on a thread: whatever stops it is kept in `result` (a thread's SystemExit vanishes)."""
     try:
-        one_stream(http, url, prompt, max_tokens, result, fmt)
+        one_stream(http, url, prompt, max_tokens, result, *more)
     except BaseException as e:  # noqa: BLE001 - reported by the caller
         result["error"] = str(e) or type(e).__name__
 
@@ -118,7 +147,15 @@ def served_model(url: str, api_key: str | None) -> str:
     return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
 
-def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int, fmt: dict | None = None) -> dict:
+def one_round(
+    url: str,
+    api_key: str | None,
+    concurrency: int,
+    max_tokens: int,
+    fmt: dict | None = None,
+    speculate: str | None = None,
+    edit: bool = False,
+) -> dict:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -128,7 +165,7 @@ def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int, 
         threads = [
             threading.Thread(
                 target=guarded_stream,
-                args=(http, url, f"{WORDS[i % len(WORDS)]} ({i})", max_tokens, results[i], fmt),
+                args=(http, url, prompt_of(i, edit), max_tokens, results[i], fmt, speculate),
             )
             for i in range(concurrency)
         ]
@@ -154,6 +191,8 @@ def one_round(url: str, api_key: str | None, concurrency: int, max_tokens: int, 
         "mean_ttft_s": round(sum(r["first"] - r["start"] for r in results) / concurrency, 3),
         "ramp_s": round(max(r["first"] for r in results) - first, 3),  # until every stream decodes
         "wall_s": round(end - min(r["start"] for r in results), 2),
+        "proposed": sum(r.get("speculation", {}).get("proposed", 0) for r in results),
+        "accepted": sum(r.get("speculation", {}).get("accepted", 0) for r in results),
     }
 
 
@@ -209,6 +248,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--api-key")
     parser.add_argument("--schema", action="store_true", help="Each round free and with a JSON schema, alternating.")
+    parser.add_argument(
+        "--speculate", help="Comma-separated modes (off,auto,ngram): each round once per mode, alternating."
+    )
+    parser.add_argument("--edit", action="store_true", help="Prompts that repeat a passage (an editing task's shape).")
+    parser.add_argument("--repeat", type=int, default=2, help="Rounds per mode with --speculate (the best counts).")
     parser.add_argument("--make-model", type=Path, help="Write a random-weight model folder and exit.")
     parser.add_argument("--shape", default="qwen3-8b")
     parser.add_argument(
@@ -221,7 +265,11 @@ def main() -> None:
     wait_for_server(url)
     MODEL[0] = served_model(url, args.api_key)
     for c in args.concurrency.split(","):  # warm-up: kernels, caches and each batch size's CUDA graphs
-        one_round(url, args.api_key, int(c), 8)
+        one_round(url, args.api_key, int(c), 8, edit=args.edit)
+    if args.speculate:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        modes = args.speculate.split(",")
+        return compare_speculation(url, args.api_key, concurrencies, args.max_tokens, modes, args.repeat, args.edit)
     if args.schema:
         return compare_schema(url, args.api_key, [int(c) for c in args.concurrency.split(",")], args.max_tokens)
     rows = [one_round(url, args.api_key, int(c), args.max_tokens) for c in args.concurrency.split(",")]
@@ -232,6 +280,27 @@ def main() -> None:
         " ".join(f"c{r['concurrency']}={r['decode_tps']} tok/s ({r['decode_tps'] / base:.1f}x)" for r in rows),
         file=sys.stderr,
     )
+
+
+def compare_speculation(
+    url: str, api_key: str | None, concurrencies: list[int], max_tokens: int, modes: list[str], repeat: int, edit: bool
+) -> None:
+    """Each concurrency once per mode, alternating, `repeat` times; the best decode tok/s of each."""
+    for mode in modes:  # the first speculating round times the model's steps (once per server)
+        one_round(url, api_key, concurrencies[-1], 16, speculate=mode, edit=edit)
+    for c in concurrencies:
+        best = {mode: {"decode_tps": 0.0} for mode in modes}
+        for _ in range(repeat):
+            for mode in modes:
+                result = one_round(url, api_key, c, max_tokens, speculate=mode, edit=edit)
+                if result["decode_tps"] > best[mode]["decode_tps"]:
+                    best[mode] = result
+        row: dict = {"concurrency": c, "edit": edit}
+        for mode in modes:
+            row[mode] = best[mode]["decode_tps"]
+            row[f"{mode}_over_{modes[0]}"] = round(best[mode]["decode_tps"] / best[modes[0]]["decode_tps"], 3)
+            row[f"{mode}_accepted"] = f"{best[mode]['accepted']}/{best[mode]['proposed']}"
+        print(json.dumps(row))
 
 
 def compare_schema(url: str, api_key: str | None, concurrencies: list[int], max_tokens: int) -> None:

@@ -207,7 +207,7 @@ def serve(
         "Loopback origins always may; others get 403.",
     ),
     verbose: bool = typer.Option(
-        False, "--verbose", "-v", help="Log a line per request: prompt tokens reused from the prefix cache."
+        False, "--verbose", "-v", help="Log per request: prompt tokens reused from the prefix cache, guesses kept."
     ),
     keep_alive: str = typer.Option(
         "5m",

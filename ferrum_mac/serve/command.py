@@ -191,7 +191,7 @@ def ollama_address(value: str | None) -> tuple[str, int]:
 
 
 def log_requests() -> None:
-    """`--verbose`: the scheduler's per-request lines (prefix cache reuse) on stderr."""
+    """`--verbose`: the scheduler's per-request lines (prefix cache reuse, speculation) on stderr."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("ferrum: %(message)s"))
     log = logging.getLogger("ferrum.serve")

@@ -188,6 +188,37 @@ def test_smollm2_edit_answers_are_plain_and_keep_guesses(smollm2_gguf):
         scheduler.stop()
 
 
+@pytest.mark.slow
+def test_torch_verify_rows_give_the_answers_without_speculation(stories_path):
+    """On torch a verify runs as decode rows (a captured step on a GPU): the same answers."""
+    from ferrum_mac.compose import open_engine
+    from ferrum_mac.engine import SamplingParams, TextDelta
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.request import EventQueue, GenerationRequest
+
+    scheduler = Scheduler(lambda: open_engine(stories_path, backend="torch"), max_batch=4).start()
+    use_row_costs(scheduler.model, FLAT)
+    try:
+
+        def answers(mode: str) -> list[tuple[str, dict | None]]:
+            queues = [EventQueue() for _ in PROMPTS]
+            for prompt, queue in zip(PROMPTS, queues):
+                ids = scheduler.tokenizer.encode(prompt, add_special_tokens=True)
+                greedy = SamplingParams(temperature=0.0)
+                scheduler.submit(GenerationRequest(ids, greedy, 40, emit=queue.put, speculate=mode))
+            events = [list(queue.events(timeout=60)) for queue in queues]
+            return [
+                ("".join(e.text for e in answer if isinstance(e, TextDelta)), answer[-1].speculation)
+                for answer in events
+            ]
+
+        plain, fast = answers("off"), answers("auto")
+        assert [text for text, _ in fast] == [text for text, _ in plain]
+        assert sum(stats["accepted"] for _, stats in fast if stats) > 0
+    finally:
+        scheduler.stop()
+
+
 def test_plan_for_one_stream_is_the_engines_rule():
     """One stream alone: the plan verifies what the engine's controller would, with the same
     costs (a step of k+1 rows against one of one row)."""

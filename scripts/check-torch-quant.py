@@ -31,6 +31,7 @@ torch (with its triton); from the repository root:
     python3 scripts/check-torch-quant.py [--sweep]
 """
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -226,16 +227,17 @@ SWEEP_SHAPES = [
 ]
 SWEEP_ROWS = (1, 2, 4)
 SWEEP_BITS, SWEEP_GROUP = 4, 64
-# the FMA GEMV's variants: (columns, K per step, warps, stages, programs per SM the split aims at);
-# None: its defaults (`triton_quant.fma_config`)
+# the FMA GEMV's variants: its default tile (`triton_quant.FMA_TILE`) with one thing changed
 SWEEP_FMA = [
-    None,
-    (32, 512, 4, 1, 8),
-    (32, 512, 4, 3, 8),
-    (64, 512, 4, 2, 8),
-    (64, 512, 8, 2, 8),
-    (16, 1024, 4, 2, 8),
-    (32, 512, 4, 2, 16),
+    {},
+    {"stages": 1},
+    {"stages": 3},
+    {"columns": 32},
+    {"columns": 128},
+    {"columns": 128, "warps": 8},
+    {"row_bytes": 512},
+    {"per_sm": 4},
+    {"per_sm": 16},
 ]
 MAX_ERROR = 2e-2  # of the largest output, against the dequantized weight's matmul in float32
 
@@ -285,15 +287,12 @@ def main_sweep() -> int:
     return 0
 
 
-def fma_label(v) -> str:
-    return "fma defaults" if v is None else f"fma n{v[0]} k{v[1]} w{v[2]} s{v[3]} sm{v[4]}"
+def fma_label(change: dict) -> str:
+    return "fma " + (", ".join(f"{key} {value}" for key, value in change.items()) or "defaults")
 
 
-def fma_options(v) -> dict:
-    if v is None:
-        return {"fma": True}
-    block_n, block_k, warps, stages, per_sm = v
-    return {"fma": True, "blocks": (block_n, block_k), "warps": warps, "stages": stages, "per_sm": per_sm}
+def fma_options(change: dict) -> dict:
+    return {"fma": True, "tile": dataclasses.replace(triton_quant.FMA_TILE, **change)}
 
 
 def first_line(e: Exception) -> str:
@@ -307,16 +306,9 @@ def time_variant(copies: list[quant.Packed], fused: str, rows: int, options: dic
     n, k = copies[0].shape
     x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
     dense = copies[0].dequantize(DTYPE).float()
-    options = dict(options)
-    if options.pop("fma"):
-        per_sm = options.pop("per_sm", None)
 
-        def call(w, **kw):
-            return triton_quant.fma_gemv(x, w, per_sm=per_sm, **kw, **options)
-    else:
-
-        def call(w, **kw):
-            return triton_quant.gemv(x, w, fma=False, **kw, **options)
+    def call(w, **kw):
+        return triton_quant.gemv(x, w, **kw, **options)
 
     if fused == "norm":
         norm = RmsNorm(torch.rand(k, device="cuda", dtype=DTYPE) + 0.5, 1e-6)

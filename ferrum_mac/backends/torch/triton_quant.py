@@ -44,28 +44,26 @@ GEMV_STAGES = 1  # (more stages gave no gain on the H100 and run out of shared m
 MATMUL_NARROW, MATMUL_WIDE = (64, 64, 64, 4, 3), (128, 128, 64, 8, 3)
 MATMUL_WIDE_ROWS = 256
 UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H100)
-# The FMA GEMV (`fma_gemv`): up to FMA_MAX_ROWS rows; per program and step of K, FMA_COLUMNS
-# columns of FMA_ROW_BYTES packed bytes each (a whole number of 128-byte lines a column)
+# The FMA GEMV (`fma_gemv`) takes up to FMA_MAX_ROWS rows (more take the tl.dot one).
 FMA_MAX_ROWS = 4
-FMA_COLUMNS, FMA_ROW_BYTES, FMA_WARPS, FMA_STAGES = 32, 256, 4, 2
-FMA_PROGRAMS_PER_SM = 8
-FMA_MAX_SPLITS = 16
+FMA_MAX_SPLITS = 16  # programs sharing a column block's K, at most
+FMA_MIN_COLUMNS = 8  # a program's columns, at least
 FMA_NORM_BLOCK = 1024
+FLOAT_2_23 = 0x4B000000  # 2.0**23's bits
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
          splits: int | None = None, blocks: tuple[int, int] | None = None,
-         unpack: str = UNPACK, fma: bool | None = None, warps: int | None = None,
-         stages: int | None = None) -> torch.Tensor:  # fmt: skip
+         unpack: str = UNPACK, fma: bool | None = None, tile: FmaTile | None = None) -> torch.Tensor:  # fmt: skip
     """x `(M, K)` (M up to 16) times the packed W `(N, K)` transposed -> `(M, N)`, with x first
     RMS-normed by `norm_weight` (and `eps`) if given, plus `bias` and `residual` if given;
     `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
     `(M, width)`. `fma` (by default up to FMA_MAX_ROWS rows): the kernel that multiplies in
-    registers (`fma_gemv`), else the tl.dot one. `splits` of K: by default as the kernel's
-    rule chooses; `blocks` (columns, K per step), `warps`, `stages`: by default its rule's."""
+    registers (`fma_gemv`, its `tile`), else the tl.dot one (its `blocks`, `unpack`).
+    `splits` of K: by default as the kernel's rule chooses."""
     if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:
-        return fma_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, blocks, warps, stages)
+        return fma_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or FMA_TILE)
     rows, k = x.shape
     n_all, k_weight = weight.shape
     n = n_all // 2 if swiglu else n_all
@@ -95,29 +93,47 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
     return out
 
 
+@dataclass(frozen=True)
+class FmaTile:
+    """What a program of the FMA GEMV takes: per step of K, `row_bytes` of the packed weight
+    of each of its columns (a whole number of 128-byte lines, so whole sectors are read);
+    `columns` of a one-row GEMV, fewer for more rows and for SwiGLU's two weights (`blocks`),
+    so that a program's sums fit its registers. `per_sm`: where the column blocks are fewer,
+    K is split until each SM has that many programs."""
+
+    columns: int = 64
+    row_bytes: int = 256
+    warps: int = 4
+    stages: int = 2
+    per_sm: int = 8
+
+    def blocks(self, rows: int, swiglu: bool, bits: int, group: int) -> tuple[int, int]:
+        """(columns, K) per program and step for `rows` rows of x."""
+        weights = triton.next_power_of_2(rows) * (2 if swiglu else 1)
+        return max(FMA_MIN_COLUMNS, self.columns // weights), max(group, self.row_bytes * 8 // bits)
+
+
+FMA_TILE = FmaTile()
+
+
 def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-             swiglu: bool = False, splits: int | None = None, blocks: tuple[int, int] | None = None,
-             warps: int | None = None, stages: int | None = None,
-             per_sm: int | None = None) -> torch.Tensor:  # fmt: skip
-    """`gemv` for up to FMA_MAX_ROWS rows, multiplied in registers (`_qgemv_fma_kernel`):
-    `blocks` (columns, K per step), `warps`, `stages`, `splits` of K (or `per_sm`, the
-    programs per SM the default splits aim at): by default `fma_config`'s."""
+             swiglu: bool = False, splits: int | None = None, tile: FmaTile = FMA_TILE) -> torch.Tensor:  # fmt: skip
+    """`gemv` for up to FMA_MAX_ROWS rows, multiplied in registers (`_qgemv_fma_kernel`), a
+    program taking `tile`; `splits` of K: by default as many as `tile.per_sm` asks."""
     rows, k = x.shape
     n_all, k_weight = weight.shape
     n = n_all // 2 if swiglu else n_all
     assert rows <= FMA_MAX_ROWS and k_weight == k
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    config = fma_config(n, k, weight.bits, weight.group_size, x.device)
-    block_n, block_k = blocks or config.blocks
+    block_n, block_k = tile.blocks(rows, swiglu, weight.bits, weight.group_size)
     per_word = 32 // weight.bits
-    block_w = max(block_k, weight.group_size) // per_word  # (whole groups, and words, a step)
+    block_w = block_k // per_word  # (words a step: whole groups)
     word_stride = k // per_word
     column_blocks = triton.cdiv(n, block_n)
     if splits is None:  # enough programs to give each SM per_sm (at most FMA_MAX_SPLITS of a block)
-        wanted = triton.cdiv((per_sm or config.per_sm) * multiprocessors(x.device), column_blocks)
-        splits = max(1, min(FMA_MAX_SPLITS, wanted))
+        splits = max(1, min(FMA_MAX_SPLITS, triton.cdiv(tile.per_sm * multiprocessors(x.device), column_blocks)))
     splits, words_per_split = gemv_splits(column_blocks, word_stride, block_w, x.device, splits)
     if splits > 1:
         assert column_blocks <= SPLIT_COUNTERS
@@ -128,28 +144,13 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
     _qgemv_fma_kernel[(column_blocks, splits)](
         x, weight.words, weight.scales, weight.biases, x if norm_weight is None else norm_weight,
         x if bias is None else bias, x if residual is None else residual.contiguous(), out, partials, counters,
-        rows, n, k, word_stride, k // weight.group_size, words_per_split, splits, eps,  # (x: any pointer, never read)
+        rows, n, k, word_stride, k // weight.group_size, words_per_split, splits, eps, FLOAT_2_23,  # (x: any pointer, never read)
         ROWS=triton.next_power_of_2(rows), BITS=weight.bits, GROUP=weight.group_size,
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, NORM_BLOCK=FMA_NORM_BLOCK,
-        num_warps=warps or config.warps, num_stages=stages or config.stages,
+        num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
     return out
-
-
-@dataclass(frozen=True)
-class FmaConfig:
-    blocks: tuple[int, int]  # (columns, K) a program takes per step
-    warps: int
-    stages: int
-    per_sm: int  # programs per SM that splitting K aims at, where the column blocks are fewer
-
-
-def fma_config(n: int, k: int, bits: int, group: int, device: torch.device) -> FmaConfig:
-    """The FMA GEMV's tile: FMA_TILE_BYTES of the packed weight per program and step, as
-    FMA_ROW_BYTES of each of FMA_COLUMNS columns."""
-    block_k = max(group, FMA_ROW_BYTES * 8 // bits)
-    return FmaConfig((FMA_COLUMNS, block_k), FMA_WARPS, FMA_STAGES, FMA_PROGRAMS_PER_SM)
 
 
 def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
@@ -349,7 +350,7 @@ if triton is not None:
     @triton.jit
     def _qgemv_fma_kernel(
         x_ptr, words_ptr, scales_ptr, biases_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, partials_ptr,
-        counters_ptr, rows, n, k, word_stride, group_stride, words_per_split, splits, eps,
+        counters_ptr, rows, n, k, word_stride, group_stride, words_per_split, splits, eps, float_2_23,
         ROWS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr,
@@ -362,6 +363,7 @@ if triton is not None:
         # times the word's sum of x, is its share of (scale * q + bias).x. The sizes the
         # compiler needs known (strides, the split) are ints it specializes as multiples of 16.
         # x's rows are ROWS (a power of 2 up to 4) vectors of sums each, padding rows masked.
+        per_word: tl.constexpr = 32 // BITS
         block, split = tl.program_id(0), tl.program_id(1)
         columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = columns < n
@@ -381,22 +383,43 @@ if triton is not None:
             wi = w0 + tl.arange(0, BLOCK_W)
             w_in = wi < w_end
             words, s, b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, wi, w_in, w_end,
-                                       word_stride, group_stride, GROUP // (32 // BITS))  # fmt: skip
+                                       word_stride, group_stride, GROUP // per_word)  # fmt: skip
             if SWIGLU:
                 up_words, up_s, up_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0, wi, w_in,
-                                                    w_end, word_stride, group_stride, GROUP // (32 // BITS))  # fmt: skip
+                                                    w_end, word_stride, group_stride, GROUP // per_word)  # fmt: skip
             else:
                 up_words, up_s, up_b = words, s, b
-            acc0, up0 = row_step(acc0, up0, words, s, b, up_words, up_s, up_b, x_ptr, norm_ptr, inv0, 0, rows, k,
-                                 wi, w_in, BITS, HAS_NORM, SWIGLU)  # fmt: skip
+            high, up_high = high_half(words), high_half(up_words)
+            sums = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+            sums0, sums1, sums2, sums3, ups0, ups1, ups2, ups3 = sums, sums, sums, sums, sums, sums, sums, sums
+            x_sums = tl.zeros([BLOCK_W], dtype=tl.float32)
+            xs0, xs1, xs2, xs3 = x_sums, x_sums, x_sums, x_sums
+            # value j of every word at once: unpacked once, multiplied with each row's x there
+            for j in tl.static_range(per_word):
+                v = values_at(words if j < per_word // 2 else high, float_2_23, j % (per_word // 2) * BITS, BITS)
+                u = (
+                    values_at(up_words if j < per_word // 2 else up_high, float_2_23, j % (per_word // 2) * BITS, BITS)
+                    if SWIGLU
+                    else v
+                )
+                ks = wi * per_word + j
+                norm = tl.load(norm_ptr + ks, mask=w_in, other=0.0).to(tl.float32) if HAS_NORM else None
+                x = x_at(x_ptr, 0, rows, k, ks, w_in, norm, inv0, HAS_NORM)
+                xs0, sums0, ups0 = times_x(xs0, sums0, ups0, v, u, x, j % (per_word // 2) * BITS, SWIGLU)
+                if ROWS > 1:
+                    x = x_at(x_ptr, 1, rows, k, ks, w_in, norm, inv1, HAS_NORM)
+                    xs1, sums1, ups1 = times_x(xs1, sums1, ups1, v, u, x, j % (per_word // 2) * BITS, SWIGLU)
+                if ROWS > 2:
+                    x = x_at(x_ptr, 2, rows, k, ks, w_in, norm, inv2, HAS_NORM)
+                    xs2, sums2, ups2 = times_x(xs2, sums2, ups2, v, u, x, j % (per_word // 2) * BITS, SWIGLU)
+                    x = x_at(x_ptr, 3, rows, k, ks, w_in, norm, inv3, HAS_NORM)
+                    xs3, sums3, ups3 = times_x(xs3, sums3, ups3, v, u, x, j % (per_word // 2) * BITS, SWIGLU)
+            acc0, up0 = plus_groups(acc0, up0, sums0, ups0, xs0, s, b, up_s, up_b, SWIGLU)
             if ROWS > 1:
-                acc1, up1 = row_step(acc1, up1, words, s, b, up_words, up_s, up_b, x_ptr, norm_ptr, inv1, 1, rows,
-                                     k, wi, w_in, BITS, HAS_NORM, SWIGLU)  # fmt: skip
+                acc1, up1 = plus_groups(acc1, up1, sums1, ups1, xs1, s, b, up_s, up_b, SWIGLU)
             if ROWS > 2:
-                acc2, up2 = row_step(acc2, up2, words, s, b, up_words, up_s, up_b, x_ptr, norm_ptr, inv2, 2, rows,
-                                     k, wi, w_in, BITS, HAS_NORM, SWIGLU)  # fmt: skip
-                acc3, up3 = row_step(acc3, up3, words, s, b, up_words, up_s, up_b, x_ptr, norm_ptr, inv3, 3, rows,
-                                     k, wi, w_in, BITS, HAS_NORM, SWIGLU)  # fmt: skip
+                acc2, up2 = plus_groups(acc2, up2, sums2, ups2, xs2, s, b, up_s, up_b, SWIGLU)
+                acc3, up3 = plus_groups(acc3, up3, sums3, ups3, xs3, s, b, up_s, up_b, SWIGLU)
 
         row_ids = tl.arange(0, ROWS)
         live = row_ids < rows
@@ -424,33 +447,38 @@ if triton is not None:
         return words, scale, bias
 
     @triton.jit
-    def row_step(acc, up_acc, words, scale, bias, up_words, up_scale, up_bias, x_ptr, norm_ptr, inv_rms, row, rows,
-                 k, wi, w_in, BITS: tl.constexpr, HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
-        """acc (and with SWIGLU up_acc) plus this step's words times row `row` of x."""
-        per_word: tl.constexpr = 32 // BITS
-        half: tl.constexpr = per_word // 2
-        sums = tl.zeros(words.shape, dtype=tl.float32)
-        up_sums = tl.zeros(words.shape, dtype=tl.float32)
-        x_sums = tl.zeros(wi.shape, dtype=tl.float32)
-        high, up_high = words >> 16, up_words >> 16
-        x_at = x_ptr + row * k + wi * per_word
-        x_in = w_in & (row < rows)
-        for j in tl.static_range(per_word):
-            x = tl.load(x_at + j, mask=x_in, other=0.0)
-            if HAS_NORM:  # scaled by 1/rms and the weight in float32, rounded once (as F.rms_norm)
-                norm = tl.load(norm_ptr + wi * per_word + j, mask=w_in, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * inv_rms * norm).to(x.dtype)
-            x = x.to(tl.float32)
-            x_sums += x
-            x_scaled = x * (1.0 / (1 << ((j % half) * BITS)))  # (q is read in place, shifted up: exact)
-            sums += values_at(words if j < half else high, (j % half) * BITS, BITS) * x_scaled[None, :]
-            if SWIGLU:
-                up_sums += values_at(up_words if j < half else up_high, (j % half) * BITS, BITS) * x_scaled[None, :]
-        x_sums = per_group(x_sums[None, :], scale.shape[1])
-        acc += tl.sum(per_group(sums, scale.shape[1]) * scale + bias * x_sums, axis=1)
+    def x_at(x_ptr, row, rows, k, ks, k_in, norm, inv_rms, HAS_NORM: tl.constexpr):
+        """Row `row` of x at `ks` in float32 (0 past `rows`), normed if HAS_NORM: by 1/rms and
+        the norm weight in float32, rounded once to x's dtype (as F.rms_norm)."""
+        x = tl.load(x_ptr + row * k + ks, mask=k_in & (row < rows), other=0.0)
+        if HAS_NORM:
+            x = (x.to(tl.float32) * inv_rms * norm).to(x.dtype)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def times_x(x_sums, sums, up_sums, values, up_values, x, SHIFT: tl.constexpr, SWIGLU: tl.constexpr):
+        """The running sums of a row over a step, plus the values (read SHIFT bits up) times x."""
+        x_scaled = x * (1.0 / (1 << SHIFT))  # (exact)
+        sums += values * x_scaled[None, :]
         if SWIGLU:
-            up_acc += tl.sum(per_group(up_sums, scale.shape[1]) * up_scale + up_bias * x_sums, axis=1)
+            up_sums += up_values * x_scaled[None, :]
+        return x_sums + x, sums, up_sums
+
+    @triton.jit
+    def plus_groups(acc, up_acc, sums, up_sums, x_sums, scale, bias, up_scale, up_bias, SWIGLU: tl.constexpr):
+        """acc (and up_acc) plus a step's sums of q x per word, summed per group and scaled,
+        and the biases times the group's sums of x: sum (scale q + bias) x."""
+        groups: tl.constexpr = scale.shape[1]
+        x_sums = per_group(x_sums[None, :], groups)
+        acc += tl.sum(per_group(sums, groups) * scale + bias * x_sums, axis=1)
+        if SWIGLU:
+            up_acc += tl.sum(per_group(up_sums, groups) * up_scale + up_bias * x_sums, axis=1)
         return acc, up_acc
+
+    @triton.jit
+    def high_half(words):
+        """The words' upper 16 bits, shifted down (no sign extension)."""
+        return (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
 
     @triton.jit
     def per_group(sums, GROUPS: tl.constexpr):
@@ -458,11 +486,12 @@ if triton is not None:
         return tl.sum(tl.reshape(sums, (sums.shape[0], GROUPS, sums.shape[1] // GROUPS)), axis=2)
 
     @triton.jit
-    def values_at(words, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    def values_at(words, float_2_23, SHIFT: tl.constexpr, BITS: tl.constexpr):
         """The BITS-bit values at bit SHIFT of the words (SHIFT + BITS <= 16), times 2^SHIFT, as
-        float32: put into the mantissa of 2^23 and 2^23 taken off, exact, and cheaper than an
-        integer-to-float conversion (a quarter of the FMA rate on recent GPUs)."""
-        mantissa = (words & (((1 << BITS) - 1) << SHIFT)) | 0x4B000000
+        float32: put into the mantissa of 2^23 (`float_2_23`: its bits, an argument so that
+        the mask and the or are one instruction) and 2^23 taken off, exact, and cheaper than
+        an integer-to-float conversion (a quarter of the FMA rate on recent GPUs)."""
+        mantissa = (words & (((1 << BITS) - 1) << SHIFT)) | float_2_23
         return mantissa.to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit

@@ -65,7 +65,16 @@ from ferrum_mac.llm import (
     PrefixStats,
 )
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
-from ferrum_mac.serve.speculation import MAX_ROWS, Offer, check_mode, plan, row_costs, stream_speculator
+from ferrum_mac.serve.speculation import (
+    MAX_ROWS,
+    Offer,
+    Pace,
+    check_mode,
+    measured,
+    plan,
+    row_costs,
+    stream_speculator,
+)
 
 log = logging.getLogger("ferrum.serve")
 
@@ -200,6 +209,7 @@ class Scheduler:
         self.kv_budget = kv_budget
         self.speculate = check_mode(speculate)
         self.verifies = True  # the model runs verify_batch (False once it says it cannot)
+        self.pace = Pace()
         self.mode = UNIFIED
         self.stats = SchedulerStats()
         self._inbox: queue.Queue = queue.Queue()
@@ -502,24 +512,34 @@ class Scheduler:
             except UnsupportedError:
                 self.mode = SPLIT
                 finals = self._split_step()
-        elif not self._prefilling() and self._speculative_step():
-            return
+        elif not self._prefilling():
+            return self._decode_step()
         else:
             finals = self._split_step()
         self._accept_all(finals)
 
     # -- speculation ------------------------------------------------------------------------
 
-    def _speculative_step(self) -> bool:
-        """One `verify_batch` of every decoding sequence's token and the guesses worth their rows
-        (`serve.speculation.plan`); False, having run nothing, when no guess is worth one."""
+    def _decode_step(self) -> None:
+        """A step with nothing to prefill: every decoding sequence's token, with the guesses
+        worth their rows (one `verify_batch`), else one plain batched decode. Timed, so that
+        steps with guesses that turn out slower than plain ones stop for a while (`Pace`)."""
+        start, generated, timed = time.perf_counter(), self.stats.generated_tokens, measured(self.model)
         decoding = self._decoding()
-        guesses = self._guesses(decoding)
-        if not guesses:
+        guesses = self._guesses(decoding) if self.pace.allows(len(decoding)) else {}
+        if not (guesses and self._verify_step(decoding, guesses)):
             for seq in decoding:
                 if seq.speculator is not None:
                     seq.speculator.plain_token()
-            return False
+            self._accept_all(self._split_step())
+            guesses = {}
+        if timed or not measured(self.model):  # the step that timed the model's steps is no measure
+            tokens = self.stats.generated_tokens - generated
+            self.pace.record(len(decoding), tokens, time.perf_counter() - start, bool(guesses))
+
+    def _verify_step(self, decoding: list[Sequence], guesses: dict[Sequence, Proposal]) -> bool:
+        """One `verify_batch` of every decoding sequence's token and `guesses`; False, having
+        run nothing, when the model has no batched verify."""
         items = [
             ForwardItem(s.cache_id, [fed_token(s), *guesses[s].tokens] if s in guesses else [fed_token(s)], s.pos)
             for s in decoding

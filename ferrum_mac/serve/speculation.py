@@ -40,6 +40,11 @@ ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes timed
 CALIBRATION_PROMPT = 32  # tokens in the throw-away cache the steps are timed on
 CALIBRATION_RUNS = 2  # the fastest run counts: a run disturbed by other work does not
 CALIBRATION_ID = "serve-speculation-calibration"
+PACE_WEIGHT = 0.25  # of a step's rate in the moving average of its kind and size
+PACE_SAMPLES = 4  # steps with guesses averaged before they are judged against plain ones
+FIRST_PAUSE = 16  # plain steps after guessing steps lost; doubles up to LONGEST_PAUSE
+LONGEST_PAUSE = 512
+PLAIN_EVERY = 64  # a plain step after this many with guesses in a row keeps the plain rate current
 
 
 def speculate_field(body: dict) -> str | None:
@@ -153,9 +158,61 @@ def _measure(model: DecoderOnlyLLM) -> RowCosts:
     return RowCosts(tuple(times), min(plain, 1.0))
 
 
+def measured(model: DecoderOnlyLLM) -> bool:
+    """Whether the model's step times are known (set or measured)."""
+    return model in _costs
+
+
 def stream_speculator(model: DecoderOnlyLLM) -> Speculator:
     """One sequence's proposer, controller (its acceptance figures, its stretches aside) and counts."""
-    return Speculator(PromptLookup(), lambda: row_costs(model).curve(), model in _costs)
+    return Speculator(PromptLookup(), lambda: row_costs(model).curve(), measured(model))
+
+
+class Pace:
+    """The tokens per second steps with guesses and plain steps really give, by batch size (a
+    power of two): what the measured forwards leave out (sampling, the host's bookkeeping) is
+    in it. Where steps with guesses have been slower than plain ones, guessing stops for a
+    stretch of steps that doubles while it keeps losing; a plain step now and then keeps the
+    plain figure current while every step has guesses."""
+
+    def __init__(self):
+        self.rates: dict[tuple[int, bool], float] = {}  # (size, guessed) -> tokens/s, a moving average
+        self.counts: dict[tuple[int, bool], int] = {}  # steps averaged
+        self.since_plain: dict[int, int] = {}  # steps with guesses since the last plain one
+        self.paused: dict[int, int] = {}  # plain steps left before guessing again
+        self.stretch: dict[int, int] = {}
+
+    def allows(self, rows: int) -> bool:
+        """Whether a step of `rows` decoding sequences may have guesses."""
+        size = _size(rows)
+        if self.paused.get(size, 0) > 0:
+            self.paused[size] -= 1
+            return False
+        return self.since_plain.get(size, 0) < PLAIN_EVERY
+
+    def record(self, rows: int, tokens: int, seconds: float, guessed: bool) -> None:
+        if rows < 1 or seconds <= 0:
+            return
+        size = _size(rows)
+        key = (size, guessed)
+        rate = tokens / seconds
+        n = self.counts.get(key, 0)
+        self.rates[key] = rate if n == 0 else self.rates[key] + PACE_WEIGHT * (rate - self.rates[key])
+        self.counts[key] = n + 1
+        self.since_plain[size] = self.since_plain.get(size, 0) + 1 if guessed else 0
+        plain = self.rates.get((size, False))
+        if not guessed or plain is None or self.counts[key] < PACE_SAMPLES:
+            return
+        if self.rates[key] < plain:
+            self.paused[size] = self.stretch.get(size, FIRST_PAUSE)
+            self.stretch[size] = min(2 * self.paused[size], LONGEST_PAUSE)
+            del self.rates[key], self.counts[key]  # measured afresh after the pause
+        else:
+            self.stretch[size] = FIRST_PAUSE
+
+
+def _size(rows: int) -> int:
+    return 1 << max(0, rows - 1).bit_length()
 
 
 @dataclass

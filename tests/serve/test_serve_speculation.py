@@ -18,7 +18,17 @@ from serve_support import CHAT, COMPLETIONS, LiveServer, error_of, open_stories
 from ferrum_mac.engine.speculation.controller import MAX_K, Controller
 from ferrum_mac.engine.speculation.proposers import Proposal
 from ferrum_mac.serve.command import ServeOptionError, speculate_option
-from ferrum_mac.serve.speculation import ROW_COUNTS, Offer, RowCosts, plan, use_row_costs
+from ferrum_mac.serve.speculation import (
+    FIRST_PAUSE,
+    PACE_SAMPLES,
+    PLAIN_EVERY,
+    ROW_COUNTS,
+    Offer,
+    Pace,
+    RowCosts,
+    plan,
+    use_row_costs,
+)
 
 FLAT = [1.0] * len(ROW_COUNTS)  # a step of many rows as fast as one: guessing always pays
 PROMPTS = (
@@ -235,3 +245,23 @@ def test_plan_spends_rows_on_the_likeliest_guesses():
     offers = [Offer(Proposal([1] * 8, "copy"), 0.9), Offer(Proposal([2] * 8, "ngram1"), 0.2)]
     assert plan(offers, 8, costs) == [8, 0]  # 8 rows free: the likely stream's; the other's would not pay
     assert plan(offers, 16, costs) == [0, 0]  # every further row doubles the step
+
+
+def test_pace_stops_guessing_where_it_loses():
+    """Steps with guesses that give fewer tokens a second than plain steps of the same batch
+    size stop for a stretch that doubles while they keep losing; other sizes go on guessing."""
+    pace = Pace()
+    pace.record(16, 16, 0.010, guessed=False)  # plain: 1600 tokens/s
+    for _ in range(PACE_SAMPLES):
+        assert pace.allows(16)
+        pace.record(16, 18, 0.012, guessed=True)  # 1500 tokens/s
+    assert [pace.allows(16) for _ in range(FIRST_PAUSE)] == [False] * FIRST_PAUSE
+    assert pace.allows(16) and pace.allows(4)
+    for _ in range(PACE_SAMPLES):
+        pace.record(16, 18, 0.012, guessed=True)
+    assert sum(not pace.allows(16) for _ in range(4 * FIRST_PAUSE)) == 2 * FIRST_PAUSE
+    for _ in range(PLAIN_EVERY):  # winning steps: every one guesses, but a plain one now and then
+        pace.record(16, 30, 0.012, guessed=True)
+    assert not pace.allows(16)
+    pace.record(16, 16, 0.010, guessed=False)
+    assert pace.allows(16)

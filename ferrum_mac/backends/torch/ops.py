@@ -35,6 +35,7 @@ TRITON = settings.value("FERRUM_TORCH_TRITON")
 # torch session 3).
 GEMV = settings.value("FERRUM_TORCH_GEMV")
 GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
+GEMV_MOST_ROWS = 16  # (triton_ops.MIN_DOT_ROWS: x padded to a tl.dot operand)
 # At most this many token-expert pairs take the Triton MoE kernels (a pair is a GEMV there; a
 # prefill's many pairs are better served by grouped GEMMs).
 MOE_MAX_PAIRS = 256
@@ -186,9 +187,13 @@ class TritonOps(Ops):
 TORCH_OPS = Ops()
 
 
-def decode_ops(device: torch.device) -> Ops:
-    """A decode step's ops on `device`: Triton's on CUDA where triton imports (unless turned off)."""
-    return TritonOps() if TRITON and device.type == "cuda" and triton_imports() else TORCH_OPS
+def decode_ops(device: torch.device, verify: bool = False) -> Ops:
+    """A decode step's ops on `device`: Triton's on CUDA where triton imports (unless turned off).
+    `verify`: the step's rows are verified tokens, computed as each one's decode step would be:
+    the GEMVs take every row they can, not handing many rows to cuBLAS (whose sums differ)."""
+    if not (TRITON and device.type == "cuda" and triton_imports()):
+        return TORCH_OPS
+    return TritonOps(gemv_max_rows=GEMV_MOST_ROWS) if verify else TritonOps()
 
 
 @functools.cache

@@ -44,7 +44,8 @@ class DecodeStep:
         self.uploaded: list[list[int]] = [[] for _ in range(rows)]  # each row's blocks in `table`
         self.graph: torch.cuda.CUDAGraph | None = None
         self.captured = device.type == "cuda" and USE_GRAPHS
-        self.ops = decode_ops(device)  # Triton's kernels on CUDA: captured once, so their launches cost nothing
+        # Triton's kernels on CUDA: captured once, so their launches cost nothing
+        self.ops = decode_ops(device, verify=self.sequences < rows)
         self.out: torch.Tensor | None = None
 
     def load(self, batch: list[tuple]) -> None:

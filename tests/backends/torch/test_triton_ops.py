@@ -355,10 +355,10 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv
         return decode_batch_steps(model, prompts, tag)
 
     gemvs = frozenset({qkv, "norm_swiglu", "matmul_residual"})
-    monkeypatch.setattr(steps, "decode_ops", lambda device: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
     expected = decode_twice("torch")
     model.reset()  # drops the decode steps (and on a GPU their CUDA graphs): the next run makes its own
-    monkeypatch.setattr(steps, "decode_ops", lambda device: ops.TritonOps(gemv=gemvs))
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TritonOps(gemv=gemvs))
     calls = {name: 0 for name in gemvs | {"rms_norm"}}
     for name in calls:
         module, function = KERNELS[name]
@@ -398,9 +398,9 @@ def test_decode_batch_through_triton_over_shared_blocks_matches_torch(zoo, monke
         model.reset()
         return logits
 
-    monkeypatch.setattr(steps, "decode_ops", lambda device: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
     expected = decode_shared("torch")
-    monkeypatch.setattr(steps, "decode_ops", lambda device: ops.TritonOps())
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TritonOps())
     for got, want in zip(decode_shared("triton"), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

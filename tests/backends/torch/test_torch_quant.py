@@ -145,13 +145,14 @@ CASES = [(4, 32, torch.bfloat16), (8, 64, torch.float32), (4, 128, torch.float16
 @pytest.mark.interpreter
 @kernels
 @pytest.mark.parametrize("bits,group,dtype", CASES)
-def test_gemv_equals_the_dequantized_matmul(gpu_like, bits, group, dtype):
+def test_dot_gemv_equals_the_dequantized_matmul(gpu_like, bits, group, dtype):
+    """The tl.dot GEMV, which takes more rows than the FMA one."""
     unpack = "words" if group == 128 else "gather"  # (each way of unpacking a tile, in turn)
-    n, k = 80, 256
+    n, k, rows = 80, 256, triton_quant.FMA_MAX_ROWS + 2
     w = packed_random(n, k, bits, group, dtype, seed=bits + group)
     dense = w.dequantize(dtype)
-    x = torch.randn(3, k, dtype=dtype, device=DEVICE)
-    bias, residual = (torch.randn(*shape, dtype=dtype, device=DEVICE) for shape in ((n,), (3, n)))
+    x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+    bias, residual = (torch.randn(*shape, dtype=dtype, device=DEVICE) for shape in ((n,), (rows, n)))
     want = F.linear(x.float(), dense.float(), bias.float()) + residual.float()
     for splits in (1, 2):  # split K: the last program adds the parts up
         assert_near(triton_quant.gemv(x, w, bias, residual=residual, splits=splits, unpack=unpack), want, dtype)
@@ -159,7 +160,7 @@ def test_gemv_equals_the_dequantized_matmul(gpu_like, bits, group, dtype):
 
 @pytest.mark.interpreter
 @kernels
-def test_gemv_fuses_the_norm_and_swiglu(gpu_like):
+def test_dot_gemv_fuses_the_norm_and_swiglu(gpu_like):
     dtype, k, width = torch.bfloat16, 128, 48
     gate_up = packed_random(2 * width, k, 4, 64, dtype, seed=1)
     x = torch.randn(2, k, dtype=dtype, device=DEVICE)
@@ -167,8 +168,51 @@ def test_gemv_fuses_the_norm_and_swiglu(gpu_like):
     y = F.linear(norm(x), gate_up.dequantize(dtype))
     want = F.silu(y[:, :width]) * y[:, width:]
     for unpack in ("gather", "words"):
-        got = triton_quant.gemv(x, gate_up, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=2, unpack=unpack)
+        got = triton_quant.gemv(
+            x, gate_up, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=2, unpack=unpack, fma=False
+        )
         assert_near(got, want, dtype)
+
+
+# a tile small enough that these shapes take more than one step of K (the last one partial),
+# and from 2 rows on more than one block of columns (the last one partial)
+SMALL_FMA_TILE = triton_quant.FmaTile(columns=128, row_bytes=64)
+
+
+@pytest.mark.interpreter
+@kernels
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 64)])
+def test_fma_gemv_equals_the_dequantized_matmul_with_its_fusions(gpu_like, bits, group):
+    """The FMA GEMV (a decode step's 1 to 4 rows): + bias + residual, and RMSNorm + the fused
+    gate_up + SwiGLU, against the dequantized weight's matmul; K whole and split."""
+    dtype, k, width = torch.bfloat16, 192, 40
+    w = packed_random(2 * width, k, bits, group, dtype, seed=bits + group)
+    y_all = w.dequantize(dtype).float()
+    norm = RmsNorm(torch.rand(k, dtype=dtype, device=DEVICE) + 0.5, 1e-5)
+    bias = torch.randn(2 * width, dtype=dtype, device=DEVICE)
+    for rows, splits in ((1, 2), (2, 1), (4, None)) + (((3, 2),) if group == 32 else ()):
+        x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+        residual = torch.randn(rows, 2 * width, dtype=dtype, device=DEVICE)
+        want = F.linear(x.float(), y_all, bias.float()) + residual.float()
+        got = triton_quant.gemv(x, w, bias, residual=residual, splits=splits, tile=SMALL_FMA_TILE)
+        assert_near(got, want, dtype)
+        y = F.linear(norm(x).float(), y_all)
+        want = F.silu(y[:, :width]) * y[:, width:]
+        got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=splits,
+                                tile=SMALL_FMA_TILE)  # fmt: skip
+        assert_near(got, want, dtype)
+
+
+@pytest.mark.interpreter
+@kernels
+def test_fma_gemv_in_float32_is_exact_to_float32(gpu_like):
+    """In float32 nothing rounds to bf16 along the way: what the FMA GEMV's unpacking and
+    per-group scaling leave is float32's summation error alone."""
+    dtype, k, n = torch.float32, 256, 24
+    w = packed_random(n, k, 4, 64, dtype, seed=9)
+    x = torch.randn(2, k, dtype=dtype, device=DEVICE)
+    want = F.linear(x.double(), w.dequantize(torch.float64))
+    assert_near(triton_quant.gemv(x, w, tile=SMALL_FMA_TILE), want, dtype)
 
 
 @pytest.mark.interpreter

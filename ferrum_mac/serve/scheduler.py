@@ -551,6 +551,8 @@ class Scheduler:
             for seq in decoding:
                 seq.speculator = None
             return False
+        except KvCapacityError:  # no room for the guesses' rows now (nothing changed): a plain step
+            return False
         plain: list[tuple[Sequence, Logits]] = []
         for seq, rows in zip(decoding, blocks):
             if seq in guesses:

@@ -175,7 +175,7 @@ class Pace:
     stretch of steps that doubles while it keeps losing; a plain step now and then keeps the
     plain figure current while every step has guesses."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.rates: dict[tuple[int, bool], float] = {}  # (size, guessed) -> tokens/s, a moving average
         self.counts: dict[tuple[int, bool], int] = {}  # steps averaged
         self.since_plain: dict[int, int] = {}  # steps with guesses since the last plain one

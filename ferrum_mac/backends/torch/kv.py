@@ -19,6 +19,11 @@ from ferrum_mac.backends.block_pool import BLOCK_TOKENS, BlockPool, SequenceBloc
 
 __all__ = ["BLOCK_TOKENS", "KvManager", "SequenceBlocks"]
 
+# Freed buffers go back to the device only from this size on: handing memory back waits for
+# the device (cudaFree), and a pool that shrinks by less is soon allocated again (the next
+# prompt), which PyTorch's allocator then serves from what it kept.
+GIVE_BACK_BYTES = 1 << 30
+
 
 def host_ids(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ids (int64) to copy to `device` with `non_blocking=True`: in pinned memory for CUDA,
@@ -63,7 +68,7 @@ class KvManager(BlockPool):
 
     def _resize(self, blocks: int, keep: list[int]) -> None:
         kept = self.rows_of(keep) if keep else None
-        shrinking = blocks < self.blocks
+        freed = self._bytes() * (self.blocks - blocks) // max(1, self.blocks)
         old = self.kv
         self.kv = []
         for layer in range(self.num_layers):
@@ -77,8 +82,7 @@ class KvManager(BlockPool):
                 old[layer] = None  # freed before the next layer's buffer is allocated
             self.kv.append(fresh)
         self.version += 1
-        if shrinking:
-            self._give_back()
+        self._give_back(freed)
 
     def _copy_block(self, src: int, dst: int, tokens: int) -> None:
         B = self.block_tokens
@@ -86,9 +90,10 @@ class KvManager(BlockPool):
             kv[:, :, dst * B : dst * B + tokens] = kv[:, :, src * B : src * B + tokens]
 
     def _drop(self) -> None:
+        freed = self._bytes()
         self.kv = []
         self.version += 1
-        self._give_back()
+        self._give_back(freed)
 
     def _read_blocks(self, blocks: list[int]) -> np.ndarray:
         """`(layers, 2, kv_heads, len(blocks) * B, head_dim)` on the host; bfloat16 as its
@@ -110,7 +115,11 @@ class KvManager(BlockPool):
         for kv, layer in zip(self.kv, host.to(self.device, self.dtype)):
             kv[:, :, rows] = layer
 
-    def _give_back(self) -> None:
-        """Hand freed buffers back to the device (PyTorch's allocator keeps them otherwise)."""
-        if self.device.type == "cuda":
+    def _bytes(self) -> int:
+        return sum(kv.numel() * kv.element_size() for kv in self.kv)
+
+    def _give_back(self, freed: int) -> None:
+        """Hand `freed` bytes of buffers back to the device when they are many (PyTorch's
+        allocator keeps them otherwise)."""
+        if self.device.type == "cuda" and freed >= GIVE_BACK_BYTES:
             torch.cuda.empty_cache()

@@ -238,6 +238,7 @@ SWEEP_FMA = [
     {"row_bytes": 512},
     {"per_sm": 4},
     {"per_sm": 16},
+    {"pdl": False},
 ]
 MAX_ERROR = 2e-2  # of the largest output, against the dequantized weight's matmul in float32
 

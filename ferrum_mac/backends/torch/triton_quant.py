@@ -29,6 +29,7 @@ import torch
 from ferrum_mac.backends.torch.quant import ExpertStack, Packed
 from ferrum_mac.backends.torch.triton_gemv import gemv_splits
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
+from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
 
 try:
@@ -106,6 +107,7 @@ class FmaTile:
     warps: int = 4
     stages: int = 2
     per_sm: int = 8
+    pdl: bool = True  # launched early where `triton_pdl` has a kernel of this weight's size launch early
 
     def blocks(self, rows: int, swiglu: bool, bits: int, group: int) -> tuple[int, int]:
         """(columns, K) per program and step for `rows` rows of x."""
@@ -141,6 +143,7 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         counters = split_counters(x.device)
     else:
         partials = counters = x
+    pdl = tile.pdl and pdl_for(x.device, weight.words)
     _qgemv_fma_kernel[(column_blocks, splits)](
         x, weight.words, weight.scales, weight.biases, x if norm_weight is None else norm_weight,
         x if bias is None else bias, x if residual is None else residual.contiguous(), out, partials, counters,
@@ -148,7 +151,8 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         ROWS=triton.next_power_of_2(rows), BITS=weight.bits, GROUP=weight.group_size,
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, NORM_BLOCK=FMA_NORM_BLOCK,
-        num_warps=tile.warps, num_stages=tile.stages,
+        PDL=pdl, PREFETCH_LINES=prefetch_lines(block_n, words_per_split, 4), LINE_ELEMENTS=LINE_BYTES // 4,
+        num_warps=tile.warps, num_stages=tile.stages, **launch_options(pdl),
     )  # fmt: skip
     return out
 
@@ -243,6 +247,7 @@ def gemv_blocks(n: int, k: int, device: torch.device, bits: int) -> tuple[int, i
 if triton is not None:
     from ferrum_mac.backends.torch.triton_gemv import finish_split_gemv, inverse_rms
     from ferrum_mac.backends.torch.triton_moe import _swiglu_as_torch
+    from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
     from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
 
     @triton.jit
@@ -353,7 +358,8 @@ if triton is not None:
         counters_ptr, rows, n, k, word_stride, group_stride, words_per_split, splits, eps, float_2_23,
         ROWS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
     ):  # fmt: skip
         # One program per (block of BLOCK_N output columns, split of K), as _qgemv_kernel, but
         # no tl.dot: per step a (BLOCK_N, BLOCK_W) tile of words (a column's words contiguous,
@@ -372,6 +378,12 @@ if triton is not None:
             w_end = tl.minimum(w_begin + words_per_split, word_stride)
         else:
             w_begin, w_end = 0, word_stride
+        if PDL and PREFETCH_LINES > 0:  # the weight: no kernel writes it, so before the wait (see triton_pdl)
+            rows_ptr = words_ptr + columns[:, None].to(tl.int64) * word_stride
+            prefetch_rows(rows_ptr, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
+            if SWIGLU:
+                prefetch_rows(rows_ptr + n * word_stride, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
+        wait_for_previous(PDL)
         inv0 = row_inverse_rms(x_ptr, 0, rows, k, eps, HAS_NORM, NORM_BLOCK)
         inv1 = row_inverse_rms(x_ptr, 1, rows, k, eps, HAS_NORM and ROWS > 1, NORM_BLOCK)
         inv2 = row_inverse_rms(x_ptr, 2, rows, k, eps, HAS_NORM and ROWS > 2, NORM_BLOCK)

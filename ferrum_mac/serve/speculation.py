@@ -20,6 +20,7 @@ Draft models are not offered here: a request for one is refused (`speculate_fiel
 
 from __future__ import annotations
 
+import functools
 import heapq
 import time
 import weakref
@@ -88,10 +89,12 @@ class RowCosts:
 
     def time(self, rows: int) -> float:
         """A step of `rows` rows: as long as the smallest measured step that holds them."""
-        for count, seconds in zip(ROW_COUNTS, self.seconds):
-            if count >= rows:
-                return seconds
-        return float("inf")
+        return self._by_rows[rows] if rows <= MAX_ROWS else float("inf")
+
+    @functools.cached_property
+    def _by_rows(self) -> list[float]:
+        """`time` of 0 to MAX_ROWS rows (the plan reads it for every row it adds)."""
+        return [next(s for count, s in zip(ROW_COUNTS, self.seconds) if count >= rows) for rows in range(MAX_ROWS + 1)]
 
     def plain_time(self, rows: int) -> float:
         """A plain decode step of `rows` sequences."""

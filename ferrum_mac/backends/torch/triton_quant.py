@@ -151,7 +151,7 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         ROWS=triton.next_power_of_2(rows), BITS=weight.bits, GROUP=weight.group_size,
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, NORM_BLOCK=FMA_NORM_BLOCK,
-        PDL=pdl, PREFETCH_LINES=prefetch_lines(block_n, words_per_split, 4), LINE_ELEMENTS=LINE_BYTES // 4,
+        PDL=pdl, PREFETCH_LINES=prefetch_lines(block_n, words_per_split, 4) if pdl else 0, LINE_ELEMENTS=LINE_BYTES // 4,
         num_warps=tile.warps, num_stages=tile.stages, **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -108,6 +108,22 @@ def test_limits_and_stop_strings_end_answers_as_without_speculation(server):
     )
 
 
+def test_the_prefix_cache_keeps_answers_as_computed(server):
+    """An answer with guesses cut from its cache is remembered as it was computed: a request
+    that sends it back takes its blocks from the prefix cache and goes on as one longer answer."""
+    for prompt in ("Ben saw a big dog. Ben saw a big dog. Ben", "Mom made a cake. Mom made a cake. Mom"):
+        head, stats = completion(server, prompt, "auto", max_tokens=30)  # prompts no other test sends
+        assert stats["speculation"]["proposed"] > stats["speculation"]["accepted"]  # some were cut
+        response = httpx.post(
+            server.url + COMPLETIONS,
+            json={"prompt": prompt + head, "max_tokens": 30, "temperature": 0, "speculate": "off"},
+            timeout=60,
+        ).json()
+        assert response["usage"]["prompt_tokens_details"]["cached_tokens"] > stats["prompt_tokens"] + 16
+        whole, _ = completion(server, prompt, "off", max_tokens=60)
+        assert head + response["choices"][0]["text"] == whole
+
+
 def test_seeded_sampling_draws_the_same_answer(server):
     """The sampler is called once per token, in order, whether the token was guessed or not:
     a seeded answer is the same with speculation, and it still honours max_tokens and stop."""

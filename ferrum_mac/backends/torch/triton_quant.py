@@ -4,18 +4,26 @@ packed and dequantized in registers, never stored dense.
 - `gemv`: a few rows (a decode step's), shaped as `triton_gemv`'s GEMVs and fusing what they
   fuse: optional RMSNorm of x first, bias, residual add, SwiGLU over a fused gate_up (a
   program takes matching gate and up columns); K split over several programs where the
-  column blocks are fewer than the SMs (`triton_splits`).
+  column blocks are fewer than the SMs (`triton_splits`). Up to FMA_MAX_ROWS rows it is
+  `fma_gemv`, made to stream the weight at memory speed: it multiplies in registers (no tensor
+  cores: a row or four is 1/16 to 1/4 of a tl.dot tile, and feeding tl.dot costs a shared
+  memory round trip per tile); more rows take the tl.dot kernel.
 - `matmul`: any number of rows (prefill), a tile of the weight dequantized per step of K and
   multiplied with tl.dot.
 
-A tile of the weight is dequantized as `scale * q + bias` in float32 and rounded once to x's
-dtype, as `Packed.dequantize(x.dtype)` rounds the dense weight, so the kernels compute the
-matmul of the dequantized model; sums in float32, rounded once. A tile is unpacked one of
+`fma_gemv` computes sum_k (scale q_k + bias) x_k as scale * sum q_k x_k + bias * sum x_k
+per group, in float32 from the exact values (it does not round the weight to x's dtype
+first); its instructions per weight value are what bound it, so a value costs one integer
+op (it is or-ed into a float's mantissa), one add and one FMA per row (`values_at`).
+
+The tl.dot kernels dequantize a tile as `scale * q + bias` in float32 and round it once to x's
+dtype, as `Packed.dequantize(x.dtype)` rounds the dense weight, so they compute the matmul
+of the dequantized model; sums in float32, rounded once. A tile is unpacked one of
 two ways (`UNPACK`): "gather", each k's word and group loaded by index (`ks // values per
 word`, `ks // group`: neighbouring k share a word, so one cache line, and no layout shuffle);
 "words", the tile's words and group scales loaded once each and spread over their values
 with reshapes (fewer loads; whether the reshapes cost a shuffle is the compiler's choice).
-`scripts/check-torch-quant.py --sweep` times both. Entry functions launch on whatever
+`scripts/check-torch-quant.py` times both (`--sweep`: the GEMVs' variants). Entry functions launch on whatever
 tensors they are given (CUDA, or CPU tensors under `TRITON_INTERPRET=1`); the module loads
 without triton.
 """

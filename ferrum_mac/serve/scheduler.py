@@ -66,10 +66,12 @@ from ferrum_mac.llm import (
 )
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
 from ferrum_mac.serve.speculation import (
+    INDEX_STEP_TOKENS,
     MAX_ROWS,
     Offer,
     Pace,
     check_mode,
+    indexed,
     measured,
     plan,
     row_costs,
@@ -573,11 +575,15 @@ class Scheduler:
         if len(decoding) >= MAX_ROWS:
             return {}
         candidates: list[tuple[Sequence, Speculator, Proposal]] = []
+        budget = INDEX_STEP_TOKENS
         for seq in decoding:
-            if seq.speculator is not None:
-                proposal = seq.speculator.candidate(seq.history, self._guess_room(seq))
-                if proposal is not None:
-                    candidates.append((seq, seq.speculator, proposal))
+            if seq.speculator is None:
+                continue
+            ready, spent = indexed(seq.speculator, seq.history, budget)
+            budget -= spent
+            proposal = seq.speculator.candidate(seq.history, self._guess_room(seq)) if ready else None
+            if proposal is not None:
+                candidates.append((seq, seq.speculator, proposal))
         if not candidates:
             return {}
         try:

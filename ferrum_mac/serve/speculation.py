@@ -41,6 +41,8 @@ ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes timed
 CALIBRATION_PROMPT = 32  # tokens in the throw-away cache the steps are timed on
 CALIBRATION_RUNS = 2  # the fastest run counts: a run disturbed by other work does not
 CALIBRATION_ID = "serve-speculation-calibration"
+INDEX_STEP_TOKENS = 2048  # prompt positions indexed for lookups in one step, over all streams
+INDEX_SLACK = 64  # a stream this few positions behind is indexed by its lookup itself
 PACE_WEIGHT = 0.25  # of a step's rate in the moving average of its kind and size
 PACE_SAMPLES = 4  # steps with guesses averaged before they are judged against plain ones
 FIRST_PAUSE = 16  # plain steps after guessing steps lost; doubles up to LONGEST_PAUSE
@@ -159,6 +161,20 @@ def _measure(model: DecoderOnlyLLM) -> RowCosts:
         model.release(CALIBRATION_ID)
     times = [max(times[: i + 1]) for i in range(len(times))]  # never cheaper with more rows
     return RowCosts(tuple(times), min(plain, 1.0))
+
+
+def indexed(speculator: Speculator, history: Sequence[int], budget: int) -> tuple[bool, int]:
+    """Whether the stream's prompt lookup has taken in `history` once it indexes at most
+    `budget` more positions, and how many it indexed: a long prompt is indexed a slice a step,
+    so one request's first guess never holds up every other sequence's step."""
+    lookup = speculator.proposer
+    assert isinstance(lookup, PromptLookup), "serve's streams guess by prompt lookup"
+    behind = lookup.behind(history)
+    if behind <= INDEX_SLACK:
+        return True, 0
+    spent = min(behind, budget)
+    lookup.index_some(history, spent)
+    return spent == behind, spent
 
 
 def measured(model: DecoderOnlyLLM) -> bool:

@@ -15,8 +15,9 @@ import httpx
 import pytest
 from serve_support import CHAT, COMPLETIONS, LiveServer, error_of, open_stories
 
-from ferrum_mac.engine.speculation.controller import MAX_K, Controller
-from ferrum_mac.engine.speculation.proposers import Proposal
+from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve
+from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
+from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.serve.command import ServeOptionError, speculate_option
 from ferrum_mac.serve.speculation import (
     FIRST_PAUSE,
@@ -26,6 +27,7 @@ from ferrum_mac.serve.speculation import (
     Offer,
     Pace,
     RowCosts,
+    indexed,
     plan,
     use_row_costs,
 )
@@ -281,3 +283,19 @@ def test_pace_stops_guessing_where_it_loses():
     assert not pace.allows(16)
     pace.record(16, 16, 0.010, guessed=False)
     assert pace.allows(16)
+
+
+def test_a_long_prompt_is_indexed_a_slice_a_step():
+    """A stream's lookups take a long prompt in over several steps, then guess as a lookup
+    that took it in at once does."""
+    history = [t % 97 for t in range(3000)] + [5, 6, 7]
+    speculator = Speculator(PromptLookup(), lambda: fixed_curve([1.0] * (MAX_K + 1)), True)
+    steps = 1
+    while not indexed(speculator, history, 1000)[0]:
+        steps += 1
+    assert steps == 4
+    assert (
+        speculator.candidate(history, MAX_K)
+        == PromptLookup().propose(history, MAX_K)
+        == Proposal([8, 9, 10, 11, 12, 13, 14, 15], "ngram3")
+    )

@@ -77,6 +77,19 @@ class PromptLookup:
     def close(self) -> None:
         pass
 
+    def behind(self, history: Sequence[int]) -> int:
+        """Positions of `history` the index has yet to take in (a lookup takes them all first)."""
+        if len(history) < self.indexed:  # a different sequence: all of it
+            return len(history)
+        return max(0, len(history) - 1 - self.indexed)
+
+    def index_some(self, history: Sequence[int], most: int) -> None:
+        """Take in at most `most` more positions of `history`: a caller serving other streams
+        indexes a long prompt a slice at a time rather than in one lookup."""
+        if len(history) < self.indexed:
+            self.index, self.indexed = {}, 0
+        self._index_until(history, min(len(history) - 1, self.indexed + most))
+
     def _match(self, history: Sequence[int]) -> tuple[str, int] | None:
         """(kind, where the continuation starts) for the longest n-gram ending the sequence
         that occurred before, or None."""

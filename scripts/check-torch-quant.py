@@ -23,12 +23,13 @@ random weights quantized affinely (group 64 as MLX's 4-bit checkpoints, 32 as GG
 
 Exits 1 on a mismatch. `--sweep` instead times and checks the decode GEMV alone (4-bit group
 64), at Qwen3-8B's and Qwen3-0.6B's shapes with what the model fuses into each (RMSNorm,
-residual, SwiGLU), at 1, 2 and 4 rows: the tl.dot kernel, the FMA kernel's variants (tile,
-warps, stages, split target) and cuBLAS over the dense bf16 weight; then the fastest per shape
-and the step's GEMVs summed; it goes on past a variant that fails (and exits 0). Needs only
-torch (with its triton); from the repository root:
+residual, SwiGLU), at 1, 2 and 4 rows (`--rows=1,2`: those only): the tl.dot kernel, the
+FMA kernel's variants (its default tile, `triton_quant.FMA_TILE`, with one thing changed)
+and cuBLAS over the dense bf16 weight; then the fastest per shape and the step's GEMVs
+summed; it goes on past a variant that fails (and exits 0). It compiles some 160 kernels,
+most of its few minutes. Needs only torch (with its triton); from the repository root:
 
-    python3 scripts/check-torch-quant.py [--sweep]
+    python3 scripts/check-torch-quant.py [--sweep [--rows=1,2,4]]
 """
 
 import dataclasses
@@ -225,19 +226,17 @@ SWEEP_SHAPES = [
     ("0.6B down", 1024, 3072, "residual", 28),
     ("0.6B lm_head", VOCAB, 1024, "norm", 1),
 ]
-SWEEP_ROWS = (1, 2, 4)
+SWEEP_ROWS = tuple(int(r) for arg in sys.argv if arg.startswith("--rows=") for r in arg[7:].split(",")) or (1, 2, 4)
 SWEEP_BITS, SWEEP_GROUP = 4, 64
 # the FMA GEMV's variants: its default tile (`triton_quant.FMA_TILE`) with one thing changed
 SWEEP_FMA = [
     {},
-    {"stages": 1},
-    {"stages": 3},
-    {"columns": 32},
-    {"columns": 128},
-    {"columns": 128, "warps": 8},
-    {"row_bytes": 512},
-    {"per_sm": 4},
-    {"per_sm": 16},
+    {"columns": 64},
+    {"columns": 256},
+    {"warps": 8},
+    {"row_bytes": 512, "columns": 64},
+    {"prefetch": True},
+    {"per_sm": 2},
     {"pdl": False},
 ]
 MAX_ERROR = 2e-2  # of the largest output, against the dequantized weight's matmul in float32
@@ -256,7 +255,7 @@ def main_sweep() -> int:
         copies = weights(n, k, SWEEP_BITS, SWEEP_GROUP)
         nbytes = copies[0].nbytes
         print(f"\n{name}: {n} x {k}, + {fused}, {SWEEP_BITS}-bit g{SWEEP_GROUP}, {nbytes / 1e6:.1f} MB packed "
-              f"({time.time() - start:.0f} s)\n{'variant':<28}" + "".join(
+              f"({time.time() - start:.0f} s)\n{'variant':<32}" + "".join(
                   f" | {rows} row{'s' if rows > 1 else ' '}: {'us':>7} {'GB/s':>5} {'peak':>4} {'err':>7}" for rows in SWEEP_ROWS),
               flush=True)  # fmt: skip
         variants = [("dot (tl.dot, old)", {"fma": False})]
@@ -273,14 +272,14 @@ def main_sweep() -> int:
                 flag = " BAD" if err > MAX_ERROR else ""
                 gbs = nbytes / us / 1e3
                 cells.append(f" | {'':6} {us:>7.1f} {gbs:>5.0f} {gbs / PEAK_GBS:>4.0%} {err:>7.1e}{flag}")
-            print(f"{label:<28}" + "".join(cells), flush=True)
+            print(f"{label:<32}" + "".join(cells), flush=True)
         dense = [torch.randn(n, k, device="cuda", dtype=DTYPE) for _ in range(max(2, -(-L2_PAST // (n * k * 2))))]
         cells = []
         for rows in SWEEP_ROWS:
             x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
             us = graph_us(cycling(lambda w: F.linear(x, w), dense))
             cells.append(f" | {'':6} {us:>7.1f} {n * k * 2 / us / 1e3:>5.0f} {'(bf16)':>12}")
-        print(f"{'cuBLAS bf16, dense':<28}" + "".join(cells), flush=True)
+        print(f"{'cuBLAS bf16, dense':<32}" + "".join(cells), flush=True)
         del copies, dense
         torch.cuda.empty_cache()
     print_best(results)

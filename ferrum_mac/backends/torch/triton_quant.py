@@ -104,23 +104,30 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
 
 @dataclass(frozen=True)
 class FmaTile:
-    """What a program of the FMA GEMV takes: per step of K, `row_bytes` of the packed weight
-    of each of its columns (a whole number of 128-byte lines, so whole sectors are read);
-    `columns` of a one-row GEMV, fewer for more rows and for SwiGLU's two weights (`blocks`),
-    so that a program's sums fit its registers. `per_sm`: where the column blocks are fewer,
-    K is split until each SM has that many programs."""
+    """What a program of the FMA GEMV takes (`blocks`): per step of K, `row_bytes` of the
+    packed weight of each of its columns (a whole number of 128-byte lines, so whole sectors
+    are read); `columns` for a one-row GEMV. A thread holds a few neighbouring words of a
+    column (a 16-byte load), so the columns are what spread the cost of x (load, norm,
+    scale) over more weight: as many as fit the registers, fewer for more rows and for
+    SwiGLU's two weights. Where that leaves fewer than `per_sm` programs an SM even with K
+    split (at most FMA_MAX_SPLITS ways), the columns halve until it does not (small shapes:
+    more, smaller programs keep more loads in flight; 0: neither)."""
 
-    columns: int = 64
+    columns: int = 128
     row_bytes: int = 256
     warps: int = 4
-    stages: int = 2
-    per_sm: int = 8
+    prefetch: bool = False  # each step loads the next step's weight before it computes (else Triton's schedule)
+    per_sm: int = 4
     pdl: bool = True  # launched early where `triton_pdl` has a kernel of this weight's size launch early
 
-    def blocks(self, rows: int, swiglu: bool, bits: int, group: int) -> tuple[int, int]:
-        """(columns, K) per program and step for `rows` rows of x."""
+    def blocks(self, n: int, k: int, rows: int, swiglu: bool, bits: int, group: int, sms: int) -> tuple[int, int]:
+        """(columns, K) per program and step for `rows` rows of x and a weight `(n, k)`."""
         weights = triton.next_power_of_2(rows) * (2 if swiglu else 1)
-        return max(FMA_MIN_COLUMNS, self.columns // weights), max(group, self.row_bytes * 8 // bits)
+        block_n, block_k = max(FMA_MIN_COLUMNS, self.columns // weights), max(group, self.row_bytes * 8 // bits)
+        steps = min(FMA_MAX_SPLITS, triton.cdiv(k, block_k))
+        while block_n > FMA_MIN_COLUMNS and triton.cdiv(n, block_n) * steps < self.per_sm * sms:
+            block_n //= 2
+        return block_n, block_k
 
 
 FMA_TILE = FmaTile()
@@ -137,13 +144,14 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
     assert rows <= FMA_MAX_ROWS and k_weight == k
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_n, block_k = tile.blocks(rows, swiglu, weight.bits, weight.group_size)
+    sms = multiprocessors(x.device)
+    block_n, block_k = tile.blocks(n, k, rows, swiglu, weight.bits, weight.group_size, sms)
     per_word = 32 // weight.bits
     block_w = block_k // per_word  # (words a step: whole groups)
     word_stride = k // per_word
     column_blocks = triton.cdiv(n, block_n)
     if splits is None:  # enough programs to give each SM per_sm (at most FMA_MAX_SPLITS of a block)
-        splits = max(1, min(FMA_MAX_SPLITS, triton.cdiv(tile.per_sm * multiprocessors(x.device), column_blocks)))
+        splits = max(1, min(FMA_MAX_SPLITS, triton.cdiv(tile.per_sm * sms, column_blocks)))
     splits, words_per_split = gemv_splits(column_blocks, word_stride, block_w, x.device, splits)
     if splits > 1:
         assert column_blocks <= SPLIT_COUNTERS
@@ -158,9 +166,9 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         rows, n, k, word_stride, k // weight.group_size, words_per_split, splits, eps, FLOAT_2_23,  # (x: any pointer, never read)
         ROWS=triton.next_power_of_2(rows), BITS=weight.bits, GROUP=weight.group_size,
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, NORM_BLOCK=FMA_NORM_BLOCK,
+        SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=tile.prefetch, NORM_BLOCK=FMA_NORM_BLOCK,
         PDL=pdl, PREFETCH_LINES=prefetch_lines(block_n, words_per_split, 4) if pdl else 0, LINE_ELEMENTS=LINE_BYTES // 4,
-        num_warps=tile.warps, num_stages=tile.stages, **launch_options(pdl),
+        num_warps=tile.warps, num_stages=1, **launch_options(pdl),
     )  # fmt: skip
     return out
 
@@ -366,7 +374,7 @@ if triton is not None:
         counters_ptr, rows, n, k, word_stride, group_stride, words_per_split, splits, eps, float_2_23,
         ROWS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
         PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
     ):  # fmt: skip
         # One program per (block of BLOCK_N output columns, split of K), as _qgemv_kernel, but
@@ -399,16 +407,38 @@ if triton is not None:
         zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc0, acc1, acc2, acc3 = zeros, zeros, zeros, zeros
         up0, up1, up2, up3 = zeros, zeros, zeros, zeros
+        if PREFETCH:  # the first step's words, scales and biases (gate's, and up's with SWIGLU)
+            next_words, next_s, next_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w_begin,
+                                                      w_end, word_stride, group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+            if SWIGLU:
+                next_up_words, next_up_s, next_up_b = packed_words(
+                    words_ptr, scales_ptr, biases_ptr, columns + n, inside, w_begin, w_end, word_stride, group_stride,
+                    BLOCK_W, GROUP // per_word,
+                )  # fmt: skip
         for w0 in range(w_begin, w_end, BLOCK_W):
             wi = w0 + tl.arange(0, BLOCK_W)
             w_in = wi < w_end
-            words, s, b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, wi, w_in, w_end,
-                                       word_stride, group_stride, GROUP // per_word)  # fmt: skip
-            if SWIGLU:
-                up_words, up_s, up_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0, wi, w_in,
-                                                    w_end, word_stride, group_stride, GROUP // per_word)  # fmt: skip
+            if PREFETCH:  # this step's, loaded during the step before; the next step's loaded now
+                words, s, b = next_words, next_s, next_b
+                next_words, next_s, next_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside,
+                                                          w0 + BLOCK_W, w_end, word_stride, group_stride, BLOCK_W,
+                                                          GROUP // per_word)  # fmt: skip
+                if SWIGLU:
+                    up_words, up_s, up_b = next_up_words, next_up_s, next_up_b
+                    next_up_words, next_up_s, next_up_b = packed_words(
+                        words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0 + BLOCK_W, w_end, word_stride,
+                        group_stride, BLOCK_W, GROUP // per_word,
+                    )  # fmt: skip
+                else:
+                    up_words, up_s, up_b = words, s, b
             else:
-                up_words, up_s, up_b = words, s, b
+                words, s, b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, w_end, word_stride,
+                                           group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+                if SWIGLU:
+                    up_words, up_s, up_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0,
+                                                        w_end, word_stride, group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+                else:
+                    up_words, up_s, up_b = words, s, b
             high, up_high = high_half(words), high_half(up_words)
             sums = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
             sums0, sums1, sums2, sums3, ups0, ups1, ups2, ups3 = sums, sums, sums, sums, sums, sums, sums, sums
@@ -452,12 +482,13 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
-    def packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, wi, w_in, w_end, word_stride,
-                     group_stride, WORDS_PER_GROUP: tl.constexpr):  # fmt: skip
-        """The weight's words (columns, `wi`: w0 on) (0 outside `inside` and `w_in`), and the
-        scales and biases (columns, groups) of their groups, in float32."""
+    def packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, w_end, word_stride, group_stride,
+                     BLOCK_W: tl.constexpr, WORDS_PER_GROUP: tl.constexpr):  # fmt: skip
+        """The weight's words (columns, BLOCK_W words from w0) (0 outside `inside` and past
+        w_end), and the scales and biases (columns, groups) of their groups, in float32."""
         rows = columns[:, None].to(tl.int64)
-        mask = inside[:, None] & w_in[None, :]
+        wi = w0 + tl.arange(0, BLOCK_W)
+        mask = inside[:, None] & (wi < w_end)[None, :]
         words = tl.load(words_ptr + rows * word_stride + wi[None, :], mask=mask, other=0)
         gi = w0 // WORDS_PER_GROUP + tl.arange(0, wi.shape[0] // WORDS_PER_GROUP)
         groups = rows * group_stride + gi[None, :]

@@ -175,8 +175,9 @@ def test_dot_gemv_fuses_the_norm_and_swiglu(gpu_like):
 
 
 # a tile small enough that these shapes take more than one step of K (the last one partial),
-# and from 2 rows on more than one block of columns (the last one partial)
-SMALL_FMA_TILE = triton_quant.FmaTile(columns=128, row_bytes=64)
+# and from 2 rows on more than one block of columns (the last one partial); per_sm=0: no
+# smaller blocks or splits for the SMs' sake (the interpreter runs a program at a time)
+SMALL_FMA_TILE = triton_quant.FmaTile(columns=128, row_bytes=64, per_sm=0)
 
 
 @pytest.mark.interpreter

@@ -15,6 +15,11 @@ without guesses by the controller's MARGIN. With one stream this is the engine's
 in the engine. Guesses are accepted by the engine's rule (`accepted_guesses`), so answers
 are those of plain decoding.
 
+The timed forwards leave out what the host does around them (sampling, reads, bookkeeping),
+so the scheduler also times whole steps (`Pace`): where steps with guesses give fewer tokens
+a second than plain steps of the same batch size, guessing stops there for a while. A long
+prompt is indexed for lookups a slice a step (`indexed`), never all in one step.
+
 Draft models are not offered here: a request for one is refused (`speculate_field`).
 """
 

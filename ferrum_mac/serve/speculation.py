@@ -197,9 +197,11 @@ class Pace:
     power of two): what the measured forwards leave out (sampling, the host's bookkeeping) is
     in it. Where steps with guesses have been slower than plain ones, guessing stops for a
     stretch of steps that doubles while it keeps losing; a plain step now and then keeps the
-    plain figure current while every step has guesses."""
+    plain figure current while every step has guesses. `judged` False: never stop (tests
+    whose figures must not depend on this machine's speed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, judged: bool = True) -> None:
+        self.judged = judged
         self.rates: dict[tuple[int, bool], float] = {}  # (size, guessed) -> tokens/s, a moving average
         self.counts: dict[tuple[int, bool], int] = {}  # steps averaged
         self.since_plain: dict[int, int] = {}  # steps with guesses since the last plain one
@@ -225,7 +227,7 @@ class Pace:
         self.counts[key] = n + 1
         self.since_plain[size] = self.since_plain.get(size, 0) + 1 if guessed else 0
         plain = self.rates.get((size, False))
-        if not guessed or plain is None or self.counts[key] < PACE_SAMPLES:
+        if not self.judged or not guessed or plain is None or self.counts[key] < PACE_SAMPLES:
             return
         if self.rates[key] < plain:
             self.paused[size] = self.stretch.get(size, FIRST_PAUSE)

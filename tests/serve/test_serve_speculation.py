@@ -2,8 +2,9 @@
 exactly the answers they get with it off (streamed and whole, greedy and seeded), end for the
 same reasons, and the guesses kept show in the answer's stats and in /metrics.
 
-The step times are set per model (`use_row_costs`: every step as fast as one row) so that
-guessing runs whatever this machine measures: correctness must not depend on the plan.
+The step times are set per model (`use_row_costs`: every step as fast as one row), and the
+whole steps' pace is not judged, so that guessing runs whatever this machine measures:
+correctness must not depend on the plan.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def server(stories_path):
 
     scheduler = Scheduler(open_stories(stories_path), max_batch=4).start()
     use_row_costs(scheduler.model, FLAT)
+    scheduler.pace = Pace(judged=False)
     live = LiveServer(build_app(scheduler, "stories260K"))
     yield live
     live.stop()
@@ -196,6 +198,7 @@ def test_smollm2_edit_answers_are_plain_and_keep_guesses(smollm2_gguf):
 
     scheduler = Scheduler(open_stories(smollm2_gguf, kv_capacity=512), max_batch=2).start()
     use_row_costs(scheduler.model, FLAT)
+    scheduler.pace = Pace(judged=False)
     live = LiveServer(build_app(scheduler, "smollm2"))
     try:
 
@@ -226,6 +229,7 @@ def test_torch_verify_rows_give_the_answers_without_speculation(stories_path):
 
     scheduler = Scheduler(lambda: open_engine(stories_path, backend="torch"), max_batch=4).start()
     use_row_costs(scheduler.model, FLAT)
+    scheduler.pace = Pace(judged=False)
     try:
 
         def answers(mode: str) -> list[tuple[str, dict | None]]:

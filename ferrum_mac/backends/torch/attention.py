@@ -182,6 +182,36 @@ class DecodePlan:
         return out.reshape(self.total, -1)
 
 
+class FreshPlan:
+    """A prompt's first `rows` positions (0 .. rows - 1) in one sequence whose blocks are
+    `table` `(width,)`; rows from `count` (a device tensor) on are padding, whose keys go to
+    the scratch block. Every shape is fixed by `(rows, width)`, so the forward is captured once
+    as a CUDA graph and replayed for any prompt of up to `rows` tokens: a short prompt's
+    forward is a few hundred small kernels, whose launches from Python take longer than
+    they run. Attention is causal over the prompt's own keys, as nothing precedes them."""
+
+    ops: Ops = TORCH_OPS
+
+    def __init__(self, pool: KvManager, table: torch.Tensor, count: torch.Tensor, rows: int):
+        self.pool, self.total = pool, rows
+        B, device = pool.block_tokens, table.device
+        self.positions = torch.arange(rows, device=device)
+        real = self.positions < count
+        block = torch.where(real, table[(self.positions // B).clamp(max=table.shape[0] - 1)], 0)
+        token_row = block * B + torch.where(real, self.positions % B, 0)
+        heads = torch.arange(pool.kv_heads, device=device)[None, :]
+        self.places = (heads * pool.token_rows + token_row[:, None]).reshape(-1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        dim = k.shape[2]
+        self.pool.kv[layer].view(2, -1, dim)[:, self.places] = torch.stack((k, v)).view(2, -1, dim)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        return out[0].transpose(0, 1).reshape(self.total, -1)
+
+
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where `visible`, -inf elsewhere."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))

@@ -21,9 +21,9 @@ from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
 from ferrum_mac.backends.torch.models import FAMILIES
-from ferrum_mac.backends.torch.steps import DecodeSteps
+from ferrum_mac.backends.torch.steps import USE_GRAPHS, DecodeSteps
 from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
-from ferrum_mac.llm import DecodeItem, LlmRuntimeConfig, kv_capacity_within
+from ferrum_mac.llm import DecodeItem, LlmRuntimeConfig, host_tokens, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
 WARMUP_TOKENS = 8
@@ -41,6 +41,15 @@ def compute_dtype(checkpoint: Checkpoint, override: str | None) -> torch.dtype:
     return DTYPES.get(checkpoint.config.dtype, torch.float16)
 
 
+def prefill_rows(n: int) -> int:
+    """The padded length of a captured prefill of `n` tokens: four lengths an octave from 64
+    on (64, 80, 96, 112, 128, 160, ...), so few graphs serve every prompt and padding adds
+    at most a quarter."""
+    octave = power_of_two_above(max(n, 64))
+    step = max(octave // 8, 16) if octave > 64 else 64
+    return -(-n // step) * step
+
+
 def power_of_two_above(n: int) -> int:
     """The least power of two >= n (>= 1): decode steps' sizes, so changing batches and growing
     sequences share few steps (each one a CUDA graph to capture)."""
@@ -51,6 +60,7 @@ class TorchLLM(PooledLLM):
     device_array_types = (torch.Tensor,)
     segment_type = Segment
     verify_rows = 64  # a verify of at most this many tokens in all runs as decode rows (a CUDA graph)
+    prefill_graph_tokens = 1024  # a fresh prompt of at most this many tokens runs as a captured `PrefillStep`
 
     def __init__(
         self,
@@ -87,6 +97,7 @@ class TorchLLM(PooledLLM):
             else None,
         )  # fmt: skip
         self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
+        self.captured_prefill = self.device.type == "cuda" and USE_GRAPHS  # off once a capture fails
 
     # -- contract -------------------------------------------------------------------
 
@@ -142,6 +153,24 @@ class TorchLLM(PooledLLM):
 
     def _logits_at(self, h: torch.Tensor, rows) -> torch.Tensor:
         return self.model.logits(h if rows == slice(None) else h[rows])
+
+    def prefill(self, cache_id: str, tokens) -> torch.Tensor:
+        tokens = host_tokens(cache_id, tokens)
+        if not (
+            self.captured_prefill and self.kv.length(cache_id) == 0 and 0 < len(tokens) <= self.prefill_graph_tokens
+        ):
+            return super().prefill(cache_id, tokens)
+        self.check_call([(cache_id, tokens, 0)])
+        with self._computing():
+            cache = self.kv.acquire(cache_id)
+            self.kv.reserve(cache, 0, len(tokens))
+            width = max(MIN_WIDTH, power_of_two_above(len(cache.blocks)))
+            step = self.steps.prefill(prefill_rows(len(tokens)), width)
+            step.load(tokens, cache.blocks)
+            logits = step.run()
+            self.captured_prefill = step.captured  # (a model whose forward cannot be captured runs as before)
+            cache.length = len(tokens)
+            return logits
 
     def _verify(self, segments) -> torch.Tensor:
         """Verifies of a few tokens in all run as one `DecodeStep` (a CUDA graph), a row per

@@ -13,6 +13,9 @@ A row's table goes up only when its blocks change (a sequence gains a block ever
 `block_tokens` tokens), so a step's host work is the batch's tokens and positions. Steps are
 kept per `(rows, width)`; when the pool is reallocated every step is dropped, so a stale
 graph is never replayed.
+
+A prefill step (`PrefillStep`) is the same idea for a fresh prompt: its tokens padded to a
+few fixed lengths, its forward captured once per length (`FreshPlan`).
 """
 
 from __future__ import annotations
@@ -22,31 +25,70 @@ from collections import OrderedDict
 
 import torch
 
-from ferrum_mac.backends.torch.attention import DecodePlan
+from ferrum_mac.backends.torch.attention import DecodePlan, FreshPlan
 from ferrum_mac.backends.torch.kv import KvManager, host_ids
 from ferrum_mac.backends.torch.ops import decode_ops
 from ferrum_mac import settings
 
 # FERRUM_TORCH_CUDA_GRAPHS=0 runs CUDA decode steps eagerly (for debugging and A/B timing).
 USE_GRAPHS = settings.value("FERRUM_TORCH_CUDA_GRAPHS")
-MAX_STEPS = 16  # captured graphs kept (least recently used dropped first)
+MAX_STEPS = 24  # captured graphs kept (least recently used dropped first)
 
 
-class DecodeStep:
+class CapturedStep:
+    """A forward over static input buffers: on CUDA captured once as a CUDA graph and replayed
+    (`run`), elsewhere run eagerly. Subclasses own the buffers and the forward."""
+
+    def __init__(self, device: torch.device, graphs):
+        self.device, self.graphs = device, graphs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.captured = device.type == "cuda" and USE_GRAPHS
+        self.out: torch.Tensor | None = None
+
+    def forward(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run(self) -> torch.Tensor:
+        """The forward's output, in a new tensor (a graph's output buffer is reused)."""
+        if not self.captured:
+            return self.forward()
+        if self.graph is None:
+            self.capture()
+        if self.graph is None:  # capture failed: stay eager
+            return self.forward()
+        self.graph.replay()
+        return self.out.clone()
+
+    def capture(self) -> None:
+        try:
+            # Warm up on a side stream first: lazy initialisation (cuBLAS workspaces) may not
+            # happen during capture. Its cache writes are the very ones the step makes.
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.forward()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graphs):
+                self.out = self.forward()
+            self.graph = graph
+        except RuntimeError as e:
+            self.captured = False
+            print(f"ferrum: running without CUDA graphs ({str(e).splitlines()[0]})", file=sys.stderr)
+
+
+class DecodeStep(CapturedStep):
     def __init__(self, model, pool: KvManager, rows: int, width: int, dtype: torch.dtype, device: torch.device, graphs,
                  sequences: int | None = None):  # fmt: skip
-        self.model, self.pool, self.rows, self.width = model, pool, rows, width
+        super().__init__(device, graphs)
+        self.model, self.pool, self.rows, self.width, self.dtype = model, pool, rows, width, dtype
         self.sequences = sequences or rows  # (`DecodePlan`'s: a verify's rows are one sequence's)
-        self.dtype, self.device, self.graphs = dtype, device, graphs
         self.inputs = torch.zeros(2 * rows, dtype=torch.int64, device=device)  # tokens, positions
         self.tokens, self.positions = self.inputs[:rows], self.inputs[rows:]
         self.table = torch.zeros((rows, width), dtype=torch.int64, device=device)  # all scratch
         self.uploaded: list[list[int]] = [[] for _ in range(rows)]  # each row's blocks in `table`
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.captured = device.type == "cuda" and USE_GRAPHS
         # Triton's kernels on CUDA: captured once, so their launches cost nothing
         self.ops = decode_ops(device, verify=self.sequences < rows)
-        self.out: torch.Tensor | None = None
 
     def load(self, batch: list[tuple]) -> None:
         """Copy this step's inputs to its buffers without waiting on the device. `batch`: row i's
@@ -76,17 +118,6 @@ class DecodeStep:
             self.table[row].copy_(host_ids(blocks + [0] * (self.width - len(blocks)), self.device), non_blocking=True)
             self.uploaded[row] = list(blocks)
 
-    def run(self) -> torch.Tensor:
-        """`(rows, vocab)` logits of a new tensor (a graph's output buffer is reused)."""
-        if not self.captured:
-            return self.forward()
-        if self.graph is None:
-            self.capture()
-        if self.graph is None:  # capture failed: stay eager
-            return self.forward()
-        self.graph.replay()
-        return self.out.clone()
-
     def forward(self) -> torch.Tensor:
         plan = DecodePlan(self.pool, self.table, self.positions, self.dtype, self.ops, self.sequences)
         # device tokens are never read on the host: clip them so an id past the vocabulary
@@ -94,43 +125,57 @@ class DecodeStep:
         tokens = self.tokens.clamp(0, self.model.config.vocab_size - 1)
         return self.model.logits(self.model.hidden(tokens, plan), plan.ops)
 
-    def capture(self) -> None:
-        try:
-            # Warm up on a side stream first: lazy initialisation (cuBLAS workspaces) may not
-            # happen during capture. Its cache writes are the very ones the step makes.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.forward()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graphs):
-                self.out = self.forward()
-            self.graph = graph
-        except RuntimeError as e:
-            self.captured = False
-            print(f"ferrum: decoding without CUDA graphs ({str(e).splitlines()[0]})", file=sys.stderr)
+
+class PrefillStep(CapturedStep):
+    """A fresh prompt of up to `rows` tokens whose blocks fit a table `width` blocks wide
+    (`FreshPlan`): its tokens padded to `rows`; the logits of its last token."""
+
+    def __init__(self, model, pool: KvManager, rows: int, width: int, device: torch.device, graphs):
+        super().__init__(device, graphs)
+        self.model, self.pool, self.rows, self.width = model, pool, rows, width
+        self.inputs = torch.zeros(rows + 1, dtype=torch.int64, device=device)  # tokens, then their count
+        self.tokens, self.count = self.inputs[:rows], self.inputs[rows:]
+        self.table = torch.zeros(width, dtype=torch.int64, device=device)
+
+    def load(self, tokens: list[int], blocks: list[int]) -> None:
+        """Copy a prompt's (checked) tokens and its blocks to the buffers without waiting."""
+        padded = tokens + [0] * (self.rows - len(tokens)) + [len(tokens)]
+        self.inputs.copy_(host_ids(padded, self.device), non_blocking=True)
+        self.table.copy_(host_ids(blocks + [0] * (self.width - len(blocks)), self.device), non_blocking=True)
+
+    def forward(self) -> torch.Tensor:
+        plan = FreshPlan(self.pool, self.table, self.count, self.rows)
+        h = self.model.hidden(self.tokens, plan)
+        return self.model.logits(h.index_select(0, self.count - 1))[0]
 
 
 class DecodeSteps:
-    """Decode steps by their `(rows, width, sequences)`, least recently used dropped first."""
+    """Captured steps by their shapes, least recently used dropped first: decode steps by
+    `(rows, width, sequences)`, prefill steps by `(rows, width)`."""
 
     def __init__(self, model, pool: KvManager, dtype: torch.dtype, device: torch.device):
         self.model, self.pool, self.dtype, self.device = model, pool, dtype, device
         self.graphs = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # shared by all graphs
-        self.steps: OrderedDict[tuple, DecodeStep] = OrderedDict()
+        self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.version = pool.version
 
     def get(self, rows: int, width: int, sequences: int | None = None) -> DecodeStep:
+        key = (rows, width, sequences or rows)
+        return self._kept(key, lambda: DecodeStep(
+            self.model, self.pool, rows, width, self.dtype, self.device, self.graphs, sequences
+        ))  # fmt: skip
+
+    def prefill(self, rows: int, width: int) -> PrefillStep:
+        key = ("prefill", rows, width)
+        return self._kept(key, lambda: PrefillStep(self.model, self.pool, rows, width, self.device, self.graphs))
+
+    def _kept(self, key: tuple, make):
         if self.pool.version != self.version:  # the pool was reallocated: every graph is stale
             self.clear()
             self.version = self.pool.version
-        key = (rows, width, sequences or rows)
         step = self.steps.get(key)
         if step is None:
-            step = self.steps[key] = DecodeStep(
-                self.model, self.pool, rows, width, self.dtype, self.device, self.graphs, sequences
-            )
+            step = self.steps[key] = make()
             while len(self.steps) > MAX_STEPS:
                 self.steps.popitem(last=False)
         self.steps.move_to_end(key)

@@ -258,3 +258,28 @@ def test_decode_steps_take_powers_of_two(n, size):
     from ferrum_mac.backends.torch.runtime import power_of_two_above
 
     assert power_of_two_above(n) == size
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_a_fresh_prompt_as_a_prefill_step_equals_the_forward(zoo, family):
+    """A fresh prompt run as a `PrefillStep` (padded; a CUDA graph on a GPU, eager here) gives
+    the forward's logits and the same cache: decoding on gives the same logits, and another
+    sequence's blocks are untouched by the padding."""
+    model = torch_model(zoo, family)
+    model.reset()
+    other = random_tokens(40, seed=8)
+    model.prefill("other", other)
+    for n in (5, 45, 70):  # within a block, across blocks, past the first padded length
+        prompt = random_tokens(n, seed=n)
+        model.captured_prefill = True
+        got = model.prefill("step", prompt)
+        assert model.kv_len("step") == n and any(key[0] == "prefill" for key in model.steps.steps)
+        model.captured_prefill = False
+        want = model.prefill("forward", prompt)
+        assert_close(got, want, 1e-5)
+        assert_close(model.decode("step", 3, n), model.decode("forward", 3, n), 1e-5)
+        model.release("step")
+        model.release("forward")
+    model.prefill("again", other)
+    assert_close(model.decode("other", 5, 40), model.decode("again", 5, 40), 1e-5)
+    model.reset()

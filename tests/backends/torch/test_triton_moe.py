@@ -227,10 +227,10 @@ def test_decode_batch_through_triton_moe_matches_torch(zoo, monkeypatch):
         return decode_batch_steps(model, prompts, tag)
 
     launches = []
-    monkeypatch.setattr(steps, "decode_ops", lambda device: TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: TORCH_OPS)
     expected = decode_twice("torch")
     model.reset()  # drops the decode steps: the next run makes its own
-    monkeypatch.setattr(steps, "decode_ops", lambda device: MoeOnTriton())
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: MoeOnTriton())
     gate_route = triton_moe.gate_route
     monkeypatch.setattr(triton_moe, "gate_route", lambda *args: launches.append(1) or gate_route(*args))
     on_triton = decode_twice("triton")

@@ -280,6 +280,11 @@ def main_sweep() -> int:
             us = graph_us(cycling(lambda w: F.linear(x, w), dense))
             cells.append(f" | {'':6} {us:>7.1f} {n * k * 2 / us / 1e3:>5.0f} {'(bf16)':>12}")
         print(f"{'cuBLAS bf16, dense':<32}" + "".join(cells), flush=True)
+        plans = [(rows, triton_quant.fma_plan(n // 2 if fused == "swiglu" else n, k, rows, fused == "swiglu",
+                                              SWEEP_BITS, SWEEP_GROUP, copies[0].words.device)) for rows in SWEEP_ROWS]  # fmt: skip
+        print("fma defaults take: " + "; ".join(
+            f"{rows} row(s) {plan[0]} columns x {plan[1]} words a step, {plan[2]} blocks x {plan[3]} splits"
+            for rows, plan in plans))  # fmt: skip
         del copies, dense
         torch.cuda.empty_cache()
     print_best(results)

@@ -144,15 +144,9 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
     assert rows <= FMA_MAX_ROWS and k_weight == k
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    sms = multiprocessors(x.device)
-    block_n, block_k = tile.blocks(n, k, rows, swiglu, weight.bits, weight.group_size, sms)
-    per_word = 32 // weight.bits
-    block_w = block_k // per_word  # (words a step: whole groups)
-    word_stride = k // per_word
-    column_blocks = triton.cdiv(n, block_n)
-    if splits is None:  # enough programs to give each SM per_sm (at most FMA_MAX_SPLITS of a block)
-        splits = max(1, min(FMA_MAX_SPLITS, triton.cdiv(tile.per_sm * sms, column_blocks)))
-    splits, words_per_split = gemv_splits(column_blocks, word_stride, block_w, x.device, splits)
+    plan = fma_plan(n, k, rows, swiglu, weight.bits, weight.group_size, x.device, tile, splits)
+    block_n, block_w, column_blocks, splits, words_per_split = plan
+    word_stride = k * weight.bits // 32
     if splits > 1:
         assert column_blocks <= SPLIT_COUNTERS
         partials = torch.empty((splits, rows, n_all), dtype=torch.float32, device=x.device)
@@ -171,6 +165,22 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         num_warps=tile.warps, num_stages=1, **launch_options(pdl),
     )  # fmt: skip
     return out
+
+
+def fma_plan(n: int, k: int, rows: int, swiglu: bool, bits: int, group: int, device: torch.device,
+             tile: FmaTile = FMA_TILE, splits: int | None = None) -> tuple[int, int, int, int, int]:  # fmt: skip
+    """How `fma_gemv` runs `rows` rows over a weight of `n` columns (each of gate and up with
+    `swiglu`) and `k` values: (columns a program, words per step, column blocks, splits of
+    K, words per split). `splits`: by default enough to give each SM `tile.per_sm` programs
+    (at most FMA_MAX_SPLITS)."""
+    sms = multiprocessors(device)
+    block_n, block_k = tile.blocks(n, k, rows, swiglu, bits, group, sms)
+    block_w = block_k * bits // 32  # (a whole number of groups)
+    column_blocks = triton.cdiv(n, block_n)
+    if splits is None:
+        splits = max(1, min(FMA_MAX_SPLITS, triton.cdiv(tile.per_sm * sms, column_blocks)))
+    splits, words_per_split = gemv_splits(column_blocks, k * bits // 32, block_w, device, splits)
+    return block_n, block_w, column_blocks, splits, words_per_split
 
 
 def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,

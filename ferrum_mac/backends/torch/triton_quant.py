@@ -389,12 +389,14 @@ if triton is not None:
     ):  # fmt: skip
         # One program per (block of BLOCK_N output columns, split of K), as _qgemv_kernel, but
         # no tl.dot: per step a (BLOCK_N, BLOCK_W) tile of words (a column's words contiguous,
-        # so each thread loads a few neighbouring words of one column), unpacked with shifts
-        # to (BLOCK_N, BLOCK_W, values per word) and multiplied with x's matching values in
-        # registers, summed per word; a word's sum q.x times its group's scale, plus the bias
-        # times the word's sum of x, is its share of (scale * q + bias).x. The sizes the
-        # compiler needs known (strides, the split) are ints it specializes as multiples of 16.
-        # x's rows are ROWS (a power of 2 up to 4) vectors of sums each, padding rows masked.
+        # so each thread loads a few neighbouring words of one column with one 16-byte load);
+        # value j of every word is unpacked at once (`values_at`) and multiplied with each
+        # row's x at those places into per-word sums of q x; per group, those sums times the
+        # scale plus the bias times the sum of x are the group's share of (scale q + bias) x.
+        # Everything stays in the words' layout but the per-group sums (a small shuffle a
+        # step). The sizes the compiler needs known (strides, the split) are ints it
+        # specializes as multiples of 16. x's rows are ROWS (a power of 2 up to 4), each with
+        # its own sums (acc0..acc3, up0..up3), padding rows masked.
         per_word: tl.constexpr = 32 // BITS
         block, split = tl.program_id(0), tl.program_id(1)
         columns = block * BLOCK_N + tl.arange(0, BLOCK_N)

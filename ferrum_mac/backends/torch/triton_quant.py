@@ -113,8 +113,8 @@ class FmaTile:
     split (at most FMA_MAX_SPLITS ways), the columns halve until it does not (small shapes:
     more, smaller programs keep more loads in flight; 0: neither)."""
 
-    columns: int = 128
-    row_bytes: int = 256
+    columns: int = 64  # (these two: the sweep's choice on the H100, docs/BENCHMARKS.md)
+    row_bytes: int = 512
     warps: int = 4
     prefetch: bool = False  # each step loads the next step's weight before it computes (else Triton's schedule)
     per_sm: int = 4
@@ -378,7 +378,9 @@ if triton is not None:
             N, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
         )  # fmt: skip
 
-    @triton.jit
+    # `rows` stays a runtime value: Triton would make a 1 a constant, which `finish_split_gemv`
+    # then multiplies with the runtime `n` as if both were
+    @triton.jit(do_not_specialize=["rows"])
     def _qgemv_fma_kernel(
         x_ptr, words_ptr, scales_ptr, biases_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, partials_ptr,
         counters_ptr, rows, n, k, word_stride, group_stride, words_per_split, splits, eps, float_2_23,

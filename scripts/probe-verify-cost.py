@@ -82,10 +82,7 @@ def main() -> None:
                 f"({STREAMS * (k + 1)} rows) {guessed * 1e3:.3f} ms = {guessed / plain:.2f}x",
                 flush=True,
             )
-        for cid in ids:
-            model.release(cid)
-        del model
-        torch.cuda.empty_cache()
+        model.reset()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ WARMUP_TOKENS = 8
 # The narrowest decode table, in blocks: short sequences share one captured step (a CUDA
 # graph) instead of one per width they pass; attention reads only each row's own length.
 MIN_WIDTH = 8
+# On CUDA a verify of at most this many tokens in all runs as decode rows (a CUDA graph); on the
+# CPU a forward costs less than that many decode steps' rows.
+VERIFY_ROWS = 64
 
 
 def compute_dtype(checkpoint: Checkpoint, override: str | None) -> torch.dtype:
@@ -59,7 +62,6 @@ def power_of_two_above(n: int) -> int:
 class TorchLLM(PooledLLM):
     device_array_types = (torch.Tensor,)
     segment_type = Segment
-    verify_rows = 64  # a verify of at most this many tokens in all runs as decode rows (a CUDA graph)
     prefill_graph_tokens = 1024  # a fresh prompt of at most this many tokens runs as a captured `PrefillStep`
 
     def __init__(
@@ -98,6 +100,7 @@ class TorchLLM(PooledLLM):
         )  # fmt: skip
         self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
         self.captured_prefill = self.device.type == "cuda" and USE_GRAPHS  # off once a capture fails
+        self.verify_rows = VERIFY_ROWS if self.device.type == "cuda" else 0
 
     # -- contract -------------------------------------------------------------------
 

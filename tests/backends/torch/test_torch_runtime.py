@@ -283,3 +283,30 @@ def test_a_fresh_prompt_as_a_prefill_step_equals_the_forward(zoo, family):
     model.prefill("again", other)
     assert_close(model.decode("other", 5, 40), model.decode("again", 5, 40), 1e-5)
     model.reset()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_verifies_as_decode_rows_equal_the_forward(zoo, family):
+    """The CUDA route of `verify_batch` (a decode step with a row per token), here eager:
+    each sequence's rows give the forward's logits and leave the cache the forward leaves."""
+    from ferrum_mac.llm import ForwardItem
+
+    model = torch_model(zoo, family)
+    model.reset()
+    prompts, guesses = [random_tokens(30, seed=1), random_tokens(3, seed=2)], [random_tokens(5, seed=3), [9, 4]]
+    for route, rows in (("rows", 64), ("forward", 0)):
+        model.verify_rows = rows
+        for i, prompt in enumerate(prompts):
+            model.prefill(f"{route}{i}", prompt)
+        items = [ForwardItem(f"{route}{i}", g, len(p)) for i, (p, g) in enumerate(zip(prompts, guesses))]
+        if route == "rows":
+            got = model.verify_batch(items)
+        else:
+            want = model.verify_batch(items)
+    for i, (p, g) in enumerate(zip(prompts, guesses)):
+        assert_close(got[i], want[i], 1e-5)
+        assert_close(
+            model.decode(f"rows{i}", 6, len(p) + len(g)), model.decode(f"forward{i}", 6, len(p) + len(g)), 1e-5
+        )
+    model.verify_rows = 0
+    model.reset()

@@ -27,9 +27,11 @@ residual, SwiGLU), at 1, 2 and 4 rows (`--rows=1,2`: those only): the tl.dot ker
 FMA kernel's variants (its default tile, `triton_quant.FMA_TILE`, with one thing changed)
 and cuBLAS over the dense bf16 weight; then the fastest per shape and the step's GEMVs
 summed; it goes on past a variant that fails (and exits 0). It compiles some 160 kernels,
-most of its few minutes. Needs only torch (with its triton); from the repository root:
+most of its few minutes. `--prefill` instead times a prompt's matmuls (`main_prefill`: the
+packed weight dequantized + cuBLAS, the tl.dot matmul, cuBLAS in bf16), checked first. Needs
+only torch (with its triton); from the repository root:
 
-    python3 scripts/check-torch-quant.py [--sweep [--rows=1,2,4]]
+    python3 scripts/check-torch-quant.py [--sweep [--rows=1,2,4] | --prefill]
 """
 
 import dataclasses
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _gpu_check import can_check, compare, cycling, graph_us, verdict  # noqa: E402  (this folder)
+from _gpu_check import can_check, compare, cycling, failures, graph_us, verdict  # noqa: E402  (this folder)
 
 from ferrum_mac.backends.torch import pointwise, quant, triton_moe, triton_quant  # noqa: E402
 from ferrum_mac.backends.torch.layers import RmsNorm  # noqa: E402
@@ -359,5 +361,88 @@ def print_best(results: dict) -> None:
                 f"{key} {us / 1e3:.3f} ms ({1e6 / us:.0f} steps/s)" for key, us in sums.items()))  # fmt: skip
 
 
+# -- --prefill: a prompt's matmuls over packed weights, each way, beside bf16 cuBLAS ----------
+
+# (name, out N, in K, calls per prompt): the prefill matmuls of Qwen3-8B, then Qwen3-0.6B's
+PREFILL_SHAPES = [
+    ("8B qkv", QKV, HIDDEN, LAYERS),
+    ("8B o_proj", HIDDEN, HIDDEN, LAYERS),
+    ("8B gate_up", 2 * INTER, HIDDEN, LAYERS),
+    ("8B down", HIDDEN, INTER, LAYERS),
+    ("0.6B qkv", 4096, 1024, 28),
+    ("0.6B o_proj", 1024, 2048, 28),
+    ("0.6B gate_up", 6144, 1024, 28),
+    ("0.6B down", 1024, 3072, 28),
+]
+PREFILL_SWEEP_ROWS = (16, 64, PREFILL_ROWS)
+PREFILL_WAYS = ("dequantize", "dequant+cuBLAS", "tl.dot matmul", "bf16 cuBLAS")
+
+
+def main_prefill() -> int:
+    """Per shape (4-bit g64, weights cycling past L2) and rows: us of the dequantizing kernel
+    alone, of it + cuBLAS (`quant.dense_matmul`, what QuantLinear runs from
+    quant.DENSE_MIN_ROWS rows), of the tl.dot matmul (`triton_quant.matmul`), and of cuBLAS on a
+    dense bf16 weight; checked first (the dequantized weight bit for bit against
+    `Packed.dequantize`, the products against torch's). Then per model the prompt's matmuls
+    summed (x layers) and the tokens/s they alone allow."""
+    if not can_check(triton_quant):
+        return 2
+    torch.manual_seed(0)
+    quant.reserve_scratch(max(n * k for _, n, k, _ in PREFILL_SHAPES))  # (as a model's linears do when made)
+    start = time.time()
+    results = {}  # (shape, rows, way) -> us
+    print(f"\nprefill matmuls, {SWEEP_BITS}-bit g{SWEEP_GROUP}, us per call (TFLOP/s)\n{'shape':<14} {'rows':>4}"
+          + "".join(f" {way:>21}" for way in PREFILL_WAYS), flush=True)  # fmt: skip
+    for name, n, k, _ in PREFILL_SHAPES:
+        copies = weights(n, k, SWEEP_BITS, SWEEP_GROUP)
+        dense_copies = [c.dequantize(DTYPE) for c in copies[: max(2, -(-L2_PAST // (n * k * 2)))]]
+        scratch = quant.scratch_for(copies[0].words.device, DTYPE)
+        check_prefill(name, copies[0], dense_copies[0], scratch)
+        out = torch.empty(n, k, dtype=DTYPE, device="cuda")
+        for rows in PREFILL_SWEEP_ROWS:
+            x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
+            calls = {
+                "dequantize": cycling(lambda w: triton_quant.dequantize(w, out), copies),
+                "dequant+cuBLAS": cycling(lambda w: quant.dense_matmul(x, w, scratch), copies),
+                "tl.dot matmul": cycling(lambda w: triton_quant.matmul(x, w), copies),
+                "bf16 cuBLAS": cycling(lambda w: F.linear(x, w), dense_copies),
+            }
+            cells = []
+            for way, call in calls.items():
+                us = results[(name, rows, way)] = graph_us(call)
+                flops = 2 * rows * n * k / us / 1e6
+                cells.append(f" {us:>12.1f} ({flops:>6.0f})" if way != "dequantize" else f" {us:>12.1f} {'':>8}")
+            print(f"{name:<14} {rows:>4}" + "".join(cells), flush=True)
+        del copies, dense_copies, calls
+        torch.cuda.empty_cache()
+    for model in ("8B", "0.6B"):
+        for rows in PREFILL_SWEEP_ROWS:
+            sums = {way: 0.0 for way in PREFILL_WAYS}
+            for name, _, _, per_prompt in (s for s in PREFILL_SHAPES if s[0].startswith(model + " ")):
+                for way in PREFILL_WAYS:
+                    sums[way] += per_prompt * results[(name, rows, way)]
+            print(f"Qwen3-{model} prompt of {rows}, matmuls alone: " + ", ".join(
+                f"{way} {us / 1e3:.2f} ms ({rows * 1e6 / us:.0f} tok/s)" for way, us in sums.items()))  # fmt: skip
+    print(f"(QuantLinear: dequant+cuBLAS from {quant.DENSE_MIN_ROWS} rows; prefill took {time.time() - start:.0f} s)")
+    return verdict()
+
+
+def check_prefill(name: str, w: quant.Packed, dense: torch.Tensor, scratch: torch.Tensor) -> None:
+    n, k = w.shape
+    got = triton_quant.dequantize(w, torch.empty(n, k, dtype=DTYPE, device="cuda"))
+    if not torch.equal(got, dense):
+        failures.append(f"{name} dequantize: {int((got != dense).sum())} of {got.numel()} values differ")
+    x = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=DTYPE)
+    residual = torch.randn(PREFILL_ROWS, n, device="cuda", dtype=DTYPE)
+    compare(f"{name} dequant+cuBLAS", quant.dense_matmul(x, w, scratch), F.linear(x, dense))
+    compare(f"{name} dequant+cuBLAS+residual", quant.dense_matmul(x, w, scratch, residual=residual),
+            torch.addmm(residual, x, dense.t()))  # fmt: skip
+    small = scratch[: (n // 3 + 1) * k]  # (in slices of rows)
+    compare(f"{name} dequant+cuBLAS in slices", quant.dense_matmul(x, w, small), F.linear(x, dense))
+    compare(f"{name} tl.dot matmul", triton_quant.matmul(x, w), F.linear(x, dense))
+
+
 if __name__ == "__main__":
-    sys.exit(main_sweep() if "--sweep" in sys.argv else main())
+    if "--sweep" in sys.argv:
+        sys.exit(main_sweep())
+    sys.exit(main_prefill() if "--prefill" in sys.argv else main())

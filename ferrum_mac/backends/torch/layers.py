@@ -34,8 +34,8 @@ class Linear:
 def linear(src: TensorSource, module: str, out_dim: int, in_dim: int, bias: bool = False) -> Linear | QuantLinear:
     b = src.take(f"{module}.bias", (out_dim,)) if bias else None
     packed = src.packed(module, (out_dim, in_dim))
-    if packed is not None:
-        return QuantLinear(packed, b, src.dtype)
+    if packed is not None:  # (a head takes a prompt's last row only: no scratch its size)
+        return QuantLinear(packed, b, src.dtype, sizes_scratch=module != "lm_head")
     return Linear(src.take(f"{module}.weight", (out_dim, in_dim)), b)
 
 
@@ -43,7 +43,7 @@ def tied_head(src: TensorSource, embed: torch.Tensor) -> Linear | QuantLinear:
     """The head of a model whose head is its embedding: packed where the embedding is (a packed
     copy beside the dense table the lookup reads), else the table itself."""
     packed = src.packed("embed_tokens", tuple(embed.shape))
-    return Linear(embed) if packed is None else QuantLinear(packed, None, src.dtype)
+    return Linear(embed) if packed is None else QuantLinear(packed, None, src.dtype, sizes_scratch=False)
 
 
 def fuse(linears: list) -> Linear | QuantLinear:

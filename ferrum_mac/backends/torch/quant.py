@@ -12,7 +12,10 @@ is (`triton_quant`): words along K are what a program loads in one go, and the s
 a group of 32-128 values cost a few percent of the bytes.
 
 On CUDA (where triton imports) `QuantLinear` runs the Triton kernels: a GEMV for a few rows,
-a tiled matmul that dequantizes its tile of the weight for more. Elsewhere (the CPU) it
+a tiled matmul that dequantizes its tile of the weight for more, and for a prompt's many rows
+the whole weight dequantized by one kernel into a scratch buffer kept per device and dtype,
+then cuBLAS's matmul (`dense_matmul`: tensor-core tiles no Triton matmul over packed tiles
+matches, for the price of writing the dense weight once). Elsewhere (the CPU) it
 dequantizes the weight for each matmul: the reference the kernels are tested against, and
 a way to run any torch path here.
 """
@@ -34,8 +37,14 @@ GROUP_SIZES = (32, 64, 128)
 ON_THE_FLY = {"4bit": 4, "8bit": 8}
 ON_THE_FLY_GROUP = 64
 # At most this many rows take the Triton GEMV (a weight read once for all of them); more
-# take the tiled matmul.
+# take the tiled matmul, and from DENSE_MIN_ROWS on the weight dequantized into a scratch
+# buffer and cuBLAS's matmul (`dense_matmul`: its dequantizing costs the same for any rows,
+# so it pays where the rows are many).
 GEMV_MAX_ROWS = 8
+DENSE_MIN_ROWS = 64
+# A scratch buffer's values: the largest packed linear's made (`reserve_scratch`), within
+# these bounds (a larger weight is dequantized and multiplied a slice of its rows at a time).
+SCRATCH_VALUES = (1 << 22, 1 << 27)
 
 
 @dataclass
@@ -238,12 +247,17 @@ class ExpertStack:
 
 
 class QuantLinear:
-    """y = x W^T (+ b) over a `Packed` W, computing in x's dtype (`dtype`: the model's)."""
+    """y = x W^T (+ b) over a `Packed` W, computing in x's dtype (`dtype`: the model's).
+    `sizes_scratch`: whether a prompt's rows come through it, so that the scratch buffers should
+    hold its weight whole (not a model's head, which takes a prompt's last row)."""
 
     quantized = True
 
-    def __init__(self, weight: Packed, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, weight: Packed, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
+                 sizes_scratch: bool = True):  # fmt: skip
         self.weight, self.bias, self.dtype = weight, bias, dtype
+        if sizes_scratch:
+            reserve_scratch(weight.shape[0] * weight.shape[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not runs_triton(x):
@@ -253,6 +267,8 @@ class QuantLinear:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= GEMV_MAX_ROWS:
             y = triton_quant.gemv(rows, self.weight, self.bias)
+        elif rows.shape[0] >= DENSE_MIN_ROWS:
+            y = dense_matmul(rows, self.weight, scratch_for(x.device, x.dtype), self.bias)
         else:
             y = triton_quant.matmul(rows, self.weight, self.bias)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -268,7 +284,59 @@ class QuantLinear:
 
         if x.shape[0] <= GEMV_MAX_ROWS:
             return triton_quant.gemv(x, self.weight, residual=residual)
+        if x.shape[0] >= DENSE_MIN_ROWS:
+            return dense_matmul(x, self.weight, scratch_for(x.device, x.dtype), residual=residual)
         return residual + triton_quant.matmul(x, self.weight)
+
+
+def dense_matmul(x: torch.Tensor, weight: Packed, scratch: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x `(M, K)` times the packed W `(N, K)` transposed (+ bias, + residual) -> `(M, N)` by
+    cuBLAS, over W dequantized into `scratch` (`triton_quant.dequantize`, x's dtype): whole
+    where it fits, else a slice of W's rows at a time. The residual is cuBLAS's accumulator."""
+    from ferrum_mac.backends.torch import triton_quant
+
+    n, k = weight.shape
+    step = scratch.numel() // k
+    assert step > 0 and scratch.dtype == x.dtype
+    if step >= n:
+        dense = triton_quant.dequantize(weight, scratch[: n * k].view(n, k))
+        if residual is None:
+            return F.linear(x, dense, bias)
+        if bias is not None:
+            return residual + F.linear(x, dense, bias)
+        return torch.addmm(residual, x, dense.t())
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        part = Packed(
+            *(t[start:end] for t in (weight.words, weight.scales, weight.biases)), weight.bits, weight.group_size
+        )
+        dense = triton_quant.dequantize(part, scratch[: (end - start) * k].view(end - start, k))
+        out[:, start:end] = F.linear(x, dense, None if bias is None else bias[start:end])
+    return out if residual is None else residual + out
+
+
+# the scratch buffers' size in values (`reserve_scratch`), and the buffers by (device, dtype)
+_scratch_values = SCRATCH_VALUES[0]
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def reserve_scratch(values: int) -> None:
+    """Size the scratch buffers made from now on for a weight of `values` values (up to
+    SCRATCH_VALUES' bound): a packed linear says so when it is made, before any buffer is."""
+    global _scratch_values
+    _scratch_values = max(_scratch_values, min(values, SCRATCH_VALUES[1]))
+
+
+def scratch_for(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The scratch buffer of `device` and `dtype` that `dense_matmul` dequantizes into: made on
+    first use and never replaced or freed (a captured prefill step's graph holds its address;
+    a later, larger model's weights go through it in slices)."""
+    key = (device, dtype)
+    if key not in _scratch:
+        _scratch[key] = torch.empty(_scratch_values, dtype=dtype, device=device)
+    return _scratch[key]
 
 
 def runs_triton(x: torch.Tensor) -> bool:

@@ -8,8 +8,9 @@ packed and dequantized in registers, never stored dense.
   `fma_gemv`, made to stream the weight at memory speed: it multiplies in registers (no tensor
   cores: a row or four is 1/16 to 1/4 of a tl.dot tile, and feeding tl.dot costs a shared
   memory round trip per tile); more rows take the tl.dot kernel.
-- `matmul`: any number of rows (prefill), a tile of the weight dequantized per step of K and
-  multiplied with tl.dot.
+- `matmul`: any number of rows, a tile of the weight dequantized per step of K and
+  multiplied with tl.dot (from `quant.DENSE_MIN_ROWS` rows prefill takes `dequantize`, the
+  whole weight written dense for cuBLAS, instead).
 
 `fma_gemv` computes sum_k (scale q_k + bias) x_k as scale * sum q_k x_k + bias * sum x_k
 per group, in float32 from the exact values (it does not round the weight to x's dtype
@@ -52,6 +53,8 @@ GEMV_STAGES = 1  # (more stages gave no gain on the H100 and run out of shared m
 # rows on, the usual shape of an SM90 bf16 tile; the narrow one for a few rows
 MATMUL_NARROW, MATMUL_WIDE = (64, 64, 64, 4, 3), (128, 128, 64, 8, 3)
 MATMUL_WIDE_ROWS = 256
+# `dequantize`: a program's (rows, values of K) of the weight, and its warps
+DEQUANT_BLOCK, DEQUANT_WARPS = (32, 256), 4
 UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H100)
 # The FMA GEMV (`fma_gemv`) takes up to FMA_MAX_ROWS rows (more take the tl.dot one).
 FMA_MAX_ROWS = 4
@@ -205,6 +208,22 @@ def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         N=n, K=k, BITS=weight.bits, GROUP=weight.group_size, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORDS=unpack == "words", PRECISION=precision(x),
         num_warps=warps or default_warps, num_stages=stages or default_stages,
+    )  # fmt: skip
+    return out
+
+
+def dequantize(weight: Packed, out: torch.Tensor) -> torch.Tensor:
+    """The packed W `(N, K)` dense in `out` (contiguous, `(N, K)`, of the dtype wanted), as
+    `Packed.dequantize(out.dtype)` computes it (scale * q + bias in float32, rounded once: the
+    same bits wherever q * scale is exact, as it is for 16-bit scales); returns `out`. Prefill
+    multiplies with it in cuBLAS (`quant.dense_matmul`)."""
+    n, k = weight.shape
+    assert out.shape == (n, k) and out.is_contiguous()
+    block_k = max(DEQUANT_BLOCK[1], weight.group_size)  # (whole groups)
+    _dequantize_kernel[(triton.cdiv(n, DEQUANT_BLOCK[0]), triton.cdiv(k, block_k))](
+        weight.words, weight.scales, weight.biases, out, n,
+        K=k, BITS=weight.bits, GROUP=weight.group_size, BLOCK_N=DEQUANT_BLOCK[0], BLOCK_K=block_k,
+        num_warps=DEQUANT_WARPS,
     )  # fmt: skip
     return out
 
@@ -609,6 +628,20 @@ if triton is not None:
             acc += tl.load(bias_ptr + columns, mask=inside, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + row_ids[:, None].to(tl.int64) * N + columns[None, :]
         tl.store(out, acc.to(dtype), mask=live[:, None] & inside[None, :])
+
+    @triton.jit
+    def _dequantize_kernel(words_ptr, scales_ptr, biases_ptr, out_ptr, n,
+                           K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        # One program per (BLOCK_N rows, BLOCK_K values) tile of the weight: its words, scales
+        # and biases read once each (`words_tile`), the dense tile written in out's dtype.
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        start = tl.program_id(1) * BLOCK_K
+        inside = rows < n
+        w = words_tile(words_ptr, scales_ptr, biases_ptr, rows, inside, start, K, K, BITS, GROUP, BLOCK_K)
+        ks = start + tl.arange(0, BLOCK_K)
+        out = out_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=inside[:, None] & (ks < K)[None, :])
 
     @triton.jit
     def _expert_gate_up_swiglu_kernel(

@@ -229,6 +229,48 @@ def test_prefill_matmul_equals_the_dequantized_matmul(gpu_like, bits, group, dty
 
 @pytest.mark.interpreter
 @kernels
+@pytest.mark.parametrize(
+    "bits,group,dtype", [(4, 32, torch.bfloat16), (4, 64, torch.float16), (8, 128, torch.bfloat16)]
+)
+def test_the_dequantize_kernel_gives_packed_dequantizes_bits(gpu_like, bits, group, dtype):
+    """Prefill's dense weight: rows and K past a whole tile (the last ones partial)."""
+    w = packed_random(40, 384, bits, group, dtype, seed=11)
+    got = triton_quant.dequantize(w, torch.full((40, 384), float("nan"), dtype=dtype, device=DEVICE))
+    assert torch.equal(got, w.dequantize(dtype))
+
+
+@pytest.mark.interpreter
+@kernels
+def test_dense_matmul_in_row_slices_equals_the_dequantized_matmul(gpu_like):
+    """cuBLAS over the weight dequantized into a scratch buffer: whole, or (a small buffer) a
+    slice of rows at a time, with the bias and the residual."""
+    dtype, n, k = torch.bfloat16, 72, 128
+    w = packed_random(n, k, 4, 64, dtype, seed=12)
+    x = torch.randn(5, k, dtype=dtype, device=DEVICE)
+    bias, residual = torch.randn(n, dtype=dtype, device=DEVICE), torch.randn(5, n, dtype=dtype, device=DEVICE)
+    dense = w.dequantize(dtype)
+    for values in (n * k, 30 * k):  # whole; three slices, the last partial
+        scratch = torch.empty(values, dtype=dtype, device=DEVICE)
+        assert_near(quant.dense_matmul(x, w, scratch, bias), F.linear(x, dense, bias), dtype)
+        assert_near(quant.dense_matmul(x, w, scratch, residual=residual), residual + F.linear(x, dense), dtype)
+
+
+@pytest.mark.interpreter
+@kernels
+def test_a_packed_linear_takes_the_gemv_the_matmul_or_cublas_by_rows(gpu_like, monkeypatch):
+    """QuantLinear as on CUDA: each route equals the dequantized weight's matmul."""
+    monkeypatch.setattr(quant, "runs_triton", lambda x: True)
+    dtype, n, k = torch.float32, 48, 64
+    linear = QuantLinear(packed_random(n, k, 4, 32, dtype, seed=13), None, dtype)
+    dense = linear.weight.dequantize(dtype)
+    for rows in (2, quant.GEMV_MAX_ROWS + 1, quant.DENSE_MIN_ROWS):
+        x, residual = torch.randn(rows, k, dtype=dtype, device=DEVICE), torch.randn(rows, n, dtype=dtype, device=DEVICE)
+        assert_near(linear(x), F.linear(x, dense), dtype)
+        assert_near(linear.plus(x, residual), residual + F.linear(x, dense), dtype)
+
+
+@pytest.mark.interpreter
+@kernels
 def test_a_decode_steps_ops_route_packed_linears_to_the_kernels(gpu_like):
     """TritonOps' fused ops over packed linears equal torch's ops over the same linears."""
     dtype, k = torch.float32, 128

@@ -415,6 +415,8 @@ def main_prefill() -> int:
             print(f"{name:<14} {rows:>4}" + "".join(cells), flush=True)
         del copies, dense_copies, calls
         torch.cuda.empty_cache()
+    time_dequantize_blocks()
+    torch.cuda.empty_cache()
     for model in ("8B", "0.6B"):
         for rows in PREFILL_SWEEP_ROWS:
             sums = {way: 0.0 for way in PREFILL_WAYS}
@@ -425,6 +427,27 @@ def main_prefill() -> int:
                 f"{way} {us / 1e3:.2f} ms ({rows * 1e6 / us:.0f} tok/s)" for way, us in sums.items()))  # fmt: skip
     print(f"(QuantLinear: dequant+cuBLAS from {quant.DENSE_MIN_ROWS} rows; prefill took {time.time() - start:.0f} s)")
     return verdict()
+
+
+# the dequantizing kernel's (rows, values of K) a program and warps, tried at 8B's gate_up
+DEQUANT_VARIANTS = [((32, 256), 4), ((16, 256), 4), ((64, 256), 8), ((16, 512), 4), ((8, 1024), 4), ((64, 128), 4)]
+
+
+def time_dequantize_blocks() -> None:
+    """us and GB/s (packed read + dense written) of `triton_quant.dequantize`'s variants."""
+    _, n, k, _ = PREFILL_SHAPES[2]
+    copies = weights(n, k, SWEEP_BITS, SWEEP_GROUP)
+    out = torch.empty(n, k, dtype=DTYPE, device="cuda")
+    moved = copies[0].nbytes + out.numel() * out.element_size()
+    print(f"\ndequantize, {PREFILL_SHAPES[2][0]} ({moved / 1e6:.0f} MB moved): block (rows, K), warps -> us, GB/s")
+    for block, warps in DEQUANT_VARIANTS:
+        try:
+            want = triton_quant.dequantize(copies[0], out, block, warps).clone()
+            ok = "" if torch.equal(want, copies[0].dequantize(DTYPE)) else "  DIFFERS"
+            us = graph_us(cycling(lambda w: triton_quant.dequantize(w, out, block, warps), copies))
+            print(f"  {str(block):<12} {warps}  {us:>8.1f} {moved / us / 1e3:>6.0f}{ok}", flush=True)
+        except Exception as e:  # (a variant that fails to compile: said, and the rest go on)
+            print(f"  {str(block):<12} {warps}  failed: {first_line(e)}")
 
 
 def check_prefill(name: str, w: quant.Packed, dense: torch.Tensor, scratch: torch.Tensor) -> None:

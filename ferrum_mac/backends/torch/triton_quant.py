@@ -212,18 +212,19 @@ def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
     return out
 
 
-def dequantize(weight: Packed, out: torch.Tensor) -> torch.Tensor:
+def dequantize(weight: Packed, out: torch.Tensor, block: tuple[int, int] = DEQUANT_BLOCK,
+               warps: int = DEQUANT_WARPS) -> torch.Tensor:  # fmt: skip
     """The packed W `(N, K)` dense in `out` (contiguous, `(N, K)`, of the dtype wanted), as
     `Packed.dequantize(out.dtype)` computes it (scale * q + bias in float32, rounded once: the
     same bits wherever q * scale is exact, as it is for 16-bit scales); returns `out`. Prefill
-    multiplies with it in cuBLAS (`quant.dense_matmul`)."""
+    multiplies with it in cuBLAS (`quant.dense_matmul`). A program takes `block` (rows,
+    values of K: powers of two)."""
     n, k = weight.shape
     assert out.shape == (n, k) and out.is_contiguous()
-    block_k = max(DEQUANT_BLOCK[1], weight.group_size)  # (whole groups)
-    _dequantize_kernel[(triton.cdiv(n, DEQUANT_BLOCK[0]), triton.cdiv(k, block_k))](
+    block_n, block_k = block[0], max(block[1], weight.group_size)  # (whole groups)
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight.words, weight.scales, weight.biases, out, n,
-        K=k, BITS=weight.bits, GROUP=weight.group_size, BLOCK_N=DEQUANT_BLOCK[0], BLOCK_K=block_k,
-        num_warps=DEQUANT_WARPS,
+        K=k, BITS=weight.bits, GROUP=weight.group_size, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -233,12 +233,13 @@ SWEEP_BITS, SWEEP_GROUP = 4, 64
 # the FMA GEMV's variants: its default tile (`triton_quant.FMA_TILE`) with one thing changed
 SWEEP_FMA = [
     {},
-    {"columns": 64},
-    {"columns": 256},
-    {"warps": 8},
-    {"row_bytes": 512, "columns": 64},
+    {"longer_rows": False},
+    {"columns": 32},
+    {"columns": 128},
+    {"row_bytes": 1024},
     {"prefetch": True},
     {"per_sm": 2},
+    {"per_sm": 8},
     {"pdl": False},
 ]
 MAX_ERROR = 2e-2  # of the largest output, against the dequantized weight's matmul in float32

@@ -114,7 +114,11 @@ class FmaTile:
     scale) over more weight: as many as fit the registers, fewer for more rows and for
     SwiGLU's two weights. Where that leaves fewer than `per_sm` programs an SM even with K
     split (at most FMA_MAX_SPLITS ways), the columns halve until it does not (small shapes:
-    more, smaller programs keep more loads in flight; 0: neither)."""
+    more, smaller programs keep more loads in flight; 0: neither). `longer_rows`: as they
+    halve, a step's rows double (up to the whole of K), so that a program keeps its bytes a
+    step and takes fewer steps: a small weight is then read in one step a program, every
+    load in flight at once, and K is split less or not at all (no partial sums to add up),
+    where each step and the split's sum cost a round trip to memory more."""
 
     columns: int = 64  # (these two: the sweep's choice on the H100, docs/BENCHMARKS.md)
     row_bytes: int = 512
@@ -122,6 +126,7 @@ class FmaTile:
     prefetch: bool = False  # each step loads the next step's weight before it computes (else Triton's schedule)
     per_sm: int = 4
     pdl: bool = True  # launched early where `triton_pdl` has a kernel of this weight's size launch early
+    longer_rows: bool = True
 
     def blocks(self, n: int, k: int, rows: int, swiglu: bool, bits: int, group: int, sms: int) -> tuple[int, int]:
         """(columns, K) per program and step for `rows` rows of x and a weight `(n, k)`."""
@@ -130,6 +135,9 @@ class FmaTile:
         steps = min(FMA_MAX_SPLITS, triton.cdiv(k, block_k))
         while block_n > FMA_MIN_COLUMNS and triton.cdiv(n, block_n) * steps < self.per_sm * sms:
             block_n //= 2
+            if self.longer_rows and block_k < k:
+                block_k *= 2
+                steps = min(FMA_MAX_SPLITS, triton.cdiv(k, block_k))
         return block_n, block_k
 
 

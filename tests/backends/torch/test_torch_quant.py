@@ -206,6 +206,29 @@ def test_fma_gemv_equals_the_dequantized_matmul_with_its_fusions(gpu_like, bits,
 
 @pytest.mark.interpreter
 @kernels
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 32)])
+def test_fma_gemv_trading_columns_for_longer_rows_equals_the_dequantized_matmul(gpu_like, bits, group):
+    """A tile whose columns halve for the SMs' sake (the interpreter's 8) while its rows grow
+    to the whole of K: one step a program, its last words past K masked."""
+    tile = triton_quant.FmaTile(columns=64, row_bytes=64, per_sm=4, longer_rows=True)
+    dtype, k, width = torch.bfloat16, 192, 40
+    assert tile.blocks(2 * width, k, 1, False, bits, group, 8) == (8, 256)
+    w = packed_random(2 * width, k, bits, group, dtype, seed=bits + group)
+    y_all = w.dequantize(dtype).float()
+    norm = RmsNorm(torch.rand(k, dtype=dtype, device=DEVICE) + 0.5, 1e-5)
+    for rows in (1, 2):
+        x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
+        residual = torch.randn(rows, 2 * width, dtype=dtype, device=DEVICE)
+        want = F.linear(x.float(), y_all) + residual.float()
+        assert_near(triton_quant.gemv(x, w, residual=residual, tile=tile), want, dtype)
+        y = F.linear(norm(x).float(), y_all)
+        want = F.silu(y[:, :width]) * y[:, width:]
+        got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, tile=tile)
+        assert_near(got, want, dtype)
+
+
+@pytest.mark.interpreter
+@kernels
 def test_fma_gemv_in_float32_is_exact_to_float32(gpu_like):
     """In float32 nothing rounds to bf16 along the way: what the FMA GEMV's unpacking and
     per-group scaling leave is float32's summation error alone."""

@@ -118,7 +118,8 @@ class FmaTile:
     halve, a step's rows double (up to the whole of K), so that a program keeps its bytes a
     step and takes fewer steps: a small weight is then read in one step a program, every
     load in flight at once, and K is split less or not at all (no partial sums to add up),
-    where each step and the split's sum cost a round trip to memory more."""
+    where each step and the split's sum cost a round trip to memory more; and once rows have
+    grown so, the columns stop halving where every SM has such a program."""
 
     columns: int = 64  # (these two: the sweep's choice on the H100, docs/BENCHMARKS.md)
     row_bytes: int = 512
@@ -132,8 +133,10 @@ class FmaTile:
         """(columns, K) per program and step for `rows` rows of x and a weight `(n, k)`."""
         weights = triton.next_power_of_2(rows) * (2 if swiglu else 1)
         block_n, block_k = max(FMA_MIN_COLUMNS, self.columns // weights), max(group, self.row_bytes * 8 // bits)
-        steps = min(FMA_MAX_SPLITS, triton.cdiv(k, block_k))
+        steps, row_k = min(FMA_MAX_SPLITS, triton.cdiv(k, block_k)), block_k
         while block_n > FMA_MIN_COLUMNS and triton.cdiv(n, block_n) * steps < self.per_sm * sms:
+            if block_k > row_k and steps == 1 and triton.cdiv(n, block_n) >= sms:
+                break  # (rows grown to the whole of K, a program an SM at least: halving would only thin them)
             block_n //= 2
             if self.longer_rows and block_k < k:
                 block_k *= 2

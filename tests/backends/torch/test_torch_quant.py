@@ -213,6 +213,7 @@ def test_fma_gemv_trading_columns_for_longer_rows_equals_the_dequantized_matmul(
     tile = triton_quant.FmaTile(columns=64, row_bytes=64, per_sm=4, longer_rows=True)
     dtype, k, width = torch.bfloat16, 192, 40
     assert tile.blocks(2 * width, k, 1, False, bits, group, 8) == (8, 256)
+    assert tile.blocks(4 * width, k, 1, False, bits, group, 8) == (16, 256)  # (a whole row's program an SM)
     w = packed_random(2 * width, k, bits, group, dtype, seed=bits + group)
     y_all = w.dequantize(dtype).float()
     norm = RmsNorm(torch.rand(k, dtype=dtype, device=DEVICE) + 0.5, 1e-5)

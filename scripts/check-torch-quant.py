@@ -376,7 +376,8 @@ PREFILL_SHAPES = [
     ("0.6B down", 1024, 3072, 28),
 ]
 PREFILL_SWEEP_ROWS = (16, 64, PREFILL_ROWS)
-PREFILL_WAYS = ("dequantize", "dequant+cuBLAS", "tl.dot matmul", "bf16 cuBLAS")
+PREFILL_WAYS = ("dequantize", "dequant+cuBLAS", "overlapped", "tl.dot matmul", "bf16 cuBLAS")
+OVERLAP_SLICES = 4
 
 
 def main_prefill() -> int:
@@ -398,19 +399,25 @@ def main_prefill() -> int:
         copies = weights(n, k, SWEEP_BITS, SWEEP_GROUP)
         dense_copies = [c.dequantize(DTYPE) for c in copies[: max(2, -(-L2_PAST // (n * k * 2)))]]
         scratch = quant.scratch_for(copies[0].words.device, DTYPE)
-        check_prefill(name, copies[0], dense_copies[0], scratch)
+        side = torch.cuda.Stream()
+        check_prefill(name, copies[0], dense_copies[0], scratch, side)
         out = torch.empty(n, k, dtype=DTYPE, device="cuda")
         for rows in PREFILL_SWEEP_ROWS:
             x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
             calls = {
                 "dequantize": cycling(lambda w: triton_quant.dequantize(w, out), copies),
                 "dequant+cuBLAS": cycling(lambda w: quant.dense_matmul(x, w, scratch), copies),
+                "overlapped": cycling(lambda w: overlapped_matmul(x, w, scratch, side), copies),
                 "tl.dot matmul": cycling(lambda w: triton_quant.matmul(x, w), copies),
                 "bf16 cuBLAS": cycling(lambda w: F.linear(x, w), dense_copies),
             }
             cells = []
             for way, call in calls.items():
-                us = results[(name, rows, way)] = graph_us(call)
+                try:
+                    us = results[(name, rows, way)] = graph_us(call)
+                except Exception as e:  # (said, and the rest go on)
+                    cells.append(f" {'failed: ' + first_line(e):>21.21}")
+                    continue
                 flops = 2 * rows * n * k / us / 1e6
                 cells.append(f" {us:>12.1f} ({flops:>6.0f})" if way != "dequantize" else f" {us:>12.1f} {'':>8}")
             print(f"{name:<14} {rows:>4}" + "".join(cells), flush=True)
@@ -423,11 +430,40 @@ def main_prefill() -> int:
             sums = {way: 0.0 for way in PREFILL_WAYS}
             for name, _, _, per_prompt in (s for s in PREFILL_SHAPES if s[0].startswith(model + " ")):
                 for way in PREFILL_WAYS:
-                    sums[way] += per_prompt * results[(name, rows, way)]
+                    sums[way] += per_prompt * results.get((name, rows, way), float("nan"))
             print(f"Qwen3-{model} prompt of {rows}, matmuls alone: " + ", ".join(
                 f"{way} {us / 1e3:.2f} ms ({rows * 1e6 / us:.0f} tok/s)" for way, us in sums.items()))  # fmt: skip
     print(f"(QuantLinear: dequant+cuBLAS from {quant.DENSE_MIN_ROWS} rows; prefill took {time.time() - start:.0f} s)")
     return verdict()
+
+
+def overlapped_matmul(x: torch.Tensor, w: quant.Packed, scratch: torch.Tensor, side) -> torch.Tensor:
+    """An experiment (not what QuantLinear runs): `quant.dense_matmul` in OVERLAP_SLICES slices
+    of W's rows, each dequantized on the stream `side` (into the two halves of `scratch` in
+    turn) while cuBLAS multiplies the one before: how much of the dequantizing overlapping
+    would hide."""
+    n, k = w.shape
+    step = -(-n // OVERLAP_SLICES)
+    halves = [scratch[i * step * k : (i + 1) * step * k] for i in (0, 1)]
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    done: list = []
+    for i, start in enumerate(range(0, n, step)):
+        end = min(n, start + step)
+        part = quant.Packed(w.words[start:end], w.scales[start:end], w.biases[start:end], w.bits, w.group_size)
+        ready = torch.cuda.Event()
+        with torch.cuda.stream(side):
+            if i >= 2:  # (the multiply that read this half before is done)
+                side.wait_event(done[i - 2])
+            dense = triton_quant.dequantize(part, halves[i % 2][: (end - start) * k].view(end - start, k))
+            ready.record(side)
+        main.wait_event(ready)
+        out[:, start:end] = F.linear(x, dense)
+        done.append(torch.cuda.Event())
+        done[-1].record(main)
+    main.wait_stream(side)
+    return out
 
 
 # the dequantizing kernel's (rows, values of K) a program and warps, tried at 8B's gate_up
@@ -451,7 +487,7 @@ def time_dequantize_blocks() -> None:
             print(f"  {str(block):<12} {warps}  failed: {first_line(e)}")
 
 
-def check_prefill(name: str, w: quant.Packed, dense: torch.Tensor, scratch: torch.Tensor) -> None:
+def check_prefill(name: str, w: quant.Packed, dense: torch.Tensor, scratch: torch.Tensor, side) -> None:
     n, k = w.shape
     got = triton_quant.dequantize(w, torch.empty(n, k, dtype=DTYPE, device="cuda"))
     if not torch.equal(got, dense):
@@ -464,6 +500,7 @@ def check_prefill(name: str, w: quant.Packed, dense: torch.Tensor, scratch: torc
     small = scratch[: (n // 3 + 1) * k]  # (in slices of rows)
     compare(f"{name} dequant+cuBLAS in slices", quant.dense_matmul(x, w, small), F.linear(x, dense))
     compare(f"{name} tl.dot matmul", triton_quant.matmul(x, w), F.linear(x, dense))
+    compare(f"{name} overlapped", overlapped_matmul(x, w, scratch, side), F.linear(x, dense))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ call returns; a backend adds only what runs on its device:
 - `_logits_at(h, rows)`: logits of the token rows `rows` (an index, a slice or a list) of `h`;
 - `_decode_batch(items)`: a batched decode step (checked already);
 - `_verify(segments)`: may run short verifies faster than `_forward` (torch: as decode rows);
+- `_fresh_prompt(cache_id, tokens)`: may run a prompt with nothing before it faster (torch: a CUDA graph);
 - `_computing()`: the context the forwards run in (torch's inference mode);
 - `prepare`, `reset`, `sampler` and its buffers (`kv`, the pool; `segment_type`, its plan's segment).
 """
@@ -146,6 +147,10 @@ class PooledLLM(DecoderOnlyLLM):
         offset = self.kv.length(cache_id)
         self.check_call([(cache_id, tokens, offset)])
         with self._computing():
+            if offset == 0:
+                logits = self._fresh_prompt(cache_id, tokens)
+                if logits is not None:
+                    return logits
             chunk = self.prefill_chunk
             for start in range(0, len(tokens) - chunk, chunk):
                 self._forward([(cache_id, tokens[start : start + chunk], offset + start)])
@@ -175,6 +180,11 @@ class PooledLLM(DecoderOnlyLLM):
             parts.append(logits[start : start + len(tokens)])
             start += len(tokens)
         return parts
+
+    def _fresh_prompt(self, cache_id: str, tokens: list[int]) -> Logits | None:
+        """A prompt with nothing cached before it (checked), the backend's faster way, or None
+        when it has none for this prompt (then `prefill` runs it in chunks)."""
+        return None
 
     def _verify(self, segments: Sequence[tuple[str, list[int], int]]) -> Logits:
         """`verify_batch` after its checks: `(tokens, vocab)` logits of every segment's tokens, in order."""

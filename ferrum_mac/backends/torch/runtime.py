@@ -23,7 +23,7 @@ from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
 from ferrum_mac.backends.torch.models import FAMILIES
 from ferrum_mac.backends.torch.steps import USE_GRAPHS, DecodeSteps
 from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
-from ferrum_mac.llm import DecodeItem, LlmRuntimeConfig, host_tokens, kv_capacity_within
+from ferrum_mac.llm import DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
 WARMUP_TOKENS = 8
@@ -157,23 +157,19 @@ class TorchLLM(PooledLLM):
     def _logits_at(self, h: torch.Tensor, rows) -> torch.Tensor:
         return self.model.logits(h if rows == slice(None) else h[rows])
 
-    def prefill(self, cache_id: str, tokens) -> torch.Tensor:
-        tokens = host_tokens(cache_id, tokens)
-        if not (
-            self.captured_prefill and self.kv.length(cache_id) == 0 and 0 < len(tokens) <= self.prefill_graph_tokens
-        ):
-            return super().prefill(cache_id, tokens)
-        self.check_call([(cache_id, tokens, 0)])
-        with self._computing():
-            cache = self.kv.acquire(cache_id)
-            self.kv.reserve(cache, 0, len(tokens))
-            width = max(MIN_WIDTH, power_of_two_above(len(cache.blocks)))
-            step = self.steps.prefill(prefill_rows(len(tokens)), width)
-            step.load(tokens, cache.blocks)
-            logits = step.run()
-            self.captured_prefill = step.captured  # (a model whose forward cannot be captured runs as before)
-            cache.length = len(tokens)
-            return logits
+    def _fresh_prompt(self, cache_id: str, tokens: list[int]) -> torch.Tensor | None:
+        """A prompt of up to `prefill_graph_tokens` as a captured `PrefillStep` (CUDA only)."""
+        if not (self.captured_prefill and len(tokens) <= self.prefill_graph_tokens):
+            return None
+        cache = self.kv.acquire(cache_id)
+        self.kv.reserve(cache, 0, len(tokens))
+        width = max(MIN_WIDTH, power_of_two_above(len(cache.blocks)))
+        step = self.steps.prefill(prefill_rows(len(tokens)), width)
+        step.load(tokens, cache.blocks)
+        logits = step.run()
+        self.captured_prefill = step.captured  # (a model whose forward cannot be captured runs as before)
+        cache.length = len(tokens)
+        return logits
 
     def _verify(self, segments) -> torch.Tensor:
         """Verifies of a few tokens in all run as one `DecodeStep` (a CUDA graph), a row per

@@ -7,8 +7,9 @@ it (RMSNorm, residual, SwiGLU over the fused gate_up), at 1 and 2 rows (`--rows=
   (`triton_gemv.fma_gemv`) with its default tile (`triton_gemv.FMA_TILE`) and with one thing of
   the tile changed, and cuBLAS (`F.linear`, the matmul alone);
 - at the qkv shape also `triton_qkv.norm_qkv_rope_write` (norm + qkv + q/k norm + RoPE + KV
-  write in one kernel: what a decode step runs today) and the FMA GEMV's norm + qkv followed by
-  `triton_ops.norm_rope_write` (two kernels);
+  write in one kernel: what a decode step runs), its projection by tl.dot (as before) and
+  multiplied in registers (`fma=True`, now the default for a row or two), and the FMA GEMV's
+  norm + qkv followed by `triton_ops.norm_rope_write` (two kernels);
 - at the head's shape, Triton's RMSNorm then cuBLAS (what a step runs) beside the GEMVs' norm + head.
 
 Per variant: device microseconds per call (CUDA graphs of back-to-back calls cycling through
@@ -57,12 +58,8 @@ FMA_CHANGES = [
     {"per_sm": 8},
 ]
 HEAD_CHANGES = [{}, {"columns": 128}, {"row_bytes": 1024}]  # (fewer: the head's 151,936 columns fill the GPU anyway)
-DOT, TODAY_QKV, FMA_QKV, HEAD_TODAY = (
-    "dot (tl.dot)",
-    "qkv+rope kernel (triton_qkv)",
-    "fma + norm_rope_write",
-    "rms_norm + cuBLAS",
-)
+DOT, HEAD_TODAY = "dot (tl.dot)", "rms_norm + cuBLAS"
+TODAY_QKV, QKV_FMA, FMA_QKV = "qkv+rope kernel, tl.dot", "qkv+rope kernel, fma", "fma gemv + norm_rope_write"
 DEFAULT = "fma defaults"
 
 
@@ -116,7 +113,7 @@ def variants(name: str) -> list[str]:
     changes = FMA_CHANGES if name != "lm_head" else HEAD_CHANGES
     labels = [DOT] + [fma_label(change) for change in changes] + ["cuBLAS (matmul alone)"]
     if name == "qkv":
-        labels += [TODAY_QKV, FMA_QKV]
+        labels += [TODAY_QKV, QKV_FMA, FMA_QKV]
     if name == "lm_head":
         labels += [HEAD_TODAY]
     return labels
@@ -145,7 +142,7 @@ def time_variant(model: str, copies: list[torch.Tensor], fused: str, rows: int, 
     norm = torch.rand(k, device=DEVICE, dtype=DTYPE) + 0.5
     residual = torch.randn(rows, n, device=DEVICE, dtype=DTYPE)
     normed = F.rms_norm(x, (k,), norm, 1e-6)
-    if label == TODAY_QKV or label == FMA_QKV:
+    if label in (TODAY_QKV, QKV_FMA, FMA_QKV):
         return time_qkv(model, copies, x, norm, label)
     if label.startswith("cuBLAS"):
         return graph_us(cycling(lambda w: F.linear(x, w), copies)), 0.0
@@ -167,9 +164,10 @@ def time_variant(model: str, copies: list[torch.Tensor], fused: str, rows: int, 
 
 
 def time_qkv(model: str, copies: list[torch.Tensor], x: torch.Tensor, norm: torch.Tensor, label: str):
-    """norm + qkv + q/k norm + RoPE + KV write: in one kernel (`triton_qkv`, TODAY_QKV), or the
-    FMA GEMV's norm + qkv then `norm_rope_write` (FMA_QKV); q's error against the one kernel's
-    on the first copy (their reference is each other: both round the projection once)."""
+    """norm + qkv + q/k norm + RoPE + KV write: in one kernel (`triton_qkv`) with tl.dot
+    (TODAY_QKV) or multiplied in registers (QKV_FMA), or the FMA GEMV's norm + qkv then
+    `norm_rope_write` (FMA_QKV); q's error against the tl.dot kernel's on the first copy (the
+    reference: each rounds the projection once)."""
     _, heads, kv_heads, dim, _, _ = MODELS[model]
     rows = x.shape[0]
     kv = torch.zeros(2, kv_heads, 64, dim, device=DEVICE, dtype=DTYPE)
@@ -178,16 +176,16 @@ def time_qkv(model: str, copies: list[torch.Tensor], x: torch.Tensor, norm: torc
     angles = torch.rand(rows, 1, dim, device=DEVICE) * 6.3
     cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
 
-    def one_kernel(w):
+    def one_kernel(w, fma=False):
         return triton_qkv.norm_qkv_rope_write(
-            x, norm, 1e-6, w, None, heads, qk_weight, 1e-6, cos, sin, False, kv, places
+            x, norm, 1e-6, w, None, heads, qk_weight, 1e-6, cos, sin, False, kv, places, fma=fma
         )
 
     def two_kernels(w):
         qkv = triton_gemv.norm_matmul(x, norm, 1e-6, w, fma=True)
         return triton_ops.norm_rope_write(qkv, heads, qk_weight, cos, sin, 1e-6, False, kv, places)
 
-    call = one_kernel if label == TODAY_QKV else two_kernels
+    call = {TODAY_QKV: one_kernel, QKV_FMA: lambda w: one_kernel(w, fma=True), FMA_QKV: two_kernels}[label]
     err = error(call(copies[0]), one_kernel(copies[0]).float())
     return graph_us(cycling(call, copies)), err
 
@@ -227,13 +225,13 @@ def print_best(results: dict) -> None:
                 mine = {label: us for (m, s, r, label), us in results.items() if (m, s, r) == (model, name, rows)}
                 nan = float("nan")
                 before = {"qkv": TODAY_QKV, "lm_head": HEAD_TODAY}.get(name, DOT)
-                now = {"qkv": TODAY_QKV, "lm_head": HEAD_TODAY}.get(name, DEFAULT)
+                now = {"qkv": QKV_FMA, "lm_head": HEAD_TODAY}.get(name, DEFAULT)
                 sums["before"] += calls * mine.get(before, nan)
                 sums["now"] += calls * mine.get(now, nan)
                 # (at qkv, only the variants that also rope and write the KV)
                 fused = [us for label, us in mine.items() if not label.startswith("cuBLAS")]
                 if name == "qkv":
-                    fused = [us for label, us in mine.items() if label in (TODAY_QKV, FMA_QKV)]
+                    fused = [us for label, us in mine.items() if label in (TODAY_QKV, QKV_FMA, FMA_QKV)]
                 sums["best"] += calls * min(fused, default=nan)
             print(f"Qwen3-{model} step's matmuls, {rows} row(s): " + ", ".join(
                 f"{key} {us / 1e3:.3f} ms ({1e6 / us:.0f} steps/s)" for key, us in sums.items()))  # fmt: skip

@@ -371,11 +371,7 @@ if triton is not None:
         NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
     ):  # fmt: skip
         # One program per (block of BLOCK_N output columns, split of K), as _gemv_kernel, but
-        # no tl.dot: per step a (BLOCK_N, BLOCK_K) tile of the weight (a column's values
-        # contiguous, so a thread loads 8 neighbouring values of one column at once), in
-        # float32 times each row's x there. x's rows are ROWS (a power of 2 up to 4), each with
-        # its own sums (acc0..acc3, up0..up3), padding rows masked. EVEN_K: every step's K is
-        # inside (K_PER_SPLIT is whole steps), so only the columns are masked.
+        # multiplied in registers (`fma_columns`), x's rows padded to ROWS (a power of 2 up to 4).
         block, split = tl.program_id(0), tl.program_id(1)
         columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = columns < N
@@ -393,11 +389,37 @@ if triton is not None:
         row_ids = tl.arange(0, ROWS)
         live = row_ids < rows
         inv_rms = inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else None
+        acc, up_acc = fma_columns(
+            x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, rows, columns, inside, k_begin, k_end,
+            N, K, HAS_NORM, SWIGLU, BLOCK_K, EVEN_K, REDUCE_AT_END,
+        )  # fmt: skip
+        finish_split_gemv(
+            acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
+            bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+            N, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
+        )  # fmt: skip
+
+    @triton.jit
+    def fma_columns(
+        x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, rows, columns, inside, k_begin, k_end,
+        N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, REDUCE_AT_END: tl.constexpr,
+    ):  # fmt: skip
+        """As `matmul_columns`, multiplied in registers: x's rows `row_ids` (ROWS, a power of 2
+        up to 4; those past `rows` masked) times the weight's `columns` over k_begin .. k_end
+        -> `(ROWS, columns)` float32 sums (and up's with SWIGLU). Per step a (columns,
+        BLOCK_K) tile of the weight (a column's values contiguous, so a thread loads 8
+        neighbouring values of one column at once), in float32 times each row's x there, each
+        row with its own sums (acc0..acc3, up0..up3). EVEN_K: every step's K is inside (the
+        split is whole steps), so only the columns are masked."""
+        ROWS: tl.constexpr = row_ids.shape[0]
+        BLOCK_N: tl.constexpr = columns.shape[0]
+        tiles = weight_ptr + columns[:, None].to(tl.int64) * K
         inv0 = row_value(inv_rms, row_ids, 0, HAS_NORM)
         inv1 = row_value(inv_rms, row_ids, 1, HAS_NORM and ROWS > 1)
         inv2 = row_value(inv_rms, row_ids, 2, HAS_NORM and ROWS > 2)
         inv3 = row_value(inv_rms, row_ids, 3, HAS_NORM and ROWS > 3)
-        if REDUCE_AT_END:  # a sum per value a thread holds
+        if REDUCE_AT_END:  # a sum per 8 values a thread holds
             zeros = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
         else:
             zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -429,13 +451,7 @@ if triton is not None:
             acc1, up1 = tl.sum(acc1, axis=1), tl.sum(up1, axis=1)
             acc2, up2 = tl.sum(acc2, axis=1), tl.sum(up2, axis=1)
             acc3, up3 = tl.sum(acc3, axis=1), tl.sum(up3, axis=1)
-        acc = stacked_rows(row_ids, acc0, acc1, acc2, acc3)
-        up_acc = stacked_rows(row_ids, up0, up1, up2, up3)
-        finish_split_gemv(
-            acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
-            bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
-            N, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
-        )  # fmt: skip
+        return stacked_rows(row_ids, acc0, acc1, acc2, acc3), stacked_rows(row_ids, up0, up1, up2, up3)
 
     @triton.jit
     def x_row(x_ptr, row, rows, ks, k_in, norm, inv_rms, K: tl.constexpr, HAS_NORM: tl.constexpr):

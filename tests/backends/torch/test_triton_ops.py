@@ -131,6 +131,31 @@ def test_norm_qkv_rope_write_matches_torch(dtype, heads, kv_heads, dim, interlea
     assert not triton_splits.split_counters(DEVICE).any()
 
 
+@pytest.mark.parametrize("rows, splits", [(1, 1), (2, 3), (3, 2)])
+def test_norm_qkv_rope_write_multiplied_in_registers_matches_torch(rows, splits):
+    """The same kernel with its projection multiplied in registers (`fma`, by default up to
+    triton_gemv.FMA_MAX_ROWS rows; three rows padded to four), K in whole 16-value steps."""
+    heads, kv_heads, dim = SHAPES[1]
+    dtype, hidden = torch.bfloat16, 80
+    pool, expected = (random_pool(kv_heads, dim, 8, dtype, seed=3) for _ in range(2))
+    positions = torch.tensor([5, 0, 39][:rows], device=DEVICE)
+    plan = DecodePlan(pool, block_table(WRITE_TABLE[:rows]), positions, dtype)
+    x, norm, weight, _ = gemv_inputs(rows, hidden, (heads + 2 * kv_heads) * dim, dtype, False)
+    qk_weight = (1 + 0.3 * torch.randn(heads + kv_heads, dim, device=DEVICE)).to(dtype)
+    cos, sin = rope_tables(dim, False, positions, dtype)
+
+    q = triton_qkv.norm_qkv_rope_write(
+        x, norm.weight, norm.eps, weight, None, heads, qk_weight, 1e-6, cos, sin, False, pool.kv[0], plan.places,
+        splits=splits, block_k=16, fma=True if rows > triton_gemv.FMA_MAX_ROWS else None,
+    )  # fmt: skip
+
+    qkv = F.linear(norm(x), weight)
+    want_q = triton_ops.norm_rope_write(qkv, heads, qk_weight, cos, sin, 1e-6, False, expected.kv[0], plan.places)
+    torch.testing.assert_close(q, want_q, rtol=ulps(dtype), atol=ulps(dtype))
+    torch.testing.assert_close(pool.kv, expected.kv, rtol=ulps(dtype), atol=ulps(dtype))
+    assert not triton_splits.split_counters(DEVICE).any()
+
+
 # -- attention over the pool --------------------------------------------------------------------
 
 

@@ -467,7 +467,17 @@ def overlapped_matmul(x: torch.Tensor, w: quant.Packed, scratch: torch.Tensor, s
 
 
 # the dequantizing kernel's (rows, values of K) a program and warps, tried at 8B's gate_up
-DEQUANT_VARIANTS = [((32, 256), 4), ((16, 256), 4), ((64, 256), 8), ((16, 512), 4), ((8, 1024), 4), ((64, 128), 4)]
+# (and q made a float in a mantissa rather than converted)
+DEQUANT_VARIANTS = [
+    ((32, 256), 4, False),
+    ((32, 256), 4, True),
+    ((16, 256), 4, False),
+    ((64, 256), 8, False),
+    ((16, 512), 4, False),
+    ((16, 512), 4, True),
+    ((8, 1024), 4, False),
+    ((64, 128), 4, False),
+]
 
 
 def time_dequantize_blocks() -> None:
@@ -476,15 +486,17 @@ def time_dequantize_blocks() -> None:
     copies = weights(n, k, SWEEP_BITS, SWEEP_GROUP)
     out = torch.empty(n, k, dtype=DTYPE, device="cuda")
     moved = copies[0].nbytes + out.numel() * out.element_size()
-    print(f"\ndequantize, {PREFILL_SHAPES[2][0]} ({moved / 1e6:.0f} MB moved): block (rows, K), warps -> us, GB/s")
-    for block, warps in DEQUANT_VARIANTS:
+    print(f"\ndequantize, {PREFILL_SHAPES[2][0]} ({moved / 1e6:.0f} MB moved): block (rows, K), warps, mantissa "
+          "-> us, GB/s")  # fmt: skip
+    for block, warps, mantissa in DEQUANT_VARIANTS:
+        label = f"  {str(block):<12} {warps} {str(mantissa):<5}"
         try:
-            want = triton_quant.dequantize(copies[0], out, block, warps).clone()
+            want = triton_quant.dequantize(copies[0], out, block, warps, mantissa).clone()
             ok = "" if torch.equal(want, copies[0].dequantize(DTYPE)) else "  DIFFERS"
-            us = graph_us(cycling(lambda w: triton_quant.dequantize(w, out, block, warps), copies))
-            print(f"  {str(block):<12} {warps}  {us:>8.1f} {moved / us / 1e3:>6.0f}{ok}", flush=True)
+            us = graph_us(cycling(lambda w: triton_quant.dequantize(w, out, block, warps, mantissa), copies))
+            print(f"{label}  {us:>8.1f} {moved / us / 1e3:>6.0f}{ok}", flush=True)
         except Exception as e:  # (a variant that fails to compile: said, and the rest go on)
-            print(f"  {str(block):<12} {warps}  failed: {first_line(e)}")
+            print(f"{label}  failed: {first_line(e)}")
 
 
 def check_prefill(name: str, w: quant.Packed, dense: torch.Tensor, scratch: torch.Tensor, side) -> None:

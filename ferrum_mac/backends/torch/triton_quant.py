@@ -54,12 +54,13 @@ GEMV_STAGES = 1  # (more stages gave no gain on the H100 and run out of shared m
 MATMUL_NARROW, MATMUL_WIDE = (64, 64, 64, 4, 3), (128, 128, 64, 8, 3)
 MATMUL_WIDE_ROWS = 256
 # `dequantize`: a program's (rows, values of K) of the weight, and its warps
-DEQUANT_BLOCK, DEQUANT_WARPS = (32, 256), 4
+DEQUANT_BLOCK, DEQUANT_WARPS, DEQUANT_MANTISSA = (32, 256), 4, False
 UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H100)
 # The FMA GEMV (`fma_gemv`) takes up to FMA_MAX_ROWS rows (more take the tl.dot one).
 FMA_MAX_ROWS = 4
 FMA_MAX_SPLITS = 16  # programs sharing a column block's K, at most
 FMA_MIN_COLUMNS = 8  # a program's columns, at least
+FMA_RESIDENT = 2  # programs of the default tile's bytes a step an SM holds at once (their registers)
 FMA_NORM_BLOCK = 1024
 FLOAT_2_23 = 0x4B000000  # 2.0**23's bits
 
@@ -119,7 +120,9 @@ class FmaTile:
     step and takes fewer steps: a small weight is then read in one step a program, every
     load in flight at once, and K is split less or not at all (no partial sums to add up),
     where each step and the split's sum cost a round trip to memory more; and once rows have
-    grown so, the columns stop halving where every SM has such a program."""
+    grown so, the columns stop halving where every SM has such a program. Taken only where
+    those programs are one wave of FMA_RESIDENT an SM (else the columns' rule alone), as
+    a tile of the default's bytes takes the registers of that many."""
 
     columns: int = 64  # (these two: the sweep's choice on the H100, docs/BENCHMARKS.md)
     row_bytes: int = 512
@@ -131,6 +134,14 @@ class FmaTile:
 
     def blocks(self, n: int, k: int, rows: int, swiglu: bool, bits: int, group: int, sms: int) -> tuple[int, int]:
         """(columns, K) per program and step for `rows` rows of x and a weight `(n, k)`."""
+        if self.longer_rows:
+            block_n, block_k = self._blocks(n, k, rows, swiglu, bits, group, sms, True)
+            if triton.cdiv(n, block_n) * triton.cdiv(k, block_k) <= FMA_RESIDENT * sms:
+                return block_n, block_k
+        return self._blocks(n, k, rows, swiglu, bits, group, sms, False)
+
+    def _blocks(self, n: int, k: int, rows: int, swiglu: bool, bits: int, group: int, sms: int,
+                longer_rows: bool) -> tuple[int, int]:  # fmt: skip
         weights = triton.next_power_of_2(rows) * (2 if swiglu else 1)
         block_n, block_k = max(FMA_MIN_COLUMNS, self.columns // weights), max(group, self.row_bytes * 8 // bits)
         steps, row_k = min(FMA_MAX_SPLITS, triton.cdiv(k, block_k)), block_k
@@ -138,7 +149,7 @@ class FmaTile:
             if block_k > row_k and steps == 1 and triton.cdiv(n, block_n) >= sms:
                 break  # (rows grown to the whole of K, a program an SM at least: halving would only thin them)
             block_n //= 2
-            if self.longer_rows and block_k < k:
+            if longer_rows and block_k < k:
                 block_k *= 2
                 steps = min(FMA_MAX_SPLITS, triton.cdiv(k, block_k))
         return block_n, block_k
@@ -224,18 +235,20 @@ def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
 
 
 def dequantize(weight: Packed, out: torch.Tensor, block: tuple[int, int] = DEQUANT_BLOCK,
-               warps: int = DEQUANT_WARPS) -> torch.Tensor:  # fmt: skip
+               warps: int = DEQUANT_WARPS, mantissa: bool = DEQUANT_MANTISSA) -> torch.Tensor:  # fmt: skip
     """The packed W `(N, K)` dense in `out` (contiguous, `(N, K)`, of the dtype wanted), as
     `Packed.dequantize(out.dtype)` computes it (scale * q + bias in float32, rounded once: the
     same bits wherever q * scale is exact, as it is for 16-bit scales); returns `out`. Prefill
     multiplies with it in cuBLAS (`quant.dense_matmul`). A program takes `block` (rows,
-    values of K: powers of two)."""
+    values of K: powers of two); `mantissa`: q made a float as `values_at` makes it (an or
+    and an add, exact) rather than by a conversion."""
     n, k = weight.shape
     assert out.shape == (n, k) and out.is_contiguous()
     block_n, block_k = block[0], max(block[1], weight.group_size)  # (whole groups)
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight.words, weight.scales, weight.biases, out, n,
-        K=k, BITS=weight.bits, GROUP=weight.group_size, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        K=k, BITS=weight.bits, GROUP=weight.group_size, BLOCK_N=block_n, BLOCK_K=block_k, MANTISSA=mantissa,
+        num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -644,13 +657,30 @@ if triton is not None:
     @triton.jit
     def _dequantize_kernel(words_ptr, scales_ptr, biases_ptr, out_ptr, n,
                            K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MANTISSA: tl.constexpr):  # fmt: skip
         # One program per (BLOCK_N rows, BLOCK_K values) tile of the weight: its words, scales
-        # and biases read once each (`words_tile`), the dense tile written in out's dtype.
+        # and biases read once each (as `words_tile` reads them), the dense tile written in
+        # out's dtype.
+        per_word: tl.constexpr = 32 // BITS
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         start = tl.program_id(1) * BLOCK_K
         inside = rows < n
-        w = words_tile(words_ptr, scales_ptr, biases_ptr, rows, inside, start, K, K, BITS, GROUP, BLOCK_K)
+        if MANTISSA:
+            rows_64 = rows[:, None].to(tl.int64)
+            wi = start // per_word + tl.arange(0, BLOCK_K // per_word)
+            words = tl.load(words_ptr + rows_64 * (K // per_word) + wi[None, :],
+                            mask=inside[:, None] & (wi * per_word < K)[None, :], other=0)  # fmt: skip
+            q = (words[:, :, None] >> (tl.arange(0, per_word) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+            q = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # (2.0**23's bits: exact, q < 2^23)
+            q = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+            gi = start // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            groups = rows_64 * (K // GROUP) + gi[None, :]
+            g_mask = inside[:, None] & (gi * GROUP < K)[None, :]
+            scale = tl.load(scales_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
+            bias = tl.load(biases_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
+            w = tl.reshape(q * scale[:, :, None] + bias[:, :, None], (BLOCK_N, BLOCK_K))
+        else:
+            w = words_tile(words_ptr, scales_ptr, biases_ptr, rows, inside, start, K, K, BITS, GROUP, BLOCK_K)
         ks = start + tl.arange(0, BLOCK_K)
         out = out_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=inside[:, None] & (ks < K)[None, :])

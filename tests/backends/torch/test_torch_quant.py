@@ -259,8 +259,9 @@ def test_prefill_matmul_equals_the_dequantized_matmul(gpu_like, bits, group, dty
 def test_the_dequantize_kernel_gives_packed_dequantizes_bits(gpu_like, bits, group, dtype):
     """Prefill's dense weight: rows and K past a whole tile (the last ones partial)."""
     w = packed_random(40, 384, bits, group, dtype, seed=11)
-    got = triton_quant.dequantize(w, torch.full((40, 384), float("nan"), dtype=dtype, device=DEVICE))
-    assert torch.equal(got, w.dequantize(dtype))
+    for mantissa in (False, True):  # (q made a float by a conversion, or in a float's mantissa)
+        out = torch.full((40, 384), float("nan"), dtype=dtype, device=DEVICE)
+        assert torch.equal(triton_quant.dequantize(w, out, mantissa=mantissa), w.dequantize(dtype))
 
 
 @pytest.mark.interpreter

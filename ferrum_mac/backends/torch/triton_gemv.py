@@ -210,12 +210,15 @@ def fma_plan(n: int, k: int, rows: int, swiglu: bool, element_size: int, device:
     """How `fma_gemv` runs `rows` rows over a weight of `n` columns (each of gate and up with
     `swiglu`) and `k` values: (columns a program, K per step, column blocks, splits of K, K
     per split). `splits`: by default enough to give each SM `tile.per_sm` programs (at most
-    FMA_MAX_SPLITS)."""
+    FMA_MAX_SPLITS) with one row's blocks, whatever the rows: K is then split the same way
+    for any rows, so a row's sums are added in the same order, and its output is the same
+    in a step of one row or two."""
     sms = multiprocessors(device)
     block_n, block_k = tile.blocks(n, k, rows, swiglu, element_size, sms)
     blocks = triton.cdiv(n, block_n)
     if splits is None:
-        splits = max(1, min(FMA_MAX_SPLITS, triton.cdiv(tile.per_sm * sms, blocks)))
+        one_row_blocks = triton.cdiv(n, tile.blocks(n, k, 1, swiglu, element_size, sms)[0])
+        splits = max(1, min(FMA_MAX_SPLITS, triton.cdiv(tile.per_sm * sms, one_row_blocks)))
     splits, k_per_split = gemv_splits(blocks, k, block_k, device, splits)
     return block_n, block_k, blocks, splits, k_per_split
 

@@ -371,6 +371,14 @@ def test_fma_gemv_takes_k_in_whole_steps():
         torch.testing.assert_close(got, F.linear(norm(x), weight), rtol=2e-2, atol=2e-2)
 
 
+def test_fma_gemv_gives_a_row_the_same_output_in_a_step_of_one_or_two():
+    """A sequence's logits do not depend on whether another decodes beside it."""
+    x, norm, gate_up, _ = gemv_inputs(2, 512, 2 * 96, torch.bfloat16, bias=False)
+    tile = triton_gemv.FmaTile(row_bytes=128)
+    one, two = (triton_gemv.norm_swiglu(rows, norm.weight, norm.eps, gate_up, tile=tile) for rows in (x[:1], x))
+    assert torch.equal(one[0], two[0])
+
+
 def test_gemvs_take_the_fma_kernel_for_a_row_or_two(monkeypatch):
     """Up to FMA_MAX_ROWS rows the GEMVs multiply in registers; more take the tl.dot kernel."""
     taken = []
@@ -386,7 +394,9 @@ def test_fma_plan_narrows_columns_and_splits_k_to_fill_the_sms():
     tile = triton_gemv.FmaTile()  # 64 columns, 512 bytes (256 bf16 values) a step
     assert triton_gemv.fma_plan(4096, 1024, 1, False, 2, cpu, tile) == (64, 256, 64, 1, 1024)
     assert triton_gemv.fma_plan(256, 1024, 1, False, 2, cpu, tile) == (32, 256, 8, 4, 256)
-    assert triton_gemv.fma_plan(256, 1024, 2, True, 2, cpu, tile) == (16, 256, 16, 2, 512)  # 2 rows x 2 weights
+    # 2 rows x 2 weights: a quarter of the columns, and K split as for one row
+    assert triton_gemv.fma_plan(256, 1024, 1, True, 2, cpu, tile) == (32, 256, 8, 4, 256)
+    assert triton_gemv.fma_plan(256, 1024, 2, True, 2, cpu, tile) == (16, 256, 16, 4, 256)
     # 16 steps of K: 2 blocks of 32 columns already make 32 programs; 3 splits of 6 steps asked
     assert triton_gemv.fma_plan(64, 4096, 1, False, 2, cpu, tile, splits=3) == (32, 256, 2, 3, 1536)
 

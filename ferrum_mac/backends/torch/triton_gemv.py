@@ -146,8 +146,9 @@ class FmaTile:
     that leaves fewer than `per_sm` programs an SM even with K split (at most FMA_MAX_SPLITS
     ways), the columns halve until it does not: small shapes want more, smaller programs to
     keep more loads in flight. `reduce`: "step" sums each step's products over K across the
-    threads at once; "end" keeps a float32 sum per value a thread holds and sums those across
-    the threads once, at the end (no shuffles in the loop, more registers)."""
+    threads at once; "end" keeps a float32 sum per 16-byte load a thread makes a step (of its
+    8 products) and sums those across the threads once, at the end (no shuffles in the loop,
+    more registers)."""
 
     columns: int = 64
     row_bytes: int = 512

@@ -128,8 +128,10 @@ def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted:
 # -- the FMA GEMV: a row or two multiplied in registers -----------------------------------------
 
 # `fma_gemv` takes up to FMA_MAX_ROWS rows by default (more take the tl.dot kernel; it runs up
-# to FMA_MOST_ROWS); 0 turns it off.
-FMA_MAX_ROWS = 2
+# to FMA_MOST_ROWS); 0 turns it off. Off: in a decode step on the H100 it was no faster than
+# tl.dot on Qwen3-0.6B and slower on Qwen3-8B (docs/BENCHMARKS.md), and a row would sum
+# differently alone than among a verify's rows.
+FMA_MAX_ROWS = 0
 FMA_MOST_ROWS = 4
 FMA_MAX_SPLITS = 16  # programs sharing a column block's K, at most
 FMA_MIN_COLUMNS = 8  # a program's columns, at least

@@ -381,6 +381,7 @@ def test_fma_gemv_gives_a_row_the_same_output_in_a_step_of_one_or_two():
 
 def test_gemvs_take_the_fma_kernel_for_a_row_or_two(monkeypatch):
     """Up to FMA_MAX_ROWS rows the GEMVs multiply in registers; more take the tl.dot kernel."""
+    monkeypatch.setattr(triton_gemv, "FMA_MAX_ROWS", 2)
     taken = []
     monkeypatch.setattr(triton_gemv, "fma_gemv", lambda *args: taken.append(args[0].shape[0]) or args[0])
     for rows in range(1, triton_gemv.FMA_MAX_ROWS + 2):

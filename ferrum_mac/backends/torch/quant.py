@@ -23,6 +23,7 @@ a way to run any torch path here.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -294,6 +295,11 @@ def dense_matmul(x: torch.Tensor, weight: Packed, scratch: torch.Tensor, bias: t
     """x `(M, K)` times the packed W `(N, K)` transposed (+ bias, + residual) -> `(M, N)` by
     cuBLAS, over W dequantized into `scratch` (`triton_quant.dequantize`, x's dtype): whole
     where it fits, else a slice of W's rows at a time. The residual is cuBLAS's accumulator."""
+    with _scratch_lock:  # (another model's thread may use the buffer: one stream, so enqueue in turn)
+        return _dense_matmul(x, weight, scratch, bias, residual)
+
+
+def _dense_matmul(x, weight: Packed, scratch: torch.Tensor, bias, residual) -> torch.Tensor:
     from ferrum_mac.backends.torch import triton_quant
 
     n, k = weight.shape
@@ -320,6 +326,7 @@ def dense_matmul(x: torch.Tensor, weight: Packed, scratch: torch.Tensor, bias: t
 # the scratch buffers' size in values (`reserve_scratch`), and the buffers by (device, dtype)
 _scratch_values = SCRATCH_VALUES[0]
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_scratch_lock = threading.Lock()
 
 
 def reserve_scratch(values: int) -> None:

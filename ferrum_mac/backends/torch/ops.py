@@ -53,6 +53,10 @@ class Ops:
         """linear(norm(x))."""
         return linear(self.rms_norm(x, norm))
 
+    def head(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        """The output head on the normed rows x."""
+        return linear(x)
+
     def matmul_plus(self, x: torch.Tensor, linear: Linear, residual: torch.Tensor) -> torch.Tensor:
         """residual + linear(x)."""
         return linear.plus(x, residual)
@@ -84,8 +88,19 @@ class TritonOps(Ops):
 
     triton = True
 
-    def __init__(self, gemv: frozenset[str] = GEMV, gemv_max_rows: int = GEMV_MAX_ROWS):
-        self.gemvs, self.gemv_max_rows = gemv, gemv_max_rows
+    def __init__(self, gemv: frozenset[str] = GEMV, gemv_max_rows: int = GEMV_MAX_ROWS, rowwise: bool = False):
+        """`rowwise`: a verify's rows, each a sequence's decode step: a packed linear takes them
+        one at a time, as the GEMV that multiplies in registers sums a row differently among
+        more rows (a bf16 GEMV's row sums alike among up to 16)."""
+        self.gemvs, self.gemv_max_rows, self.rowwise = gemv, gemv_max_rows, rowwise
+
+    def _by_row(self, x: torch.Tensor, linear) -> bool:
+        return self.rowwise and linear.quantized and x.dim() == 2 and x.shape[0] > 1
+
+    def head(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self._by_row(x, linear):
+            return torch.cat([linear(x[i : i + 1]) for i in range(x.shape[0])])
+        return linear(x)
 
     def gemv(self, kernel: str, x: torch.Tensor) -> bool:
         """Whether the Triton GEMV `kernel` (named as in GEMV) takes x `(rows, K)`: a few rows."""
@@ -105,6 +120,8 @@ class TritonOps(Ops):
         return linear.quantized and rows <= quant.GEMV_MAX_ROWS and (norm is None or norm.weight is not None)
 
     def norm_matmul(self, x: torch.Tensor, norm: RmsNorm, linear: Linear) -> torch.Tensor:
+        if self._by_row(x, linear):
+            return torch.cat([self.norm_matmul(x[i : i + 1], norm, linear) for i in range(x.shape[0])])
         if self.quant_gemv(x, linear, norm):
             from ferrum_mac.backends.torch import triton_quant
 
@@ -117,6 +134,8 @@ class TritonOps(Ops):
 
     def matmul_plus(self, x: torch.Tensor, linear: Linear, residual: torch.Tensor) -> torch.Tensor:
         # (a packed linear's own `plus` adds the residual in its GEMV)
+        if self._by_row(x, linear):
+            return torch.cat([linear.plus(x[i : i + 1], residual[i : i + 1]) for i in range(x.shape[0])])
         if linear.quantized or linear.bias is not None or not self.gemv("matmul_residual", x):
             return super().matmul_plus(x, linear, residual)
         from ferrum_mac.backends.torch import triton_gemv
@@ -131,6 +150,8 @@ class TritonOps(Ops):
         return triton_ops.swiglu(gate_up, weights)
 
     def norm_swiglu(self, x: torch.Tensor, norm: RmsNorm, gate_up: Linear) -> torch.Tensor:
+        if self._by_row(x, gate_up):
+            return torch.cat([self.norm_swiglu(x[i : i + 1], norm, gate_up) for i in range(x.shape[0])])
         if self.quant_gemv(x, gate_up, norm):
             from ferrum_mac.backends.torch import triton_quant
 
@@ -193,7 +214,7 @@ def decode_ops(device: torch.device, verify: bool = False) -> Ops:
     the GEMVs take every row they can, not handing many rows to cuBLAS (whose sums differ)."""
     if not (TRITON and device.type == "cuda" and triton_imports()):
         return TORCH_OPS
-    return TritonOps(gemv_max_rows=GEMV_MOST_ROWS) if verify else TritonOps()
+    return TritonOps(gemv_max_rows=GEMV_MOST_ROWS, rowwise=True) if verify else TritonOps()
 
 
 @functools.cache

@@ -309,9 +309,28 @@ def test_a_decode_steps_ops_route_packed_linears_to_the_kernels(gpu_like):
         (lambda o: o.norm_matmul(x, norm, qkv)),
         (lambda o: o.norm_swiglu(x, norm, gate_up)),
         (lambda o: o.matmul_plus(x[:, :64].contiguous(), down, residual)),
+        (lambda o: o.head(qkv, x)),
     ]
     for op in pairs:
         assert_near(op(triton_ops), op(torch_ops), dtype)
+    # a verify step's ops take the rows one at a time: each row exactly as its decode step
+    by_row = ops.TritonOps(rowwise=True)
+    for op in pairs:
+        whole = op(by_row)
+        alone = [op(_RowsOf(by_row, i)) for i in range(2)]
+        assert torch.equal(whole, torch.cat(alone))
+
+
+class _RowsOf:
+    """`ops` on row `i` of the test's inputs only (each call's tensors cut to that row)."""
+
+    def __init__(self, ops, i):
+        self.ops, self.i = ops, i
+
+    def __getattr__(self, name):
+        method = getattr(self.ops, name)
+        cut = lambda t: t[self.i : self.i + 1] if isinstance(t, torch.Tensor) else t  # noqa: E731
+        return lambda *args: method(*(cut(a) for a in args))
 
 
 @pytest.mark.interpreter

@@ -70,4 +70,4 @@ class Model:
         return h
 
     def logits(self, h: torch.Tensor, ops: Ops = TORCH_OPS) -> torch.Tensor:
-        return self.head(ops.rms_norm(h, self.norm))
+        return ops.head(self.head, ops.rms_norm(h, self.norm))

@@ -295,7 +295,7 @@ def dense_matmul(x: torch.Tensor, weight: Packed, scratch: torch.Tensor, bias: t
     """x `(M, K)` times the packed W `(N, K)` transposed (+ bias, + residual) -> `(M, N)` by
     cuBLAS, over W dequantized into `scratch` (`triton_quant.dequantize`, x's dtype): whole
     where it fits, else a slice of W's rows at a time. The residual is cuBLAS's accumulator."""
-    with _scratch_lock:  # (another model's thread may use the buffer: one stream, so enqueue in turn)
+    with scratch_lock:  # (another model's thread may use the buffer: one stream, so enqueue in turn)
         return _dense_matmul(x, weight, scratch, bias, residual)
 
 
@@ -326,7 +326,9 @@ def _dense_matmul(x, weight: Packed, scratch: torch.Tensor, bias, residual) -> t
 # the scratch buffers' size in values (`reserve_scratch`), and the buffers by (device, dtype)
 _scratch_values = SCRATCH_VALUES[0]
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-_scratch_lock = threading.Lock()
+# held while a dequantize and the matmul reading it are enqueued, or a captured step that
+# holds both is replayed (`steps.PrefillStep`); reentrant, as a capture runs the calls inside it
+scratch_lock = threading.RLock()
 
 
 def reserve_scratch(values: int) -> None:

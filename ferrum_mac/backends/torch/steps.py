@@ -26,6 +26,7 @@ from collections import OrderedDict
 import torch
 
 from ferrum_mac.backends.torch.attention import DecodePlan, FreshPlan
+from ferrum_mac.backends.torch import quant
 from ferrum_mac.backends.torch.kv import KvManager, host_ids
 from ferrum_mac.backends.torch.ops import decode_ops
 from ferrum_mac import settings
@@ -136,6 +137,10 @@ class PrefillStep(CapturedStep):
         self.inputs = torch.zeros(rows + 1, dtype=torch.int64, device=device)  # tokens, then their count
         self.tokens, self.count = self.inputs[:rows], self.inputs[rows:]
         self.table = torch.zeros(width, dtype=torch.int64, device=device)
+
+    def run(self) -> torch.Tensor:
+        with quant.scratch_lock:  # its packed matmuls dequantize into the buffer models share
+            return super().run()
 
     def load(self, tokens: list[int], blocks: list[int]) -> None:
         """Copy a prompt's (checked) tokens and its blocks to the buffers without waiting."""

@@ -14,7 +14,7 @@ The module loads without triton; it launches on CUDA tensors, or CPU ones under
 
 import torch
 
-from ferrum_mac.backends.torch.triton_gemv import FMA_MAX_ROWS, FMA_MOST_ROWS, gemv_splits
+from ferrum_mac.backends.torch.triton_gemv import gemv_splits
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS
 from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
@@ -42,7 +42,6 @@ def norm_qkv_rope_write(
     x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
     heads: int, qk_weight: torch.Tensor | None, qk_eps: float, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
     kv: torch.Tensor, places: torch.Tensor, splits: int | None = None, block_k: int | None = None,
-    fma: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x `(T, hidden)` -> roped q `(T, heads, dim)`; roped k and v go into the pool layer `kv`
     `(2, kv_heads, token rows, dim)` at `places` (as `triton_ops.norm_rope_write`).
@@ -50,9 +49,7 @@ def norm_qkv_rope_write(
     `weight` `((heads + 2 * kv_heads) * dim, hidden)`: q, k and v stacked (+ `bias`);
     `norm_weight`: the block's RMSNorm; `qk_weight` `(heads + kv_heads, dim)`: each q and k
     head's RMSNorm weight, or None; cos and signed sin: `Rope.tables`, `(T, 1, dim)`.
-    `splits` of K and `block_k` (for timing): by default `gemv_splits`' and TILE_BYTES'. `fma`
-    (by default up to `triton_gemv.FMA_MAX_ROWS` rows): the projection multiplied in registers
-    (`triton_gemv.fma_columns`), else with tl.dot."""
+    `splits` of K and `block_k` (for timing): by default `gemv_splits`' and TILE_BYTES'."""
     rows, hidden = x.shape
     dim, kv_heads = kv.shape[-1], kv.shape[1]
     all_heads = heads + 2 * kv_heads
@@ -62,8 +59,6 @@ def norm_qkv_rope_write(
     x = x.contiguous()
     cos, sin = cos.reshape(rows, dim).contiguous(), sin.reshape(rows, dim).contiguous()
     q = torch.empty((rows, heads, dim), dtype=x.dtype, device=x.device)
-    fma = rows <= FMA_MAX_ROWS if fma is None else fma
-    assert not fma or rows <= FMA_MOST_ROWS
     block_k = block_k or min(triton.next_power_of_2(hidden), max(16, TILE_BYTES // (dim * weight.element_size())))
     splits, k_per_split = gemv_splits(all_heads, hidden, block_k, x.device, splits, per_sm=PROGRAMS_PER_SM)
     assert all_heads <= SPLIT_COUNTERS
@@ -74,8 +69,7 @@ def norm_qkv_rope_write(
     _norm_qkv_rope_write_kernel[(all_heads, splits)](
         x, norm_weight, weight, x if bias is None else bias, qk_weight.contiguous() if has_qk_weight else x,
         cos, sin, q, kv, places, kv.stride(0), partials, split_counters(x.device), rows, norm_eps, qk_eps, splits,
-        ROWS_PAD=triton.next_power_of_2(rows) if fma else MIN_DOT_ROWS, FMA=fma, EVEN_K=hidden % block_k == 0,
-        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, K=hidden, K_PER_SPLIT=k_per_split,
+        ROWS_PAD=MIN_DOT_ROWS, HEADS=heads, KV_HEADS=kv_heads, DIM=dim, K=hidden, K_PER_SPLIT=k_per_split,
         BLOCK_K=block_k, NORM_BLOCK=min(4096, triton.next_power_of_2(hidden)), HAS_BIAS=bias is not None,
         HAS_QK_WEIGHT=has_qk_weight, INTERLEAVED=interleaved,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, PREFETCH_LINES=lines,
@@ -85,7 +79,7 @@ def norm_qkv_rope_write(
 
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_gemv import fma_columns, inverse_rms, matmul_columns
+    from ferrum_mac.backends.torch.triton_gemv import inverse_rms, matmul_columns
     from ferrum_mac.backends.torch.triton_ops import qk_norm_rope
     from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
     from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
@@ -94,16 +88,14 @@ if triton is not None:
     def _norm_qkv_rope_write_kernel(
         x_ptr, norm_ptr, weight_ptr, bias_ptr, qk_weight_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, places_ptr,
         kv_half_stride, partials_ptr, counters_ptr, rows, norm_eps, qk_eps, splits,
-        ROWS_PAD: tl.constexpr, FMA: tl.constexpr, EVEN_K: tl.constexpr, HEADS: tl.constexpr,
-        KV_HEADS: tl.constexpr, DIM: tl.constexpr, K: tl.constexpr,
+        ROWS_PAD: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, K: tl.constexpr,
         K_PER_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_QK_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
         PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
     ):  # fmt: skip
         # One program per (head, split of K); heads run q heads, then k heads, then v heads.
         # Each stores its float32 sums in `partials` (splits, rows, all heads' columns); the
-        # last of a head's programs to finish sums them and finishes the head. FMA: x's rows
-        # padded to ROWS_PAD (a power of 2 up to 4) and multiplied in registers, else to 16 for tl.dot.
+        # last of a head's programs to finish sums them and finishes the head.
         N: tl.constexpr = (HEADS + 2 * KV_HEADS) * DIM
         head, split = tl.program_id(0), tl.program_id(1)
         dims = tl.arange(0, DIM)
@@ -116,16 +108,10 @@ if triton is not None:
         row_ids = tl.arange(0, ROWS_PAD)
         live = row_ids < rows
         inv_rms = inverse_rms(x_ptr, rows, row_ids, norm_eps, K, NORM_BLOCK)
-        if FMA:
-            acc, _ = fma_columns(
-                x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, rows, columns, columns < N, k_begin,
-                tl.minimum(k_begin + K_PER_SPLIT, K), N, K, True, False, BLOCK_K, EVEN_K, True,
-            )  # fmt: skip
-        else:
-            acc, _ = matmul_columns(
-                x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, live, columns, columns < N, k_begin,
-                tl.minimum(k_begin + K_PER_SPLIT, K), N, K, True, False, BLOCK_K, PRECISION,
-            )  # fmt: skip
+        acc, _ = matmul_columns(
+            x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, live, columns, columns < N, k_begin,
+            tl.minimum(k_begin + K_PER_SPLIT, K), N, K, True, False, BLOCK_K, PRECISION,
+        )  # fmt: skip
         here = row_ids[:, None] * N + columns[None, :]
         mine = live[:, None] & (columns < N)[None, :]
         split_stride = rows * N

@@ -131,31 +131,6 @@ def test_norm_qkv_rope_write_matches_torch(dtype, heads, kv_heads, dim, interlea
     assert not triton_splits.split_counters(DEVICE).any()
 
 
-@pytest.mark.parametrize("rows, splits", [(1, 1), (2, 3), (3, 2)])
-def test_norm_qkv_rope_write_multiplied_in_registers_matches_torch(rows, splits):
-    """The same kernel with its projection multiplied in registers (`fma`, by default up to
-    triton_gemv.FMA_MAX_ROWS rows; three rows padded to four), K in whole 16-value steps."""
-    heads, kv_heads, dim = SHAPES[1]
-    dtype, hidden = torch.bfloat16, 80
-    pool, expected = (random_pool(kv_heads, dim, 8, dtype, seed=3) for _ in range(2))
-    positions = torch.tensor([5, 0, 39][:rows], device=DEVICE)
-    plan = DecodePlan(pool, block_table(WRITE_TABLE[:rows]), positions, dtype)
-    x, norm, weight, _ = gemv_inputs(rows, hidden, (heads + 2 * kv_heads) * dim, dtype, False)
-    qk_weight = (1 + 0.3 * torch.randn(heads + kv_heads, dim, device=DEVICE)).to(dtype)
-    cos, sin = rope_tables(dim, False, positions, dtype)
-
-    q = triton_qkv.norm_qkv_rope_write(
-        x, norm.weight, norm.eps, weight, None, heads, qk_weight, 1e-6, cos, sin, False, pool.kv[0], plan.places,
-        splits=splits, block_k=16, fma=True if rows > triton_gemv.FMA_MAX_ROWS else None,
-    )  # fmt: skip
-
-    qkv = F.linear(norm(x), weight)
-    want_q = triton_ops.norm_rope_write(qkv, heads, qk_weight, cos, sin, 1e-6, False, expected.kv[0], plan.places)
-    torch.testing.assert_close(q, want_q, rtol=ulps(dtype), atol=ulps(dtype))
-    torch.testing.assert_close(pool.kv, expected.kv, rtol=ulps(dtype), atol=ulps(dtype))
-    assert not triton_splits.split_counters(DEVICE).any()
-
-
 # -- attention over the pool --------------------------------------------------------------------
 
 
@@ -328,78 +303,6 @@ def test_gemv_splits_k_only_where_the_columns_leave_sms_idle():
     assert triton_gemv.gemv_splits(1, 1100, 256, cpu) == (5, 256)  # no more splits than K has chunks
     assert triton_gemv.gemv_splits(5, 1280, 256, cpu, wanted=3) == (3, 512)  # 2 + 2 + 1 chunks
     assert triton_gemv.gemv_splits(1, 4096, 256, cpu, wanted=0) == (1, 4096)
-
-
-# dtype, rows, how the FMA GEMV sums over K: bf16 at one and two rows each way, and the other
-# dtypes (three rows: padded to four)
-FMA_CASES = [
-    (torch.bfloat16, 1, "end"),
-    (torch.bfloat16, 2, "end"),
-    (torch.bfloat16, 2, "step"),
-    (torch.float32, 1, "end"),
-    (torch.float16, 3, "end"),
-]
-
-
-@pytest.mark.parametrize("dtype, rows, reduce", FMA_CASES)
-def test_fma_gemvs_match_torch(dtype, rows, reduce):
-    """The GEMV that multiplies in registers, with each fusion: K (200) in 64-value steps, the
-    last one partial; split over K as the plan says (4 ways here: 8 "SMs") and unsplit. The
-    split leaves the arrival counters at zero."""
-    k, n = 200, 40
-    tile = triton_gemv.FmaTile(row_bytes=64 * dtype.itemsize, reduce=reduce)
-    assert triton_gemv.fma_plan(n, k, rows, False, dtype.itemsize, DEVICE, tile)[3] > 1
-    x, norm, weight, bias = gemv_inputs(rows, k, 2 * n, dtype, bias=True)
-    residual = torch.randn(rows, 2 * n, device=DEVICE).to(dtype)
-    tolerance = dict(rtol=ulps(dtype), atol=ulps(dtype))
-    for splits in (None, 1):
-        got = triton_gemv.norm_matmul(x, norm.weight, norm.eps, weight, bias, splits=splits, fma=True, tile=tile)
-        torch.testing.assert_close(got, F.linear(norm(x), weight, bias), **tolerance)
-    got = triton_gemv.norm_swiglu(x, norm.weight, norm.eps, weight, bias, fma=True, tile=tile)
-    torch.testing.assert_close(got, torch_swiglu(F.linear(norm(x), weight, bias)), **tolerance)
-    got = triton_gemv.matmul_residual(x, weight, residual, splits=1, fma=True, tile=tile)
-    torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), **tolerance)
-    assert not triton_splits.split_counters(DEVICE).any()
-
-
-def test_fma_gemv_takes_k_in_whole_steps():
-    """K a whole number of steps (no K mask), split and not, and a weight of one column block."""
-    x, norm, weight, _ = gemv_inputs(2, 256, 8, torch.bfloat16, bias=False)
-    tile = triton_gemv.FmaTile(row_bytes=128)
-    for splits in (None, 1):
-        got = triton_gemv.norm_matmul(x, norm.weight, norm.eps, weight, splits=splits, fma=True, tile=tile)
-        torch.testing.assert_close(got, F.linear(norm(x), weight), rtol=2e-2, atol=2e-2)
-
-
-def test_fma_gemv_gives_a_row_the_same_output_in_a_step_of_one_or_two():
-    """A sequence's logits do not depend on whether another decodes beside it."""
-    x, norm, gate_up, _ = gemv_inputs(2, 512, 2 * 96, torch.bfloat16, bias=False)
-    tile = triton_gemv.FmaTile(row_bytes=128)
-    one, two = (triton_gemv.norm_swiglu(rows, norm.weight, norm.eps, gate_up, tile=tile) for rows in (x[:1], x))
-    assert torch.equal(one[0], two[0])
-
-
-def test_gemvs_take_the_fma_kernel_for_a_row_or_two(monkeypatch):
-    """Up to FMA_MAX_ROWS rows the GEMVs multiply in registers; more take the tl.dot kernel."""
-    monkeypatch.setattr(triton_gemv, "FMA_MAX_ROWS", 2)
-    taken = []
-    monkeypatch.setattr(triton_gemv, "fma_gemv", lambda *args: taken.append(args[0].shape[0]) or args[0])
-    for rows in range(1, triton_gemv.FMA_MAX_ROWS + 2):
-        x, _, weight, _ = gemv_inputs(rows, 64, 16, torch.float32, bias=False)
-        triton_gemv.matmul_residual(x, weight, torch.zeros(rows, 16, device=DEVICE))
-    assert taken == list(range(1, triton_gemv.FMA_MAX_ROWS + 1))
-
-
-def test_fma_plan_narrows_columns_and_splits_k_to_fill_the_sms():
-    cpu = torch.device("cpu")  # 8 "SMs": 32 programs wanted (FmaTile.per_sm 4)
-    tile = triton_gemv.FmaTile()  # 64 columns, 512 bytes (256 bf16 values) a step
-    assert triton_gemv.fma_plan(4096, 1024, 1, False, 2, cpu, tile) == (64, 256, 64, 1, 1024)
-    assert triton_gemv.fma_plan(256, 1024, 1, False, 2, cpu, tile) == (32, 256, 8, 4, 256)
-    # 2 rows x 2 weights: a quarter of the columns, and K split as for one row
-    assert triton_gemv.fma_plan(256, 1024, 1, True, 2, cpu, tile) == (32, 256, 8, 4, 256)
-    assert triton_gemv.fma_plan(256, 1024, 2, True, 2, cpu, tile) == (16, 256, 16, 4, 256)
-    # 16 steps of K: 2 blocks of 32 columns already make 32 programs; 3 splits of 6 steps asked
-    assert triton_gemv.fma_plan(64, 4096, 1, False, 2, cpu, tile, splits=3) == (32, 256, 2, 3, 1536)
 
 
 def test_gemv_runs_for_a_few_rows_and_the_kernels_named():

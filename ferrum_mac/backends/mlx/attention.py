@@ -21,6 +21,7 @@ from ferrum_mac.backends.mlx import cuda_attention
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
 from ferrum_mac.backends.mlx.memory import on_cuda_gpu
+from ferrum_mac.backends.padding import quarter_octave_above
 from ferrum_mac.weights import ModelConfig
 
 
@@ -48,6 +49,34 @@ class Segment:
     @cached_property
     def position(self) -> mx.array:
         return mx.array([self.offset], dtype=mx.int32)
+
+    @cached_property
+    def padded(self) -> tuple[int, int]:
+        """(queries, keys) of its attention padded to few shapes (`Attention._attend_padded`)."""
+        return quarter_octave_above(self.length, PADDED_QUERIES), quarter_octave_above(
+            self.offset + self.length, PADDED_KEYS
+        )
+
+    @cached_property
+    def padded_read_rows(self) -> slice | mx.array:
+        """`read_rows` and then as many rows more as the padded keys take (any rows: masked)."""
+        keys, read, end = self.padded[1], self.read_rows, self.offset + self.length
+        if isinstance(read, slice) and read.start + keys <= self.cache.pool.blocks * self.cache.pool.block_tokens:
+            return slice(read.start, read.start + keys)
+        rows = mx.arange(read.start, read.stop) if isinstance(read, slice) else read
+        return mx.concatenate([rows, mx.zeros(keys - end, dtype=rows.dtype)])
+
+    def padded_mask(self, dtype: mx.Dtype) -> mx.array:
+        """`(1, 1, queries, keys)` of the padded shape, added to the scores: query i sees the
+        keys up to its own position, none past the segment's end (padded queries see some key,
+        so no row is masked whole)."""
+        if "_mask" not in self.__dict__:
+            queries, keys = self.padded
+            allowed = (mx.arange(keys)[None, :] <= mx.arange(queries)[:, None] + self.offset) & (
+                mx.arange(keys)[None, :] < self.offset + self.length
+            )
+            self.__dict__["_mask"] = mx.where(allowed, mx.array(0, dtype), mx.array(-mx.inf, dtype))[None, None]
+        return self.__dict__["_mask"]
 
 
 class Plan:
@@ -127,6 +156,9 @@ MLX_CUDA_SAFE_KEYS = 256
 # From this many keys the table kernel beats copying them for MLX's kernel (its launch costs
 # more host time a layer; the copy grows with the keys).
 TABLE_KERNEL_KEYS = 4096
+# A segment of several tokens on CUDA pads its queries and keys to lengths of four an octave
+# from these (`quarter_octave_above`).
+PADDED_QUERIES, PADDED_KEYS = 16, 256
 
 
 class Attention:
@@ -227,9 +259,24 @@ class Attention:
                 return self._decode_through_table(q, k, v, seg)
             keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
             return mx.fast.scaled_dot_product_attention(q, mx.contiguous(keys), mx.contiguous(values), scale=self.scale)
+        if seg.length > 1 and self.on_cuda:
+            return self._attend_padded(q, k, v, seg)
         keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
         mask = "causal" if seg.length > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+
+    def _attend_padded(self, q, k, v, seg: Segment) -> mx.array:
+        """Several tokens of a sequence, on CUDA. MLX's attention there builds a cuDNN graph
+        for each new shape of queries and keys, which takes longer than a long prompt's
+        attention, and every prompt, chunk and verify brings a new shape: so both lengths
+        are padded to one of a few (`Segment.padded`) and a mask keeps the causal order."""
+        keys, values = seg.cache.store(self.layer, k, v, seg.write_rows)
+        rows = seg.padded_read_rows
+        keys, values = keys[:, :, rows, :], values[:, :, rows, :]
+        queries = seg.padded[0]
+        q = mx.concatenate([q, mx.zeros((1, self.heads, queries - seg.length, self.head_dim), q.dtype)], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=seg.padded_mask(q.dtype))
+        return out[:, :, : seg.length, :]
 
     def _decode_through_table(self, q, k, v, seg: Segment) -> mx.array:
         """One token of a sequence, on CUDA: the decode kernel reads its keys through its block

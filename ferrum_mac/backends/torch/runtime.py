@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from ferrum_mac.backends.padding import power_of_two_above, quarter_octave_above
 from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
 from ferrum_mac.backends.prefix_disk import for_checkpoint
 from ferrum_mac.backends.torch.attention import Plan, Segment
@@ -45,18 +46,9 @@ def compute_dtype(checkpoint: Checkpoint, override: str | None) -> torch.dtype:
 
 
 def prefill_rows(n: int) -> int:
-    """The padded length of a captured prefill of `n` tokens: four lengths an octave from 64
-    on (64, 80, 96, 112, 128, 160, ...), so few graphs serve every prompt and padding adds
-    at most a quarter."""
-    octave = power_of_two_above(max(n, 64))
-    step = max(octave // 8, 16) if octave > 64 else 64
-    return -(-n // step) * step
-
-
-def power_of_two_above(n: int) -> int:
-    """The least power of two >= n (>= 1): decode steps' sizes, so changing batches and growing
-    sequences share few steps (each one a CUDA graph to capture)."""
-    return 1 << max(0, n - 1).bit_length()
+    """The padded length of a captured prefill of `n` tokens (64, 80, 96, 112, 128, 160, ...),
+    so few graphs serve every prompt."""
+    return quarter_octave_above(n, 64)
 
 
 class TorchLLM(PooledLLM):

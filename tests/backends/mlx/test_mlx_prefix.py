@@ -109,3 +109,39 @@ def test_a_single_sequence_decode_reads_a_slice_of_the_pool(fresh_model):
     write, read = seq.rows(seq.length, seq.length + 1), seq.rows(0, seq.length + 1)
     assert isinstance(write, slice) and isinstance(read, slice)
     mx.eval(model.decode("a", 3, seq.length))
+
+
+def test_padded_attention_of_cuda_equals_the_causal_one(zoo, monkeypatch):
+    """On CUDA a segment of several tokens attends at padded lengths under a mask (so MLX
+    builds few cuDNN graphs): the logits of a fresh prompt, of a chunk after consecutive
+    blocks, of one after scattered blocks and of a verify equal the causal attention's,
+    whether the padded keys are a longer slice of the pool or gathered past its end."""
+    from ferrum_mac.backends.mlx.attention import Attention
+
+    routes = []
+    attend_padded = Attention._attend_padded
+
+    def recording(self, q, k, v, seg):
+        routes.append(type(seg.padded_read_rows).__name__)
+        return attend_padded(self, q, k, v, seg)
+
+    monkeypatch.setattr(Attention, "_attend_padded", recording)
+
+    def run(padded: bool) -> list[np.ndarray]:
+        model = ferrum_mac.open_model(zoo.path("llama"), backend="mlx", dtype="float32")
+        for block in model.model.layers:
+            block.attn.on_cuda = padded
+        model.prefill("long", random_tokens(300, seed=70))  # the pool grows past 256 rows
+        model.release("long")
+        out = [model.prefill("a", random_tokens(37, seed=71))]
+        out.append(model.prefill("b", random_tokens(5, seed=72)))
+        out.append(model.prefill("a", random_tokens(2 * B + 3, seed=73)))  # after b's block: scattered
+        out.append(model.forward_verify("b", random_tokens(4, seed=74)))
+        model.prefill("c", random_tokens(B, seed=75))
+        out.append(model.prefill("c", random_tokens(9, seed=76)))  # the pool's last blocks
+        return [np.array(x) for x in out]
+
+    plain, padded = run(False), run(True)
+    for i, (want, got) in enumerate(zip(plain, padded)):
+        assert_close(got, want, 1e-5, f"call {i}")
+    assert {"slice", "array"} <= set(routes), routes

@@ -196,9 +196,10 @@ def one_round(
     }
 
 
-def make_model(folder: Path, shape: str, tokenizer: Path | None = None) -> None:
-    """config.json and safetensors of random bf16 weights of `shape`, with the Qwen3 tokenizer:
-    written by MLX where it is installed, else by transformers (on the GPU when there is one)."""
+def make_model(folder: Path, shape: str, tokenizer: Path | None = None, quant: str = "bf16") -> None:
+    """config.json and safetensors of random weights of `shape`, with the Qwen3 tokenizer:
+    written by MLX where it is installed, else by transformers (on the GPU when there is one);
+    `quant` 4bit (MLX only): an MLX affine checkpoint, as mlx-lm's convert writes one."""
     repo = Path(__file__).resolve().parents[1]
     places = [repo.parent / "shared/assets/tokenizers/qwen3", repo / "shared/assets/tokenizers/qwen3"]
     tokenizer = tokenizer or next((p for p in places if p.is_dir()), None)
@@ -210,20 +211,22 @@ def make_model(folder: Path, shape: str, tokenizer: Path | None = None) -> None:
     try:
         import mlx.core  # noqa: F401
     except ImportError:
+        if quant != "bf16":
+            raise SystemExit(f"load-serve: --quant {quant} needs MLX to write the checkpoint")
         write_random_with_transformers(folder, shape)
     else:
-        write_random_with_mlx(folder, shape)
+        write_random_with_mlx(folder, shape, quant)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, folder / name)
-    print(f"load-serve: wrote {folder} ({shape}, random bf16 weights)", file=sys.stderr)
+    print(f"load-serve: wrote {folder} ({shape}, random {quant} weights)", file=sys.stderr)
 
 
-def write_random_with_mlx(folder: Path, shape: str) -> None:
+def write_random_with_mlx(folder: Path, shape: str, quant: str = "bf16") -> None:
     import mlx.core as mx
 
     from ferrum_mac.bench.shapes import build_random
 
-    random = build_random(shape, "bf16")
+    random = build_random(shape, quant)
     mx.save_safetensors(str(folder / "model.safetensors"), random.weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps({**random.config, "torch_dtype": "bfloat16"}, indent=1))
 
@@ -255,12 +258,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="Rounds per mode with --speculate (the best counts).")
     parser.add_argument("--make-model", type=Path, help="Write a random-weight model folder and exit.")
     parser.add_argument("--shape", default="qwen3-8b")
+    parser.add_argument("--quant", default="bf16", choices=("bf16", "4bit"), help="With --make-model.")
     parser.add_argument(
         "--tokenizer", type=Path, help="The Qwen3 tokenizer's folder (default: shared/ beside the checkout)."
     )
     args = parser.parse_args()
     if args.make_model:
-        return make_model(args.make_model, args.shape, args.tokenizer)
+        return make_model(args.make_model, args.shape, args.tokenizer, args.quant)
     url = args.url.rstrip("/").removesuffix("/v1")
     wait_for_server(url)
     MODEL[0] = served_model(url, args.api_key)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks and times the torch backend's Triton kernels over packed 4-bit and 8-bit weights
-(`ferrum_mac/backends/torch/triton_quant.py`) on a CUDA GPU, at Qwen3-8B's matmul shapes with
-random weights quantized affinely (group 64 as MLX's 4-bit checkpoints, 32 as GGUF's):
+(`triton_quant.py`, `triton_fma_gemv.py`, `triton_dequant.py` in ferrum_mac/backends/torch/)
+on a CUDA GPU, at Qwen3-8B's matmul shapes with random weights quantized affinely (group 64
+as MLX's 4-bit checkpoints, 32 as GGUF's):
 
 - correctness: `triton_quant.gemv` at 1, 4 and 8 rows (plain, + residual, RMSNorm + SwiGLU on
   the fused gate_up) and `triton_quant.matmul` at 512 rows, each way of unpacking, against
@@ -9,7 +10,7 @@ random weights quantized affinely (group 64 as MLX's 4-bit checkpoints, 32 as GG
 - decode: device microseconds per one-row GEMV, from CUDA graphs of back-to-back calls that
   cycle through enough copies of the weight to outgrow the L2 cache (as a step's layers do),
   the tl.dot kernel with each way of unpacking a tile (`triton_quant.UNPACK`: gather, words)
-  and the FMA kernel (`triton_quant.fma_gemv`); the bytes a call
+  and the FMA kernel (`triton_fma_gemv.fma_gemv`); the bytes a call
   reads (packed weight, scales and biases), the GB/s the faster way makes and its share of the
   H100's 3.35 TB/s; beside it cuBLAS on the same shape in bf16
 - prefill: microseconds and TFLOP/s of 512 rows (the faster unpacking), beside cuBLAS in bf16
@@ -24,7 +25,7 @@ random weights quantized affinely (group 64 as MLX's 4-bit checkpoints, 32 as GG
 Exits 1 on a mismatch. `--sweep` instead times and checks the decode GEMV alone (4-bit group
 64), at Qwen3-8B's and Qwen3-0.6B's shapes with what the model fuses into each (RMSNorm,
 residual, SwiGLU), at 1, 2 and 4 rows (`--rows=1,2`: those only): the tl.dot kernel, the
-FMA kernel's variants (its default tile, `triton_quant.FMA_TILE`, with one thing changed)
+FMA kernel's variants (its default tile, `triton_fma_gemv.FMA_TILE`, with one thing changed)
 and cuBLAS over the dense bf16 weight; then the fastest per shape and the step's GEMVs
 summed; it goes on past a variant that fails (and exits 0). It compiles some 160 kernels,
 most of its few minutes. `--prefill` instead times a prompt's matmuls (`main_prefill`: the
@@ -46,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_check import can_check, compare, cycling, failures, graph_us, verdict  # noqa: E402  (this folder)
 
-from ferrum_mac.backends.torch import pointwise, quant, triton_moe, triton_quant  # noqa: E402
+from ferrum_mac.backends.torch import pointwise, quant, triton_moe  # noqa: E402
+from ferrum_mac.backends.torch import triton_dequant, triton_fma_gemv, triton_quant  # noqa: E402  (packed weights)
 from ferrum_mac.backends.torch.layers import RmsNorm  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -230,7 +232,7 @@ SWEEP_SHAPES = [
 ]
 SWEEP_ROWS = tuple(int(r) for arg in sys.argv if arg.startswith("--rows=") for r in arg[7:].split(",")) or (1, 2, 4)
 SWEEP_BITS, SWEEP_GROUP = 4, 64
-# the FMA GEMV's variants: its default tile (`triton_quant.FMA_TILE`) with one thing changed
+# the FMA GEMV's variants: its default tile (`triton_fma_gemv.FMA_TILE`) with one thing changed
 SWEEP_FMA = [
     {},
     {"longer_rows": False},
@@ -283,7 +285,7 @@ def main_sweep() -> int:
             us = graph_us(cycling(lambda w: F.linear(x, w), dense))
             cells.append(f" | {'':6} {us:>7.1f} {n * k * 2 / us / 1e3:>5.0f} {'(bf16)':>12}")
         print(f"{'cuBLAS bf16, dense':<32}" + "".join(cells), flush=True)
-        plans = [(rows, triton_quant.fma_plan(n // 2 if fused == "swiglu" else n, k, rows, fused == "swiglu",
+        plans = [(rows, triton_fma_gemv.fma_plan(n // 2 if fused == "swiglu" else n, k, rows, fused == "swiglu",
                                               SWEEP_BITS, SWEEP_GROUP, copies[0].words.device)) for rows in SWEEP_ROWS]  # fmt: skip
         print("fma defaults take: " + "; ".join(
             f"{rows} row(s) {plan[0]} columns x {plan[1]} words a step, {plan[2]} blocks x {plan[3]} splits"
@@ -300,7 +302,7 @@ def fma_label(change: dict) -> str:
 
 
 def fma_options(change: dict) -> dict:
-    return {"fma": True, "tile": dataclasses.replace(triton_quant.FMA_TILE, **change)}
+    return {"fma": True, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change)}
 
 
 def first_line(e: Exception) -> str:
@@ -405,7 +407,7 @@ def main_prefill() -> int:
         for rows in PREFILL_SWEEP_ROWS:
             x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
             calls = {
-                "dequantize": cycling(lambda w: triton_quant.dequantize(w, out), copies),
+                "dequantize": cycling(lambda w: triton_dequant.dequantize(w, out), copies),
                 "dequant+cuBLAS": cycling(lambda w: quant.dense_matmul(x, w, scratch), copies),
                 "overlapped": cycling(lambda w: overlapped_matmul(x, w, scratch, side), copies),
                 "tl.dot matmul": cycling(lambda w: triton_quant.matmul(x, w), copies),
@@ -456,7 +458,7 @@ def overlapped_matmul(x: torch.Tensor, w: quant.Packed, scratch: torch.Tensor, s
         with torch.cuda.stream(side):
             if i >= 2:  # (the multiply that read this half before is done)
                 side.wait_event(done[i - 2])
-            dense = triton_quant.dequantize(part, halves[i % 2][: (end - start) * k].view(end - start, k))
+            dense = triton_dequant.dequantize(part, halves[i % 2][: (end - start) * k].view(end - start, k))
             ready.record(side)
         main.wait_event(ready)
         out[:, start:end] = F.linear(x, dense)
@@ -481,7 +483,7 @@ DEQUANT_VARIANTS = [
 
 
 def time_dequantize_blocks() -> None:
-    """us and GB/s (packed read + dense written) of `triton_quant.dequantize`'s variants."""
+    """us and GB/s (packed read + dense written) of `triton_dequant.dequantize`'s variants."""
     _, n, k, _ = PREFILL_SHAPES[2]
     copies = weights(n, k, SWEEP_BITS, SWEEP_GROUP)
     out = torch.empty(n, k, dtype=DTYPE, device="cuda")
@@ -491,9 +493,9 @@ def time_dequantize_blocks() -> None:
     for block, warps, mantissa in DEQUANT_VARIANTS:
         label = f"  {str(block):<12} {warps} {str(mantissa):<5}"
         try:
-            want = triton_quant.dequantize(copies[0], out, block, warps, mantissa).clone()
+            want = triton_dequant.dequantize(copies[0], out, block, warps, mantissa).clone()
             ok = "" if torch.equal(want, copies[0].dequantize(DTYPE)) else "  DIFFERS"
-            us = graph_us(cycling(lambda w: triton_quant.dequantize(w, out, block, warps, mantissa), copies))
+            us = graph_us(cycling(lambda w: triton_dequant.dequantize(w, out, block, warps, mantissa), copies))
             print(f"{label}  {us:>8.1f} {moved / us / 1e3:>6.0f}{ok}", flush=True)
         except Exception as e:  # (a variant that fails to compile: said, and the rest go on)
             print(f"{label}  failed: {first_line(e)}")
@@ -501,7 +503,7 @@ def time_dequantize_blocks() -> None:
 
 def check_prefill(name: str, w: quant.Packed, dense: torch.Tensor, scratch: torch.Tensor, side) -> None:
     n, k = w.shape
-    got = triton_quant.dequantize(w, torch.empty(n, k, dtype=DTYPE, device="cuda"))
+    got = triton_dequant.dequantize(w, torch.empty(n, k, dtype=DTYPE, device="cuda"))
     if not torch.equal(got, dense):
         failures.append(f"{name} dequantize: {int((got != dense).sum())} of {got.numel()} values differ")
     x = torch.randn(PREFILL_ROWS, k, device="cuda", dtype=DTYPE)

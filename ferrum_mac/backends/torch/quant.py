@@ -293,20 +293,20 @@ class QuantLinear:
 def dense_matmul(x: torch.Tensor, weight: Packed, scratch: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x `(M, K)` times the packed W `(N, K)` transposed (+ bias, + residual) -> `(M, N)` by
-    cuBLAS, over W dequantized into `scratch` (`triton_quant.dequantize`, x's dtype): whole
+    cuBLAS, over W dequantized into `scratch` (`triton_dequant.dequantize`, x's dtype): whole
     where it fits, else a slice of W's rows at a time. The residual is cuBLAS's accumulator."""
     with scratch_lock:  # (another model's thread may use the buffer: one stream, so enqueue in turn)
         return _dense_matmul(x, weight, scratch, bias, residual)
 
 
 def _dense_matmul(x, weight: Packed, scratch: torch.Tensor, bias, residual) -> torch.Tensor:
-    from ferrum_mac.backends.torch import triton_quant
+    from ferrum_mac.backends.torch import triton_dequant
 
     n, k = weight.shape
     step = scratch.numel() // k
     assert step > 0 and scratch.dtype == x.dtype
     if step >= n:
-        dense = triton_quant.dequantize(weight, scratch[: n * k].view(n, k))
+        dense = triton_dequant.dequantize(weight, scratch[: n * k].view(n, k))
         if residual is None:
             return F.linear(x, dense, bias)
         if bias is not None:
@@ -318,7 +318,7 @@ def _dense_matmul(x, weight: Packed, scratch: torch.Tensor, bias, residual) -> t
         part = Packed(
             *(t[start:end] for t in (weight.words, weight.scales, weight.biases)), weight.bits, weight.group_size
         )
-        dense = triton_quant.dequantize(part, scratch[: (end - start) * k].view(end - start, k))
+        dense = triton_dequant.dequantize(part, scratch[: (end - start) * k].view(end - start, k))
         out[:, start:end] = F.linear(x, dense, None if bias is None else bias[start:end])
     return out if residual is None else residual + out
 

@@ -33,6 +33,18 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
+def split_buffers(
+    splits: int, blocks: int, shape: tuple[int, ...], like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 partials `(splits, *shape)` and the arrival counters (one a block) of a
+    launch whose `blocks` blocks each split their sum `splits` ways; with no split, `like`
+    for both (a pointer the kernel never reads)."""
+    if splits > 1:
+        assert blocks <= SPLIT_COUNTERS
+        return torch.empty((splits, *shape), dtype=torch.float32, device=like.device), split_counters(like.device)
+    return like, like
+
+
 if triton is not None:
 
     @triton.jit

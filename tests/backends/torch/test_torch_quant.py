@@ -1,4 +1,5 @@
-"""Packed 4-bit and 8-bit weights on the torch backend (`quant`, `triton_quant`).
+"""Packed 4-bit and 8-bit weights on the torch backend (`quant`, and its Triton kernels:
+`triton_quant`, `triton_fma_gemv`, `triton_dequant`).
 
 - Packing changes no value: MLX affine arrays and a real GGUF file's Q4_1 and Q8_0 tensors
   dequantize, packed, to exactly what `mx.dequantize` gives.
@@ -114,7 +115,7 @@ def test_an_unknown_quantization_is_a_one_line_error():
 
 # -- the kernels --------------------------------------------------------------------------------
 
-from ferrum_mac.backends.torch import ops, triton_quant  # noqa: E402
+from ferrum_mac.backends.torch import ops, triton_dequant, triton_fma_gemv, triton_quant  # noqa: E402
 
 kernels = pytest.mark.skipif(triton_quant.triton is None, reason="needs triton")
 
@@ -148,7 +149,7 @@ CASES = [(4, 32, torch.bfloat16), (8, 64, torch.float32), (4, 128, torch.float16
 def test_dot_gemv_equals_the_dequantized_matmul(gpu_like, bits, group, dtype):
     """The tl.dot GEMV, which takes more rows than the FMA one."""
     unpack = "words" if group == 128 else "gather"  # (each way of unpacking a tile, in turn)
-    n, k, rows = 80, 256, triton_quant.FMA_MAX_ROWS + 2
+    n, k, rows = 80, 256, triton_fma_gemv.FMA_MAX_ROWS + 2
     w = packed_random(n, k, bits, group, dtype, seed=bits + group)
     dense = w.dequantize(dtype)
     x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
@@ -177,7 +178,7 @@ def test_dot_gemv_fuses_the_norm_and_swiglu(gpu_like):
 # a tile small enough that these shapes take more than one step of K (the last one partial),
 # and from 2 rows on more than one block of columns (the last one partial); per_sm=0: no
 # smaller blocks or splits for the SMs' sake (the interpreter runs a program at a time)
-SMALL_FMA_TILE = triton_quant.FmaTile(columns=128, row_bytes=64, per_sm=0)
+SMALL_FMA_TILE = triton_fma_gemv.FmaTile(columns=128, row_bytes=64, per_sm=0)
 
 
 @pytest.mark.interpreter
@@ -210,7 +211,7 @@ def test_fma_gemv_equals_the_dequantized_matmul_with_its_fusions(gpu_like, bits,
 def test_fma_gemv_trading_columns_for_longer_rows_equals_the_dequantized_matmul(gpu_like, bits, group):
     """A tile whose columns halve for the SMs' sake (the interpreter's 8) while its rows grow
     to the whole of K: one step a program, its last words past K masked."""
-    tile = triton_quant.FmaTile(columns=64, row_bytes=64, per_sm=4, longer_rows=True)
+    tile = triton_fma_gemv.FmaTile(columns=64, row_bytes=64, per_sm=4, longer_rows=True)
     dtype, k, width = torch.bfloat16, 192, 40
     assert tile.blocks(2 * width, k, 1, False, bits, group, 8) == (8, 256)
     assert tile.blocks(4 * width, k, 1, False, bits, group, 8) == (16, 256)  # (a whole row's program an SM)
@@ -261,7 +262,7 @@ def test_the_dequantize_kernel_gives_packed_dequantizes_bits(gpu_like, bits, gro
     w = packed_random(40, 384, bits, group, dtype, seed=11)
     for mantissa in (False, True):  # (q made a float by a conversion, or in a float's mantissa)
         out = torch.full((40, 384), float("nan"), dtype=dtype, device=DEVICE)
-        assert torch.equal(triton_quant.dequantize(w, out, mantissa=mantissa), w.dequantize(dtype))
+        assert torch.equal(triton_dequant.dequantize(w, out, mantissa=mantissa), w.dequantize(dtype))
 
 
 @pytest.mark.interpreter

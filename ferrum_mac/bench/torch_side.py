@@ -59,6 +59,8 @@ def run_torch_bench(
     prompt = [rng.randrange(llm.config.vocab_size) for _ in range(prompt_tokens)]
 
     result = {"model": label, "device": device_name(device), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens}
+    if reference is None and device.type == "cuda":  # (a reference would count in it too)
+        result["memory_gb"] = loaded_memory_gb(device)
     if reference is not None:
         log("ferrum bench: parity with transformers on the prompt ...")
         result["parity"] = parity(llm, reference, prompt, device)
@@ -174,6 +176,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def loaded_memory_gb(device: torch.device) -> dict:
+    """GPU memory the loaded model holds, and the most its loading held at once."""
+    return {
+        "loaded": round(torch.cuda.memory_allocated(device) / 1e9, 2),
+        "load_peak": round(torch.cuda.max_memory_allocated(device) / 1e9, 2),
+    }
+
+
 def peak_memory_gb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
 
@@ -282,7 +292,13 @@ def decode_bytes_per_token(llm, context: int, quant: str | None = None) -> int:
 
     c = llm.model_config
     size = torch.tensor([], dtype=llm.dtype).element_size()
-    linear = bytes_per_weight(ON_THE_FLY[quant], ON_THE_FLY_GROUP, size) if quant else size
+    packed = c.quantization  # a checkpoint of packed weights, read as such
+    if quant:
+        linear = bytes_per_weight(ON_THE_FLY[quant], ON_THE_FLY_GROUP, size)
+    elif packed:
+        linear = bytes_per_weight(packed["bits"], packed["group_size"], size)
+    else:
+        linear = size
     attention = (
         c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
     )
@@ -311,6 +327,11 @@ def format_report(r: dict, runs: int) -> str:
     )
     for size, rate in r["batched_decode_tps"].items():
         lines.append(f"decode, {size} sequences: {rate:.1f} tok/s in all")
+    if r.get("memory_gb"):
+        m = r["memory_gb"]
+        lines.append(
+            f"GPU memory: {m['loaded']:.2f} GB held once loaded, {m['load_peak']:.2f} GB at most while loading"
+        )
     if r.get("parity"):
         p = r["parity"]
         lines.append(

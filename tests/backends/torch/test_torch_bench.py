@@ -3,6 +3,8 @@ random weights from transformers' classes, parity, both sides timed, roofline, b
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import sys
 
@@ -103,3 +105,7 @@ def test_bytes_per_token_counts_only_what_a_step_reads():
     assert decode_bytes_per_token(fake("qwen3-30b-a3b"), 0) / 1e9 == pytest.approx(6.08, abs=0.01)
     # --quant 4bit: 4 bits and a bf16 scale and bias per 64 weights, of every linear layer
     assert decode_bytes_per_token(fake("qwen3-8b"), 0, "4bit") / 1e9 == pytest.approx(15.14 * 0.5625 / 2, abs=0.01)
+    # a checkpoint of packed weights (4 bits, groups of 64) reads the same as --quant 4bit
+    packed = fake("qwen3-8b")
+    packed.model_config = dataclasses.replace(packed.model_config, quantization={"bits": 4, "group_size": 64})
+    assert decode_bytes_per_token(packed, 0) == decode_bytes_per_token(fake("qwen3-8b"), 0, "4bit")

@@ -4,7 +4,6 @@ random weights from transformers' classes, parity, both sides timed, roofline, b
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import sys
 

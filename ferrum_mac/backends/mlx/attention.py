@@ -21,7 +21,7 @@ from ferrum_mac.backends.mlx import cuda_attention
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
 from ferrum_mac.backends.mlx.memory import on_cuda_gpu
-from ferrum_mac.backends.padding import quarter_octave_above
+from ferrum_mac.backends.padding import power_of_two_above, quarter_octave_above
 from ferrum_mac.weights import ModelConfig
 
 
@@ -53,9 +53,8 @@ class Segment:
     @cached_property
     def padded(self) -> tuple[int, int]:
         """(queries, keys) of its attention padded to few shapes (`Attention._attend_padded`)."""
-        return quarter_octave_above(self.length, PADDED_QUERIES), quarter_octave_above(
-            self.offset + self.length, PADDED_KEYS
-        )
+        queries = power_of_two_above(max(self.length, LEAST_PADDED_QUERIES))
+        return queries, quarter_octave_above(self.offset + self.length, LEAST_PADDED_KEYS)
 
     @cached_property
     def padded_read_rows(self) -> slice | mx.array:
@@ -156,9 +155,10 @@ MLX_CUDA_SAFE_KEYS = 256
 # From this many keys the table kernel beats copying them for MLX's kernel (its launch costs
 # more host time a layer; the copy grows with the keys).
 TABLE_KERNEL_KEYS = 4096
-# A segment of several tokens on CUDA pads its queries and keys to lengths of four an octave
-# from these (`quarter_octave_above`).
-PADDED_QUERIES, PADDED_KEYS = 16, 256
+# A segment of several tokens on CUDA pads its queries to a power of two and its keys to one
+# of four lengths an octave (`quarter_octave_above`), from these: the keys' share of the work
+# grows with them, the queries' padding adds only attention rows.
+LEAST_PADDED_QUERIES, LEAST_PADDED_KEYS = 16, 256
 
 
 class Attention:

@@ -26,7 +26,7 @@ def _ferrum_from_random(shape: str, quant: str):
 def _ferrum_from_path(model: str):
     import ferrum_mac
 
-    llm = ferrum_mac.open_model(model)
+    llm = ferrum_mac.open_model(model, backend="mlx")  # (auto takes torch on an NVIDIA machine)
     source = llm.source.path
     peer = None
     if source.is_dir():

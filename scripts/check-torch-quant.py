@@ -17,9 +17,11 @@ as MLX's 4-bit checkpoints, 32 as GGUF's):
 - the decode step's matmuls summed over Qwen3-8B's 36 layers and its head: the tok/s those
   alone allow (attention, norms and launches come on top)
 - Qwen3-30B-A3B's MoE layer (128 experts, top 8, hidden 2048, intermediate 768) with packed
-  experts: `triton_quant.experts_plus` against torch's gathered route over the chosen experts
-  dequantized, and its microseconds at 1 and 8 tokens (calls cycling through random
-  routings), the chosen experts' packed bytes over that time, beside the bf16 kernels
+  experts: `triton_quant.experts_plus` by each of its routes (the FMA GEMV a token-expert pair
+  at a time, `triton_fma_gemv.fma_expert_gemv`, and the tl.dot kernels) against torch's
+  gathered route over the chosen experts dequantized (its max error), and their microseconds
+  at 1 to 8 tokens (calls cycling through random routings), the FMA route's two kernels alone
+  with the bytes they read (each pair's expert) and their GB/s, beside the bf16 kernels
   (`triton_moe.experts_plus`) on the same routings; x 48 layers: the experts' share of a step
 
 Exits 1 on a mismatch. `--sweep` instead times and checks the decode GEMV alone (4-bit group
@@ -66,7 +68,7 @@ SHAPES = [
 QUANTS = [(4, 64), (4, 32), (8, 64)]  # (bits, group)
 UNPACKS = ("gather", "words")
 MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER, MOE_LAYERS = 128, 8, 2048, 768, 48
-MOE_TOKENS = (1, 8)
+MOE_TOKENS = (1, 2, 4, 8)
 ROWS = (1, 4, 8)
 PREFILL_ROWS = 512
 
@@ -98,11 +100,20 @@ def main() -> int:
             f"{bits:>4} {group:>5}  {name:<15} {us:>8.1f} {flops / us / 1e6:>7.0f}  {dense_us:>14.1f} {dense_us / us:>5.2f}x"
         )
     moe = [time_experts(tokens, bits, group) for tokens in MOE_TOKENS for bits, group in QUANTS]
-    print(f"\nQwen3-30B-A3B MoE layer, experts only (routings cycling)\n{'tokens':>6} {'bits':>4} {'group':>5} "
-          f"{'MB read':>8} {'packed us':>9} {'GB/s':>6} {'bf16 us':>8} {'speedup':>7} {'x48 ms':>7}")  # fmt: skip
-    for tokens, bits, group, read, us, dense_us in moe:
-        print(f"{tokens:>6} {bits:>4} {group:>5} {read / 1e6:>8.2f} {us:>9.2f} {read / us / 1e3:>6.0f} "
-              f"{dense_us:>8.2f} {dense_us / us:>6.2f}x {us * MOE_LAYERS / 1e3:>7.3f}")  # fmt: skip
+    print(f"\nQwen3-30B-A3B MoE layer, experts only (routings cycling; default: triton_quant.experts_plus's "
+          f"route, FMA up to {triton_quant.EXPERT_FMA_MAX_TOKENS} tokens)\n{'tokens':>6} {'bits':>4} {'group':>5} "
+          f"{'MB read':>8} {'fma us':>8} {'GB/s':>6} {'dot us':>8} {'bf16 us':>8} {'speedup':>7} {'x48 ms':>7} "
+          f"{'max err':>8}")  # fmt: skip
+    for tokens, bits, group, read, us, dot_us, dense_us, error, _ in moe:
+        best = min(us, dot_us)
+        print(f"{tokens:>6} {bits:>4} {group:>5} {read / 1e6:>8.2f} {us:>8.2f} {read / us / 1e3:>6.0f} {dot_us:>8.2f} "
+              f"{dense_us:>8.2f} {dense_us / best:>6.2f}x {best * MOE_LAYERS / 1e3:>7.3f} {error:>8.3g}")  # fmt: skip
+    print(f"\nthe FMA route's kernels alone\n{'tokens':>6} {'bits':>4} {'group':>5}  {'kernel':<14} {'MB read':>8} "
+          f"{'us':>8} {'GB/s':>6} {'of peak':>7}")  # fmt: skip
+    for tokens, bits, group, *_, kernels in moe:
+        for name, read, us in kernels:
+            print(f"{tokens:>6} {bits:>4} {group:>5}  {name:<14} {read / 1e6:>8.2f} {us:>8.2f} {read / us / 1e3:>6.0f} "
+                  f"{read / us / 1e3 / PEAK_GBS:>6.0%}")  # fmt: skip
     print(f"\nQwen3-8B decode step, its matmuls alone ({LAYERS} layers + head)")
     for bits, group in QUANTS:
         rows = [r for r in decode if r[:2] == (bits, group)]
@@ -117,8 +128,9 @@ def main() -> int:
 
 
 def time_experts(tokens: int, bits: int, group: int) -> tuple:
-    """(tokens, bits, group, the chosen experts' packed bytes per call, us per call packed, us
-    per call of the bf16 kernels), after checking the packed kernels against torch."""
+    """(tokens, bits, group, the pairs' experts' packed bytes per call, us per call on the FMA
+    route, on the tl.dot one, of the bf16 kernels, the max error against torch, and the FMA
+    route's kernels: (name, bytes, us) each), after checking both routes against torch."""
     E, H, inter = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER
     gate_up = quant.ExpertStack(
         quant.quantize(torch.randn(E * 2 * inter, H, device="cuda", dtype=DTYPE) * H**-0.5, bits, group), E, DTYPE
@@ -136,19 +148,30 @@ def time_experts(tokens: int, bits: int, group: int) -> tuple:
     rows = x.repeat_interleave(MOE_TOP_K, dim=0)[:, :, None]
     a = pointwise.torch_swiglu(torch.bmm(gate_up.chosen(chosen), rows)[..., 0], weights.reshape(-1, 1))
     want = residual + torch.bmm(down.chosen(chosen), a[:, :, None])[..., 0].view(tokens, MOE_TOP_K, H).sum(dim=1)
-    compare(
-        f"moe {bits}-bit g{group} tokens={tokens}",
-        triton_quant.experts_plus(x, ids, weights, gate_up, down, residual),
-        want,
+    error = 0.0
+    for fma in (True, False):
+        got = triton_quant.experts_plus(x, ids, weights, gate_up, down, residual, fma=fma)
+        compare(f"moe {bits}-bit g{group} tokens={tokens} {'fma' if fma else 'dot'}", got, want)
+        error = max(error, (got.float() - want.float()).abs().max().item())
+    us, dot_us = (
+        graph_us(cycling(lambda r: triton_quant.experts_plus(x, r, weights, gate_up, down, residual, fma=f), routings))
+        for f in (True, False)
     )
-    us = graph_us(cycling(lambda r: triton_quant.experts_plus(x, r, weights, gate_up, down, residual), routings))
     dense_gate_up, dense_down = gate_up.dense(), down.dense()
     dense_us = graph_us(
         cycling(lambda r: triton_moe.experts_plus(x, r, weights, dense_gate_up, dense_down, residual), routings)
     )
-    experts_read = sum(r.unique().numel() for r in routings) / len(routings)
+    pairs = tokens * MOE_TOP_K  # (the FMA route reads each pair's expert)
+    fma = triton_fma_gemv.fma_expert_gemv
+    activations = fma(x, ids, gate_up.packed, E, pair_weights=weights)
+    kernels = [
+        ("gate_up+swiglu", pairs * gate_up.packed.nbytes / E,
+         graph_us(cycling(lambda r: fma(x, r, gate_up.packed, E, pair_weights=weights), routings))),
+        ("down+sum+res", pairs * down.packed.nbytes / E,
+         graph_us(cycling(lambda r: fma(activations, r, down.packed, E, residual=residual), routings))),
+    ]  # fmt: skip
     per_expert = (gate_up.packed.nbytes + down.packed.nbytes) / E
-    return tokens, bits, group, experts_read * per_expert, us, dense_us
+    return tokens, bits, group, pairs * per_expert, us, dot_us, dense_us, error, kernels
 
 
 def weights(n: int, k: int, bits: int, group: int) -> list[quant.Packed]:

@@ -26,8 +26,8 @@ import torch
 from ferrum_mac.backends.torch.quant import Packed
 from ferrum_mac.backends.torch.triton_gemv import gemv_splits
 from ferrum_mac.backends.torch.triton_ops import multiprocessors
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
-from ferrum_mac.backends.torch.triton_splits import split_buffers
+from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, PDL_MAX_BYTES, launch_options, pdl_for, prefetch_lines
+from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_buffers, split_counters
 
 try:
     import triton
@@ -112,15 +112,64 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
     word_stride = k * weight.bits // 32
     partials, counters = split_buffers(splits, column_blocks, (rows, n_all), x)
     pdl = tile.pdl and pdl_for(x.device, weight.words)
-    _qgemv_fma_kernel[(column_blocks, splits)](
+    _qgemv_fma_kernel[(column_blocks, splits, 1)](
         x, weight.words, weight.scales, weight.biases, x if norm_weight is None else norm_weight,
         x if bias is None else bias, x if residual is None else residual.contiguous(), out, partials, counters,
-        rows, n, k, word_stride, k // weight.group_size, words_per_split, splits, eps, FLOAT_2_23,  # (x: any pointer, never read)
+        x, x, rows, n, k, word_stride, k // weight.group_size, words_per_split, splits, eps, FLOAT_2_23, 0, 1,  # (x: any pointer, never read)
         ROWS=triton.next_power_of_2(rows), BITS=weight.bits, GROUP=weight.group_size,
         HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=tile.prefetch, NORM_BLOCK=FMA_NORM_BLOCK,
         PDL=pdl, PREFETCH_LINES=prefetch_lines(block_n, words_per_split, 4) if pdl else 0, LINE_ELEMENTS=LINE_BYTES // 4,
-        num_warps=tile.warps, num_stages=1, **launch_options(pdl),
+        IDS=False, SUM_PAIRS=False, num_warps=tile.warps, num_stages=1, **launch_options(pdl),
+    )  # fmt: skip
+    return out
+
+
+def fma_expert_gemv(x: torch.Tensor, ids: torch.Tensor, weight: Packed, experts: int,
+                    pair_weights: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                    splits: int | None = None, tile: FmaTile = FMA_TILE) -> torch.Tensor:  # fmt: skip
+    """`fma_gemv` of each token-expert pair over its expert's rows of a stack of `experts`
+    packed experts (`weight`: `(experts * out, in)`), the expert read on the device from `ids`
+    `(T, k)` (no host sync). Either gate_up with SwiGLU (`pair_weights` `(T, k)` given): x
+    `(T, in)`, each pair taking its token's row -> `(T * k, out / 2)`, silu(gate) * up * the
+    pair's router weight, rounded as `triton_moe._swiglu_as_torch` rounds; or down
+    (`residual` `(T, out)` given): x `(T * k, in)`, a row a pair -> residual + the sum of each
+    token's k pairs' products `(T, out)`, each pair's product rounded to x's dtype, then their
+    sum, then the residual add (where torch's gathered route rounds them). `splits` of K: by
+    default as `fma_plan` chooses for the pairs' columns side by side."""
+    swiglu = pair_weights is not None
+    assert swiglu != (residual is not None)
+    tokens, top_k = ids.shape
+    pairs = tokens * top_k
+    n_all, k = weight.shape
+    n_all //= experts
+    n = n_all // 2 if swiglu else n_all
+    assert x.shape == ((tokens if swiglu else pairs), k) and ids.is_contiguous()
+    x = x.contiguous()
+    out = torch.empty((pairs if swiglu else tokens, n), dtype=x.dtype, device=x.device)
+    # the pairs' columns side by side, as one wide weight, for the tile's rule of programs an SM
+    plan = fma_plan(pairs * n, k, 1, swiglu, weight.bits, weight.group_size, x.device, tile, splits)
+    block_n, block_w, _, splits, _ = plan
+    words = k * weight.bits // 32
+    block_w = min(block_w, triton.next_power_of_2(words))  # (a small expert's rows: no step past them)
+    splits, words_per_split = gemv_splits(1, words, block_w, x.device, splits)
+    column_blocks = triton.cdiv(n, block_n)
+    partials, counters = x, x  # (none: each program finishes its own columns)
+    if splits > 1 or not swiglu:  # (down: a token's pairs add up as splits do)
+        assert (pairs if swiglu else tokens) * column_blocks <= SPLIT_COUNTERS
+        partials = torch.empty((splits, pairs, n_all), dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device)
+    read = pairs * weight.nbytes // experts
+    pdl = tile.pdl and pdl_for(x.device) and read <= PDL_MAX_BYTES
+    _qgemv_fma_kernel[(column_blocks, splits, pairs)](
+        x, weight.words, weight.scales, weight.biases, x, x, x if residual is None else residual.contiguous(), out,
+        partials, counters, ids, x if pair_weights is None else pair_weights.contiguous(),
+        1, n, k, words, k // weight.group_size, words_per_split, splits, 0.0, FLOAT_2_23, n_all,
+        top_k,  # (x: any pointer, never read)
+        ROWS=1, BITS=weight.bits, GROUP=weight.group_size, HAS_NORM=False, HAS_BIAS=False, HAS_RESIDUAL=not swiglu,
+        SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=tile.prefetch,
+        NORM_BLOCK=FMA_NORM_BLOCK, PDL=pdl, PREFETCH_LINES=0, LINE_ELEMENTS=LINE_BYTES // 4,
+        IDS=True, SUM_PAIRS=not swiglu, num_warps=tile.warps, num_stages=1, **launch_options(pdl),
     )  # fmt: skip
     return out
 
@@ -145,18 +194,21 @@ def fma_plan(n: int, k: int, rows: int, swiglu: bool, bits: int, group: int, dev
 
 if triton is not None:
     from ferrum_mac.backends.torch.triton_gemv import finish_split_gemv
+    from ferrum_mac.backends.torch.triton_moe import _swiglu_as_torch
     from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
+    from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
 
     # `rows` stays a runtime value: Triton would make a 1 a constant, which `finish_split_gemv`
     # then multiplies with the runtime `n` as if both were
     @triton.jit(do_not_specialize=["rows"])
     def _qgemv_fma_kernel(
         x_ptr, words_ptr, scales_ptr, biases_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, partials_ptr,
-        counters_ptr, rows, n, k, word_stride, group_stride, words_per_split, splits, eps, float_2_23,
+        counters_ptr, ids_ptr, pair_weights_ptr, rows, n, k, word_stride, group_stride, words_per_split, splits, eps,
+        float_2_23, expert_rows, top_k,
         ROWS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
-        PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
+        PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr, IDS: tl.constexpr, SUM_PAIRS: tl.constexpr,
     ):  # fmt: skip
         # One program per (block of BLOCK_N output columns, split of K), as `triton_quant`'s
         # _qgemv_kernel, but no tl.dot: per step a (BLOCK_N, BLOCK_W) tile of words (a
@@ -168,7 +220,10 @@ if triton is not None:
         # the per-group sums (a small shuffle a step). The sizes the compiler needs known
         # (strides, the split) are ints it specializes as multiples of 16. x's rows are ROWS
         # (a power of 2 up to 4), each with its own sums (acc0..acc3, up0..up3), padding rows
-        # masked.
+        # masked. IDS (`fma_expert_gemv`): a third grid axis of token-expert pairs, each program
+        # over its pair's expert's rows of the stacked weight (`expert_rows` a expert) and its
+        # pair's row of x (its token's with SWIGLU, `top_k` pairs a token), finished by
+        # `finish_pair`.
         per_word: tl.constexpr = 32 // BITS
         block, split = tl.program_id(0), tl.program_id(1)
         columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -184,6 +239,16 @@ if triton is not None:
             if SWIGLU:
                 prefetch_rows(rows_ptr + n * word_stride, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
         wait_for_previous(PDL)
+        if IDS:  # (after the wait: the ids are the kernel before's)
+            pair = tl.program_id(2)
+            first_row = tl.load(ids_ptr + pair).to(tl.int64) * expert_rows
+            words_ptr += first_row * word_stride
+            scales_ptr += first_row * group_stride
+            biases_ptr += first_row * group_stride
+            if SWIGLU:  # (the token's row)
+                x_ptr += (pair // top_k).to(tl.int64) * k
+            else:
+                x_ptr += pair.to(tl.int64) * k
         inv0 = row_inverse_rms(x_ptr, 0, rows, k, eps, HAS_NORM, NORM_BLOCK)
         inv1 = row_inverse_rms(x_ptr, 1, rows, k, eps, HAS_NORM and ROWS > 1, NORM_BLOCK)
         inv2 = row_inverse_rms(x_ptr, 2, rows, k, eps, HAS_NORM and ROWS > 2, NORM_BLOCK)
@@ -255,15 +320,63 @@ if triton is not None:
                 acc2, up2 = plus_groups(acc2, up2, sums2, ups2, xs2, s, b, up_s, up_b, SWIGLU)
                 acc3, up3 = plus_groups(acc3, up3, sums3, ups3, xs3, s, b, up_s, up_b, SWIGLU)
 
-        row_ids = tl.arange(0, ROWS)
-        live = row_ids < rows
-        acc = rows_stacked(row_ids, acc0, acc1, acc2, acc3)
-        up_acc = rows_stacked(row_ids, up0, up1, up2, up3)
-        finish_split_gemv(
-            acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
-            bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
-            n, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
-        )  # fmt: skip
+        if IDS:
+            finish_pair(acc0, up0, partials_ptr, counters_ptr, pair_weights_ptr, residual_ptr, out_ptr, block,
+                        split, splits, pair, top_k, columns, inside, n, SWIGLU, SPLIT, SUM_PAIRS)  # fmt: skip
+        else:
+            row_ids = tl.arange(0, ROWS)
+            live = row_ids < rows
+            acc = rows_stacked(row_ids, acc0, acc1, acc2, acc3)
+            up_acc = rows_stacked(row_ids, up0, up1, up2, up3)
+            finish_split_gemv(
+                acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
+                bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+                n, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
+            )  # fmt: skip
+
+    @triton.jit
+    def finish_pair(acc, up_acc, partials_ptr, counters_ptr, pair_weights_ptr, residual_ptr, out_ptr, block, split,
+                    splits, pair, top_k, columns, inside, n, SWIGLU: tl.constexpr, SPLIT: tl.constexpr,
+                    SUM_PAIRS: tl.constexpr):  # fmt: skip
+        """A pair's float32 sums of its columns (one split's) -> the output. SWIGLU: the
+        pair's activation, silu(gate) * up * its router weight (the last of its splits to
+        arrive adds them up first). SUM_PAIRS: the last of the token's pairs and splits to
+        arrive sums, per pair in split order, rounds each pair's product, adds them up in
+        slot order, rounds, adds the residual. Partials `(splits, pairs, width)`, a counter a
+        (pair or token, block)."""
+        pairs = tl.num_programs(2)
+        width = 2 * n if SWIGLU else n
+        split_stride = pairs * width
+        here = pair * width + columns
+        if SWIGLU:
+            if SPLIT:
+                tl.store(partials_ptr + split * split_stride + here, acc, mask=inside)
+                tl.store(partials_ptr + split * split_stride + n + here, up_acc, mask=inside)
+                if arrived_last(counters_ptr + pair * tl.num_programs(0) + block, splits):
+                    acc = sum_of_splits(partials_ptr, here, inside, splits, split_stride)
+                    up_acc = sum_of_splits(partials_ptr, n + here, inside, splits, split_stride)
+                    _store_weighted_swiglu(acc, up_acc, pair_weights_ptr, out_ptr, pair, columns, inside, n)
+            else:
+                _store_weighted_swiglu(acc, up_acc, pair_weights_ptr, out_ptr, pair, columns, inside, n)
+        if SUM_PAIRS:
+            token = pair // top_k
+            tl.store(partials_ptr + split * split_stride + here, acc, mask=inside)
+            if arrived_last(counters_ptr + token * tl.num_programs(0) + block, splits * top_k):
+                dtype = out_ptr.dtype.element_ty
+                total = tl.zeros_like(acc)
+                for slot in range(top_k):
+                    product = sum_of_splits(partials_ptr, (token * top_k + slot) * width + columns, inside, splits,
+                                            split_stride)  # fmt: skip
+                    total += product.to(dtype).to(tl.float32)
+                residual = tl.load(residual_ptr + token * n + columns, mask=inside, other=0.0).to(tl.float32)
+                out = total.to(dtype).to(tl.float32) + residual
+                tl.store(out_ptr + token * n + columns, out.to(dtype), mask=inside)
+
+    @triton.jit
+    def _store_weighted_swiglu(gate, up, pair_weights_ptr, out_ptr, pair, columns, inside, n):
+        weight = tl.load(pair_weights_ptr + pair).to(tl.float32)
+        out = _swiglu_as_torch(gate, up, weight, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + pair * n + columns, out, mask=inside)
 
     @triton.jit
     def packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, w_end, word_stride, group_stride,

@@ -10,7 +10,9 @@ packed and dequantized in registers, never stored dense.
 - `matmul`: any number of rows, a tile of the weight dequantized per step of K and
   multiplied with tl.dot (from `quant.DENSE_MIN_ROWS` rows prefill takes
   `triton_dequant.dequantize`, the whole weight written dense for cuBLAS, instead).
-- `experts_plus`: `triton_moe.experts_plus`'s two kernels over packed experts.
+- `experts_plus`: `triton_moe.experts_plus` over packed experts: for a decode step's few
+  tokens the FMA GEMV a token-expert pair at a time (the expert's id read on the device),
+  for more the two tl.dot kernels here.
 
 The tl.dot kernels dequantize a tile as `scale * q + bias` in float32 and round it once to x's
 dtype, as `Packed.dequantize(x.dtype)` rounds the dense weight, so they compute the matmul
@@ -29,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ferrum_mac.backends.torch.quant import ExpertStack, Packed
-from ferrum_mac.backends.torch.triton_fma_gemv import FMA_MAX_ROWS, FMA_TILE, FmaTile, fma_gemv
+from ferrum_mac.backends.torch.triton_fma_gemv import FMA_MAX_ROWS, FMA_TILE, FmaTile, fma_expert_gemv, fma_gemv
 from ferrum_mac.backends.torch.triton_gemv import gemv_splits
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_buffers, split_counters
@@ -47,6 +49,9 @@ GEMV_STAGES = 1  # (more stages gave no gain on the H100 and run out of shared m
 MATMUL_NARROW, MATMUL_WIDE = (64, 64, 64, 4, 3), (128, 128, 64, 8, 3)
 MATMUL_WIDE_ROWS = 256
 UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H100)
+# At most this many tokens' experts take the FMA GEMV a pair at a time (each pair reads its
+# expert, however many tokens share it); more take the tl.dot kernels (an expert read once).
+EXPERT_FMA_MAX_TOKENS = 4
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -112,9 +117,15 @@ def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
 
 
 def experts_plus(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ExpertStack,
-                 down: ExpertStack, residual: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                 down: ExpertStack, residual: torch.Tensor, fma: bool | None = None) -> torch.Tensor:  # fmt: skip
     """`triton_moe.experts_plus` over packed experts: residual + the router-weighted sum of
-    each token's chosen experts' SwiGLU MLPs, x `(T, H)`, ids/weights `(T, k)` -> `(T, H)`."""
+    each token's chosen experts' SwiGLU MLPs, x `(T, H)`, ids/weights `(T, k)` -> `(T, H)`.
+    `fma` (by default up to EXPERT_FMA_MAX_TOKENS tokens): a pair at a time through the FMA
+    GEMV (`triton_fma_gemv.fma_expert_gemv`), else the tl.dot kernels, which read an expert
+    once for all the tokens that chose it."""
+    if fma if fma is not None else x.shape[0] <= EXPERT_FMA_MAX_TOKENS:
+        activations = fma_expert_gemv(x, ids, gate_up.packed, gate_up.experts, pair_weights=weights)
+        return fma_expert_gemv(activations, ids, down.packed, down.experts, residual=residual)
     return expert_down_sum_plus(expert_gate_up_swiglu(x, ids, weights, gate_up), ids, down, residual)
 
 

@@ -115,7 +115,7 @@ def test_an_unknown_quantization_is_a_one_line_error():
 
 # -- the kernels --------------------------------------------------------------------------------
 
-from ferrum_mac.backends.torch import ops, triton_dequant, triton_fma_gemv, triton_quant  # noqa: E402
+from ferrum_mac.backends.torch import ops, triton_dequant, triton_fma_gemv, triton_quant, triton_splits  # noqa: E402
 
 kernels = pytest.mark.skipif(triton_quant.triton is None, reason="needs triton")
 
@@ -334,25 +334,49 @@ class _RowsOf:
         return lambda *args: method(*(cut(a) for a in args))
 
 
-@pytest.mark.interpreter
-@kernels
-def test_packed_experts_kernels_equal_torchs_route_over_them(gpu_like):
-    """gate_up + SwiGLU and down + sum over k + residual over packed experts, against the
-    gathered route over the same experts dequantized (tokens sharing experts included)."""
+# experts repeated across tokens, and among a token's top k (the 4th: no router chooses so,
+# but the FMA route takes it)
+EXPERT_IDS = [[0, 3, 5, 7], [3, 1, 0, 6], [2, 4, 5, 1], [7, 7, 0, 2]]
+# a small tile, so that K splits in two at these shapes (the interpreter's SMs give no split)
+EXPERT_FMA_TILE = triton_fma_gemv.FmaTile(columns=64, row_bytes=32, per_sm=0)
+
+
+def gathered_experts(x, ids, weights, gate_up, down, residual):
+    """The pairs' activations and residual + their sum per token, as torch's gathered route."""
     from ferrum_mac.backends.torch.pointwise import torch_swiglu
 
-    dtype, experts, hidden, inter, k = torch.bfloat16, 8, 64, 32, 4
-    gate_up = quant.ExpertStack(packed_random(experts * 2 * inter, hidden, 4, 32, dtype, 5), experts, dtype)
-    down = quant.ExpertStack(packed_random(experts * hidden, inter, 8, 32, dtype, 6), experts, dtype)
-    x, residual = torch.randn(3, hidden, dtype=dtype, device=DEVICE), torch.randn(3, hidden, dtype=dtype, device=DEVICE)
-    ids = torch.tensor([[0, 3, 5, 7], [3, 1, 0, 6], [2, 4, 5, 1]], dtype=torch.int32, device=DEVICE)
-    weights = torch.softmax(torch.randn(3, k, device=DEVICE), dim=-1).to(dtype)
-    chosen = ids.reshape(-1).long()
+    (tokens, k), chosen = ids.shape, ids.reshape(-1).long()
     rows = x.repeat_interleave(k, dim=0)[:, :, None]
     a = torch_swiglu(torch.bmm(gate_up.chosen(chosen), rows)[..., 0], weights.reshape(-1, 1))
-    assert_near(triton_quant.expert_gate_up_swiglu(x, ids, weights, gate_up), a, dtype)
-    want = residual + torch.bmm(down.chosen(chosen), a[:, :, None])[..., 0].view(3, k, hidden).sum(dim=1)
-    assert_near(triton_quant.experts_plus(x, ids, weights, gate_up, down, residual), want, dtype)
+    return a, residual + torch.bmm(down.chosen(chosen), a[:, :, None])[..., 0].view(tokens, k, -1).sum(dim=1)
+
+
+@pytest.mark.interpreter
+@kernels
+@pytest.mark.parametrize("bits,group,dtype", [(4, 32, torch.bfloat16), (8, 64, torch.float32)])
+def test_packed_experts_kernels_equal_torchs_route_over_them(gpu_like, bits, group, dtype):
+    """gate_up + SwiGLU and down + sum over k + residual over packed experts, against the
+    gathered route over the same experts dequantized, for 1 to 4 tokens: the FMA GEMV a pair at
+    a time (K whole and split) and the tl.dot kernels."""
+    experts, hidden, inter, k = 8, 128, 64 if group == 64 else 32, 4
+    gate_up = quant.ExpertStack(packed_random(experts * 2 * inter, hidden, bits, group, dtype, 5), experts, dtype)
+    down = quant.ExpertStack(packed_random(experts * hidden, inter, bits, group, dtype, 6), experts, dtype)
+    for tokens, splits in ((1, 2), (3, None), (4, 2)):
+        x, residual = (torch.randn(tokens, hidden, dtype=dtype, device=DEVICE) for _ in range(2))
+        ids = torch.tensor(EXPERT_IDS[:tokens], dtype=torch.int32, device=DEVICE)
+        weights = torch.softmax(torch.randn(tokens, k, device=DEVICE), dim=-1).to(dtype)
+        a, want = gathered_experts(x, ids, weights, gate_up, down, residual)
+        fma = triton_fma_gemv.fma_expert_gemv
+        got_a = fma(x, ids, gate_up.packed, experts, pair_weights=weights, splits=splits, tile=EXPERT_FMA_TILE)
+        assert_near(got_a, a, dtype)
+        assert_near(
+            fma(a, ids, down.packed, experts, residual=residual, splits=splits, tile=EXPERT_FMA_TILE), want, dtype
+        )
+        if tokens == 3:  # (the entry point: the FMA route, and the tl.dot one)
+            assert_near(triton_quant.experts_plus(x, ids, weights, gate_up, down, residual), want, dtype)
+            assert_near(triton_quant.expert_gate_up_swiglu(x, ids, weights, gate_up), a, dtype)
+            assert_near(triton_quant.experts_plus(x, ids, weights, gate_up, down, residual, fma=False), want, dtype)
+    assert not triton_splits.split_counters(DEVICE).any()  # (every split's last program reset its counter)
 
 
 # -- whole models -------------------------------------------------------------------------------
@@ -505,6 +529,41 @@ def test_a_decode_steps_moe_block_over_packed_experts_equals_torchs(quantized_mo
     torch.manual_seed(0)
     x, residual = (torch.randn(2, c.config.hidden_size) for _ in range(2))
     assert_near(ops.TritonOps().sparse_moe(moe, x, residual), ops.Ops().sparse_moe(moe, x, residual), torch.float32)
+
+
+class _MoeOnTriton(ops.TritonOps):
+    """Torch's ops but for the MoE blocks: Triton's there (on the CPU, under the interpreter)."""
+
+    triton = False  # attention stays torch's
+    rms_norm, swiglu, attention = ops.Ops.rms_norm, ops.Ops.swiglu, ops.Ops.attention
+
+    def __init__(self):
+        super().__init__(gemv=frozenset())
+
+
+@pytest.mark.interpreter
+@kernels
+def test_a_packed_moes_greedy_decode_on_the_fma_experts_gives_torchs_tokens(quantized_moe, gpu_like, monkeypatch):
+    """The tiny Qwen3-MoE, 4-bit experts: greedy decode with its MoE blocks on Triton (the FMA
+    GEMV a token-expert pair at a time) gives the torch route's tokens, and nearly its logits."""
+    from ferrum_mac.backends.torch import steps
+
+    c = quantized_moe
+    llm = TorchLLM(Checkpoint(c.config, dict(c.tensors), c.path, c.format), dtype="float32", device="cpu", packed=True)
+    prompt, runs = [1, 40, 26, 35, 4], []
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    want = ferrum_greedy(llm, "torch", prompt, 6), llm.decode("torch", 3, len(prompt) + 5)
+    llm.reset()  # drops the decode steps: the next run makes its own
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: _MoeOnTriton())
+    fma = triton_fma_gemv.fma_expert_gemv
+    wide = triton_fma_gemv.FmaTile(columns=256, per_sm=0)  # (fewer programs: the interpreter runs one at a time)
+    monkeypatch.setattr(
+        triton_quant, "fma_expert_gemv", lambda *args, **kw: runs.append(1) or fma(*args, **kw, tile=wide)
+    )
+    got = ferrum_greedy(llm, "triton", prompt, 6), llm.decode("triton", 3, len(prompt) + 5)
+    assert runs, "the experts ran on the FMA GEMV"
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
 
 
 def test_the_smollm2_gguf_packed_equals_it_dequantized(smollm2_gguf):

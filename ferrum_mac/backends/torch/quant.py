@@ -235,7 +235,15 @@ class ExpertStack:
         return self.experts, rows // self.experts, k
 
     def dense(self) -> torch.Tensor:
-        return self.packed.dequantize(self.dtype).view(self.shape)
+        """Every expert dense (a prompt's grouped route): on CUDA written by the Triton
+        dequantizer, with no float32 copy of the stack on the way (the same values)."""
+        words = self.packed.words
+        if not runs_triton(words):
+            return self.packed.dequantize(self.dtype).view(self.shape)
+        from ferrum_mac.backends.torch import triton_dequant
+
+        out = torch.empty(self.packed.shape, dtype=self.dtype, device=words.device)
+        return triton_dequant.dequantize(self.packed, out).view(self.shape)
 
     def chosen(self, ids: torch.Tensor) -> torch.Tensor:
         """`(len(ids), out, in)`: expert ids[i]'s weight at i (ids on the device: no host sync)."""

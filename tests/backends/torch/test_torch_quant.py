@@ -379,6 +379,16 @@ def test_packed_experts_kernels_equal_torchs_route_over_them(gpu_like, bits, gro
     assert not triton_splits.split_counters(DEVICE).any()  # (every split's last program reset its counter)
 
 
+@pytest.mark.interpreter
+@kernels
+def test_packed_experts_dense_on_cuda_are_the_dequantizers_bits(gpu_like, monkeypatch):
+    """A prompt's grouped route takes every expert dense: by the Triton dequantizer where it
+    runs, the same bits as `Packed.dequantize`."""
+    monkeypatch.setattr(quant, "runs_triton", lambda x: True)
+    stack = quant.ExpertStack(packed_random(4 * 32, 128, 4, 64, torch.bfloat16, 7), 4, torch.bfloat16)
+    assert torch.equal(stack.dense(), stack.packed.dequantize(torch.bfloat16).view(4, 32, 128))
+
+
 # -- whole models -------------------------------------------------------------------------------
 
 # MLX-style overrides: layer 1's v_proj in 8 bits (its fused qkv mixes bits: dequantized at

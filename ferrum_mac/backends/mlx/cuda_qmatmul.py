@@ -3,7 +3,8 @@
 MLX's `quantized_matmul` runs one row as a matrix-vector kernel, but from two rows on it
 switches to a tiled matrix-matrix kernel that, at decode sizes, reads the weight slower than
 the vector kernel reads it for one row, so a batch of 8 spent much of its step there
-(docs/BENCHMARKS.md, MLX CUDA session 4). This kernel reads each packed weight word once for
+(docs/BENCHMARKS.md, MLX CUDA session 4); and for one row of a large widening weight the
+vector kernel is slower than this one. This kernel reads each packed weight word once for
 all rows: a warp takes one or two output rows (`launch_shape`), its lanes walk the rows'
 packed words (coalesced, eight words a lane loaded before any is used), dequantize each word
 once and multiply it with every input row.
@@ -21,7 +22,10 @@ from ferrum_mac.backends.mlx.memory import on_cuda_gpu
 from ferrum_mac import settings
 
 MAX_ROWS = 8  # the input rows of one call are held in registers: up to this many
-MIN_ROWS = 2  # one row: MLX's own vector kernel
+# One row takes MLX's vector kernel but where this one reads faster: a widening weight of at
+# least this many values (Qwen3-8B's qkv and gate_up, the heads), not a small or narrowing one
+# (docs/BENCHMARKS.md, MLX CUDA, 2026-11-24).
+ONE_ROW_MIN_WEIGHTS = 1 << 24
 WARPS = 4  # per block, when the output has rows enough to fill the GPU so
 ROWS_PER_WARP = 2  # output rows a warp computes from one read of its inputs, likewise
 BLOCKS_WANTED = 264  # two per SM of an H100: narrower outputs get smaller blocks
@@ -135,7 +139,8 @@ def _kernel():
 def runs(rows: int, out_dim: int, in_dim: int, group_size: int, bits: int) -> bool:
     """Whether `quantized_matmul` takes `rows` rows of a linear of this format here."""
     return (
-        ENABLED and MIN_ROWS <= rows <= MAX_ROWS and bits in (4, 8)
+        ENABLED and 1 <= rows <= MAX_ROWS and bits in (4, 8)
+        and (rows > 1 or (out_dim > in_dim and out_dim * in_dim >= ONE_ROW_MIN_WEIGHTS))
         and not (rows >= TILED_ROWS and out_dim >= TILED_MIN_OUT)
         and in_dim % group_size == 0 and in_dim % 32 == 0 and on_cuda_gpu()
     )  # fmt: skip

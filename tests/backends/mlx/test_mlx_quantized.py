@@ -187,3 +187,16 @@ def test_quantized_is_close_to_the_dense_model_only_loosely(converted, zoo):
     assert rel_err(mlx_lm_logits(q4, PROMPT), dense_qwen2) > 0.05
     assert rel_err(mlx_lm_logits(q8, PROMPT), dense_tied) < 0.1
     assert np.argmax(to_np(mlx_lm_logits(q8, PROMPT))[-1]) == np.argmax(to_np(dense_tied)[-1])
+
+
+def test_one_row_takes_the_few_row_kernel_only_where_it_reads_faster(monkeypatch):
+    """On CUDA one row of a large widening weight (Qwen3-8B's gate_up, a head) takes the
+    few-row kernel; a square, narrowing or small weight keeps MLX's vector kernel."""
+    from ferrum_mac.backends.mlx import cuda_qmatmul
+
+    monkeypatch.setattr(cuda_qmatmul, "on_cuda_gpu", lambda: True)
+    assert cuda_qmatmul.runs(1, 24576, 4096, 64, 4) and cuda_qmatmul.runs(1, 151936, 2048, 64, 4)
+    assert not cuda_qmatmul.runs(1, 4096, 4096, 64, 4)  # o_proj
+    assert not cuda_qmatmul.runs(1, 4096, 12288, 64, 4)  # down
+    assert not cuda_qmatmul.runs(1, 5120, 2048, 64, 4)  # Qwen3-30B-A3B's qkv: small
+    assert cuda_qmatmul.runs(2, 4096, 4096, 64, 4)  # two rows: always (MLX's tiled kernel is slower)

@@ -1,9 +1,10 @@
 """Where a cached prompt's first token goes, on the MLX backend (a GPU run).
 
-    python scripts/probe-mlx-prefix-ttft.py [--shape qwen3-8b] [--prefix 16000] [--new 200]
+    python scripts/probe-mlx-prefix-ttft.py [--shape qwen3-8b] [--prefix 16000] [--new 200,200,201,237,300]
 
-Random weights of the shape; a prompt of `prefix` tokens is prefilled and remembered, then a
-prompt sharing it plus `new` tokens is timed: the lookup (`kv_reuse`), the prefill of the new
+Random weights of the shape; a prompt of `prefix` tokens is prefilled and remembered, then
+prompts sharing it plus each `new` count of tokens in turn are timed (a count not seen before
+shows what a new attention shape costs on CUDA): the lookup (`kv_reuse`), the prefill of the new
 tokens and the first token read; whether the sequence's blocks are consecutive (a slice) or
 not (a gather per layer). Then the attention of such a chunk alone over `prefix` keys.
 """
@@ -22,7 +23,7 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-8b")
     parser.add_argument("--quant", default="bf16")
     parser.add_argument("--prefix", type=int, default=16000)
-    parser.add_argument("--new", type=int, default=200)
+    parser.add_argument("--new", default="200,200,200,200", help="Comma-separated new token counts, one run each.")
     args = parser.parse_args()
 
     from ferrum_mac.bench.prefix import model_opener
@@ -32,7 +33,6 @@ def main() -> None:
     vocab = model.config.vocab_size
     rng = random.Random(0)
     prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
-    print(f"{label}: prefix {args.prefix}, new {args.new}, device {mx.default_device()}")
 
     t = time.perf_counter()
     mx.eval(model.prefill("a", prefix))
@@ -40,8 +40,10 @@ def main() -> None:
     model.kv_remember("a", prefix)
     model.release("a")
 
-    for run in range(4):
-        new = [rng.randrange(vocab) for _ in range(args.new)]
+    counts = [int(n) for n in args.new.split(",")]
+    print(f"{label}: prefix {args.prefix}, new {counts}, device {mx.default_device()}")
+    for run, count in enumerate(counts):
+        new = [rng.randrange(vocab) for _ in range(count)]
         cid = f"b{run}"
         mx.synchronize()
         t0 = time.perf_counter()
@@ -52,9 +54,9 @@ def main() -> None:
         token = mx.argmax(logits).item()
         t3 = time.perf_counter()
         seq = model.kv.caches[cid]
-        consecutive = seq.first_row_if_consecutive(0, args.prefix + args.new) is not None
+        consecutive = seq.first_row_if_consecutive(0, args.prefix + count) is not None
         print(
-            f"run {run}: cached {reuse.cached}, lookup {1e3 * (t1 - t0):.1f} ms, build {1e3 * (t2 - t1):.1f} ms, "
+            f"run {run}: new {count}, cached {reuse.cached}, lookup {1e3 * (t1 - t0):.1f} ms, build {1e3 * (t2 - t1):.1f} ms, "
             f"compute+read {1e3 * (t3 - t2):.1f} ms, total {1e3 * (t3 - t0):.1f} ms, consecutive {consecutive}, token {token}"
         )
         model.release(cid)
@@ -62,10 +64,10 @@ def main() -> None:
     cfg = model.model_config
     heads, kv_heads, dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = mx.bfloat16
-    q = mx.random.normal((1, heads, args.new, dim)).astype(dtype)
-    k = mx.random.normal((1, kv_heads, args.prefix + args.new, dim)).astype(dtype)
-    v = mx.random.normal((1, kv_heads, args.prefix + args.new, dim)).astype(dtype)
-    rows = mx.arange(args.prefix + args.new)
+    q = mx.random.normal((1, heads, counts[0], dim)).astype(dtype)
+    k = mx.random.normal((1, kv_heads, args.prefix + counts[0], dim)).astype(dtype)
+    v = mx.random.normal((1, kv_heads, args.prefix + counts[0], dim)).astype(dtype)
+    rows = mx.arange(args.prefix + counts[0])
     for name, fn in (
         ("sdpa causal (slice)", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask="causal")),
         ("gather k+v rows", lambda: (k[:, :, rows, :], v[:, :, rows, :])),

@@ -20,7 +20,7 @@ as MLX's 4-bit checkpoints, 32 as GGUF's):
   experts: `triton_quant.experts_plus` by each of its routes (the FMA GEMV a token-expert pair
   at a time, `triton_fma_gemv.fma_expert_gemv`, and the tl.dot kernels) against torch's
   gathered route over the chosen experts dequantized (its max error), and their microseconds
-  at 1 to 8 tokens (calls cycling through random routings), the FMA route's two kernels alone
+  at 1 to 32 tokens (calls cycling through random routings), the FMA route's two kernels alone
   with the bytes they read (each pair's expert) and their GB/s, beside the bf16 kernels
   (`triton_moe.experts_plus`) on the same routings; x 48 layers: the experts' share of a step
 
@@ -68,7 +68,7 @@ SHAPES = [
 QUANTS = [(4, 64), (4, 32), (8, 64)]  # (bits, group)
 UNPACKS = ("gather", "words")
 MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER, MOE_LAYERS = 128, 8, 2048, 768, 48
-MOE_TOKENS = (1, 2, 4, 8)
+MOE_TOKENS = (1, 4, 8, 32)
 ROWS = (1, 4, 8)
 PREFILL_ROWS = 512
 
@@ -101,7 +101,7 @@ def main() -> int:
         )
     moe = [time_experts(tokens, bits, group) for tokens in MOE_TOKENS for bits, group in QUANTS]
     print(f"\nQwen3-30B-A3B MoE layer, experts only (routings cycling; default: triton_quant.experts_plus's "
-          f"route, FMA up to {triton_quant.EXPERT_FMA_MAX_TOKENS} tokens)\n{'tokens':>6} {'bits':>4} {'group':>5} "
+          f"route, FMA up to {triton_quant.EXPERT_FMA_MAX_PAIRS} pairs)\n{'tokens':>6} {'bits':>4} {'group':>5} "
           f"{'MB read':>8} {'fma us':>8} {'GB/s':>6} {'dot us':>8} {'bf16 us':>8} {'speedup':>7} {'x48 ms':>7} "
           f"{'max err':>8}")  # fmt: skip
     for tokens, bits, group, read, us, dot_us, dense_us, error, _ in moe:

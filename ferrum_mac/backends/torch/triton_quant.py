@@ -49,9 +49,11 @@ GEMV_STAGES = 1  # (more stages gave no gain on the H100 and run out of shared m
 MATMUL_NARROW, MATMUL_WIDE = (64, 64, 64, 4, 3), (128, 128, 64, 8, 3)
 MATMUL_WIDE_ROWS = 256
 UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H100)
-# At most this many tokens' experts take the FMA GEMV a pair at a time (each pair reads its
-# expert, however many tokens share it); more take the tl.dot kernels (an expert read once).
-EXPERT_FMA_MAX_TOKENS = 4
+# At most this many token-expert pairs take the FMA GEMV a pair at a time (each pair reads its
+# expert, however many tokens share it); more take the tl.dot kernels, which read a chosen
+# expert once but dequantize it far slower than it streams (so the FMA route's rereading
+# costs less up to `ops.MOE_MAX_PAIRS`, all a decode step hands these kernels).
+EXPERT_FMA_MAX_PAIRS = 256
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -120,10 +122,10 @@ def experts_plus(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
                  down: ExpertStack, residual: torch.Tensor, fma: bool | None = None) -> torch.Tensor:  # fmt: skip
     """`triton_moe.experts_plus` over packed experts: residual + the router-weighted sum of
     each token's chosen experts' SwiGLU MLPs, x `(T, H)`, ids/weights `(T, k)` -> `(T, H)`.
-    `fma` (by default up to EXPERT_FMA_MAX_TOKENS tokens): a pair at a time through the FMA
+    `fma` (by default up to EXPERT_FMA_MAX_PAIRS pairs): a pair at a time through the FMA
     GEMV (`triton_fma_gemv.fma_expert_gemv`), else the tl.dot kernels, which read an expert
     once for all the tokens that chose it."""
-    if fma if fma is not None else x.shape[0] <= EXPERT_FMA_MAX_TOKENS:
+    if fma if fma is not None else ids.numel() <= EXPERT_FMA_MAX_PAIRS:
         activations = fma_expert_gemv(x, ids, gate_up.packed, gate_up.experts, pair_weights=weights)
         return fma_expert_gemv(activations, ids, down.packed, down.experts, residual=residual)
     return expert_down_sum_plus(expert_gate_up_swiglu(x, ids, weights, gate_up), ids, down, residual)

@@ -147,8 +147,10 @@ def fma_expert_gemv(x: torch.Tensor, ids: torch.Tensor, weight: Packed, experts:
     assert x.shape == ((tokens if swiglu else pairs), k) and ids.is_contiguous()
     x = x.contiguous()
     out = torch.empty((pairs if swiglu else tokens, n), dtype=x.dtype, device=x.device)
-    # the pairs' columns side by side, as one wide weight, for the tile's rule of programs an SM
-    plan = fma_plan(pairs * n, k, 1, swiglu, weight.bits, weight.group_size, x.device, tile, splits)
+    # a token's pairs' columns side by side, as one wide weight, for the tile's rule of programs
+    # an SM: the same tiles and sums for a token however many come along (a verify's rows are
+    # their decode steps', bit for bit)
+    plan = fma_plan(top_k * n, k, 1, swiglu, weight.bits, weight.group_size, x.device, tile, splits)
     block_n, block_w, _, splits, _ = plan
     words = k * weight.bits // 32
     block_w = min(block_w, triton.next_power_of_2(words))  # (a small expert's rows: no step past them)

@@ -372,8 +372,12 @@ def test_packed_experts_kernels_equal_torchs_route_over_them(gpu_like, bits, gro
         assert_near(
             fma(a, ids, down.packed, experts, residual=residual, splits=splits, tile=EXPERT_FMA_TILE), want, dtype
         )
-        if tokens == 3:  # (the entry point: the FMA route, and the tl.dot one)
-            assert_near(triton_quant.experts_plus(x, ids, weights, gate_up, down, residual), want, dtype)
+        if tokens == 3:  # (the entry point: the FMA route, each token as if alone; and the tl.dot one)
+            got = triton_quant.experts_plus(x, ids, weights, gate_up, down, residual)
+            assert_near(got, want, dtype)
+            one = slice(1, 2)
+            alone = triton_quant.experts_plus(x[one], ids[one], weights[one], gate_up, down, residual[one])
+            assert torch.equal(got[one], alone)
             assert_near(triton_quant.expert_gate_up_swiglu(x, ids, weights, gate_up), a, dtype)
             assert_near(triton_quant.experts_plus(x, ids, weights, gate_up, down, residual, fma=False), want, dtype)
     assert not triton_splits.split_counters(DEVICE).any()  # (every split's last program reset its counter)

@@ -30,11 +30,12 @@ residual, SwiGLU), at 1, 2 and 4 rows (`--rows=1,2`: those only): the tl.dot ker
 FMA kernel's variants (its default tile, `triton_fma_gemv.FMA_TILE`, with one thing changed)
 and cuBLAS over the dense bf16 weight; then the fastest per shape and the step's GEMVs
 summed; it goes on past a variant that fails (and exits 0). It compiles some 160 kernels,
-most of its few minutes. `--prefill` instead times a prompt's matmuls (`main_prefill`: the
+most of its few minutes. `--moe` instead checks and times the MoE layer's experts only.
+`--prefill` instead times a prompt's matmuls (`main_prefill`: the
 packed weight dequantized + cuBLAS, the tl.dot matmul, cuBLAS in bf16), checked first. Needs
 only torch (with its triton); from the repository root:
 
-    python3 scripts/check-torch-quant.py [--sweep [--rows=1,2,4] | --prefill]
+    python3 scripts/check-torch-quant.py [--sweep [--rows=1,2,4] | --moe | --prefill]
 """
 
 import dataclasses
@@ -99,6 +100,31 @@ def main() -> int:
         print(
             f"{bits:>4} {group:>5}  {name:<15} {us:>8.1f} {flops / us / 1e6:>7.0f}  {dense_us:>14.1f} {dense_us / us:>5.2f}x"
         )
+    print_moe()
+    print(f"\nQwen3-8B decode step, its matmuls alone ({LAYERS} layers + head)")
+    for bits, group in QUANTS:
+        rows = [r for r in decode if r[:2] == (bits, group)]
+        us = sum(r[4] * (LAYERS if r[3] else 1) for r in rows)
+        dense = sum(r[6] * (LAYERS if r[3] else 1) for r in rows)
+        read = sum(r[5] * (LAYERS if r[3] else 1) for r in rows)
+        ways = {way: sum(r[7][way] * (LAYERS if r[3] else 1) for r in rows) for way in (*UNPACKS, "fma")}
+        by_way = ", ".join(f"{way} only {1e6 / t:.0f}" for way, t in ways.items())
+        print(f"  {bits}-bit g{group}: {us / 1e3:.3f} ms, {1e6 / us:.0f} tok/s at most ({by_way}; {read / 1e9:.2f} GB, "
+              f"{read / us / 1e3:.0f} GB/s); bf16 cuBLAS {dense / 1e3:.3f} ms, {1e6 / dense:.0f} tok/s")  # fmt: skip
+    return verdict()
+
+
+def main_moe() -> int:
+    """`--moe`: the MoE layer's experts only (checked, then timed)."""
+    if not can_check(triton_quant):
+        return 2
+    torch.manual_seed(0)
+    print_moe()
+    return verdict()
+
+
+def print_moe() -> None:
+    """Qwen3-30B-A3B's experts at each token count and quantization: both routes, checked and timed."""
     moe = [time_experts(tokens, bits, group) for tokens in MOE_TOKENS for bits, group in QUANTS]
     print(f"\nQwen3-30B-A3B MoE layer, experts only (routings cycling; default: triton_quant.experts_plus's "
           f"route, FMA up to {triton_quant.EXPERT_FMA_MAX_PAIRS} pairs)\n{'tokens':>6} {'bits':>4} {'group':>5} "
@@ -114,17 +140,6 @@ def main() -> int:
         for name, read, us in kernels:
             print(f"{tokens:>6} {bits:>4} {group:>5}  {name:<14} {read / 1e6:>8.2f} {us:>8.2f} {read / us / 1e3:>6.0f} "
                   f"{read / us / 1e3 / PEAK_GBS:>6.0%}")  # fmt: skip
-    print(f"\nQwen3-8B decode step, its matmuls alone ({LAYERS} layers + head)")
-    for bits, group in QUANTS:
-        rows = [r for r in decode if r[:2] == (bits, group)]
-        us = sum(r[4] * (LAYERS if r[3] else 1) for r in rows)
-        dense = sum(r[6] * (LAYERS if r[3] else 1) for r in rows)
-        read = sum(r[5] * (LAYERS if r[3] else 1) for r in rows)
-        ways = {way: sum(r[7][way] * (LAYERS if r[3] else 1) for r in rows) for way in (*UNPACKS, "fma")}
-        by_way = ", ".join(f"{way} only {1e6 / t:.0f}" for way, t in ways.items())
-        print(f"  {bits}-bit g{group}: {us / 1e3:.3f} ms, {1e6 / us:.0f} tok/s at most ({by_way}; {read / 1e9:.2f} GB, "
-              f"{read / us / 1e3:.0f} GB/s); bf16 cuBLAS {dense / 1e3:.3f} ms, {1e6 / dense:.0f} tok/s")  # fmt: skip
-    return verdict()
 
 
 def time_experts(tokens: int, bits: int, group: int) -> tuple:
@@ -543,4 +558,6 @@ def check_prefill(name: str, w: quant.Packed, dense: torch.Tensor, scratch: torc
 if __name__ == "__main__":
     if "--sweep" in sys.argv:
         sys.exit(main_sweep())
+    if "--moe" in sys.argv:
+        sys.exit(main_moe())
     sys.exit(main_prefill() if "--prefill" in sys.argv else main())

@@ -235,21 +235,24 @@ class ExpertStack:
         return self.experts, rows // self.experts, k
 
     def dense(self) -> torch.Tensor:
-        """Every expert dense (a prompt's grouped route): on CUDA written by the Triton
-        dequantizer, with no float32 copy of the stack on the way (the same values)."""
-        words = self.packed.words
-        if not runs_triton(words):
-            return self.packed.dequantize(self.dtype).view(self.shape)
-        from ferrum_mac.backends.torch import triton_dequant
-
-        out = torch.empty(self.packed.shape, dtype=self.dtype, device=words.device)
-        return triton_dequant.dequantize(self.packed, out).view(self.shape)
+        """Every expert dense (a prompt's grouped route)."""
+        return self._dequantized(self.packed).view(self.shape)
 
     def chosen(self, ids: torch.Tensor) -> torch.Tensor:
         """`(len(ids), out, in)`: expert ids[i]'s weight at i (ids on the device: no host sync)."""
         experts, out, k = self.shape
         parts = (t.view(experts, out, -1)[ids].reshape(len(ids) * out, -1) for t in self._tensors())
-        return Packed(*parts, self.packed.bits, self.packed.group_size).dequantize(self.dtype).view(len(ids), out, k)
+        return self._dequantized(Packed(*parts, self.packed.bits, self.packed.group_size)).view(len(ids), out, k)
+
+    def _dequantized(self, packed: Packed) -> torch.Tensor:
+        """`packed` dense in the model's dtype: on CUDA written by the Triton dequantizer, with
+        no float32 copy on the way (the same values)."""
+        if not runs_triton(packed.words):
+            return packed.dequantize(self.dtype)
+        from ferrum_mac.backends.torch import triton_dequant
+
+        out = torch.empty(packed.shape, dtype=self.dtype, device=packed.words.device)
+        return triton_dequant.dequantize(packed, out)
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.packed.words, self.packed.scales, self.packed.biases

@@ -385,12 +385,15 @@ def test_packed_experts_kernels_equal_torchs_route_over_them(gpu_like, bits, gro
 
 @pytest.mark.interpreter
 @kernels
-def test_packed_experts_dense_on_cuda_are_the_dequantizers_bits(gpu_like, monkeypatch):
-    """A prompt's grouped route takes every expert dense: by the Triton dequantizer where it
-    runs, the same bits as `Packed.dequantize`."""
+def test_packed_experts_made_dense_on_cuda_are_the_dequantizers_bits(gpu_like, monkeypatch):
+    """A prompt's routes take every expert dense (grouped) or the chosen ones (gathered): by
+    the Triton dequantizer where it runs, the same bits as `Packed.dequantize`."""
     monkeypatch.setattr(quant, "runs_triton", lambda x: True)
     stack = quant.ExpertStack(packed_random(4 * 32, 128, 4, 64, torch.bfloat16, 7), 4, torch.bfloat16)
-    assert torch.equal(stack.dense(), stack.packed.dequantize(torch.bfloat16).view(4, 32, 128))
+    dense = stack.packed.dequantize(torch.bfloat16).view(4, 32, 128)
+    assert torch.equal(stack.dense(), dense)
+    ids = torch.tensor([2, 0, 2], device=DEVICE)
+    assert torch.equal(stack.chosen(ids), dense[ids])
 
 
 # -- whole models -------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ residual, SwiGLU), at 1, 2 and 4 rows (`--rows=1,2`: those only): the tl.dot ker
 FMA kernel's variants (its default tile, `triton_fma_gemv.FMA_TILE`, with one thing changed)
 and cuBLAS over the dense bf16 weight; then the fastest per shape and the step's GEMVs
 summed; it goes on past a variant that fails (and exits 0). It compiles some 160 kernels,
-most of its few minutes. `--moe` instead checks and times the MoE layer's experts only.
+most of its few minutes. `--moe` instead checks and times the MoE layer's experts only, and
+the FMA route's two kernels with each of the sweep's tiles.
 `--prefill` instead times a prompt's matmuls (`main_prefill`: the
 packed weight dequantized + cuBLAS, the tl.dot matmul, cuBLAS in bf16), checked first. Needs
 only torch (with its triton); from the repository root:
@@ -120,7 +121,40 @@ def main_moe() -> int:
         return 2
     torch.manual_seed(0)
     print_moe()
+    print_moe_tiles()
     return verdict()
+
+
+def print_moe_tiles() -> None:
+    """The FMA route's two kernels at one token, 4-bit group 64, with each of SWEEP_FMA's tiles:
+    us, GB/s of the pairs' experts, max error against the default tile's result."""
+    E, H, inter, fma = MOE_EXPERTS, MOE_HIDDEN, MOE_INTER, triton_fma_gemv.fma_expert_gemv
+    gate_up, down = (
+        quant.quantize(torch.randn(rows, k, device="cuda", dtype=DTYPE) * k**-0.5, SWEEP_BITS, SWEEP_GROUP)
+        for rows, k in ((E * 2 * inter, H), (E * H, inter))
+    )
+    x, residual = (torch.randn(1, H, device="cuda", dtype=DTYPE) for _ in range(2))
+    routings = [torch.randperm(E, device="cuda")[:MOE_TOP_K][None].int() for _ in range(16)]
+    weights = torch.softmax(torch.randn(1, MOE_TOP_K, device="cuda"), dim=-1).to(DTYPE)
+    activations = fma(x, routings[0], gate_up, E, pair_weights=weights)
+    calls = {
+        "gate_up+swiglu": (gate_up, lambda r, tile: fma(x, r, gate_up, E, pair_weights=weights, tile=tile)),
+        "down+sum+res": (down, lambda r, tile: fma(activations, r, down, E, residual=residual, tile=tile)),
+    }
+    print(f"\nthe FMA route's kernels, 1 token, {SWEEP_BITS}-bit g{SWEEP_GROUP}, by tile\n{'kernel':<15} "
+          f"{'variant':<24} {'us':>7} {'GB/s':>6} {'err':>8}")  # fmt: skip
+    for name, (weight, call) in calls.items():
+        read = MOE_TOP_K * weight.nbytes / E
+        want = call(routings[0], triton_fma_gemv.FMA_TILE)
+        for change in SWEEP_FMA:
+            tile = dataclasses.replace(triton_fma_gemv.FMA_TILE, **change)
+            try:
+                err = (call(routings[0], tile).float() - want.float()).abs().max().item()
+                us = graph_us(cycling(lambda r: call(r, tile), routings))  # noqa: B023  (called at once)
+            except Exception as e:  # (a variant that fails to compile or launch: said, and the table goes on)
+                print(f"{name:<15} {fma_label(change):<24} failed: {first_line(e)}")
+                continue
+            print(f"{name:<15} {fma_label(change):<24} {us:>7.2f} {read / us / 1e3:>6.0f} {err:>8.2g}", flush=True)
 
 
 def print_moe() -> None:

@@ -18,8 +18,9 @@ decode step with experts can be captured as a CUDA graph.
 
 In a CUDA decode step, at decode sizes, the whole block is three `triton_moe` kernels
 instead (`ops.TritonOps.sparse_moe`): gate projection with the router, gate_up with SwiGLU,
-down with the sum over k and the residual add. A forced route (FERRUM_TORCH_MOE_ROUTE)
-or FERRUM_TORCH_TRITON=0 keeps torch.
+down with the sum over k and the residual add; over packed experts the last two are the FMA
+GEMV's, a token-expert pair at a time (`triton_quant.experts_plus`). A forced route
+(FERRUM_TORCH_MOE_ROUTE) or FERRUM_TORCH_TRITON=0 keeps torch.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ per group, in float32 from the exact values (it does not round the weight to x's
 first); its instructions per weight value are what bound it, so a value costs one integer
 op (it is or-ed into a float's mantissa), one add and one FMA per row (`values_at`).
 
+`fma_expert_gemv` is the same kernel over a stack of packed MoE experts, a token-expert
+pair at a time (the expert's id read on the device): a decode step's experts at memory speed.
+
 What a program takes is an `FmaTile` (FMA_TILE by default; `fma_plan` says how a shape
 runs); `scripts/check-torch-quant.py --sweep` times the tile's variants. Entry functions
 launch on whatever tensors they are given (CUDA, or CPU tensors under `TRITON_INTERPRET=1`);
@@ -136,7 +139,7 @@ def fma_expert_gemv(x: torch.Tensor, ids: torch.Tensor, weight: Packed, experts:
     (`residual` `(T, out)` given): x `(T * k, in)`, a row a pair -> residual + the sum of each
     token's k pairs' products `(T, out)`, each pair's product rounded to x's dtype, then their
     sum, then the residual add (where torch's gathered route rounds them). `splits` of K: by
-    default as `fma_plan` chooses for the pairs' columns side by side."""
+    default as `fma_plan` chooses for a token's pairs' columns side by side."""
     swiglu = pair_weights is not None
     assert swiglu != (residual is not None)
     tokens, top_k = ids.shape
@@ -168,7 +171,7 @@ def fma_expert_gemv(x: torch.Tensor, ids: torch.Tensor, weight: Packed, experts:
         partials, counters, ids, x if pair_weights is None else pair_weights.contiguous(),
         1, n, k, words, k // weight.group_size, words_per_split, splits, 0.0, FLOAT_2_23, n_all,
         top_k,  # (x: any pointer, never read)
-        ROWS=1, BITS=weight.bits, GROUP=weight.group_size, HAS_NORM=False, HAS_BIAS=False, HAS_RESIDUAL=not swiglu,
+        ROWS=1, BITS=weight.bits, GROUP=weight.group_size, HAS_NORM=False, HAS_BIAS=False, HAS_RESIDUAL=False,
         SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=tile.prefetch,
         NORM_BLOCK=FMA_NORM_BLOCK, PDL=pdl, PREFETCH_LINES=0, LINE_ELEMENTS=LINE_BYTES // 4,
         IDS=True, SUM_PAIRS=not swiglu, num_warps=tile.warps, num_stages=1, **launch_options(pdl),
@@ -223,7 +226,7 @@ if triton is not None:
         # (strides, the split) are ints it specializes as multiples of 16. x's rows are ROWS
         # (a power of 2 up to 4), each with its own sums (acc0..acc3, up0..up3), padding rows
         # masked. IDS (`fma_expert_gemv`): a third grid axis of token-expert pairs, each program
-        # over its pair's expert's rows of the stacked weight (`expert_rows` a expert) and its
+        # over its pair's expert's rows of the stacked weight (`expert_rows` an expert) and its
         # pair's row of x (its token's with SWIGLU, `top_k` pairs a token), finished by
         # `finish_pair`.
         per_word: tl.constexpr = 32 // BITS

@@ -18,7 +18,7 @@ import torch
 
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
 from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
-from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, SPLIT_K, split_counters
+from ferrum_mac.backends.torch.triton_splits import SPLIT_K, split_buffers
 
 try:
     import triton
@@ -57,12 +57,7 @@ def _gemv(x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=Non
     block_n, block_k = gemv_blocks(n, k, x.device, weight.element_size())
     blocks = triton.cdiv(n, block_n)
     splits, k_per_split = gemv_splits(blocks, k, block_k, x.device, splits)
-    if splits > 1:
-        assert blocks <= SPLIT_COUNTERS
-        partials = torch.empty((splits, rows, weight.shape[0]), dtype=torch.float32, device=x.device)
-        counters = split_counters(x.device)
-    else:
-        partials = counters = x
+    partials, counters = split_buffers(splits, blocks, (rows, weight.shape[0]), x)
     pdl = pdl_for(x.device, weight)
     lines = prefetch_lines(block_n, k_per_split, weight.element_size())
     _gemv_kernel[(blocks, splits)](

@@ -65,17 +65,15 @@ class Segment:
         rows = mx.arange(read.start, read.stop) if isinstance(read, slice) else read
         return mx.concatenate([rows, mx.zeros(keys - end, dtype=rows.dtype)])
 
-    def padded_mask(self, dtype: mx.Dtype) -> mx.array:
-        """`(1, 1, queries, keys)` of the padded shape, added to the scores: query i sees the
-        keys up to its own position, none past the segment's end (padded queries see some key,
-        so no row is masked whole)."""
-        if "_mask" not in self.__dict__:
-            queries, keys = self.padded
-            allowed = (mx.arange(keys)[None, :] <= mx.arange(queries)[:, None] + self.offset) & (
-                mx.arange(keys)[None, :] < self.offset + self.length
-            )
-            self.__dict__["_mask"] = mx.where(allowed, mx.array(0, dtype), mx.array(-mx.inf, dtype))[None, None]
-        return self.__dict__["_mask"]
+    @cached_property
+    def padded_mask(self) -> mx.array:
+        """`(1, 1, queries, keys)` of the padded shape, added to the scores (in the cache's
+        dtype): query i sees the keys up to its own position, none past the segment's end
+        (padded queries see some key, so no row is masked whole)."""
+        queries, keys = self.padded
+        key_rows, dtype = mx.arange(keys)[None, :], self.cache.pool.dtype
+        allowed = (key_rows <= mx.arange(queries)[:, None] + self.offset) & (key_rows < self.offset + self.length)
+        return mx.where(allowed, mx.array(0, dtype), mx.array(-mx.inf, dtype))[None, None]
 
 
 class Plan:
@@ -275,7 +273,7 @@ class Attention:
         keys, values = keys[:, :, rows, :], values[:, :, rows, :]
         queries = seg.padded[0]
         q = mx.concatenate([q, mx.zeros((1, self.heads, queries - seg.length, self.head_dim), q.dtype)], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=seg.padded_mask(q.dtype))
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=seg.padded_mask)
         return out[:, :, : seg.length, :]
 
     def _decode_through_table(self, q, k, v, seg: Segment) -> mx.array:

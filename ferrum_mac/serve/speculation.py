@@ -5,8 +5,9 @@ token, and a speculating one also its guesses (prompt lookup, `PromptLookup`), a
 The time of a step grows with its rows, so a guess is worth a row only when the step's
 expected tokens per second rise with it. The time of a step of R rows is measured once per
 model, at the first step that has a guess worth it (`row_costs`: R in powers of two up to
-MAX_ROWS, a few forwards on a throw-away cache), and read as the time of the next power of
-two at or above R (a torch step rounds its rows up so; elsewhere the estimate is on the safe
+MAX_ROWS, a few forwards on throw-away caches, the rows spread over sequences as guesses
+spread over streams: a backend may attend each sequence of a verify apart, as MLX does, and
+its cost grows with them), and read as the time of the next power of two at or above R (a torch step rounds its rows up so; elsewhere the estimate is on the safe
 side). Each guess adds the chance that it and the guesses before it are kept, from its
 stream's own controller (`Controller.acceptance`, by kind of proposal); `plan` adds guesses
 in order of that chance and keeps the prefix with the best rate, when it beats the step
@@ -43,7 +44,8 @@ from ferrum_mac.serve import openai_schema as api
 SERVE_MODES = (AUTO, NGRAM, OFF)
 MAX_ROWS = 64  # rows of one speculating step (torch runs up to this many as a captured decode step)
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes timed
-CALIBRATION_PROMPT = 32  # tokens in the throw-away cache the steps are timed on
+CALIBRATION_PROMPT = 32  # tokens in each throw-away cache the steps are timed on
+CALIBRATION_ROWS_EACH = 2  # rows of a timed step a sequence holds: its token and one guess
 CALIBRATION_RUNS = 2  # the fastest run counts: a run disturbed by other work does not
 CALIBRATION_ID = "serve-speculation-calibration"
 INDEX_STEP_TOKENS = 2048  # prompt positions indexed for lookups in one step, over all streams
@@ -129,29 +131,37 @@ def use_row_costs(model: DecoderOnlyLLM, seconds: Sequence[float], plain: float 
 
 
 def _measure(model: DecoderOnlyLLM) -> RowCosts:
-    """Time verify steps of each of ROW_COUNTS rows on one throw-away cache (a row per token)."""
+    """Time verify steps of each of ROW_COUNTS rows on throw-away caches (a row per token,
+    CALIBRATION_ROWS_EACH rows a sequence)."""
     vocab = model.config.vocab_size
     room = model.kv_capacity() - MAX_ROWS - 1
     if room < 1:  # a context too small to hold a step of guesses: never speculate
         return RowCosts((1.0,) + (float("inf"),) * (len(ROW_COUNTS) - 1))
     prompt = [(7 * i + 3) % vocab for i in range(min(CALIBRATION_PROMPT, room))]
+    caches = [f"{CALIBRATION_ID}-{i}" for i in range(MAX_ROWS // CALIBRATION_ROWS_EACH)]
     try:
-        wait_for(model.prefill(CALIBRATION_ID, prompt))
-        held = model.kv_len(CALIBRATION_ID)
+        for cache_id in caches:
+            wait_for(model.prefill(cache_id, prompt))
+        held = len(prompt)
 
         def seconds(rows: int) -> float:
-            tokens = [(5 * i + 1) % vocab for i in range(rows)]
+            each = min(rows, CALIBRATION_ROWS_EACH)
+            items = [
+                ForwardItem(cache_id, [(5 * i + j + 1) % vocab for j in range(each)], held)
+                for i, cache_id in enumerate(caches[: rows // each])
+            ]
             start = time.perf_counter()
-            wait_for(model.verify_batch([ForwardItem(CALIBRATION_ID, tokens, held)])[0])
+            wait_for(model.verify_batch(items)[-1])
             elapsed = time.perf_counter() - start
-            model.truncate_kv(CALIBRATION_ID, held)
+            for item in items:
+                model.truncate_kv(item.cache_id, held)
             return elapsed
 
         def decode_seconds() -> float:
             start = time.perf_counter()
-            wait_for(model.decode_batch([DecodeItem(CALIBRATION_ID, prompt[-1], held)]))
+            wait_for(model.decode_batch([DecodeItem(caches[0], prompt[-1], held)]))
             elapsed = time.perf_counter() - start
-            model.truncate_kv(CALIBRATION_ID, held)
+            model.truncate_kv(caches[0], held)
             return elapsed
 
         for rows in ROW_COUNTS:  # first use: kernels compiled, graphs captured
@@ -163,7 +173,8 @@ def _measure(model: DecoderOnlyLLM) -> RowCosts:
         except UnsupportedError:  # no batched decode: the scheduler decodes one by one
             plain = 1.0
     finally:
-        model.release(CALIBRATION_ID)
+        for cache_id in caches:
+            model.release(cache_id)
     times = [max(times[: i + 1]) for i in range(len(times))]  # never cheaper with more rows
     return RowCosts(tuple(times), min(plain, 1.0))
 

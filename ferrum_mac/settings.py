@@ -222,6 +222,13 @@ SETTINGS: tuple[Setting, ...] = (
         shown_default="norm_swiglu,matmul_residual,norm_qkv_rope",
     ),
     Setting(
+        "FERRUM_TORCH_INT8_X",
+        "bool",
+        True,
+        "backends/torch/triton_quant.py",
+        "0: a packed weight's one-row GEMV multiplies x in floats (FMA) instead of as int8 (dp4a).",
+    ),
+    Setting(
         "FERRUM_TORCH_PDL",
         "bool",
         True,

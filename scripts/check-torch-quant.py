@@ -316,6 +316,20 @@ SWEEP_FMA = [
     {"per_sm": 8},
     {"pdl": False},
 ]
+# the dp4a GEMV's variants (one row, x as int8: `triton_dp4a_gemv`), on the same tiles
+SWEEP_DP4A = [
+    {},
+    {"longer_rows": False},
+    {"columns": 32},
+    {"columns": 128},
+    {"row_bytes": 256},
+    {"row_bytes": 1024},
+    {"per_sm": 2},
+    {"per_sm": 8},
+    {"warps": 8},
+]
+# `--sweep --dp4a`: the FMA defaults beside the dp4a variants, one row, nothing else
+DP4A_ONLY = "--dp4a" in sys.argv
 MAX_ERROR = 2e-2  # of the largest output, against the dequantized weight's matmul in float32
 
 
@@ -335,8 +349,10 @@ def main_sweep() -> int:
               f"({time.time() - start:.0f} s)\n{'variant':<32}" + "".join(
                   f" | {rows} row{'s' if rows > 1 else ' '}: {'us':>7} {'GB/s':>5} {'peak':>4} {'err':>7}" for rows in SWEEP_ROWS),
               flush=True)  # fmt: skip
-        variants = [("dot (tl.dot, old)", {"fma": False})]
-        variants += [(fma_label(v), fma_options(v)) for v in SWEEP_FMA]
+        variants = [] if DP4A_ONLY else [("dot (tl.dot, old)", {"fma": False})]
+        variants += [(fma_label(v), fma_options(v)) for v in ([{}] if DP4A_ONLY else SWEEP_FMA)]
+        if SWEEP_ROWS == (1,):
+            variants += [(dp4a_label(v), dp4a_options(v)) for v in SWEEP_DP4A]
         for label, options in variants:
             cells = []
             for rows in SWEEP_ROWS:
@@ -374,7 +390,15 @@ def fma_label(change: dict) -> str:
 
 
 def fma_options(change: dict) -> dict:
-    return {"fma": True, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change)}
+    return {"fma": True, "int8_x": False, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change)}
+
+
+def dp4a_label(change: dict) -> str:
+    return "dp4a " + (", ".join(f"{key} {value}" for key, value in change.items()) or "defaults")
+
+
+def dp4a_options(change: dict) -> dict:
+    return {"int8_x": True, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change)}
 
 
 def first_line(e: Exception) -> str:
@@ -414,7 +438,8 @@ def print_best(results: dict) -> None:
     """The fastest variant per shape and rows, beside the defaults; and per model the step's
     GEMVs summed (x layers) with the defaults and with each shape's best."""
     print(
-        f"\nbest per shape\n{'shape':<22} {'rows':>4} {'dot us':>8} {'fma default us':>14} {'best us':>8}  best variant"
+        f"\nbest per shape\n{'shape':<22} {'rows':>4} {'dot us':>8} {'fma default us':>14} {'dp4a us':>10} {'best us':>8}"
+        "  best variant"
     )
     for name, n, k, fused, _ in SWEEP_SHAPES:
         for rows in SWEEP_ROWS:
@@ -423,13 +448,14 @@ def print_best(results: dict) -> None:
                 continue
             label, us = min(mine.items(), key=lambda item: item[1])
             dot, default = mine.get("dot (tl.dot, old)", float("nan")), mine.get("fma defaults", float("nan"))
-            print(f"{name:<22} {rows:>4} {dot:>8.1f} {default:>14.1f} {us:>8.1f}  {label}")
+            dp4a = mine.get("dp4a defaults", float("nan"))
+            print(f"{name:<22} {rows:>4} {dot:>8.1f} {default:>14.1f} {dp4a:>10.1f} {us:>8.1f}  {label}")
     for model in ("8B", "0.6B"):
         for rows in SWEEP_ROWS:
-            sums = {"dot (tl.dot, old)": 0.0, "fma defaults": 0.0, "best": 0.0}
+            sums = {"dot (tl.dot, old)": 0.0, "fma defaults": 0.0, "dp4a defaults": 0.0, "best": 0.0}
             for name, _, _, _, calls in (s for s in SWEEP_SHAPES if s[0].startswith(model + " ")):
                 mine = {label: us for (s, r, label), us in results.items() if s == name and r == rows}
-                for key in ("dot (tl.dot, old)", "fma defaults"):
+                for key in ("dot (tl.dot, old)", "fma defaults", "dp4a defaults"):
                     sums[key] += calls * mine.get(key, float("nan"))
                 sums["best"] += calls * min(mine.values(), default=float("nan"))
             print(f"Qwen3-{model} step GEMVs, {rows} row(s): " + ", ".join(

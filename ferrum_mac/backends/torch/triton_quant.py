@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from ferrum_mac import settings
 from ferrum_mac.backends.torch.quant import ExpertStack, Packed
+from ferrum_mac.backends.torch.triton_dp4a_gemv import X_BLOCK, dp4a_gemv
 from ferrum_mac.backends.torch.triton_fma_gemv import FMA_MAX_ROWS, FMA_TILE, FmaTile, fma_expert_gemv, fma_gemv
 from ferrum_mac.backends.torch.triton_gemv import gemv_splits
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
@@ -54,18 +56,25 @@ UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H10
 # expert once but dequantize it far slower than it streams (so the FMA route's rereading
 # costs less up to `ops.MOE_MAX_PAIRS`, all a decode step hands these kernels).
 EXPERT_FMA_MAX_PAIRS = 256
+# One row (a decode step's, or a verify's a row at a time) takes the dp4a GEMV: x quantized to
+# int8 per 32 values (`triton_dp4a_gemv`); 0: the FMA GEMV, x in floats
+INT8_X = settings.value("FERRUM_TORCH_INT8_X")
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
          splits: int | None = None, blocks: tuple[int, int] | None = None,
-         unpack: str = UNPACK, fma: bool | None = None, tile: FmaTile | None = None) -> torch.Tensor:  # fmt: skip
+         unpack: str = UNPACK, fma: bool | None = None, tile: FmaTile | None = None,
+         int8_x: bool | None = None) -> torch.Tensor:  # fmt: skip
     """x `(M, K)` (M up to 16) times the packed W `(N, K)` transposed -> `(M, N)`, with x first
     RMS-normed by `norm_weight` (and `eps`) if given, plus `bias` and `residual` if given;
     `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
     `(M, width)`. `fma` (by default up to FMA_MAX_ROWS rows): the kernel that multiplies in
     registers (`triton_fma_gemv.fma_gemv`, its `tile`), else the tl.dot one (its `blocks`,
-    `unpack`). `splits` of K: by default as the kernel's rule chooses."""
+    `unpack`); `int8_x` (by default INT8_X for one row): the FMA kernel's tile with x as int8
+    (`triton_dp4a_gemv.dp4a_gemv`). `splits` of K: by default as the kernel's rule chooses."""
+    if int8_x if int8_x is not None else INT8_X and fma is None and takes_int8_x(x, weight):
+        return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or FMA_TILE)
     if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:
         return fma_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or FMA_TILE)
     rows, k = x.shape
@@ -90,6 +99,12 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
         num_warps=4, num_stages=GEMV_STAGES,
     )  # fmt: skip
     return out
+
+
+def takes_int8_x(x: torch.Tensor, weight: Packed) -> bool:
+    """Whether `dp4a_gemv` takes x over `weight` by default: one row, 4 bits (x's rounding is
+    a fraction of 4 bits' own error, but as large as 8 bits' own: those stay in floats)."""
+    return x.shape[0] == 1 and weight.bits == 4 and weight.group_size % X_BLOCK == 0
 
 
 def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,

@@ -115,7 +115,7 @@ def test_an_unknown_quantization_is_a_one_line_error():
 
 # -- the kernels --------------------------------------------------------------------------------
 
-from ferrum_mac.backends.torch import ops, triton_dequant, triton_fma_gemv, triton_quant, triton_splits  # noqa: E402
+from ferrum_mac.backends.torch import ops, triton_dequant, triton_dp4a_gemv, triton_fma_gemv, triton_quant, triton_splits  # noqa: E402
 
 kernels = pytest.mark.skipif(triton_quant.triton is None, reason="needs triton")
 
@@ -196,12 +196,12 @@ def test_fma_gemv_equals_the_dequantized_matmul_with_its_fusions(gpu_like, bits,
         x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
         residual = torch.randn(rows, 2 * width, dtype=dtype, device=DEVICE)
         want = F.linear(x.float(), y_all, bias.float()) + residual.float()
-        got = triton_quant.gemv(x, w, bias, residual=residual, splits=splits, tile=SMALL_FMA_TILE)
+        got = triton_quant.gemv(x, w, bias, residual=residual, splits=splits, tile=SMALL_FMA_TILE, int8_x=False)
         assert_near(got, want, dtype)
         y = F.linear(norm(x).float(), y_all)
         want = F.silu(y[:, :width]) * y[:, width:]
         got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=splits,
-                                tile=SMALL_FMA_TILE)  # fmt: skip
+                                tile=SMALL_FMA_TILE, int8_x=False)  # fmt: skip
         assert_near(got, want, dtype)
 
 
@@ -222,10 +222,10 @@ def test_fma_gemv_trading_columns_for_longer_rows_equals_the_dequantized_matmul(
         x = torch.randn(rows, k, dtype=dtype, device=DEVICE)
         residual = torch.randn(rows, 2 * width, dtype=dtype, device=DEVICE)
         want = F.linear(x.float(), y_all) + residual.float()
-        assert_near(triton_quant.gemv(x, w, residual=residual, tile=tile), want, dtype)
+        assert_near(triton_quant.gemv(x, w, residual=residual, tile=tile, int8_x=False), want, dtype)
         y = F.linear(norm(x).float(), y_all)
         want = F.silu(y[:, :width]) * y[:, width:]
-        got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, tile=tile)
+        got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, tile=tile, int8_x=False)
         assert_near(got, want, dtype)
 
 
@@ -239,6 +239,74 @@ def test_fma_gemv_in_float32_is_exact_to_float32(gpu_like):
     x = torch.randn(2, k, dtype=dtype, device=DEVICE)
     want = F.linear(x.double(), w.dequantize(torch.float64))
     assert_near(triton_quant.gemv(x, w, tile=SMALL_FMA_TILE), want, dtype)
+
+
+@pytest.mark.interpreter
+@kernels
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)])
+def test_dp4a_gemv_computes_x_as_int8_blocks_exactly_as_specified(gpu_like, bits, group):
+    """The dp4a GEMV (one row, x as int8 per 32 values) equals its float64 specification
+    (`triton_dp4a_gemv.reference`) to float32's summation error, K whole and split, and is
+    within x's rounding of the dequantized weight's matmul: well inside 4 bits' own error."""
+    dtype, k, n = torch.float32, 256, 40
+    w = packed_random(n, k, bits, group, dtype, seed=bits + group)
+    x = torch.randn(1, k, dtype=dtype, device=DEVICE)
+    x[0, 37] = 9.0  # (an outlier: its block's other values round coarser)
+    want = triton_dp4a_gemv.reference(x, w)
+    for splits in (1, 2):
+        got = triton_quant.gemv(x, w, splits=splits, tile=SMALL_FMA_TILE, int8_x=True)
+        assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    dense = F.linear(x, w.dequantize(dtype))
+    x_error = (got - dense).abs().max().item()
+    weight_error = (F.linear(x, w.dequantize(dtype)) - F.linear(x, w_dense(n, k, dtype, bits + group))).abs().max()
+    assert 0 < x_error <= 0.03 * dense.abs().max().item()
+    if bits == 4:  # (8 bits' own error is x's: `triton_quant.takes_int8_x` keeps them in floats)
+        assert x_error < weight_error.item() / 3
+
+
+def w_dense(n: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """The dense weight `packed_random` quantized."""
+    torch.manual_seed(seed)
+    return torch.randn(n, k, dtype=dtype).to(DEVICE)
+
+
+@pytest.mark.interpreter
+@kernels
+@pytest.mark.parametrize("bits,group", [(4, 64), (4, 32)])
+def test_dp4a_gemv_fuses_what_the_fma_gemv_fuses(gpu_like, bits, group):
+    """RMSNorm + the fused gate_up + SwiGLU, and bias + residual, in bfloat16: near the
+    dequantized weight's matmul, and where nothing is fused, its specification's."""
+    dtype, k, width = torch.bfloat16, 192, 40
+    w = packed_random(2 * width, k, bits, group, dtype, seed=bits + group)
+    y_all = w.dequantize(dtype).float()
+    norm = RmsNorm(torch.rand(k, dtype=dtype, device=DEVICE) + 0.5, 1e-5)
+    bias = torch.randn(2 * width, dtype=dtype, device=DEVICE)
+    x = torch.randn(1, k, dtype=dtype, device=DEVICE)
+    residual = torch.randn(1, 2 * width, dtype=dtype, device=DEVICE)
+    for splits in (1, 2):
+        got = triton_quant.gemv(x, w, bias, residual=residual, splits=splits, tile=SMALL_FMA_TILE, int8_x=True)
+        assert_near(got, F.linear(x.float(), y_all, bias.float()) + residual.float(), dtype)
+        y = F.linear(norm(x).float(), y_all)
+        got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=splits,
+                                tile=SMALL_FMA_TILE, int8_x=True)  # fmt: skip
+        assert_near(got, F.silu(y[:, :width]) * y[:, width:], dtype)
+    plain = triton_quant.gemv(x, w, tile=SMALL_FMA_TILE, int8_x=True)
+    assert_near(plain, triton_dp4a_gemv.reference(x, w), dtype)
+
+
+@pytest.mark.interpreter
+@kernels
+def test_one_row_takes_the_dp4a_gemv_and_more_rows_the_fma_one(gpu_like, monkeypatch):
+    calls = []
+    monkeypatch.setattr(triton_quant, "INT8_X", True)
+    monkeypatch.setattr(triton_quant, "dp4a_gemv", lambda *a, **kw: calls.append("dp4a"))
+    monkeypatch.setattr(triton_quant, "fma_gemv", lambda *a, **kw: calls.append("fma"))
+    w = packed_random(16, 64, 4, 32, torch.float32, seed=1)  # (4 bits: 8 stay on the FMA GEMV)
+    for rows in (1, 2):
+        triton_quant.gemv(torch.randn(rows, 64, device=DEVICE), w)
+    monkeypatch.setattr(triton_quant, "INT8_X", False)
+    triton_quant.gemv(torch.randn(1, 64, device=DEVICE), w)
+    assert calls == ["dp4a", "fma", "fma"]  # (the last: with INT8_X off)
 
 
 @pytest.mark.interpreter

@@ -1,0 +1,212 @@
+"""The integer GEMV over packed 4-bit and 8-bit weights (`quant.Packed`): a decode step's one
+row of x quantized to int8 per 32 values, each word of the weight multiplied with it by
+`dp4a` (four byte products summed into an int32, one instruction).
+
+Why: `triton_fma_gemv` spends three instructions on each weight value (unpack, convert,
+FMA); here a word of eight 4-bit values costs two masks and two dp4a, so the weight streams
+with the issue slots to spare. What it costs is x's precision: each value of x is within
+half a step of its block's 1/127 of the block's largest, an error of the order of the
+weight's own 4-bit rounding or below (llama.cpp's MMVQ kernels compute its quantized
+models this way, x in q8_1 blocks of 32). The biases' products take x's exact sums, so
+only the scales' share sees x rounded:
+
+    sum_k (scale q_k + bias) x_k  ~  scale * sum_b d_b * (sum_{k in b} q_k qx_k) + bias * sum_k x_k
+
+per group, b running over its blocks of 32, qx = round(x / d_b), d_b = max |x in b| / 127.
+
+A program takes the FMA GEMV's tile (`FmaTile`, `fma_plan`: columns and words a step, K
+split where the column blocks are few) and fuses what it fuses: RMSNorm of x first, bias,
+residual add, SwiGLU over a fused gate_up. Each program quantizes the x of its own steps
+(a few values a thread, shared by all its columns). One row only: more rows of a decode
+step take the FMA GEMV, and a verify's rows come one at a time, each computed as its decode
+step is. Off CUDA (Triton's interpreter) dp4a is the sum of the four byte products in
+plain integer ops, the same integers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferrum_mac.backends.torch.quant import Packed
+from ferrum_mac.backends.torch.triton_fma_gemv import FMA_NORM_BLOCK, FMA_TILE, FmaTile, fma_plan
+from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
+from ferrum_mac.backends.torch.triton_splits import split_buffers
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+X_BLOCK = 32  # values of x sharing one int8 scale (a weight group holds whole blocks)
+X_LEVELS = 127.0  # int8's largest magnitude, symmetric
+
+
+def dp4a_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+              swiglu: bool = False, splits: int | None = None, tile: FmaTile = FMA_TILE) -> torch.Tensor:  # fmt: skip
+    """`triton_quant.gemv` for one row, x quantized to int8 (`_qgemv_dp4a_kernel`), a program
+    taking `tile`; `splits` of K: by default as `fma_plan` chooses."""
+    rows, k = x.shape
+    n_all, k_weight = weight.shape
+    n = n_all // 2 if swiglu else n_all
+    assert rows == 1 and k_weight == k and weight.bits in (4, 8) and weight.group_size % X_BLOCK == 0
+    x = x.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_n, block_w, column_blocks, splits, words_per_split = fma_plan(
+        n, k, rows, swiglu, weight.bits, weight.group_size, x.device, tile, splits
+    )
+    partials, counters = split_buffers(splits, column_blocks, (rows, n_all), x)
+    pdl = tile.pdl and pdl_for(x.device, weight.words)
+    _qgemv_dp4a_kernel[(column_blocks, splits, 1)](
+        x, weight.words, weight.scales, weight.biases, x if norm_weight is None else norm_weight,
+        x if bias is None else bias, x if residual is None else residual.contiguous(), out, partials, counters,
+        rows, n, k, k * weight.bits // 32, k // weight.group_size, words_per_split, splits, eps,  # (x: any pointer, never read)
+        BITS=weight.bits, GROUP=weight.group_size, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w,
+        NORM_BLOCK=FMA_NORM_BLOCK, PDL=pdl, PREFETCH_LINES=prefetch_lines(block_n, words_per_split, 4) if pdl else 0,
+        LINE_ELEMENTS=LINE_BYTES // 4, ASM=x.device.type == "cuda", num_warps=tile.warps, num_stages=1,
+        **launch_options(pdl),
+    )  # fmt: skip
+    return out
+
+
+def reference(x: torch.Tensor, weight: Packed) -> torch.Tensor:
+    """What `dp4a_gemv` computes for x `(1, K)` (no fusions), in float64 with torch ops: the
+    specification its tests hold the kernel to."""
+    out, k = weight.shape
+    xf = x.float().view(k // X_BLOCK, X_BLOCK)
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, X_LEVELS / amax, torch.zeros_like(amax))
+    qx = torch.floor(xf * inv + 0.5).clamp(-X_LEVELS, X_LEVELS)
+    d = amax / X_LEVELS
+    codes = weight.codes().double().view(out, k // X_BLOCK, X_BLOCK)
+    block_dots = (codes * qx.double()[None]).sum(-1) * d.double().view(1, -1)  # (out, blocks)
+    per_group = weight.group_size // X_BLOCK
+    scale_part = block_dots.view(out, -1, per_group).sum(-1) * weight.scales.double()
+    x_sums = x.double().view(-1, weight.group_size).sum(-1)
+    return (scale_part + weight.biases.double() * x_sums[None]).sum(-1)[None]
+
+
+# -- kernels ------------------------------------------------------------------------------------
+
+if triton is not None:
+    from ferrum_mac.backends.torch.triton_fma_gemv import packed_words, row_inverse_rms, x_at
+    from ferrum_mac.backends.torch.triton_gemv import finish_split_gemv
+    from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
+
+    @triton.jit(do_not_specialize=["rows"])
+    def _qgemv_dp4a_kernel(
+        x_ptr, words_ptr, scales_ptr, biases_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, partials_ptr,
+        counters_ptr, rows, n, k, word_stride, group_stride, words_per_split, splits, eps,
+        BITS: tl.constexpr, GROUP: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+        LINE_ELEMENTS: tl.constexpr, ASM: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (block of BLOCK_N output columns, split of K), as the FMA GEMV's:
+        # per step a (BLOCK_N, BLOCK_W) tile of words, a column's words contiguous (a thread
+        # loads a few neighbouring words of one column at once). The step's x is loaded,
+        # normed, quantized and packed four int8s a word in the weight words' byte order
+        # (`packed_x`); each word's dp4a products (`word_dots`) add up per block of 32 values,
+        # times the block's step of x, per group, times the scale; plus the bias times the
+        # group's exact sum of x.
+        per_word: tl.constexpr = 32 // BITS
+        block, split = tl.program_id(0), tl.program_id(1)
+        columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = columns < n
+        if SPLIT:
+            w_begin = split * words_per_split
+            w_end = tl.minimum(w_begin + words_per_split, word_stride)
+        else:
+            w_begin, w_end = 0, word_stride
+        if PDL and PREFETCH_LINES > 0:  # the weight: no kernel writes it, so before the wait (see triton_pdl)
+            rows_ptr = words_ptr + columns[:, None].to(tl.int64) * word_stride
+            prefetch_rows(rows_ptr, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
+            if SWIGLU:
+                prefetch_rows(rows_ptr + n * word_stride, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
+        wait_for_previous(PDL)
+        inv_rms = row_inverse_rms(x_ptr, 0, rows, k, eps, HAS_NORM, NORM_BLOCK)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        up_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for w0 in range(w_begin, w_end, BLOCK_W):
+            x_low, x_high, steps, x_sums = packed_x(x_ptr, norm_ptr, rows, k, w0, w_end, inv_rms, HAS_NORM, BITS,
+                                                    GROUP, BLOCK_W)  # fmt: skip
+            words, s, b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, w_end, word_stride,
+                                       group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+            acc += group_sums(word_dots(words, x_low, x_high, BITS, ASM), steps, x_sums, s, b, BITS)
+            if SWIGLU:
+                up_words, up_s, up_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0, w_end,
+                                                    word_stride, group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+                up_acc += group_sums(word_dots(up_words, x_low, x_high, BITS, ASM), steps, x_sums, up_s, up_b, BITS)
+        row_ids = tl.arange(0, 1)
+        finish_split_gemv(
+            acc[None, :], up_acc[None, :], partials_ptr, counters_ptr, block, split, splits, rows,
+            bias_ptr, residual_ptr, out_ptr, row_ids, row_ids < rows, columns, inside,
+            n, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
+        )  # fmt: skip
+
+    @triton.jit
+    def packed_x(x_ptr, norm_ptr, rows, k, w0, w_end, inv_rms, HAS_NORM: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+        """The row of x under words w0 .. w0 + BLOCK_W (0 past w_end), normed if HAS_NORM, as
+        int8s packed four a word in the order `word_dots` reads the weight's bytes: for 4
+        bits (x_low, x_high), the values under each word's low nibbles (0, 2, 4, 6) and high
+        ones (1, 3, 5, 7); for 8 bits x_low alone. Also each block of 32 values' step d (x
+        rounds to multiples of it) and each group's sum of x, in float32."""
+        per_word: tl.constexpr = 32 // BITS
+        blocks: tl.constexpr = BLOCK_W * per_word // 32
+        wi = w0 + tl.arange(0, BLOCK_W)
+        j = tl.arange(0, per_word)
+        ks = wi[:, None] * per_word + j[None, :]
+        k_in = (wi < w_end)[:, None] & (j < per_word)[None, :]
+        norm = tl.load(norm_ptr + ks, mask=k_in, other=0.0).to(tl.float32) if HAS_NORM else None
+        x = x_at(x_ptr, 0, rows, k, ks, k_in, norm, inv_rms, HAS_NORM)  # (BLOCK_W, per_word)
+        by_block = tl.reshape(x, (blocks, 32))
+        largest = tl.max(tl.abs(by_block), axis=1)
+        inverse = tl.where(largest > 0.0, 127.0 / largest, 0.0)
+        q = tl.floor(by_block * inverse[:, None] + 0.5)
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
+        q = tl.reshape(q, (BLOCK_W, per_word)) & 0xFF
+        halves: tl.constexpr = 2 if BITS == 4 else 1
+        shifts = (j // halves * 8)[None, :]
+        x_low = tl.sum(tl.where((j % halves == 0)[None, :], q << shifts, 0), axis=1)
+        x_high = tl.sum(tl.where((j % halves == 1)[None, :], q << shifts, 0), axis=1)
+        x_sums = tl.sum(tl.reshape(x, (BLOCK_W * per_word // GROUP, GROUP)), axis=1)
+        return x_low, x_high, largest * (1.0 / 127.0), x_sums
+
+    @triton.jit
+    def word_dots(words, x_low, x_high, BITS: tl.constexpr, ASM: tl.constexpr):
+        """Each word's values times x's int8s under them, summed: (columns, words) int32."""
+        if BITS == 4:
+            low = words & 0x0F0F0F0F
+            high = (words >> 4) & 0x0F0F0F0F
+            return dp4a(high, x_high[None, :], dp4a(low, x_low[None, :], tl.zeros_like(words), ASM), ASM)
+        else:
+            return dp4a(words, x_low[None, :], tl.zeros_like(words), ASM)
+
+    @triton.jit
+    def group_sums(dots, steps, x_sums, scale, bias, BITS: tl.constexpr):
+        """Per column, a step's sum over its groups of scale * (sum_b d_b * dots of block b) +
+        bias * (the group's sum of x): dots `(columns, words)`, steps `(blocks,)`, x_sums,
+        scale and bias `(groups,)` / `(columns, groups)`."""
+        words_per_block: tl.constexpr = BITS  # (32 values' words: 32 / (32 / BITS))
+        blocks: tl.constexpr = dots.shape[1] // words_per_block
+        groups: tl.constexpr = scale.shape[1]
+        by_block = tl.sum(tl.reshape(dots, (dots.shape[0], blocks, words_per_block)), axis=2)
+        scaled = by_block.to(tl.float32) * steps[None, :]
+        by_group = tl.sum(tl.reshape(scaled, (dots.shape[0], groups, blocks // groups)), axis=2)
+        return tl.sum(by_group * scale + bias * x_sums[None, :], axis=1)
+
+    @triton.jit
+    def dp4a(a, b, c, ASM: tl.constexpr):
+        """c + the sum of the four products of a's bytes (unsigned) and b's (signed)."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+            )
+        else:
+            total = c
+            for i in tl.static_range(4):
+                total += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
+            return total

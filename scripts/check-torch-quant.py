@@ -327,6 +327,11 @@ SWEEP_DP4A = [
     {"per_sm": 2},
     {"per_sm": 8},
     {"warps": 8},
+    {"columns": 32, "warps": 8},
+    {"columns": 32, "per_sm": 2},
+    {"columns": 16},
+    {"columns": 32, "row_bytes": 1024},
+    {"columns": 16, "row_bytes": 1024},
 ]
 # `--sweep --dp4a`: the FMA defaults beside the dp4a variants, one row, nothing else
 DP4A_ONLY = "--dp4a" in sys.argv

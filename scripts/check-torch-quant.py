@@ -403,7 +403,8 @@ def dp4a_label(change: dict) -> str:
 
 
 def dp4a_options(change: dict) -> dict:
-    return {"int8_x": True, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change)}
+    """The dp4a GEMV with the FMA tile changed so (its defaults: its own tile by width)."""
+    return {"int8_x": True, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change) if change else None}
 
 
 def first_line(e: Exception) -> str:

@@ -40,16 +40,22 @@ except ImportError:
 
 X_BLOCK = 32  # values of x sharing one int8 scale (a weight group holds whole blocks)
 X_LEVELS = 127.0  # int8's largest magnitude, symmetric
+# A wide weight's programs take half the FMA tile's columns (the sweep's choice on the H200 for
+# gate_up and the heads, docs/BENCHMARKS.md); narrower ones the FMA tile as it is.
+WIDE_TILE = FmaTile(columns=32)
+WIDE_FROM = 8192  # output columns (each of gate and up)
 
 
 def dp4a_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-              swiglu: bool = False, splits: int | None = None, tile: FmaTile = FMA_TILE) -> torch.Tensor:  # fmt: skip
+              swiglu: bool = False, splits: int | None = None, tile: FmaTile | None = None) -> torch.Tensor:  # fmt: skip
     """`triton_quant.gemv` for one row, x quantized to int8 (`_qgemv_dp4a_kernel`), a program
-    taking `tile`; `splits` of K: by default as `fma_plan` chooses."""
+    taking `tile` (by default by the weight's width: WIDE_TILE or FMA_TILE); `splits` of K: by
+    default as `fma_plan` chooses."""
     rows, k = x.shape
     n_all, k_weight = weight.shape
     n = n_all // 2 if swiglu else n_all
+    tile = tile or (WIDE_TILE if n >= WIDE_FROM else FMA_TILE)
     assert rows == 1 and k_weight == k and weight.bits in (4, 8) and weight.group_size % X_BLOCK == 0
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)

@@ -74,7 +74,7 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
     `unpack`); `int8_x` (by default INT8_X for one row): the FMA kernel's tile with x as int8
     (`triton_dp4a_gemv.dp4a_gemv`). `splits` of K: by default as the kernel's rule chooses."""
     if int8_x if int8_x is not None else INT8_X and fma is None and takes_int8_x(x, weight):
-        return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or FMA_TILE)
+        return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile)
     if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:
         return fma_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or FMA_TILE)
     rows, k = x.shape

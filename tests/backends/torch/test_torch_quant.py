@@ -115,14 +115,14 @@ def test_an_unknown_quantization_is_a_one_line_error():
 
 # -- the kernels --------------------------------------------------------------------------------
 
-from ferrum_mac.backends.torch import (
+from ferrum_mac.backends.torch import (  # noqa: E402
     ops,
     triton_dequant,
     triton_dp4a_gemv,
     triton_fma_gemv,
     triton_quant,
     triton_splits,
-)  # noqa: E402
+)
 
 kernels = pytest.mark.skipif(triton_quant.triton is None, reason="needs triton")
 

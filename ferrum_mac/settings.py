@@ -222,11 +222,11 @@ SETTINGS: tuple[Setting, ...] = (
         shown_default="norm_swiglu,matmul_residual,norm_qkv_rope",
     ),
     Setting(
-        "FERRUM_TORCH_INT8_X",
+        "FERRUM_TORCH_DP4A",
         "bool",
         True,
         "backends/torch/triton_quant.py",
-        "0: a packed weight's one-row GEMV multiplies x in floats (FMA) instead of as int8 (dp4a).",
+        "0: a packed weight's one-row GEMV multiplies x in floats (FMA), not as integers (dp4a).",
     ),
     Setting(
         "FERRUM_TORCH_PDL",

@@ -395,7 +395,7 @@ def fma_label(change: dict) -> str:
 
 
 def fma_options(change: dict) -> dict:
-    return {"fma": True, "int8_x": False, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change)}
+    return {"fma": True, "dp4a": False, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change)}
 
 
 def dp4a_label(change: dict) -> str:
@@ -404,7 +404,7 @@ def dp4a_label(change: dict) -> str:
 
 def dp4a_options(change: dict) -> dict:
     """The dp4a GEMV with the FMA tile changed so (its defaults: its own tile by width)."""
-    return {"int8_x": True, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change) if change else None}
+    return {"dp4a": True, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change) if change else None}
 
 
 def first_line(e: Exception) -> str:

@@ -1,18 +1,17 @@
 """The integer GEMV over packed 4-bit and 8-bit weights (`quant.Packed`): a decode step's one
-row of x quantized to int8 per 32 values, each word of the weight multiplied with it by
-`dp4a` (four byte products summed into an int32, one instruction).
+row of x quantized to 16-bit integers per 32 values, each word of the weight multiplied with
+it by `dp4a` (four byte products summed into an int32, one instruction).
 
 Why: `triton_fma_gemv` spends three instructions on each weight value (unpack, convert,
-FMA); here a word of eight 4-bit values costs two masks and two dp4a, so the weight streams
-with the issue slots to spare. What it costs is x's precision: each value of x is within
-half a step of its block's 1/127 of the block's largest, an error of the order of the
-weight's own 4-bit rounding or below (llama.cpp's MMVQ kernels compute its quantized
-models this way, x in q8_1 blocks of 32). The biases' products take x's exact sums, so
-only the scales' share sees x rounded:
+FMA); here a word of eight 4-bit values costs two masks and four dp4a (x's high bytes, signed,
+and its low bytes, unsigned: x = 256 hi + lo), so the weight streams with issue slots to
+spare. x rounds to 1/32767 of its block's largest value: int8 (llama.cpp's q8_1) moved a real
+model's greedy answer within 13 tokens (`scripts/check-int8-x.py`), 16 bits leave it as it
+was. The biases' products take x's exact sums, so only the scales' share sees x rounded:
 
     sum_k (scale q_k + bias) x_k  ~  scale * sum_b d_b * (sum_{k in b} q_k qx_k) + bias * sum_k x_k
 
-per group, b running over its blocks of 32, qx = round(x / d_b), d_b = max |x in b| / 127.
+per group, b running over its blocks of 32, qx = round(x / d_b), d_b = max |x in b| / 32767.
 
 A program takes the FMA GEMV's tile (`FmaTile`, `fma_plan`: columns and words a step, K
 split where the column blocks are few) and fuses what it fuses: RMSNorm of x first, bias,
@@ -39,7 +38,7 @@ except ImportError:
     triton = None
 
 X_BLOCK = 32  # values of x sharing one int8 scale (a weight group holds whole blocks)
-X_LEVELS = 127.0  # int8's largest magnitude, symmetric
+X_LEVELS = 32767.0  # x's largest magnitude as an integer: 16 bits, symmetric
 # A wide weight's programs take half the FMA tile's columns (the sweep's choice on the H200 for
 # gate_up and the heads, docs/BENCHMARKS.md); narrower ones the FMA tile as it is.
 WIDE_TILE = FmaTile(columns=32)
@@ -49,7 +48,7 @@ WIDE_FROM = 8192  # output columns (each of gate and up)
 def dp4a_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               swiglu: bool = False, splits: int | None = None, tile: FmaTile | None = None) -> torch.Tensor:  # fmt: skip
-    """`triton_quant.gemv` for one row, x quantized to int8 (`_qgemv_dp4a_kernel`), a program
+    """`triton_quant.gemv` for one row, x as 16-bit integers (`_qgemv_dp4a_kernel`), a program
     taking `tile` (by default by the weight's width: WIDE_TILE or FMA_TILE); `splits` of K: by
     default as `fma_plan` chooses."""
     rows, k = x.shape
@@ -77,15 +76,15 @@ def dp4a_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
     return out
 
 
-def reference(x: torch.Tensor, weight: Packed) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: Packed, levels: float = X_LEVELS) -> torch.Tensor:
     """What `dp4a_gemv` computes for x `(1, K)` (no fusions), in float64 with torch ops: the
-    specification its tests hold the kernel to."""
+    specification its tests hold the kernel to (`levels`: x's largest integer)."""
     out, k = weight.shape
     xf = x.float().view(k // X_BLOCK, X_BLOCK)
     amax = xf.abs().amax(dim=1, keepdim=True)
-    inv = torch.where(amax > 0, X_LEVELS / amax, torch.zeros_like(amax))
-    qx = torch.floor(xf * inv + 0.5).clamp(-X_LEVELS, X_LEVELS)
-    d = amax / X_LEVELS
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    qx = torch.floor(xf * inv + 0.5).clamp(-levels, levels)
+    d = amax / levels
     codes = weight.codes().double().view(out, k // X_BLOCK, X_BLOCK)
     block_dots = (codes * qx.double()[None]).sum(-1) * d.double().view(1, -1)  # (out, blocks)
     per_group = weight.group_size // X_BLOCK
@@ -113,10 +112,10 @@ if triton is not None:
         # One program per (block of BLOCK_N output columns, split of K), as the FMA GEMV's:
         # per step a (BLOCK_N, BLOCK_W) tile of words, a column's words contiguous (a thread
         # loads a few neighbouring words of one column at once). The step's x is loaded,
-        # normed, quantized and packed four int8s a word in the weight words' byte order
-        # (`packed_x`); each word's dp4a products (`word_dots`) add up per block of 32 values,
-        # times the block's step of x, per group, times the scale; plus the bias times the
-        # group's exact sum of x.
+        # normed, quantized to 16 bits and its bytes packed four a word in the weight words'
+        # byte order (`packed_x`); each word's dp4a products (`word_dots`) add up per block of
+        # 32 values, times the block's step of x, per group, times the scale; plus the bias
+        # times the group's exact sum of x.
         per_word: tl.constexpr = 32 // BITS
         block, split = tl.program_id(0), tl.program_id(1)
         columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,15 +135,18 @@ if triton is not None:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for w0 in range(w_begin, w_end, BLOCK_W):
-            x_low, x_high, steps, x_sums = packed_x(x_ptr, norm_ptr, rows, k, w0, w_end, inv_rms, HAS_NORM, BITS,
-                                                    GROUP, BLOCK_W)  # fmt: skip
+            low_hi, low_lo, high_hi, high_lo, steps, x_sums = packed_x(
+                x_ptr, norm_ptr, rows, k, w0, w_end, inv_rms, HAS_NORM, BITS, GROUP, BLOCK_W
+            )  # fmt: skip
             words, s, b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, w_end, word_stride,
                                        group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
-            acc += group_sums(word_dots(words, x_low, x_high, BITS, ASM), steps, x_sums, s, b, BITS)
+            dots = word_dots(words, low_hi, low_lo, high_hi, high_lo, BITS, ASM)
+            acc += group_sums(dots, steps, x_sums, s, b, BITS)
             if SWIGLU:
                 up_words, up_s, up_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0, w_end,
                                                     word_stride, group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
-                up_acc += group_sums(word_dots(up_words, x_low, x_high, BITS, ASM), steps, x_sums, up_s, up_b, BITS)
+                up_dots = word_dots(up_words, low_hi, low_lo, high_hi, high_lo, BITS, ASM)
+                up_acc += group_sums(up_dots, steps, x_sums, up_s, up_b, BITS)
         row_ids = tl.arange(0, 1)
         finish_split_gemv(
             acc[None, :], up_acc[None, :], partials_ptr, counters_ptr, block, split, splits, rows,
@@ -156,10 +158,11 @@ if triton is not None:
     def packed_x(x_ptr, norm_ptr, rows, k, w0, w_end, inv_rms, HAS_NORM: tl.constexpr, BITS: tl.constexpr,
                  GROUP: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
         """The row of x under words w0 .. w0 + BLOCK_W (0 past w_end), normed if HAS_NORM, as
-        int8s packed four a word in the order `word_dots` reads the weight's bytes: for 4
-        bits (x_low, x_high), the values under each word's low nibbles (0, 2, 4, 6) and high
-        ones (1, 3, 5, 7); for 8 bits x_low alone. Also each block of 32 values' step d (x
-        rounds to multiples of it) and each group's sum of x, in float32."""
+        16-bit integers split into a signed high byte and an unsigned low one, each packed four
+        a word in the order `word_dots` reads the weight's bytes: (low_hi, low_lo, high_hi,
+        high_lo), for 4 bits the values under each word's low nibbles (0, 2, 4, 6) and high
+        ones (1, 3, 5, 7); for 8 bits the low pair alone. Also each block of 32 values' step d
+        (x rounds to multiples of it) and each group's sum of x, in float32."""
         per_word: tl.constexpr = 32 // BITS
         blocks: tl.constexpr = BLOCK_W * per_word // 32
         wi = w0 + tl.arange(0, BLOCK_W)
@@ -170,26 +173,32 @@ if triton is not None:
         x = x_at(x_ptr, 0, rows, k, ks, k_in, norm, inv_rms, HAS_NORM)  # (BLOCK_W, per_word)
         by_block = tl.reshape(x, (blocks, 32))
         largest = tl.max(tl.abs(by_block), axis=1)
-        inverse = tl.where(largest > 0.0, 127.0 / largest, 0.0)
+        inverse = tl.where(largest > 0.0, 32767.0 / largest, 0.0)
         q = tl.floor(by_block * inverse[:, None] + 0.5)
-        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int32)
-        q = tl.reshape(q, (BLOCK_W, per_word)) & 0xFF
+        q = tl.reshape(tl.minimum(tl.maximum(q, -32767.0), 32767.0).to(tl.int32), (BLOCK_W, per_word))
         halves: tl.constexpr = 2 if BITS == 4 else 1
         shifts = (j // halves * 8)[None, :]
-        x_low = tl.sum(tl.where((j % halves == 0)[None, :], q << shifts, 0), axis=1)
-        x_high = tl.sum(tl.where((j % halves == 1)[None, :], q << shifts, 0), axis=1)
+        low = (j % halves == 0)[None, :]
+        his, los = ((q >> 8) & 0xFF) << shifts, (q & 0xFF) << shifts
+        low_hi, low_lo = tl.sum(tl.where(low, his, 0), axis=1), tl.sum(tl.where(low, los, 0), axis=1)
+        high_hi, high_lo = tl.sum(tl.where(low, 0, his), axis=1), tl.sum(tl.where(low, 0, los), axis=1)
         x_sums = tl.sum(tl.reshape(x, (BLOCK_W * per_word // GROUP, GROUP)), axis=1)
-        return x_low, x_high, largest * (1.0 / 127.0), x_sums
+        return low_hi, low_lo, high_hi, high_lo, largest * (1.0 / 32767.0), x_sums
 
     @triton.jit
-    def word_dots(words, x_low, x_high, BITS: tl.constexpr, ASM: tl.constexpr):
-        """Each word's values times x's int8s under them, summed: (columns, words) int32."""
+    def word_dots(words, low_hi, low_lo, high_hi, high_lo, BITS: tl.constexpr, ASM: tl.constexpr):
+        """Each word's values times x's 16-bit integers under them, summed: (columns, words)
+        int32, as 256 * (the products with x's high bytes) + (those with its low bytes)."""
+        zeros = tl.zeros_like(words)
         if BITS == 4:
             low = words & 0x0F0F0F0F
             high = (words >> 4) & 0x0F0F0F0F
-            return dp4a(high, x_high[None, :], dp4a(low, x_low[None, :], tl.zeros_like(words), ASM), ASM)
+            top = dp4a(high, high_hi[None, :], dp4a(low, low_hi[None, :], zeros, True, ASM), True, ASM)
+            bottom = dp4a(high, high_lo[None, :], dp4a(low, low_lo[None, :], zeros, False, ASM), False, ASM)
         else:
-            return dp4a(words, x_low[None, :], tl.zeros_like(words), ASM)
+            top = dp4a(words, low_hi[None, :], zeros, True, ASM)
+            bottom = dp4a(words, low_lo[None, :], zeros, False, ASM)
+        return top * 256 + bottom
 
     @triton.jit
     def group_sums(dots, steps, x_sums, scale, bias, BITS: tl.constexpr):
@@ -205,14 +214,20 @@ if triton is not None:
         return tl.sum(by_group * scale + bias * x_sums[None, :], axis=1)
 
     @triton.jit
-    def dp4a(a, b, c, ASM: tl.constexpr):
-        """c + the sum of the four products of a's bytes (unsigned) and b's (signed)."""
+    def dp4a(a, b, c, SIGNED: tl.constexpr, ASM: tl.constexpr):
+        """c + the sum of the four products of a's bytes (unsigned) and b's (signed if SIGNED)."""
         if ASM:
-            return tl.inline_asm_elementwise(
-                "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
-            )
+            if SIGNED:
+                return tl.inline_asm_elementwise(
+                    "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+                )
+            else:
+                return tl.inline_asm_elementwise(
+                    "dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+                )
         else:
             total = c
             for i in tl.static_range(4):
-                total += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
+                byte = (b << (24 - 8 * i)) >> 24 if SIGNED else (b >> (8 * i)) & 0xFF
+                total += ((a >> (8 * i)) & 0xFF) * byte
             return total

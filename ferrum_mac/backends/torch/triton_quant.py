@@ -56,24 +56,24 @@ UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H10
 # expert once but dequantize it far slower than it streams (so the FMA route's rereading
 # costs less up to `ops.MOE_MAX_PAIRS`, all a decode step hands these kernels).
 EXPERT_FMA_MAX_PAIRS = 256
-# One row (a decode step's, or a verify's a row at a time) takes the dp4a GEMV: x quantized to
-# int8 per 32 values (`triton_dp4a_gemv`); 0: the FMA GEMV, x in floats
-INT8_X = settings.value("FERRUM_TORCH_INT8_X")
+# One row (a decode step's, or a verify's a row at a time) takes the dp4a GEMV: x as 16-bit
+# integers per 32 values (`triton_dp4a_gemv`); False: the FMA GEMV, x in floats
+DP4A = settings.value("FERRUM_TORCH_DP4A")
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
          splits: int | None = None, blocks: tuple[int, int] | None = None,
          unpack: str = UNPACK, fma: bool | None = None, tile: FmaTile | None = None,
-         int8_x: bool | None = None) -> torch.Tensor:  # fmt: skip
+         dp4a: bool | None = None) -> torch.Tensor:  # fmt: skip
     """x `(M, K)` (M up to 16) times the packed W `(N, K)` transposed -> `(M, N)`, with x first
     RMS-normed by `norm_weight` (and `eps`) if given, plus `bias` and `residual` if given;
     `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
     `(M, width)`. `fma` (by default up to FMA_MAX_ROWS rows): the kernel that multiplies in
     registers (`triton_fma_gemv.fma_gemv`, its `tile`), else the tl.dot one (its `blocks`,
-    `unpack`); `int8_x` (by default INT8_X for one row): the FMA kernel's tile with x as int8
+    `unpack`); `dp4a` (by default DP4A for one row): the FMA kernel's tile with x as integers
     (`triton_dp4a_gemv.dp4a_gemv`). `splits` of K: by default as the kernel's rule chooses."""
-    if int8_x if int8_x is not None else INT8_X and fma is None and takes_int8_x(x, weight):
+    if dp4a if dp4a is not None else DP4A and fma is None and takes_dp4a(x, weight):
         return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile)
     if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:
         return fma_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or FMA_TILE)
@@ -101,10 +101,9 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
     return out
 
 
-def takes_int8_x(x: torch.Tensor, weight: Packed) -> bool:
-    """Whether `dp4a_gemv` takes x over `weight` by default: one row, 4 bits (x's rounding is
-    a fraction of 4 bits' own error, but as large as 8 bits' own: those stay in floats)."""
-    return x.shape[0] == 1 and weight.bits == 4 and weight.group_size % X_BLOCK == 0
+def takes_dp4a(x: torch.Tensor, weight: Packed) -> bool:
+    """Whether `dp4a_gemv` takes x over `weight` by default: one row, groups of whole blocks."""
+    return x.shape[0] == 1 and weight.bits in (4, 8) and weight.group_size % X_BLOCK == 0
 
 
 def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,

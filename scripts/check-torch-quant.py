@@ -32,11 +32,13 @@ and cuBLAS over the dense bf16 weight; then the fastest per shape and the step's
 summed; it goes on past a variant that fails (and exits 0). It compiles some 160 kernels,
 most of its few minutes. `--moe` instead checks and times the MoE layer's experts only, and
 the FMA route's two kernels with each of the sweep's tiles.
+`--sweep --rows=1 --dp4a` times the one-row dp4a GEMV's variants (`triton_dp4a_gemv`, the FMA
+tile with one thing changed) beside the FMA kernel's defaults.
 `--prefill` instead times a prompt's matmuls (`main_prefill`: the
 packed weight dequantized + cuBLAS, the tl.dot matmul, cuBLAS in bf16), checked first. Needs
 only torch (with its triton); from the repository root:
 
-    python3 scripts/check-torch-quant.py [--sweep [--rows=1,2,4] | --moe | --prefill]
+    python3 scripts/check-torch-quant.py [--sweep [--rows=1,2,4] [--dp4a] | --moe | --prefill]
 """
 
 import dataclasses
@@ -403,7 +405,7 @@ def dp4a_label(change: dict) -> str:
 
 
 def dp4a_options(change: dict) -> dict:
-    """The dp4a GEMV with the FMA tile changed so (its defaults: its own tile by width)."""
+    """The dp4a GEMV with the FMA tile changed so (its defaults: its own tile, DP4A_TILE)."""
     return {"dp4a": True, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change) if change else None}
 
 

@@ -13,8 +13,8 @@ was. The biases' products take x's exact sums, so only the scales' share sees x 
 
 per group, b running over its blocks of 32, qx = round(x / d_b), d_b = max |x in b| / 32767.
 
-A program takes the FMA GEMV's tile (`FmaTile`, `fma_plan`: columns and words a step, K
-split where the column blocks are few) and fuses what it fuses: RMSNorm of x first, bias,
+A program takes a tile as the FMA GEMV's do (`FmaTile`, `fma_plan`: columns and words a
+step, K split where the column blocks are few; DP4A_TILE by default) and fuses what it fuses: RMSNorm of x first, bias,
 residual add, SwiGLU over a fused gate_up. Each program quantizes the x of its own steps
 (a few values a thread, shared by all its columns). One row only: more rows of a decode
 step take the FMA GEMV, and a verify's rows come one at a time, each computed as its decode
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ferrum_mac.backends.torch.quant import Packed
-from ferrum_mac.backends.torch.triton_fma_gemv import FMA_NORM_BLOCK, FMA_TILE, FmaTile, fma_plan
+from ferrum_mac.backends.torch.triton_fma_gemv import FMA_NORM_BLOCK, FmaTile, fma_plan
 from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
 from ferrum_mac.backends.torch.triton_splits import split_buffers
 
@@ -39,22 +39,19 @@ except ImportError:
 
 X_BLOCK = 32  # values of x sharing one int8 scale (a weight group holds whole blocks)
 X_LEVELS = 32767.0  # x's largest magnitude as an integer: 16 bits, symmetric
-# A wide weight's programs take half the FMA tile's columns (the sweep's choice on the H200 for
-# gate_up and the heads, docs/BENCHMARKS.md); narrower ones the FMA tile as it is.
-WIDE_TILE = FmaTile(columns=32)
-WIDE_FROM = 8192  # output columns (each of gate and up)
+# The FMA tile with half its columns: on the H200 as fast or faster at every Qwen3-8B and 0.6B
+# shape (`scripts/check-torch-quant.py --sweep --rows=1 --dp4a`, docs/BENCHMARKS.md)
+DP4A_TILE = FmaTile(columns=32)
 
 
 def dp4a_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-              swiglu: bool = False, splits: int | None = None, tile: FmaTile | None = None) -> torch.Tensor:  # fmt: skip
+              swiglu: bool = False, splits: int | None = None, tile: FmaTile = DP4A_TILE) -> torch.Tensor:  # fmt: skip
     """`triton_quant.gemv` for one row, x as 16-bit integers (`_qgemv_dp4a_kernel`), a program
-    taking `tile` (by default by the weight's width: WIDE_TILE or FMA_TILE); `splits` of K: by
-    default as `fma_plan` chooses."""
+    taking `tile`; `splits` of K: by default as `fma_plan` chooses."""
     rows, k = x.shape
     n_all, k_weight = weight.shape
     n = n_all // 2 if swiglu else n_all
-    tile = tile or (WIDE_TILE if n >= WIDE_FROM else FMA_TILE)
     assert rows == 1 and k_weight == k and weight.bits in (4, 8) and weight.group_size % X_BLOCK == 0
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)

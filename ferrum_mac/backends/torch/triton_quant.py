@@ -4,9 +4,9 @@ packed and dequantized in registers, never stored dense.
 - `gemv`: a few rows (a decode step's), shaped as `triton_gemv`'s GEMVs and fusing what they
   fuse: optional RMSNorm of x first, bias, residual add, SwiGLU over a fused gate_up (a
   program takes matching gate and up columns); K split over several programs where the
-  column blocks are fewer than the SMs (`triton_splits`). Up to FMA_MAX_ROWS rows it is
-  `triton_fma_gemv.fma_gemv`, which multiplies in registers to stream the weight at memory
-  speed; more rows take the tl.dot kernel here.
+  column blocks are fewer than the SMs (`triton_splits`). One row is
+  `triton_dp4a_gemv.dp4a_gemv` (x as 16-bit integers, dp4a); up to FMA_MAX_ROWS rows
+  `triton_fma_gemv.fma_gemv`, which multiplies in registers; more rows the tl.dot kernel here.
 - `matmul`: any number of rows, a tile of the weight dequantized per step of K and
   multiplied with tl.dot (from `quant.DENSE_MIN_ROWS` rows prefill takes
   `triton_dequant.dequantize`, the whole weight written dense for cuBLAS, instead).
@@ -32,7 +32,7 @@ import torch
 
 from ferrum_mac import settings
 from ferrum_mac.backends.torch.quant import ExpertStack, Packed
-from ferrum_mac.backends.torch.triton_dp4a_gemv import X_BLOCK, dp4a_gemv
+from ferrum_mac.backends.torch.triton_dp4a_gemv import DP4A_TILE, X_BLOCK, dp4a_gemv
 from ferrum_mac.backends.torch.triton_fma_gemv import FMA_MAX_ROWS, FMA_TILE, FmaTile, fma_expert_gemv, fma_gemv
 from ferrum_mac.backends.torch.triton_gemv import gemv_splits
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
@@ -71,10 +71,10 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
     `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
     `(M, width)`. `fma` (by default up to FMA_MAX_ROWS rows): the kernel that multiplies in
     registers (`triton_fma_gemv.fma_gemv`, its `tile`), else the tl.dot one (its `blocks`,
-    `unpack`); `dp4a` (by default DP4A for one row): the FMA kernel's tile with x as integers
-    (`triton_dp4a_gemv.dp4a_gemv`). `splits` of K: by default as the kernel's rule chooses."""
+    `unpack`); `dp4a` (by default DP4A for one row): x as integers by dp4a
+    (`triton_dp4a_gemv.dp4a_gemv`, its `tile`). `splits` of K: by default as the kernel's rule chooses."""
     if dp4a if dp4a is not None else DP4A and fma is None and takes_dp4a(x, weight):
-        return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile)
+        return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or DP4A_TILE)
     if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:
         return fma_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or FMA_TILE)
     rows, k = x.shape

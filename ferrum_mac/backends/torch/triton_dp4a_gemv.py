@@ -6,7 +6,7 @@ Why: `triton_fma_gemv` spends three instructions on each weight value (unpack, c
 FMA); here a word of eight 4-bit values costs two masks and four dp4a (x's high bytes, signed,
 and its low bytes, unsigned: x = 256 hi + lo), so the weight streams with issue slots to
 spare. x rounds to 1/32767 of its block's largest value: int8 (llama.cpp's q8_1) moved a real
-model's greedy answer within 13 tokens (`scripts/check-int8-x.py`), 16 bits leave it as it
+model's greedy answer within 13 tokens (`scripts/check-dp4a-rounding.py`), 16 bits leave it as it
 was. The biases' products take x's exact sums, so only the scales' share sees x rounded:
 
     sum_k (scale q_k + bias) x_k  ~  scale * sum_b d_b * (sum_{k in b} q_k qx_k) + bias * sum_k x_k
@@ -14,12 +14,12 @@ was. The biases' products take x's exact sums, so only the scales' share sees x 
 per group, b running over its blocks of 32, qx = round(x / d_b), d_b = max |x in b| / 32767.
 
 A program takes a tile as the FMA GEMV's do (`FmaTile`, `fma_plan`: columns and words a
-step, K split where the column blocks are few; DP4A_TILE by default) and fuses what it fuses: RMSNorm of x first, bias,
-residual add, SwiGLU over a fused gate_up. Each program quantizes the x of its own steps
-(a few values a thread, shared by all its columns). One row only: more rows of a decode
-step take the FMA GEMV, and a verify's rows come one at a time, each computed as its decode
-step is. Off CUDA (Triton's interpreter) dp4a is the sum of the four byte products in
-plain integer ops, the same integers.
+step, K split where the column blocks are few; DP4A_TILE by default) and fuses what they
+fuse: RMSNorm of x first, bias, residual add, SwiGLU over a fused gate_up. Each program
+rounds the x of its own steps (a few values a thread, shared by all its columns). One row
+only: more rows of a decode step take the FMA GEMV, and a verify's rows come one at a time,
+each computed as its decode step is. Off CUDA (Triton's interpreter) dp4a is the sum of the
+four byte products in plain integer ops, the same integers.
 """
 
 from __future__ import annotations
@@ -93,9 +93,14 @@ def reference(x: torch.Tensor, weight: Packed, levels: float = X_LEVELS) -> torc
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_fma_gemv import packed_words, row_inverse_rms, x_at
+    from ferrum_mac.backends.torch.triton_fma_gemv import (
+        columns_and_words,
+        packed_words,
+        prefetch_then_wait,
+        row_inverse_rms,
+        x_at,
+    )
     from ferrum_mac.backends.torch.triton_gemv import finish_split_gemv
-    from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
 
     @triton.jit(do_not_specialize=["rows"])
     def _qgemv_dp4a_kernel(
@@ -114,20 +119,9 @@ if triton is not None:
         # 32 values, times the block's step of x, per group, times the scale; plus the bias
         # times the group's exact sum of x.
         per_word: tl.constexpr = 32 // BITS
-        block, split = tl.program_id(0), tl.program_id(1)
-        columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        inside = columns < n
-        if SPLIT:
-            w_begin = split * words_per_split
-            w_end = tl.minimum(w_begin + words_per_split, word_stride)
-        else:
-            w_begin, w_end = 0, word_stride
-        if PDL and PREFETCH_LINES > 0:  # the weight: no kernel writes it, so before the wait (see triton_pdl)
-            rows_ptr = words_ptr + columns[:, None].to(tl.int64) * word_stride
-            prefetch_rows(rows_ptr, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
-            if SWIGLU:
-                prefetch_rows(rows_ptr + n * word_stride, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
-        wait_for_previous(PDL)
+        columns, inside, w_begin, w_end = columns_and_words(n, word_stride, words_per_split, BLOCK_N, SPLIT)
+        prefetch_then_wait(words_ptr, columns, inside, w_begin, w_end, word_stride, n, SWIGLU, PDL, PREFETCH_LINES,
+                           LINE_ELEMENTS)  # fmt: skip
         inv_rms = row_inverse_rms(x_ptr, 0, rows, k, eps, HAS_NORM, NORM_BLOCK)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -146,7 +140,7 @@ if triton is not None:
                 up_acc += group_sums(up_dots, steps, x_sums, up_s, up_b, BITS)
         row_ids = tl.arange(0, 1)
         finish_split_gemv(
-            acc[None, :], up_acc[None, :], partials_ptr, counters_ptr, block, split, splits, rows,
+            acc[None, :], up_acc[None, :], partials_ptr, counters_ptr, tl.program_id(0), tl.program_id(1), splits, rows,
             bias_ptr, residual_ptr, out_ptr, row_ids, row_ids < rows, columns, inside,
             n, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
         )  # fmt: skip

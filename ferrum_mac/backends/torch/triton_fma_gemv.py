@@ -231,19 +231,9 @@ if triton is not None:
         # `finish_pair`.
         per_word: tl.constexpr = 32 // BITS
         block, split = tl.program_id(0), tl.program_id(1)
-        columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        inside = columns < n
-        if SPLIT:
-            w_begin = split * words_per_split
-            w_end = tl.minimum(w_begin + words_per_split, word_stride)
-        else:
-            w_begin, w_end = 0, word_stride
-        if PDL and PREFETCH_LINES > 0:  # the weight: no kernel writes it, so before the wait (see triton_pdl)
-            rows_ptr = words_ptr + columns[:, None].to(tl.int64) * word_stride
-            prefetch_rows(rows_ptr, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
-            if SWIGLU:
-                prefetch_rows(rows_ptr + n * word_stride, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
-        wait_for_previous(PDL)
+        columns, inside, w_begin, w_end = columns_and_words(n, word_stride, words_per_split, BLOCK_N, SPLIT)
+        prefetch_then_wait(words_ptr, columns, inside, w_begin, w_end, word_stride, n, SWIGLU, PDL, PREFETCH_LINES,
+                           LINE_ELEMENTS)  # fmt: skip
         if IDS:  # (after the wait: the ids are the kernel before's)
             pair = tl.program_id(2)
             first_row = tl.load(ids_ptr + pair).to(tl.int64) * expert_rows
@@ -338,6 +328,31 @@ if triton is not None:
                 bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
                 n, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
             )  # fmt: skip
+
+    @triton.jit
+    def columns_and_words(n, word_stride, words_per_split, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+        """A GEMV program's block of columns, which of them are inside `n`, and the words of
+        its split of K (all of them unless SPLIT): (columns, inside, w_begin, w_end)."""
+        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SPLIT:
+            w_begin = tl.program_id(1) * words_per_split
+            w_end = tl.minimum(w_begin + words_per_split, word_stride)
+        else:
+            w_begin, w_end = 0, word_stride
+        return columns, columns < n, w_begin, w_end
+
+    @triton.jit
+    def prefetch_then_wait(words_ptr, columns, inside, w_begin, w_end, word_stride, n, SWIGLU: tl.constexpr,
+                           PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr):  # fmt: skip
+        """With PDL, the program's first lines of its weight rows (and up's with SWIGLU)
+        prefetched, then the wait for the kernel before: no kernel writes the weight, so it
+        may be read before the wait (see triton_pdl)."""
+        if PDL and PREFETCH_LINES > 0:
+            rows_ptr = words_ptr + columns[:, None].to(tl.int64) * word_stride
+            prefetch_rows(rows_ptr, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
+            if SWIGLU:
+                prefetch_rows(rows_ptr + n * word_stride, inside, w_begin, w_end, PREFETCH_LINES, LINE_ELEMENTS)
+        wait_for_previous(PDL)
 
     @triton.jit
     def finish_pair(acc, up_acc, partials_ptr, counters_ptr, pair_weights_ptr, residual_ptr, out_ptr, block, split,

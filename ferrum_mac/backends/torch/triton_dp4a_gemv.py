@@ -67,10 +67,16 @@ def dp4a_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         BITS=weight.bits, GROUP=weight.group_size, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w,
         NORM_BLOCK=FMA_NORM_BLOCK, PDL=pdl, PREFETCH_LINES=prefetch_lines(block_n, words_per_split, 4) if pdl else 0,
-        LINE_ELEMENTS=LINE_BYTES // 4, ASM=x.device.type == "cuda", num_warps=tile.warps, num_stages=1,
+        LINE_ELEMENTS=LINE_BYTES // 4, ASM=has_dp4a(x.device), num_warps=tile.warps, num_stages=1,
         **launch_options(pdl),
     )  # fmt: skip
     return out
+
+
+def has_dp4a(device: torch.device) -> bool:
+    """Whether the kernel's dp4a is the instruction (an NVIDIA GPU: PTX), not plain integer ops
+    (Triton's interpreter; a ROCm build's "cuda" devices)."""
+    return device.type == "cuda" and torch.version.hip is None
 
 
 def reference(x: torch.Tensor, weight: Packed, levels: float = X_LEVELS) -> torch.Tensor:

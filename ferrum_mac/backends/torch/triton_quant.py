@@ -102,8 +102,10 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
 
 
 def takes_dp4a(x: torch.Tensor, weight: Packed) -> bool:
-    """Whether `dp4a_gemv` takes x over `weight` by default: one row, groups of whole blocks."""
-    return x.shape[0] == 1 and weight.bits in (4, 8) and weight.group_size % X_BLOCK == 0
+    """Whether `dp4a_gemv` takes x over `weight` by default: one row, groups of whole blocks,
+    and not on ROCm (no PTX there: its dp4a would be plain integer ops, slower than FMAs)."""
+    one_row = x.shape[0] == 1 and weight.bits in (4, 8) and weight.group_size % X_BLOCK == 0
+    return one_row and torch.version.hip is None
 
 
 def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,

@@ -37,8 +37,11 @@ try:
 except ImportError:
     triton = None
 
-X_BLOCK = 32  # values of x sharing one int8 scale (a weight group holds whole blocks)
+X_BLOCK = 32  # values of x sharing one step (a weight group holds whole blocks)
 X_LEVELS = 32767.0  # x's largest magnitude as an integer: 16 bits, symmetric
+# A block whose largest value is below this counts as zeros (X_LEVELS over it would overflow
+# float32, and 0 * inf is NaN); what it leaves out is below float32's resolution of any sum.
+X_SMALLEST = 1e-30
 # The FMA tile with half its columns: on the H200 as fast or faster at every Qwen3-8B and 0.6B
 # shape (`scripts/check-torch-quant.py --sweep --rows=1 --dp4a`, docs/BENCHMARKS.md)
 DP4A_TILE = FmaTile(columns=32)
@@ -85,7 +88,7 @@ def reference(x: torch.Tensor, weight: Packed, levels: float = X_LEVELS) -> torc
     out, k = weight.shape
     xf = x.float().view(k // X_BLOCK, X_BLOCK)
     amax = xf.abs().amax(dim=1, keepdim=True)
-    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > X_SMALLEST, levels / amax, torch.zeros_like(amax))
     qx = torch.floor(xf * inv + 0.5).clamp(-levels, levels)
     d = amax / levels
     codes = weight.codes().double().view(out, k // X_BLOCK, X_BLOCK)
@@ -170,7 +173,7 @@ if triton is not None:
         x = x_at(x_ptr, 0, rows, k, ks, k_in, norm, inv_rms, HAS_NORM)  # (BLOCK_W, per_word)
         by_block = tl.reshape(x, (blocks, 32))
         largest = tl.max(tl.abs(by_block), axis=1)
-        inverse = tl.where(largest > 0.0, 32767.0 / largest, 0.0)
+        inverse = tl.where(largest > 1e-30, 32767.0 / largest, 0.0)  # (X_SMALLEST, X_LEVELS)
         q = tl.floor(by_block * inverse[:, None] + 0.5)
         q = tl.reshape(tl.minimum(tl.maximum(q, -32767.0), 32767.0).to(tl.int32), (BLOCK_W, per_word))
         halves: tl.constexpr = 2 if BITS == 4 else 1

@@ -260,7 +260,10 @@ def test_dp4a_gemv_computes_x_as_16_bit_blocks_exactly_as_specified(gpu_like, bi
     w = packed_random(n, k, bits, group, dtype, seed=bits + group)
     x = torch.randn(1, k, dtype=dtype, device=DEVICE)
     x[0, 37] = 9.0  # (an outlier: its block's other values round coarser)
+    x[0, 64:96] = 0.0
+    x[0, 65] = 1e-36  # (a block of zeros and one tiny value: its step would overflow float32)
     want = triton_dp4a_gemv.reference(x, w)
+    assert want.isfinite().all()
     for splits in (1, 2):
         got = triton_quant.gemv(x, w, splits=splits, tile=SMALL_FMA_TILE, dp4a=True)
         assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()

@@ -186,6 +186,13 @@ SETTINGS: tuple[Setting, ...] = (
         "0: MLX's masked fused attention instead of the decode kernel by length (MLX CUDA).",
     ),
     Setting(
+        "FERRUM_MLX_NUMPY_ATTENTION",
+        "bool",
+        True,
+        "backends/mlx/attention.py",
+        "0: MLX's attention for long prompts on the CPU too, instead of numpy's (faster exp).",
+    ),
+    Setting(
         "FERRUM_MLX_CUDA_MOE",
         "bool",
         True,

@@ -20,7 +20,7 @@ from ferrum_mac.backends.block_pool import SCRATCH
 from ferrum_mac.backends.mlx import cuda_attention
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
-from ferrum_mac.backends.mlx.memory import on_cuda_gpu
+from ferrum_mac.backends.mlx.memory import on_cpu, on_cuda_gpu
 from ferrum_mac.backends.padding import power_of_two_above, quarter_octave_above
 from ferrum_mac.weights import ModelConfig
 
@@ -147,6 +147,11 @@ def decode_rows(singles: list[Segment]) -> slice | mx.array:
 
 # FERRUM_MLX_CUDA_ATTENTION=0 keeps the masked fused attention on CUDA too (A/B timing).
 USE_CUDA_KERNEL = settings.value("FERRUM_MLX_CUDA_ATTENTION")
+# On the CPU, a segment of several tokens with at least this many scores (heads x queries x
+# keys) attends by numpy (`numpy_causal_attention`); FERRUM_MLX_NUMPY_ATTENTION=0: never.
+NUMPY_ATTENTION = settings.value("FERRUM_MLX_NUMPY_ATTENTION")
+NUMPY_MIN_SCORES = 1 << 20
+NUMPY_BLOCK_SCORES = 1 << 24  # scores numpy holds at once (64 MB of float32): queries go in blocks
 # A one-token segment on CUDA: MLX's one-query attention reads up to this many keys right
 # from the pool; from here its two-pass kernel needs keys that start at the buffer's first row.
 MLX_CUDA_SAFE_KEYS = 256
@@ -184,6 +189,7 @@ class Attention:
         group = c.num_heads // c.num_kv_heads
         self.on_cuda = on_cuda_gpu()
         self.by_length = USE_CUDA_KERNEL and self.on_cuda and cuda_attention.supports(c.head_dim, group)
+        self.by_numpy = NUMPY_ATTENTION and on_cpu()
 
     def warm_up_kernels(self, dtype: mx.Dtype) -> None:
         """Compile the CUDA decode-attention kernels, where this layer uses them."""
@@ -260,6 +266,8 @@ class Attention:
         if seg.length > 1 and self.on_cuda:
             return self._attend_padded(q, k, v, seg)
         keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
+        if seg.length > 1 and self.by_numpy and self.heads * seg.length * keys.shape[2] >= NUMPY_MIN_SCORES:
+            return numpy_causal_attention(q, keys, values, self.scale)
         mask = "causal" if seg.length > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
 
@@ -285,6 +293,41 @@ class Attention:
             seg.offset + 1, seg.cache.pool.block_tokens,
         )  # fmt: skip
         return out.reshape(1, self.heads, 1, self.head_dim)
+
+
+def numpy_causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+                           block_scores: int = NUMPY_BLOCK_SCORES) -> mx.array:  # fmt: skip
+    """`mx.fast.scaled_dot_product_attention(q, keys, values, mask="causal")` computed by numpy,
+    for the CPU: q `(1, heads, n, dim)` over keys and values `(1, kv_heads, T, dim)`, the last
+    n keys the queries' own (query i sees keys up to T - n + i). A long chunk's work is mostly
+    its scores' softmax, and MLX's CPU `exp` takes some 20 ns a value where numpy's takes about
+    1 (docs/BENCHMARKS.md); the products go to OpenBLAS. In float32, the queries of a KV head's
+    group stacked into one product, a block of queries at a time (`block_scores` scores)."""
+    _, heads, n, dim = q.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    queries = np.array(q.astype(mx.float32)).reshape(kv_heads, group, n, dim) * np.float32(scale)
+    k_t = np.array(keys.astype(mx.float32))[0].transpose(0, 2, 1)  # (kv_heads, dim, T)
+    v = np.array(values.astype(mx.float32))[0]
+    out = np.empty((kv_heads, group, n, dim), np.float32)
+    block = max(1, block_scores // (heads * total))
+    for start in range(0, n, block):
+        end = min(n, start + block)
+        rows = queries[:, :, start:end].reshape(kv_heads, group * (end - start), dim)
+        scores = np.matmul(rows, k_t).reshape(kv_heads, group, end - start, total)
+        scores += causal_mask(start, end, total - n, total)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        weighted = np.matmul(scores.reshape(kv_heads, group * (end - start), total), v)
+        out[:, :, start:end] = weighted.reshape(kv_heads, group, end - start, dim)
+    return mx.array(out.reshape(1, heads, n, dim)).astype(q.dtype)
+
+
+def causal_mask(start: int, end: int, first: int, total: int) -> np.ndarray:
+    """`(end - start, total)`: 0 where query i (from `start`) sees key j (j <= first + i), else -inf."""
+    hidden = np.arange(total)[None, :] > (first + np.arange(start, end))[:, None]
+    return np.where(hidden, np.float32(-np.inf), np.float32(0.0))
 
 
 # Layout changes are graph nodes too, and a decode step's cost is mostly per node: a single

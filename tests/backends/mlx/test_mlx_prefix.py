@@ -145,3 +145,51 @@ def test_padded_attention_of_cuda_equals_the_causal_one(zoo, monkeypatch):
     for i, (want, got) in enumerate(zip(plain, padded)):
         assert_close(got, want, 1e-5, f"call {i}")
     assert {"slice", "array"} <= set(routes), routes
+
+
+def test_numpy_attention_equals_mlxs_causal_attention():
+    """The CPU's attention by numpy: GQA, a chunk after cached keys and a whole prompt, the
+    queries in blocks or all at once."""
+    from ferrum_mac.backends.mlx.attention import numpy_causal_attention
+
+    rng = np.random.default_rng(5)
+    for n, total in ((5, 37), (20, 20)):
+        q = mx.array(rng.standard_normal((1, 8, n, 16)).astype(np.float32))
+        keys, values = (mx.array(rng.standard_normal((1, 2, total, 16)).astype(np.float32)) for _ in range(2))
+        want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.25, mask="causal")
+        for block_scores in (8 * total, 1 << 20):  # (one query a block; all of them)
+            got = numpy_causal_attention(q, keys, values, 0.25, block_scores)
+            assert_close(np.array(got), np.array(want), 1e-5, f"n={n} total={total}")
+
+
+def test_a_models_logits_by_numpy_attention_equal_mlxs(zoo, monkeypatch):
+    """Every several-token segment by numpy (a fresh prompt, a chunk after consecutive blocks,
+    one after scattered blocks, a verify): the logits of MLX's own attention."""
+    from ferrum_mac.backends.mlx import attention
+
+    monkeypatch.setattr(attention, "NUMPY_MIN_SCORES", 0)
+    calls = []
+    monkeypatch.setattr(attention, "numpy_causal_attention", counted(attention.numpy_causal_attention, calls))
+
+    def run(by_numpy: bool) -> list[np.ndarray]:
+        model = ferrum_mac.open_model(zoo.path("llama"), backend="mlx", dtype="float32")
+        for block in model.model.layers:
+            block.attn.by_numpy = by_numpy
+        out = [model.prefill("a", random_tokens(37, seed=81))]
+        out.append(model.prefill("b", random_tokens(5, seed=82)))
+        out.append(model.prefill("a", random_tokens(2 * B + 3, seed=83)))  # after b's block: scattered
+        out.append(model.forward_verify("b", random_tokens(4, seed=84)))
+        return [np.array(x) for x in out]
+
+    plain, by_numpy = run(False), run(True)
+    assert calls
+    for i, (want, got) in enumerate(zip(plain, by_numpy)):
+        assert_close(got, want, 1e-5, f"call {i}")
+
+
+def counted(function, calls: list):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    return wrapper

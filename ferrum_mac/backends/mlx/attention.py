@@ -150,7 +150,7 @@ USE_CUDA_KERNEL = settings.value("FERRUM_MLX_CUDA_ATTENTION")
 # On the CPU, a segment of several tokens with at least this many scores (heads x queries x
 # keys) attends by numpy (`numpy_causal_attention`); FERRUM_MLX_NUMPY_ATTENTION=0: never.
 NUMPY_ATTENTION = settings.value("FERRUM_MLX_NUMPY_ATTENTION")
-NUMPY_MIN_SCORES = 1 << 20
+NUMPY_MIN_SCORES = 1 << 16
 NUMPY_BLOCK_SCORES = 1 << 24  # scores numpy holds at once (64 MB of float32): queries go in blocks
 # A one-token segment on CUDA: MLX's one-query attention reads up to this many keys right
 # from the pool; from here its two-pass kernel needs keys that start at the buffer's first row.

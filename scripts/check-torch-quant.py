@@ -154,9 +154,12 @@ def print_moe_tiles() -> None:
                 err = (call(routings[0], tile).float() - want.float()).abs().max().item()
                 us = graph_us(cycling(lambda r: call(r, tile), routings))  # noqa: B023  (called at once)
             except Exception as e:  # (a variant that fails to compile or launch: said, and the table goes on)
-                print(f"{name:<15} {fma_label(change):<24} failed: {first_line(e)}")
+                print(f"{name:<15} {variant_name('fma', change):<24} failed: {first_line(e)}")
                 continue
-            print(f"{name:<15} {fma_label(change):<24} {us:>7.2f} {read / us / 1e3:>6.0f} {err:>8.2g}", flush=True)
+            print(
+                f"{name:<15} {variant_name('fma', change):<24} {us:>7.2f} {read / us / 1e3:>6.0f} {err:>8.2g}",
+                flush=True,
+            )
 
 
 def print_moe() -> None:
@@ -318,7 +321,7 @@ SWEEP_FMA = [
     {"per_sm": 8},
     {"pdl": False},
 ]
-# the dp4a GEMV's variants (one row, x as int8: `triton_dp4a_gemv`), on the same tiles
+# the dp4a GEMV's variants (one row, x as 16-bit integers: `triton_dp4a_gemv`), on the same tiles
 SWEEP_DP4A = [
     {},
     {"longer_rows": False},
@@ -357,9 +360,9 @@ def main_sweep() -> int:
                   f" | {rows} row{'s' if rows > 1 else ' '}: {'us':>7} {'GB/s':>5} {'peak':>4} {'err':>7}" for rows in SWEEP_ROWS),
               flush=True)  # fmt: skip
         variants = [] if DP4A_ONLY else [("dot (tl.dot, old)", {"fma": False})]
-        variants += [(fma_label(v), fma_options(v)) for v in ([{}] if DP4A_ONLY else SWEEP_FMA)]
+        variants += [(variant_name("fma", v), fma_options(v)) for v in ([{}] if DP4A_ONLY else SWEEP_FMA)]
         if SWEEP_ROWS == (1,):
-            variants += [(dp4a_label(v), dp4a_options(v)) for v in SWEEP_DP4A]
+            variants += [(variant_name("dp4a", v), dp4a_options(v)) for v in SWEEP_DP4A]
         for label, options in variants:
             cells = []
             for rows in SWEEP_ROWS:
@@ -392,16 +395,12 @@ def main_sweep() -> int:
     return 0
 
 
-def fma_label(change: dict) -> str:
-    return "fma " + (", ".join(f"{key} {value}" for key, value in change.items()) or "defaults")
+def variant_name(kernel: str, change: dict) -> str:
+    return f"{kernel} " + (", ".join(f"{key} {value}" for key, value in change.items()) or "defaults")
 
 
 def fma_options(change: dict) -> dict:
     return {"fma": True, "dp4a": False, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change)}
-
-
-def dp4a_label(change: dict) -> str:
-    return "dp4a " + (", ".join(f"{key} {value}" for key, value in change.items()) or "defaults")
 
 
 def dp4a_options(change: dict) -> dict:

@@ -73,7 +73,9 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
     registers (`triton_fma_gemv.fma_gemv`, its `tile`), else the tl.dot one (its `blocks`,
     `unpack`); `dp4a` (by default DP4A for one row): x as integers by dp4a
     (`triton_dp4a_gemv.dp4a_gemv`, its `tile`). `splits` of K: by default as the kernel's rule chooses."""
-    if dp4a if dp4a is not None else DP4A and fma is None and takes_dp4a(x, weight):
+    if dp4a is None:
+        dp4a = DP4A and fma is None and takes_dp4a(x, weight)
+    if dp4a:
         return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or DP4A_TILE)
     if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:
         return fma_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or FMA_TILE)

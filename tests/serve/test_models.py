@@ -82,14 +82,16 @@ def test_each_model_answers_with_its_own_output(two, server):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-def test_an_idle_model_unloads_after_its_keep_alive_and_its_memory_returns(two):
+def test_an_idle_model_unloads_after_its_keep_alive_and_its_memory_returns(two, smollm2_gguf):
     live, models = two
+    weights_mib = smollm2_gguf.stat().st_size / 2**20
     models.unload(SMOLLM2)
     before = rss_mib()
+    greedy(live, SMOLLM2)  # loaded to stay, so a slow machine cannot unload it before it is weighed
+    held = rss_mib()
     models.keep_alive_s = 1.0
     try:
-        greedy(live, SMOLLM2)
-        held = rss_mib()
+        greedy(live, SMOLLM2)  # a request takes the server's keep-alive for its model
         deadline = time.monotonic() + 15
         while SMOLLM2 in loaded(models) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -98,7 +100,7 @@ def test_an_idle_model_unloads_after_its_keep_alive_and_its_memory_returns(two):
     assert SMOLLM2 not in loaded(models)
     after = settled_rss(below=before + 0.3 * (held - before))
     print(f"RSS: {before:.0f} MiB idle, {held:.0f} MiB with SmolLM2 loaded, {after:.0f} MiB after it unloaded")
-    assert held - before > 200  # the model's weights and KV pool
+    assert held - before > weights_mib  # at least its weights (packed as in the file) are held
     assert after - before < 0.3 * (held - before)  # most of it back; what stays depends on the C heap
     ids = [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]]
     assert SMOLLM2 in ids and httpx.get(live.url + "/health").json()["status"] == "ok"

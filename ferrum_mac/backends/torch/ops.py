@@ -171,6 +171,7 @@ class TritonOps(Ops):
         (`triton_qkv`), else the projection, then those in one (`triton_ops.norm_rope_write`);
         then attention reading each row's keys up to its position (`plan`: a `DecodePlan`)."""
         from ferrum_mac.backends.torch import triton_ops, triton_qkv
+        from ferrum_mac.backends.torch.triton_pdl import pdl_for
 
         kv = plan.pool.kv[attn.layer]  # (2, kv_heads, token rows, dim)
         interleaved, places = attn.rope.interleaved, plan.places
@@ -179,12 +180,14 @@ class TritonOps(Ops):
                 h, norm.weight, norm.eps, attn.qkv.weight, attn.qkv.bias, attn.heads, attn.qk_norm, attn.eps,
                 cos, sin, interleaved, kv, places,
             )  # fmt: skip
+            early = pdl_for(h.device, attn.qkv.weight)  # (a large weight's kernel lets none start early)
         else:
             qkv = self.norm_matmul(h, norm, attn.qkv)
             q = triton_ops.norm_rope_write(qkv, attn.heads, attn.qk_norm, cos, sin, attn.eps, interleaved, kv, places)
+            early = True
         B = plan.pool.block_tokens
         splits = triton_ops.default_splits(plan.sequences * kv.shape[1], plan.table.shape[1] * B, h.device)
-        return triton_ops.decode_attention(q, kv, plan.table, plan.positions, attn.scale, B, splits)
+        return triton_ops.decode_attention(q, kv, plan.table, plan.positions, attn.scale, B, splits, early)
 
     def sparse_moe(self, moe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Gate projection with the router, gate_up with SwiGLU, down with the sum over k and

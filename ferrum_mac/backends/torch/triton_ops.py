@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ferrum_mac.backends.torch.triton_pdl import launch_options, pdl_for
+from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for
 from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
 
 try:
@@ -70,14 +70,15 @@ MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: a query group, or a GEMV's 
 
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, scale: float,
-                     block_tokens: int, splits: int | None = None) -> torch.Tensor:  # fmt: skip
+                     block_tokens: int, splits: int | None = None, early: bool = True) -> torch.Tensor:  # fmt: skip
     """q `(T, heads, dim)`; row i attends over its keys `0 .. positions[i]` in the pool layer `kv`
     `(2, kv_heads, token rows, dim)`, key j at token row `table[i, j // block_tokens] *
     block_tokens + j % block_tokens` (`table` `(T, width)`: each row's blocks) -> `(T, heads * dim)`.
 
     Query head h reads kv head `h // (heads / kv_heads)`; one program serves a kv head's whole
     group, so each key is read once per row. `splits`: programs per (row, kv head), a power of
-    two (by default enough to give every SM two programs)."""
+    two (by default enough to give every SM two programs). `early`: whether the kernel before
+    lets this one start while it runs (`triton_pdl`), so that prefetching the keys pays."""
     rows, heads, dim = q.shape
     kv_heads, width = kv.shape[1], table.shape[1]
     assert q.stride(2) == 1 and kv.stride(3) == 1 and table.is_contiguous() and heads % kv_heads == 0
@@ -103,8 +104,9 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, pos
         positions, scale * math.log2(math.e), out, partial_acc, partial_max, partial_sum, counters,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         DIM=dim, BLOCK_TOKENS=block_tokens, SPLITS=splits, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, num_warps=4,
-        **launch_options(pdl),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, PREFETCH=pdl and early,
+        KEY_LINES=triton.next_power_of_2(triton.cdiv(dim * kv.element_size(), LINE_BYTES)), LINE_ELEMENTS=LINE_BYTES // kv.element_size(),
+        num_warps=4, **launch_options(pdl),
     )  # fmt: skip
     return out
 
@@ -162,7 +164,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_pdl import wait_for_previous
+    from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
     from ferrum_mac.backends.torch.triton_splits import arrived_last
 
     @triton.jit
@@ -225,19 +227,33 @@ if triton is not None:
         positions_ptr, scale_log2, out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, counters_ptr,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr, KEY_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
     ):  # fmt: skip
         # One program per (row, kv head, split): the kv head's query heads (padded to GROUP_PAD
         # rows, the padding masked) against the split's share of the row's keys, in blocks of
         # BLOCK_N (each key's token row read from the row's block table), with an online
         # softmax per query head. Scores are in log2 units (exp2 is the
         # fast one); both products accumulate in float32, as flash attention does.
-        wait_for_previous(PDL)
         row_kv_head, split = tl.program_id(0), tl.program_id(1)
         row, kv_head = row_kv_head // KV_HEADS, row_kv_head % KV_HEADS
+        # The lengths and the block table are the step's inputs, which no kernel of a layer
+        # writes: read before the wait. So are the split's keys and values, into L2, when this
+        # program starts while the kernel before runs (the newest key, which that kernel is
+        # writing, lands in L2 too: writes go there).
         length = tl.load(positions_ptr + row) + 1
         share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks per split
         start = split * share
         end = tl.minimum(start + share, length)
+        keys_ptr = kv_ptr + kv_head.to(tl.int64) * kv_head_stride
+        values_ptr = keys_ptr + kv_half_stride
+        row_table = table_ptr + row.to(tl.int64) * table_width
+        if PREFETCH:
+            for block in range(start, end, BLOCK_N):
+                token_rows, seen = _token_rows(row_table, block, end, BLOCK_N, BLOCK_TOKENS)
+                rows_ptr = token_rows[:, None] * kv_token_stride
+                prefetch_rows(keys_ptr + rows_ptr, seen, 0, DIM, KEY_LINES, LINE_ELEMENTS)
+                prefetch_rows(values_ptr + rows_ptr, seen, 0, DIM, KEY_LINES, LINE_ELEMENTS)
+        wait_for_previous(PDL)
 
         members = tl.arange(0, GROUP_PAD)
         in_group = members < GROUP
@@ -246,27 +262,21 @@ if triton is not None:
         inside = dims < DIM
         q_offsets = row * q_row_stride + heads[:, None] * q_head_stride + dims[None, :]
         q = tl.load(q_ptr + q_offsets, mask=in_group[:, None] & inside[None, :], other=0.0)
-        keys_ptr = kv_ptr + kv_head.to(tl.int64) * kv_head_stride
-        values_ptr = keys_ptr + kv_half_stride
-        row_table = table_ptr + row.to(tl.int64) * table_width
 
         running_max = tl.full([GROUP_PAD], -float("inf"), dtype=tl.float32)
         running_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
         for block in range(start, end, BLOCK_N):
-            columns = block + tl.arange(0, BLOCK_N)
-            seen = columns < end
-            blocks = tl.load(row_table + columns // BLOCK_TOKENS, mask=seen, other=0)
-            token_rows = blocks.to(tl.int64) * BLOCK_TOKENS + columns % BLOCK_TOKENS
+            token_rows, seen = _token_rows(row_table, block, end, BLOCK_N, BLOCK_TOKENS)
             offsets = token_rows[:, None] * kv_token_stride + dims[None, :]
             both = seen[:, None] & inside[None, :]
             k = tl.load(keys_ptr + offsets, mask=both, other=0.0)
+            v = tl.load(values_ptr + offsets, mask=both, other=0.0)  # (asked for with the keys: one trip)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             scores = tl.where(seen[None, :], scores, -float("inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=1))
             rescale = tl.exp2(running_max - new_max)
             p = tl.exp2(scores - new_max[:, None])
-            v = tl.load(values_ptr + offsets, mask=both, other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc * rescale[:, None], input_precision=PRECISION)
             running_sum = running_sum * rescale + tl.sum(p, axis=1)
             running_max = new_max
@@ -286,6 +296,15 @@ if triton is not None:
                     partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims, SPLITS, BLOCK_D
                 )
                 tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _token_rows(row_table, block, end, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
+        """The pool's token rows of a row's keys `block .. block + BLOCK_N` (by its block table
+        `row_table`), and which of them come before `end`."""
+        columns = block + tl.arange(0, BLOCK_N)
+        seen = columns < end
+        blocks = tl.load(row_table + columns // BLOCK_TOKENS, mask=seen, other=0)
+        return blocks.to(tl.int64) * BLOCK_TOKENS + columns % BLOCK_TOKENS, seen
 
     @triton.jit
     def _merge_splits(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims,

@@ -18,7 +18,9 @@ bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, che
   calls cycle through copies of the weight that together outgrow the L2 cache, as a step's
   layers do. Then the three GEMVs a layer runs by default with K unsplit against the split
   `triton_gemv.gemv_splits` chooses (marked *), with each one's weight bytes per second
-  (`--sweep`: other split counts too).
+  (`--sweep`: other split counts too). `--tiles`: for one row, each GEMV at other tiles
+  (`triton_gemv.GemvTile`: column block, K chunk, warps, stages, splits) and the copy rate,
+  the rest skipped.
 - RMSNorm of a step's row at Qwen3-0.6B's, Qwen3-30B-A3B's and Qwen3-8B's hidden sizes:
   F.rms_norm vs `triton_ops.rms_norm`, with the bytes per second each moves (row, weight, output).
 
@@ -26,9 +28,10 @@ Times are device microseconds per call, from CUDA graphs of many back-to-back ca
 step runs as a graph, so Python's launch cost is not counted). Exits 1 on a mismatch. Needs
 only torch (with its triton) and numpy; from the repository root:
 
-    python3 scripts/check-torch-triton.py [--sweep]
+    python3 scripts/check-torch-triton.py [--sweep | --tiles]
 """
 
+import itertools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,6 +73,8 @@ def main() -> int:
     if not can_check(triton_ops):
         return 2
     print()
+    if "--tiles" in sys.argv:
+        return sweep_tiles()
     rows_out, splits_out = [], []
     for name, layout in LAYOUTS.items():
         for rows, context in CASES if name in TIMED else CASES[:1]:
@@ -301,6 +306,68 @@ def time_splits(where: str, triton_op, torch_op, copies: list, swiglu: bool, cho
             times[count] = graph_us(cycling(lambda w: triton_op(w, splits=count), copies))
     weight_bytes = weight.numel() * weight.element_size()
     return [((n, k), blocks, count, count == chosen, times[count], times[1], weight_bytes) for count in splits]
+
+
+TILE_WIDEST, TILE_BYTES, TILE_WARPS, TILE_STAGES = (32, 64, 128), (8192, 16384), (4, 8), (4,)
+TILE_SPLITS = (None, 1, 2, 3)  # None: gemv_splits' choice (timed once where it is one of the others)
+
+
+def sweep_tiles() -> int:
+    """Each one-row GEMV of the timed layouts at the tiles TILE_* make, beside the default:
+    device us and weight bytes a second, then a device-to-device copy's rate for scale."""
+    print(f"{'layout':<11} {'op':<19} {'N x K':>11} {'block_n':>7} {'block_k':>7} {'warps':>5} {'stages':>6} "
+          f"{'splits':>6} {'us':>7} {'GB/s':>5} {'vs default':>10}")  # fmt: skip
+    for name in TIMED:
+        hidden, heads, kv_heads, dim, width, _, _ = LAYOUTS[name]
+        x = torch.randn(1, hidden, device="cuda", dtype=DTYPE)
+        norm = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE)
+        inter = torch.randn(1, width, device="cuda", dtype=DTYPE)
+        attn_out = torch.randn(1, heads * dim, device="cuda", dtype=DTYPE)
+        ops = {  # op -> (N, K), GEMV of a weight, a split count and a tile
+            "norm+qkv": (((heads + 2 * kv_heads) * dim, hidden),
+                         lambda w, s, t: triton_gemv.norm_matmul(x, norm, EPS, w, splits=s, tile=t)),
+            "norm+gate_up+swiglu": ((2 * width, hidden), lambda w, s, t: triton_gemv.norm_swiglu(x, norm, EPS, w, splits=s, tile=t)),
+            "o_proj+residual": ((hidden, heads * dim), lambda w, s, t: triton_gemv.matmul_residual(attn_out, w, x, splits=s, tile=t)),
+            "down+residual": ((hidden, width), lambda w, s, t: triton_gemv.matmul_residual(inter, w, x, splits=s, tile=t)),
+        }  # fmt: skip
+        for op, (shape, gemv) in ops.items():
+            copies = weight_copies(shape, True)
+            n, k = shape[0] // 2 if op == "norm+gate_up+swiglu" else shape[0], shape[1]
+            want = gemv(copies[0], None, None)
+            default_us = graph_us(cycling(lambda w: gemv(w, None, None), copies))
+            weight_bytes = shape[0] * shape[1] * DTYPE.itemsize
+            results, seen = [], set()
+            for widest, tile_bytes, warps, stages, splits in itertools.product(
+                TILE_WIDEST, TILE_BYTES, TILE_WARPS, TILE_STAGES, TILE_SPLITS
+            ):
+                tile = triton_gemv.gemv_tile(
+                    n, k, x.device, DTYPE.itemsize, tile_bytes, widest, warps=warps, stages=stages
+                )
+                blocks = -(-n // tile.block_n)
+                splits = triton_gemv.gemv_splits(blocks, k, tile.block_k, x.device, splits, tile.per_sm)[0]
+                if (tile, splits) in seen:
+                    continue
+                seen.add((tile, splits))
+                try:
+                    compare(f"{name} {op} {tile} splits={splits}", gemv(copies[0], splits, tile), want)
+                    us = graph_us(cycling(lambda w: gemv(w, splits, tile), copies))
+                except Exception as error:  # a tile past the shared memory: reported, not fatal
+                    print(f"{name} {op} {tile} splits={splits}: {type(error).__name__}")
+                    continue
+                results.append((us, tile, splits))
+            results.sort(key=lambda r: r[0])
+            print(
+                f"{name:<11} {op:<19} {f'{n}x{k}':>11} {'default':>39} {default_us:>7.2f} {weight_bytes / default_us / 1e3:>5.0f}"
+            )
+            for us, tile, splits in results[:6]:
+                print(f"{name:<11} {op:<19} {f'{n}x{k}':>11} {tile.block_n:>7} {tile.block_k:>7} {tile.warps:>5} "
+                      f"{tile.stages:>6} {splits:>6} {us:>7.2f} {weight_bytes / us / 1e3:>5.0f} "
+                      f"{default_us / us:>9.2f}x")  # fmt: skip
+    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    us = graph_us(lambda: target.copy_(source))
+    print(f"\ncopy of 1 GiB: {us:.1f} us, {source.numel() / us / 1e3:.0f} GB/s read (and as many written)")
+    return verdict()
 
 
 def check_rms_norms() -> list:

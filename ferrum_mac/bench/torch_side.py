@@ -63,7 +63,7 @@ def run_torch_bench(
         result["memory_gb"] = loaded_memory_gb(device)
     if reference is not None:
         log("ferrum bench: parity with transformers on the prompt ...")
-        result["parity"] = parity(llm, reference, prompt, device)
+        result["parity"] = {**parity(llm, reference, prompt, device), "quantized": on_the_fly}
     llm.prepare("bench", prompt_tokens + new_tokens)  # sizes the cache and captures its decode graph
     llm.release("bench")
     sides = {"ferrum": lambda: time_tokens(ferrum_tokens(llm, prompt, new_tokens), prompt_tokens, new_tokens, device)}
@@ -334,8 +334,13 @@ def format_report(r: dict, runs: int) -> str:
         )
     if r.get("parity"):
         p = r["parity"]
+        against = (
+            f"the bf16 model it was quantized from ({p['quantized']}'s own error included)"
+            if p.get("quantized")
+            else "transformers"
+        )
         lines.append(
-            f"parity with transformers ({'same' if p['same_argmax'] else 'DIFFERENT'} argmax): "
+            f"parity with {against} ({'same' if p['same_argmax'] else 'DIFFERENT'} argmax): "
             f"prefill logits {p['prefill_rel_err']:.2g}, decode step {p['decode_rel_err']:.2g} of the logits' range"
         )
     return "\n".join(lines)

@@ -108,3 +108,27 @@ def test_bytes_per_token_counts_only_what_a_step_reads():
     packed = fake("qwen3-8b")
     packed.model_config = dataclasses.replace(packed.model_config, quantization={"bits": 4, "group_size": 64})
     assert decode_bytes_per_token(packed, 0) == decode_bytes_per_token(fake("qwen3-8b"), 0, "4bit")
+
+
+def test_a_quantized_bench_says_its_parity_is_against_the_bf16_model():
+    """A 4-bit run's logits differ from the bf16 model's by the quantization's own error: the
+    report says so rather than only 'DIFFERENT argmax'."""
+    from ferrum_mac.bench.torch_side import format_report
+
+    timing = {"prefill_tps": 1.0, "decode_tps": 1.0, "ttft_s": 1.0, "peak_memory_gb": 0.0}
+    base = {
+        "model": "m",
+        "device": "cpu",
+        "prompt_tokens": 4,
+        "new_tokens": 2,
+        "ferrum": timing,
+        "transformers": None,
+        "prefill_ratio": None,
+        "decode_ratio": None,
+        "roofline": {"bytes_per_token": 1e9, "copy_bandwidth_gbs": 1.0, "decode_tps": 1.0, "ferrum_share": 1.0},
+        "batched_decode_tps": {},
+    }
+    errors = {"prefill_rel_err": 1.1, "decode_rel_err": 0.9, "same_argmax": False}
+    quantized = format_report({**base, "parity": {**errors, "quantized": "4bit"}}, 1)
+    assert "parity with the bf16 model it was quantized from (4bit's own error included)" in quantized
+    assert "parity with transformers (" in format_report({**base, "parity": {**errors, "quantized": None}}, 1)

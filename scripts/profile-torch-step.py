@@ -4,13 +4,19 @@ and device time per step (torch.profiler), beside the step's wall time when repl
 CUDA graph. Random bf16 weights of a bench shape, a 512-token prompt, then decode steps at
 the given batch. On the GPU machine (torch only):
 
-    python3 scripts/profile-torch-step.py --shape qwen3-0.6b [--batch 1] [--steps 20]
+    python3 scripts/profile-torch-step.py --shape qwen3-0.6b [--quant 4bit] [--batch 1] [--steps 20]
+        [--time-only] [--set MODULE.NAME=VALUE ...]
 
 It profiles the steps as replayed from their CUDA graph (the GPU's busy time beside the
 wall time shows the gaps between kernels), then eagerly (FERRUM_TORCH_CUDA_GRAPHS=0).
+`--time-only`: the graph's step time alone (best of 3 rounds of `--steps`), for A/B runs of
+two trees (PYTHONPATH) or of a module constant changed with `--set` (a Python literal), e.g.
+`--set ferrum_mac.backends.torch.triton_pdl.PDL_MAX_BYTES=1099511627776`.
 """
 
 import argparse
+import ast
+import importlib
 import os
 import sys
 import time
@@ -26,7 +32,7 @@ def decode_items(batch: int, prompt: list[int], step: int):
     return [DecodeItem(f"p{b}", 1 + step, len(prompt) + step) for b in range(batch)]
 
 
-def run(shape: str, batch: int, steps: int, prompt_tokens: int) -> None:
+def run(shape: str, quant: str | None, batch: int, steps: int, prompt_tokens: int, time_only: bool) -> None:
     import torch
 
     from _kernel_profile import profile_steps
@@ -34,7 +40,7 @@ def run(shape: str, batch: int, steps: int, prompt_tokens: int) -> None:
     from ferrum_mac.bench.torch_side import random_pair
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    llm, _, label = random_pair(shape, device)
+    llm, _, label = random_pair(shape, device, quant)
     prompt = list(range(1, prompt_tokens + 1))
     for b in range(batch):
         llm.prefill(f"p{b}", prompt)
@@ -53,6 +59,10 @@ def run(shape: str, batch: int, steps: int, prompt_tokens: int) -> None:
         sync()
         return (time.perf_counter() - start) / steps * 1e3
 
+    if time_only:
+        best = min(timed_steps() for _ in range(3))
+        print(f"{label}, {device}, batch {batch}: step {best:.4f} ms (best of 3 rounds of {steps})")
+        return
     graphed = timed_steps()
     kind = "in a CUDA graph" if device.type == "cuda" else "default"
     print(f"{label}, {device}, batch {batch}: step {graphed:.3f} ms {kind}")
@@ -80,12 +90,19 @@ def bench_ms(llm, prompt: list[int], tokens: int = 128) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--quant", default=None, help="4bit or 8bit: the bf16 weights quantized as they load")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--time-only", action="store_true", help="the step time alone, no profile")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    run(args.shape, args.batch, args.steps, args.prompt_tokens)
+    for item in args.set:
+        target, value = item.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(module), name, ast.literal_eval(value))
+    run(args.shape, args.quant, args.batch, args.steps, args.prompt_tokens, args.time_only)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ four byte products in plain integer ops, the same integers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ferrum_mac.backends.torch.quant import Packed
@@ -45,19 +47,37 @@ X_SMALLEST = 1e-30
 # The FMA tile with half its columns: on the H200 as fast or faster at every Qwen3-8B and 0.6B
 # shape (`scripts/check-torch-quant.py --sweep --rows=1 --dp4a`, docs/BENCHMARKS.md)
 DP4A_TILE = FmaTile(columns=32)
+# What changes in it by the weight's shape (`dp4a_tile`), from the sweep's best at Qwen3-8B's
+# shapes, which together took its 4-bit step from 2.35 to 2.12 ms on the H200: SwiGLU's two
+# weights read in longer rows a step, a narrowing weight (down) in narrower column blocks, a
+# square one (qkv, o_proj) in wider blocks by more warps. Only weights of SHAPE_TILES_MIN_BYTES
+# or more take them: Qwen3-0.6B's, all smaller, ran 2% slower with them (docs/BENCHMARKS.md).
+DP4A_SHAPE_TILES = {"swiglu": {"row_bytes": 1024}, "narrowing": {"columns": 16}, "square": {"columns": 64, "warps": 8}}
+SHAPE_TILES_MIN_BYTES = 4 << 20  # of packed words
+
+
+def dp4a_tile(weight: Packed, swiglu: bool) -> FmaTile:
+    """The tile `weight` (a fused gate_up with `swiglu`) takes: DP4A_TILE, changed as
+    DP4A_SHAPE_TILES says for its shape if it is large enough."""
+    n, k = weight.shape[0] // 2 if swiglu else weight.shape[0], weight.shape[1]
+    if weight.words.numel() * weight.words.element_size() < SHAPE_TILES_MIN_BYTES:
+        return DP4A_TILE
+    shape = "swiglu" if swiglu else "narrowing" if k > n else "square" if n <= 2 * k else "widening"
+    return dataclasses.replace(DP4A_TILE, **DP4A_SHAPE_TILES.get(shape, {}))
 
 
 def dp4a_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-              swiglu: bool = False, splits: int | None = None, tile: FmaTile = DP4A_TILE) -> torch.Tensor:  # fmt: skip
+              swiglu: bool = False, splits: int | None = None, tile: FmaTile | None = None) -> torch.Tensor:  # fmt: skip
     """`triton_quant.gemv` for one row, x as 16-bit integers (`_qgemv_dp4a_kernel`), a program
-    taking `tile`; `splits` of K: by default as `fma_plan` chooses."""
+    taking `tile` (by default `dp4a_tile`'s); `splits` of K: by default as `fma_plan` chooses."""
     rows, k = x.shape
     n_all, k_weight = weight.shape
     n = n_all // 2 if swiglu else n_all
     assert rows == 1 and k_weight == k and weight.bits in (4, 8) and weight.group_size % X_BLOCK == 0
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    tile = tile or dp4a_tile(weight, swiglu)
     block_n, block_w, column_blocks, splits, words_per_split = fma_plan(
         n, k, rows, swiglu, weight.bits, weight.group_size, x.device, tile, splits
     )

@@ -32,7 +32,7 @@ import torch
 
 from ferrum_mac import settings
 from ferrum_mac.backends.torch.quant import ExpertStack, Packed
-from ferrum_mac.backends.torch.triton_dp4a_gemv import DP4A_TILE, X_BLOCK, dp4a_gemv
+from ferrum_mac.backends.torch.triton_dp4a_gemv import X_BLOCK, dp4a_gemv
 from ferrum_mac.backends.torch.triton_fma_gemv import FMA_MAX_ROWS, FMA_TILE, FmaTile, fma_expert_gemv, fma_gemv
 from ferrum_mac.backends.torch.triton_gemv import gemv_splits
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
@@ -76,7 +76,7 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
     if dp4a is None:
         dp4a = DP4A and fma is None and takes_dp4a(x, weight)
     if dp4a:
-        return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or DP4A_TILE)
+        return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile)
     if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:
         return fma_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile or FMA_TILE)
     rows, k = x.shape

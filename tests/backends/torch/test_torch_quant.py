@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -302,6 +303,34 @@ def test_dp4a_gemv_fuses_what_the_fma_gemv_fuses(gpu_like, bits, group):
         assert_near(got, F.silu(y[:, :width]) * y[:, width:], dtype)
     plain = triton_quant.gemv(x, w, tile=SMALL_FMA_TILE, dp4a=True)
     assert_near(plain, triton_dp4a_gemv.reference(x, w), dtype)
+
+
+@pytest.mark.interpreter
+@kernels
+@pytest.mark.parametrize("shape", sorted(triton_dp4a_gemv.DP4A_SHAPE_TILES))
+def test_dp4a_gemv_at_each_shapes_tile_computes_as_specified(gpu_like, shape):
+    """The tiles large weights take (1,024-byte rows need K of 2,048 at 4 bits)."""
+    tile = dataclasses.replace(triton_dp4a_gemv.DP4A_TILE, **triton_dp4a_gemv.DP4A_SHAPE_TILES[shape])
+    w = packed_random(64, 2048, 4, 64, torch.float32, seed=3)
+    x = torch.randn(1, 2048, device=DEVICE)
+    assert_near(triton_quant.gemv(x, w, tile=tile, dp4a=True), triton_dp4a_gemv.reference(x, w), torch.float32)
+
+
+def test_large_weights_take_their_shapes_dp4a_tile_and_small_ones_the_default():
+    def weight(n: int, k: int) -> Packed:  # (never read: only its shape and size count)
+        return Packed(torch.empty(n, k // 8, dtype=torch.int32), torch.empty(0), torch.empty(0), 4, 64)
+
+    def change(n: int, k: int, swiglu: bool = False) -> dict:
+        tile = triton_dp4a_gemv.dp4a_tile(weight(n, k), swiglu)
+        default = triton_dp4a_gemv.DP4A_TILE
+        return {f: getattr(tile, f) for f in default.__dataclass_fields__ if getattr(tile, f) != getattr(default, f)}
+
+    shapes = triton_dp4a_gemv.DP4A_SHAPE_TILES
+    assert change(4096, 4096) == shapes["square"]  # Qwen3-8B's o_proj (8 MiB packed)
+    assert change(4096, 12288) == shapes["narrowing"]  # its down
+    assert change(2 * 12288, 4096, swiglu=True) == shapes["swiglu"]  # its gate_up
+    assert change(32768, 1024) == {}  # widening, as a head
+    assert change(1024, 3072) == change(2 * 3072, 1024, swiglu=True) == {}  # Qwen3-0.6B's: small
 
 
 @pytest.mark.interpreter

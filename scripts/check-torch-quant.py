@@ -404,7 +404,7 @@ def fma_options(change: dict) -> dict:
 
 
 def dp4a_options(change: dict) -> dict:
-    """The dp4a GEMV with the FMA tile changed so (its defaults: its own tile, DP4A_TILE)."""
+    """The dp4a GEMV with the FMA tile changed so (its defaults: its own tile by shape, `dp4a_tile`)."""
     return {"dp4a": True, "tile": dataclasses.replace(triton_fma_gemv.FMA_TILE, **change) if change else None}
 
 

@@ -50,17 +50,18 @@ DP4A_TILE = FmaTile(columns=32)
 # What changes in it by the weight's shape (`dp4a_tile`), from the sweep's best at Qwen3-8B's
 # shapes, which together took its 4-bit step from 2.35 to 2.12 ms on the H200: SwiGLU's two
 # weights read in longer rows a step, a narrowing weight (down) in narrower column blocks, a
-# square one (qkv, o_proj) in wider blocks by more warps. Only weights of SHAPE_TILES_MIN_BYTES
-# or more take them: Qwen3-0.6B's, all smaller, ran 2% slower with them (docs/BENCHMARKS.md).
+# square one (qkv, o_proj) in wider blocks by more warps. Only 4-bit weights (what was swept) of
+# SHAPE_TILES_MIN_BYTES or more take them: Qwen3-0.6B's, all smaller, ran 2% slower with them
+# (docs/BENCHMARKS.md).
 DP4A_SHAPE_TILES = {"swiglu": {"row_bytes": 1024}, "narrowing": {"columns": 16}, "square": {"columns": 64, "warps": 8}}
 SHAPE_TILES_MIN_BYTES = 4 << 20  # of packed words
 
 
 def dp4a_tile(weight: Packed, swiglu: bool) -> FmaTile:
     """The tile `weight` (a fused gate_up with `swiglu`) takes: DP4A_TILE, changed as
-    DP4A_SHAPE_TILES says for its shape if it is large enough."""
+    DP4A_SHAPE_TILES says for its shape if it is 4-bit and large enough."""
     n, k = weight.shape[0] // 2 if swiglu else weight.shape[0], weight.shape[1]
-    if weight.words.numel() * weight.words.element_size() < SHAPE_TILES_MIN_BYTES:
+    if weight.bits != 4 or weight.words.numel() * weight.words.element_size() < SHAPE_TILES_MIN_BYTES:
         return DP4A_TILE
     shape = "swiglu" if swiglu else "narrowing" if k > n else "square" if n <= 2 * k else "widening"
     return dataclasses.replace(DP4A_TILE, **DP4A_SHAPE_TILES.get(shape, {}))

@@ -317,11 +317,11 @@ def test_dp4a_gemv_at_each_shapes_tile_computes_as_specified(gpu_like, shape):
 
 
 def test_large_weights_take_their_shapes_dp4a_tile_and_small_ones_the_default():
-    def weight(n: int, k: int) -> Packed:  # (never read: only its shape and size count)
-        return Packed(torch.empty(n, k // 8, dtype=torch.int32), torch.empty(0), torch.empty(0), 4, 64)
+    def weight(n: int, k: int, bits: int) -> Packed:  # (never read: only its shape and size count)
+        return Packed(torch.empty(n, k * bits // 32, dtype=torch.int32), torch.empty(0), torch.empty(0), bits, 64)
 
-    def change(n: int, k: int, swiglu: bool = False) -> dict:
-        tile = triton_dp4a_gemv.dp4a_tile(weight(n, k), swiglu)
+    def change(n: int, k: int, swiglu: bool = False, bits: int = 4) -> dict:
+        tile = triton_dp4a_gemv.dp4a_tile(weight(n, k, bits), swiglu)
         default = triton_dp4a_gemv.DP4A_TILE
         return {f: getattr(tile, f) for f in default.__dataclass_fields__ if getattr(tile, f) != getattr(default, f)}
 
@@ -331,6 +331,7 @@ def test_large_weights_take_their_shapes_dp4a_tile_and_small_ones_the_default():
     assert change(2 * 12288, 4096, swiglu=True) == shapes["swiglu"]  # its gate_up
     assert change(32768, 1024) == {}  # widening, as a head
     assert change(1024, 3072) == change(2 * 3072, 1024, swiglu=True) == {}  # Qwen3-0.6B's: small
+    assert change(4096, 12288, bits=8) == {}  # 8-bit: not swept
 
 
 @pytest.mark.interpreter

@@ -48,6 +48,7 @@ from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import Linear, RmsNorm, Rope  # noqa: E402
 from ferrum_mac.backends.torch.ops import GEMV_MAX_ROWS, TORCH_OPS, TritonOps  # noqa: E402
+from ferrum_mac.bench.torch_side import copy_bandwidth  # noqa: E402
 
 # name -> hidden size, heads, kv_heads, head_dim, MLP width, q/k norm, interleaved RoPE
 LAYOUTS = {
@@ -245,11 +246,10 @@ def time_qkv_variants(where: str, fused_qkv, copies: list) -> None:
             QKV_VARIANTS.append(f"{where}  {block_k:>7} {splits:>6} {us:>7.2f} {weight_bytes / us / 1e3:>5.0f}")
 
 
-def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
-    """The GEMVs checked (split as `gemv_splits` chooses, and unsplit) and, if `timed`, timed
-    against torch: rows for the main table, and rows for the split-K table."""
+def gemv_ops(layout, rows: int, timed: bool) -> dict:
+    """The GEMVs a decode step runs for `rows` rows of `layout`: op -> (torch's, Triton's (of a
+    weight, and optionally a split count and a tile), the weights it cycles through)."""
     hidden, heads, kv_heads, dim, width, _, _ = layout
-    where = f"{name} rows={rows}"
     torch.manual_seed(rows)
     x = torch.randn(rows, hidden, device="cuda", dtype=DTYPE)
     norm = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE)
@@ -262,16 +262,32 @@ def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
         "down": (hidden, width),
     }
     weights = {part: weight_copies(shape, timed) for part, shape in shapes.items()}
-    ops = {  # op -> torch, triton (each of a weight; triton's also of a split count), the weights
+    return {
         "norm+qkv": (lambda w: F.linear(F.rms_norm(x, (hidden,), norm, EPS), w),
-                     lambda w, splits=None: triton_gemv.norm_matmul(x, norm, EPS, w, splits=splits), weights["qkv"]),
+                     lambda w, splits=None, tile=None: triton_gemv.norm_matmul(x, norm, EPS, w, splits=splits, tile=tile),
+                     weights["qkv"]),
         "norm+gate_up+swiglu": (lambda w: pointwise.torch_swiglu(F.linear(F.rms_norm(x, (hidden,), norm, EPS), w)),
-                                lambda w, splits=None: triton_gemv.norm_swiglu(x, norm, EPS, w, splits=splits), weights["gate_up"]),
+                                lambda w, splits=None, tile=None: triton_gemv.norm_swiglu(x, norm, EPS, w, splits=splits, tile=tile),
+                                weights["gate_up"]),
         "o_proj+residual": (lambda w: torch.addmm(x, attn_out, w.t()),
-                            lambda w, splits=None: triton_gemv.matmul_residual(attn_out, w, x, splits=splits), weights["o_proj"]),
+                            lambda w, splits=None, tile=None: triton_gemv.matmul_residual(attn_out, w, x, splits=splits, tile=tile),
+                            weights["o_proj"]),
         "down+residual": (lambda w: torch.addmm(x, inter, w.t()),
-                          lambda w, splits=None: triton_gemv.matmul_residual(inter, w, x, splits=splits), weights["down"]),
+                          lambda w, splits=None, tile=None: triton_gemv.matmul_residual(inter, w, x, splits=splits, tile=tile),
+                          weights["down"]),
     }  # fmt: skip
+
+
+def columns_and_k(op: str, weight: torch.Tensor) -> tuple[int, int]:
+    """A GEMV's output columns (each of gate and up for SwiGLU) and K."""
+    return weight.shape[0] // 2 if op == "norm+gate_up+swiglu" else weight.shape[0], weight.shape[1]
+
+
+def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
+    """The GEMVs checked (split as `gemv_splits` chooses, and unsplit) and, if `timed`, timed
+    against torch: rows for the main table, and rows for the split-K table."""
+    where = f"{name} rows={rows}"
+    ops = gemv_ops(layout, rows, timed)
     for op, (torch_op, triton_op, copies) in ops.items():
         want = torch_op(copies[0])
         compare(f"{where} {op}", triton_op(copies[0]), want)
@@ -283,22 +299,23 @@ def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
     split_rows = []
     for op in SPLIT_OPS:
         torch_op, triton_op, copies = ops[op]
-        swiglu = op == "norm+gate_up+swiglu"
-        for row in time_splits(f"{where} {op}", triton_op, torch_op, copies, swiglu, triton_us[op]):
+        for row in time_splits(
+            f"{where} {op}", triton_op, torch_op, copies, columns_and_k(op, copies[0]), triton_us[op]
+        ):
             split_rows.append((name, rows, op, *row))
     return timings, split_rows
 
 
-def time_splits(where: str, triton_op, torch_op, copies: list, swiglu: bool, chosen_us: float) -> list:
+def time_splits(where: str, triton_op, torch_op, copies: list, n_k: tuple[int, int], chosen_us: float) -> list:
     """(N x K, column blocks, splits, chosen?, us, unsplit us, weight bytes) for K unsplit, the
     split `gemv_splits` chooses (timed already: `chosen_us`) and, with --sweep, other counts."""
     weight = copies[0]
-    n, k = weight.shape[0] // 2 if swiglu else weight.shape[0], weight.shape[1]
-    block_n, block_k = triton_gemv.gemv_blocks(n, k, weight.device, weight.element_size())
-    blocks = -(-n // block_n)
-    chosen = triton_gemv.gemv_splits(blocks, k, block_k, weight.device)[0]
+    n, k = n_k
+    tile = triton_gemv.gemv_tile(n, k, weight.device, weight.element_size())
+    blocks = -(-n // tile.block_n)
+    chosen = triton_gemv.gemv_splits(blocks, k, tile.block_k, weight.device)[0]
     wanted = {1, chosen} | (set(SWEEP_SPLITS) if "--sweep" in sys.argv else set())
-    splits = sorted({triton_gemv.gemv_splits(blocks, k, block_k, weight.device, count)[0] for count in wanted})
+    splits = sorted({triton_gemv.gemv_splits(blocks, k, tile.block_k, weight.device, count)[0] for count in wanted})
     times = {chosen: chosen_us}
     for count in splits:
         if count not in times:
@@ -314,60 +331,43 @@ TILE_SPLITS = (None, 1, 2, 3)  # None: gemv_splits' choice (timed once where it 
 
 def sweep_tiles() -> int:
     """Each one-row GEMV of the timed layouts at the tiles TILE_* make, beside the default:
-    device us and weight bytes a second, then a device-to-device copy's rate for scale."""
+    device us and weight bytes a second, then the copy rate `ferrum bench`'s roofline takes."""
     print(f"{'layout':<11} {'op':<19} {'N x K':>11} {'block_n':>7} {'block_k':>7} {'warps':>5} {'stages':>6} "
           f"{'splits':>6} {'us':>7} {'GB/s':>5} {'vs default':>10}")  # fmt: skip
     for name in TIMED:
-        hidden, heads, kv_heads, dim, width, _, _ = LAYOUTS[name]
-        x = torch.randn(1, hidden, device="cuda", dtype=DTYPE)
-        norm = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(DTYPE)
-        inter = torch.randn(1, width, device="cuda", dtype=DTYPE)
-        attn_out = torch.randn(1, heads * dim, device="cuda", dtype=DTYPE)
-        ops = {  # op -> (N, K), GEMV of a weight, a split count and a tile
-            "norm+qkv": (((heads + 2 * kv_heads) * dim, hidden),
-                         lambda w, s, t: triton_gemv.norm_matmul(x, norm, EPS, w, splits=s, tile=t)),
-            "norm+gate_up+swiglu": ((2 * width, hidden), lambda w, s, t: triton_gemv.norm_swiglu(x, norm, EPS, w, splits=s, tile=t)),
-            "o_proj+residual": ((hidden, heads * dim), lambda w, s, t: triton_gemv.matmul_residual(attn_out, w, x, splits=s, tile=t)),
-            "down+residual": ((hidden, width), lambda w, s, t: triton_gemv.matmul_residual(inter, w, x, splits=s, tile=t)),
-        }  # fmt: skip
-        for op, (shape, gemv) in ops.items():
-            copies = weight_copies(shape, True)
-            n, k = shape[0] // 2 if op == "norm+gate_up+swiglu" else shape[0], shape[1]
-            want = gemv(copies[0], None, None)
-            default_us = graph_us(cycling(lambda w: gemv(w, None, None), copies))
-            weight_bytes = shape[0] * shape[1] * DTYPE.itemsize
-            results, seen = [], set()
-            for widest, tile_bytes, warps, stages, splits in itertools.product(
-                TILE_WIDEST, TILE_BYTES, TILE_WARPS, TILE_STAGES, TILE_SPLITS
-            ):
-                tile = triton_gemv.gemv_tile(
-                    n, k, x.device, DTYPE.itemsize, tile_bytes, widest, warps=warps, stages=stages
-                )
-                blocks = -(-n // tile.block_n)
-                splits = triton_gemv.gemv_splits(blocks, k, tile.block_k, x.device, splits, tile.per_sm)[0]
-                if (tile, splits) in seen:
-                    continue
-                seen.add((tile, splits))
-                try:
-                    compare(f"{name} {op} {tile} splits={splits}", gemv(copies[0], splits, tile), want)
-                    us = graph_us(cycling(lambda w: gemv(w, splits, tile), copies))
-                except Exception as error:  # a tile past the shared memory: reported, not fatal
-                    print(f"{name} {op} {tile} splits={splits}: {type(error).__name__}")
-                    continue
-                results.append((us, tile, splits))
-            results.sort(key=lambda r: r[0])
-            print(
-                f"{name:<11} {op:<19} {f'{n}x{k}':>11} {'default':>39} {default_us:>7.2f} {weight_bytes / default_us / 1e3:>5.0f}"
-            )
-            for us, tile, splits in results[:6]:
-                print(f"{name:<11} {op:<19} {f'{n}x{k}':>11} {tile.block_n:>7} {tile.block_k:>7} {tile.warps:>5} "
-                      f"{tile.stages:>6} {splits:>6} {us:>7.2f} {weight_bytes / us / 1e3:>5.0f} "
-                      f"{default_us / us:>9.2f}x")  # fmt: skip
-    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    us = graph_us(lambda: target.copy_(source))
-    print(f"\ncopy of 1 GiB: {us:.1f} us, {source.numel() / us / 1e3:.0f} GB/s read (and as many written)")
+        for op, (_, gemv, copies) in gemv_ops(LAYOUTS[name], 1, timed=True).items():
+            n, k = columns_and_k(op, copies[0])
+            weight_bytes = copies[0].numel() * DTYPE.itemsize
+            default_us = graph_us(cycling(gemv, copies))
+            where = f"{name:<11} {op:<19} {f'{n}x{k}':>11}"
+            print(f"{where} {'default':>39} {default_us:>7.2f} {weight_bytes / default_us / 1e3:>5.0f}")
+            for us, tile, splits in sorted(time_tiles(f"{name} {op}", gemv, copies, n, k), key=lambda r: r[0])[:6]:
+                print(f"{where} {tile.block_n:>7} {tile.block_k:>7} {tile.warps:>5} {tile.stages:>6} {splits:>6} "
+                      f"{us:>7.2f} {weight_bytes / us / 1e3:>5.0f} {default_us / us:>9.2f}x")  # fmt: skip
+    read = copy_bandwidth(torch.device("cuda")) / 2
+    print(f"\ncopy rate: {read / 1e9:.0f} GB/s read (and as many written)")
     return verdict()
+
+
+def time_tiles(where: str, gemv, copies: list, n: int, k: int) -> list:
+    """(us, tile, splits) of `gemv` at each distinct tile and split count TILE_* make, checked
+    against its default's output; a tile that fails to compile or launch is said and skipped."""
+    want, results, seen = gemv(copies[0]), [], set()
+    device = copies[0].device
+    for widest, tile_bytes, warps, stages, wanted in itertools.product(
+        TILE_WIDEST, TILE_BYTES, TILE_WARPS, TILE_STAGES, TILE_SPLITS
+    ):
+        tile = triton_gemv.gemv_tile(n, k, device, DTYPE.itemsize, tile_bytes, widest, warps=warps, stages=stages)
+        splits = triton_gemv.gemv_splits(-(-n // tile.block_n), k, tile.block_k, device, wanted, tile.per_sm)[0]
+        if (tile, splits) in seen:
+            continue
+        seen.add((tile, splits))
+        try:
+            compare(f"{where} {tile} splits={splits}", gemv(copies[0], splits, tile), want)
+            results.append((graph_us(cycling(lambda w: gemv(w, splits, tile), copies)), tile, splits))  # noqa: B023  (called at once)
+        except Exception as error:  # (a tile past the shared memory, say)
+            print(f"{where} {tile} splits={splits}: {type(error).__name__}")
+    return results
 
 
 def check_rms_norms() -> list:

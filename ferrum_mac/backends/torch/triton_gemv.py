@@ -29,58 +29,6 @@ except ImportError:
     triton = None
 
 
-def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None = None, splits: int | None = None, tile: "GemvTile | None" = None) -> torch.Tensor:  # fmt: skip
-    """rms_norm(x) W^T (+ bias) for a few rows: x `(M, K)`, W `(N, K)` -> `(M, N)`. (`splits`
-    of K and the `tile`, here and below: by default `gemv_splits`' and `gemv_tile`'s.)"""
-    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, splits=splits, tile=tile)
-
-
-def norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
-                bias: torch.Tensor | None = None, splits: int | None = None, tile: "GemvTile | None" = None) -> torch.Tensor:  # fmt: skip
-    """silu(gate) * up from rms_norm(x) times the fused `gate_up` `(2 * width, K)` (gate rows
-    first) (+ bias) for a few rows -> `(M, width)`: gate_up's output is never stored."""
-    return _gemv(x, gate_up, bias, norm_weight=norm_weight, eps=eps, swiglu=True, splits=splits, tile=tile)
-
-
-def matmul_residual(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    splits: int | None = None,
-    tile: "GemvTile | None" = None,
-) -> torch.Tensor:
-    """residual + x W^T for a few rows (what `torch.addmm(residual, x, W.t())` gives)."""
-    return _gemv(x, weight, None, residual=residual, splits=splits, tile=tile)
-
-
-def _gemv(
-    x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=None, splits=None, tile=None
-) -> torch.Tensor:
-    rows, k = x.shape
-    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    assert rows <= MIN_DOT_ROWS and weight.shape[1] == k and weight.is_contiguous()
-    x = x.contiguous()
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    tile = tile or gemv_tile(n, k, x.device, weight.element_size())
-    block_n, block_k = tile.block_n, tile.block_k
-    blocks = triton.cdiv(n, block_n)
-    splits, k_per_split = gemv_splits(blocks, k, block_k, x.device, splits, tile.per_sm)
-    partials, counters = split_buffers(splits, blocks, (rows, weight.shape[0]), x)
-    pdl = pdl_for(x.device, weight)
-    lines = prefetch_lines(block_n, k_per_split, weight.element_size())
-    _gemv_kernel[(blocks, splits)](
-        x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
-        x if residual is None else residual.contiguous(), out, partials, counters, rows, eps, splits,  # (x: any pointer, never read)
-        ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PDL=pdl, PREFETCH_LINES=lines, LINE_ELEMENTS=LINE_BYTES // weight.element_size(),
-        num_warps=tile.warps, num_stages=tile.stages, **launch_options(pdl),
-    )  # fmt: skip
-    return out
-
-
 GEMV_TILE_BYTES = 8192  # of the weight (each of gate and up), per program and step of its loop over K
 GEMV_STAGES = 4  # tiles a program has in flight (software pipelining)
 GEMV_WARPS = 4
@@ -114,10 +62,56 @@ def gemv_tile(n: int, k: int, device: torch.device, element_size: int, tile_byte
     return GemvTile(block_n, max(block_k, 16), **rest)
 
 
-def gemv_blocks(n: int, k: int, device: torch.device, element_size: int) -> tuple[int, int]:
-    """A program's output columns and K chunk, as `gemv_tile` cuts them."""
-    tile = gemv_tile(n, k, device, element_size)
-    return tile.block_n, tile.block_k
+def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                bias: torch.Tensor | None = None, splits: int | None = None, tile: GemvTile | None = None) -> torch.Tensor:  # fmt: skip
+    """rms_norm(x) W^T (+ bias) for a few rows: x `(M, K)`, W `(N, K)` -> `(M, N)`. (`splits`
+    of K and the `tile`, here and below: by default `gemv_splits`' and `gemv_tile`'s.)"""
+    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, splits=splits, tile=tile)
+
+
+def norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
+                bias: torch.Tensor | None = None, splits: int | None = None, tile: GemvTile | None = None) -> torch.Tensor:  # fmt: skip
+    """silu(gate) * up from rms_norm(x) times the fused `gate_up` `(2 * width, K)` (gate rows
+    first) (+ bias) for a few rows -> `(M, width)`: gate_up's output is never stored."""
+    return _gemv(x, gate_up, bias, norm_weight=norm_weight, eps=eps, swiglu=True, splits=splits, tile=tile)
+
+
+def matmul_residual(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    splits: int | None = None,
+    tile: GemvTile | None = None,
+) -> torch.Tensor:
+    """residual + x W^T for a few rows (what `torch.addmm(residual, x, W.t())` gives)."""
+    return _gemv(x, weight, None, residual=residual, splits=splits, tile=tile)
+
+
+def _gemv(
+    x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=None, splits=None, tile=None
+) -> torch.Tensor:
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    assert rows <= MIN_DOT_ROWS and weight.shape[1] == k and weight.is_contiguous()
+    x = x.contiguous()
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    tile = tile or gemv_tile(n, k, x.device, weight.element_size())
+    block_n, block_k = tile.block_n, tile.block_k
+    blocks = triton.cdiv(n, block_n)
+    splits, k_per_split = gemv_splits(blocks, k, block_k, x.device, splits, tile.per_sm)
+    partials, counters = split_buffers(splits, blocks, (rows, weight.shape[0]), x)
+    pdl = pdl_for(x.device, weight)
+    lines = prefetch_lines(block_n, k_per_split, weight.element_size())
+    _gemv_kernel[(blocks, splits)](
+        x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
+        x if residual is None else residual.contiguous(), out, partials, counters, rows, eps, splits,  # (x: any pointer, never read)
+        ROWS_PAD=MIN_DOT_ROWS, N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL=pdl, PREFETCH_LINES=lines, LINE_ELEMENTS=LINE_BYTES // weight.element_size(),
+        num_warps=tile.warps, num_stages=tile.stages, **launch_options(pdl),
+    )  # fmt: skip
+    return out
 
 
 def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted: int | None = None,

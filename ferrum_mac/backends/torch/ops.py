@@ -91,7 +91,7 @@ class TritonOps(Ops):
     def __init__(self, gemv: frozenset[str] = GEMV, gemv_max_rows: int = GEMV_MAX_ROWS, rowwise: bool = False):
         """`rowwise`: a verify's rows, each a sequence's decode step: a packed linear takes them
         one at a time, as the GEMV that multiplies in registers sums a row differently among
-        more rows (a bf16 GEMV's row sums alike among up to 16)."""
+        more rows; a bf16 GEMV is told to sum each row as alone (`triton_gemv`'s `rows_alike`)."""
         self.gemvs, self.gemv_max_rows, self.rowwise = gemv, gemv_max_rows, rowwise
 
     def _by_row(self, x: torch.Tensor, linear) -> bool:
@@ -130,7 +130,7 @@ class TritonOps(Ops):
             return super().norm_matmul(x, norm, linear)
         from ferrum_mac.backends.torch import triton_gemv
 
-        return triton_gemv.norm_matmul(x, norm.weight, norm.eps, linear.weight, linear.bias)
+        return triton_gemv.norm_matmul(x, norm.weight, norm.eps, linear.weight, linear.bias, rows_alike=self.rowwise)
 
     def matmul_plus(self, x: torch.Tensor, linear: Linear, residual: torch.Tensor) -> torch.Tensor:
         # (a packed linear's own `plus` adds the residual in its GEMV)
@@ -140,7 +140,7 @@ class TritonOps(Ops):
             return super().matmul_plus(x, linear, residual)
         from ferrum_mac.backends.torch import triton_gemv
 
-        return triton_gemv.matmul_residual(x, linear.weight, residual)
+        return triton_gemv.matmul_residual(x, linear.weight, residual, rows_alike=self.rowwise)
 
     def swiglu(self, gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         if not one_per_row(weights, gate_up):
@@ -162,7 +162,7 @@ class TritonOps(Ops):
             return super().norm_swiglu(x, norm, gate_up)
         from ferrum_mac.backends.torch import triton_gemv
 
-        return triton_gemv.norm_swiglu(x, norm.weight, norm.eps, gate_up.weight, gate_up.bias)
+        return triton_gemv.norm_swiglu(x, norm.weight, norm.eps, gate_up.weight, gate_up.bias, rows_alike=self.rowwise)
 
     def attention(
         self, attn, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor

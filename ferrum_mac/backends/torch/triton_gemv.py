@@ -9,6 +9,16 @@ Where the column blocks would leave SMs idle (`gemv_splits`), their programs spl
 (`triton_splits`: the last of a block's programs to finish adds the parts up and finishes the
 block). `triton_splits.SPLIT_K` caps the splits.
 
+A weight of at most ROW_GEMV_MAX_BYTES (a small model's) is streamed in a few microseconds,
+and the tl.dot GEMV's time there goes to its ramp and tail. For one row (a single stream's
+decode step) it is read by `_row_gemv_kernel` instead: many small programs (`RowTile`: a few
+whole weight rows each, a chunk of each a load round, a few warps), so every lane has a load
+in flight; each loads its first chunk before the PDL wait (the weight is no kernel's output).
+A verify's rows (`rows_alike`) go through it too, row after row (a row after the first reads
+the weight again, from L2), so that each row is summed as its one-row decode step was, to the
+bit. A batch of rows otherwise takes the tl.dot GEMV (its rows may then round differently from
+the same rows alone).
+
 Matmuls are summed in float32 and rounded once, the norm and SwiGLU rounded where the torch
 path rounds them (see `triton_ops`). Entry functions launch on whatever tensors they are given
 (CUDA, or CPU tensors under `TRITON_INTERPRET=1`); the module loads without triton.
@@ -38,6 +48,12 @@ GEMV_WARPS = 4
 # than they give (docs/BENCHMARKS.md, torch session 4).
 MIN_PROGRAMS_PER_SM = 2
 
+ROW_GEMV_MAX_BYTES = 16 << 20
+ROW_BLOCK_K = 1024  # elements of each weight row a program loads a round
+ROW_TILE_ELEMENTS = 16384  # block_n x block_k at most: 32 KB of bf16 in flight a program
+ROW_PROGRAMS_PER_SM = 2  # the fewest programs an SM is given, where the rows allow
+ROW_WARPS = 4
+
 
 @dataclass(frozen=True)
 class GemvTile:
@@ -62,18 +78,51 @@ def gemv_tile(n: int, k: int, device: torch.device, element_size: int, tile_byte
     return GemvTile(block_n, max(block_k, 16), **rest)
 
 
+@dataclass(frozen=True)
+class RowTile:
+    """How `_row_gemv_kernel`'s programs are cut: `block_n` weight rows each (of gate and of
+    up, for SwiGLU), `block_k` of each row a load round, `warps` a program."""
+
+    block_n: int
+    block_k: int
+    warps: int = ROW_WARPS
+
+
+def row_tile(n: int, k: int, device: torch.device) -> RowTile:
+    """A chunk of ROW_BLOCK_K (all of K if shorter), and the most rows (up to 16) that keep the
+    tile within ROW_TILE_ELEMENTS and still give every SM ROW_PROGRAMS_PER_SM programs."""
+    block_k = min(ROW_BLOCK_K, triton.next_power_of_2(k))
+    block_n = 16
+    while block_n > 1 and (
+        block_n * block_k > ROW_TILE_ELEMENTS or triton.cdiv(n, block_n) < ROW_PROGRAMS_PER_SM * multiprocessors(device)
+    ):
+        block_n //= 2
+    return RowTile(block_n, block_k)
+
+
+def takes_rows(x: torch.Tensor, weight: torch.Tensor, rows_alike: bool) -> bool:
+    """Whether `_row_gemv_kernel` reads `weight` for x: one row (or rows to be summed as each
+    alone would be) of a weight of at most ROW_GEMV_MAX_BYTES."""
+    return (x.shape[0] == 1 or rows_alike) and weight.numel() * weight.element_size() <= ROW_GEMV_MAX_BYTES
+
+
 def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                bias: torch.Tensor | None = None, splits: int | None = None, tile: GemvTile | None = None) -> torch.Tensor:  # fmt: skip
+                bias: torch.Tensor | None = None, splits: int | None = None, tile: GemvTile | RowTile | None = None,
+                rows_alike: bool = False) -> torch.Tensor:  # fmt: skip
     """rms_norm(x) W^T (+ bias) for a few rows: x `(M, K)`, W `(N, K)` -> `(M, N)`. (`splits`
-    of K and the `tile`, here and below: by default `gemv_splits`' and `gemv_tile`'s.)"""
-    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, splits=splits, tile=tile)
+    of K and the `tile`, here and below: by default `gemv_splits`' and `gemv_tile`'s, or
+    `row_tile`'s; `rows_alike`: each row summed as it would be alone, see above.)"""
+    return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, splits=splits, tile=tile, rows_alike=rows_alike)
 
 
 def norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
-                bias: torch.Tensor | None = None, splits: int | None = None, tile: GemvTile | None = None) -> torch.Tensor:  # fmt: skip
+                bias: torch.Tensor | None = None, splits: int | None = None, tile: GemvTile | RowTile | None = None,
+                rows_alike: bool = False) -> torch.Tensor:  # fmt: skip
     """silu(gate) * up from rms_norm(x) times the fused `gate_up` `(2 * width, K)` (gate rows
     first) (+ bias) for a few rows -> `(M, width)`: gate_up's output is never stored."""
-    return _gemv(x, gate_up, bias, norm_weight=norm_weight, eps=eps, swiglu=True, splits=splits, tile=tile)
+    return _gemv(
+        x, gate_up, bias, norm_weight=norm_weight, eps=eps, swiglu=True, splits=splits, tile=tile, rows_alike=rows_alike
+    )
 
 
 def matmul_residual(
@@ -81,20 +130,24 @@ def matmul_residual(
     weight: torch.Tensor,
     residual: torch.Tensor,
     splits: int | None = None,
-    tile: GemvTile | None = None,
+    tile: GemvTile | RowTile | None = None,
+    rows_alike: bool = False,
 ) -> torch.Tensor:
     """residual + x W^T for a few rows (what `torch.addmm(residual, x, W.t())` gives)."""
-    return _gemv(x, weight, None, residual=residual, splits=splits, tile=tile)
+    return _gemv(x, weight, None, residual=residual, splits=splits, tile=tile, rows_alike=rows_alike)
 
 
 def _gemv(
-    x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=None, splits=None, tile=None
+    x, weight, bias, norm_weight=None, eps=0.0, swiglu=False, residual=None, splits=None, tile=None, rows_alike=False
 ) -> torch.Tensor:
     rows, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     assert rows <= MIN_DOT_ROWS and weight.shape[1] == k and weight.is_contiguous()
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if isinstance(tile, RowTile) or (tile is None and splits is None and takes_rows(x, weight, rows_alike)):
+        _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile or row_tile(n, k, x.device))
+        return out
     tile = tile or gemv_tile(n, k, x.device, weight.element_size())
     block_n, block_k = tile.block_n, tile.block_k
     blocks = triton.cdiv(n, block_n)
@@ -112,6 +165,20 @@ def _gemv(
         num_warps=tile.warps, num_stages=tile.stages, **launch_options(pdl),
     )  # fmt: skip
     return out
+
+
+def _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile: RowTile) -> None:
+    rows, k = x.shape
+    n = out.shape[1]
+    pdl = pdl_for(x.device, weight)
+    _row_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
+        x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
+        x if residual is None else residual.contiguous(), out, rows, eps,  # (x: any pointer, never read)
+        ROWS_PAD=max(2, triton.next_power_of_2(rows)), N=n, K=k, HAS_NORM=norm_weight is not None,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PDL=pdl,
+        num_warps=tile.warps, **launch_options(pdl),
+    )  # fmt: skip
 
 
 def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted: int | None = None,
@@ -174,6 +241,63 @@ if triton is not None:
             bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
             N, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
         )  # fmt: skip
+
+    @triton.jit
+    def _row_gemv_kernel(
+        x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, rows, eps,
+        ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        # One program per BLOCK_N weight rows (with SWIGLU: of gate, and the same rows of up,
+        # N rows further down). For each row of x in turn, each round loads a BLOCK_K chunk of
+        # every weight row and sums it against x's; the sums go to the row's place in `acc`
+        # (ROWS_PAD, BLOCK_N), padding rows never read nor written.
+        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = columns < N
+        rows_ptr = weight_ptr + columns[:, None].to(tl.int64) * K
+        ks = tl.arange(0, BLOCK_K)
+        w, up_w = weight_chunk(rows_ptr, inside, ks, N, K, SWIGLU)  # before the wait: no kernel writes it
+        wait_for_previous(PDL)
+        row_ids = tl.arange(0, ROWS_PAD)
+        live = row_ids < rows
+        inv_rms = (
+            inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else tl.zeros(row_ids.shape, tl.float32)
+        )
+        acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
+        up_acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
+        for row in range(rows):  # (a row after the first reads the weight again, from L2)
+            sums = tl.zeros([BLOCK_N], dtype=tl.float32)
+            up_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
+            scale = tl.sum(tl.where(row_ids == row, inv_rms, 0.0), axis=0)
+            for start in range(0, K, BLOCK_K):
+                if row > 0 or start > 0:
+                    w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
+                k_inside = start + ks < K
+                x = tl.load(x_ptr + row * K + start + ks, mask=k_inside, other=0.0)
+                if HAS_NORM:  # scaled by 1/rms and the weight in float32, rounded once
+                    norm = tl.load(norm_ptr + start + ks, mask=k_inside, other=0.0).to(tl.float32)
+                    x = (x.to(tl.float32) * scale * norm).to(x.dtype)
+                x = x.to(tl.float32)[None, :]
+                sums += tl.sum(w.to(tl.float32) * x, axis=1)
+                if SWIGLU:
+                    up_sums += tl.sum(up_w.to(tl.float32) * x, axis=1)
+            here = row_ids[:, None] == row
+            acc = tl.where(here, sums[None, :], acc)
+            up_acc = tl.where(here, up_sums[None, :], up_acc)
+        _finish_gemv(
+            acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
+            N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
+        )  # fmt: skip
+
+    @triton.jit
+    def weight_chunk(rows_ptr, inside, ks, N: tl.constexpr, K: tl.constexpr, SWIGLU: tl.constexpr):
+        """The weight rows at `rows_ptr` (where `inside`), at columns `ks` (those before K):
+        and with SWIGLU the same of up's rows (N rows further down), else the first again."""
+        mask = inside[:, None] & (ks < K)[None, :]
+        w = tl.load(rows_ptr + ks[None, :], mask=mask, other=0.0)
+        up = tl.load(rows_ptr + N * K + ks[None, :], mask=mask, other=0.0) if SWIGLU else w
+        return w, up
 
     @triton.jit
     def matmul_columns(

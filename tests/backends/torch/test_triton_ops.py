@@ -295,6 +295,53 @@ def test_gemvs_split_over_k_match_torch(dtype, splits):
     assert not triton_splits.split_counters(DEVICE).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_n, block_k", [(2, 128), (16, 64)])
+def test_row_gemvs_match_torch(dtype, block_n, block_k):
+    """The one-row GEMV (here over a verify's rows): K in several chunks, the last one short,
+    weight rows in blocks the last of which is short."""
+    rows, n, k = 3, 36, 4 * 64 + 20
+    x, norm, weight, bias = gemv_inputs(rows, k, 2 * n, dtype, bias=True)
+    residual = torch.randn(rows, 2 * n, device=DEVICE).to(dtype)
+    tolerance = dict(rtol=ulps(dtype), atol=ulps(dtype))
+    tile = triton_gemv.RowTile(block_n, block_k, warps=2)
+    got = triton_gemv.norm_swiglu(x, norm.weight, norm.eps, weight, bias, tile=tile)
+    torch.testing.assert_close(got, torch_swiglu(F.linear(norm(x), weight, bias)), **tolerance)
+    got = triton_gemv.norm_matmul(x, norm.weight, norm.eps, weight, bias, tile=tile)
+    torch.testing.assert_close(got, F.linear(norm(x), weight, bias), **tolerance)
+    got = triton_gemv.matmul_residual(x, weight, residual, tile=tile)
+    torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), **tolerance)
+
+
+def test_a_verifys_rows_sum_as_each_alone():
+    x, norm, weight, bias = gemv_inputs(16, 200, 2 * 16, torch.bfloat16, bias=True)
+    residual = torch.randn(16, 32, device=DEVICE).to(torch.bfloat16)
+    for rows in (16, 5):
+        for i in (0, rows - 1):
+            one = slice(i, i + 1)
+            assert torch.equal(
+                triton_gemv.norm_swiglu(x[:rows], norm.weight, norm.eps, weight, bias, rows_alike=True)[i],
+                triton_gemv.norm_swiglu(x[one], norm.weight, norm.eps, weight, bias)[0],
+            )
+            assert torch.equal(
+                triton_gemv.matmul_residual(x[:rows], weight, residual[:rows], rows_alike=True)[i],
+                triton_gemv.matmul_residual(x[one], weight, residual[one])[0],
+            )
+
+
+def test_the_row_gemv_takes_one_row_or_a_verifys_of_a_small_weight():
+    small = torch.empty(64, 64)
+    one, few = torch.empty(1, 64), torch.empty(3, 64)
+    assert triton_gemv.takes_rows(one, small, False) and triton_gemv.takes_rows(few, small, True)
+    assert not triton_gemv.takes_rows(few, small, False)
+    large = torch.empty(1, 64).expand(triton_gemv.ROW_GEMV_MAX_BYTES // 256 + 1, 64)  # (no memory)
+    assert not triton_gemv.takes_rows(one, large, False)
+    cpu = torch.device("cpu")  # 8 "SMs": at least 16 programs where the rows allow
+    assert triton_gemv.row_tile(4096, 4096, cpu) == triton_gemv.RowTile(16, 1024)
+    assert triton_gemv.row_tile(64, 300, cpu) == triton_gemv.RowTile(4, 512)
+    assert triton_gemv.row_tile(10, 3000, cpu) == triton_gemv.RowTile(1, 1024)
+
+
 def test_gemv_splits_k_only_where_the_columns_leave_sms_idle():
     cpu = torch.device("cpu")  # 8 "SMs": up to 16 column blocks split
     assert triton_gemv.gemv_splits(16, 4096, 256, cpu) == (1, 4096)

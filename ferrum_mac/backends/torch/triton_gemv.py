@@ -173,8 +173,8 @@ def _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile: Ro
     pdl = pdl_for(x.device, weight)
     _row_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
-        x if residual is None else residual.contiguous(), out, rows, eps,  # (x: any pointer, never read)
-        ROWS_PAD=max(2, triton.next_power_of_2(rows)), N=n, K=k, HAS_NORM=norm_weight is not None,
+        x if residual is None else residual.contiguous(), out, eps,  # (x: any pointer, never read)
+        ROWS=rows, ROWS_PAD=max(2, triton.next_power_of_2(rows)), N=n, K=k, HAS_NORM=norm_weight is not None,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PDL=pdl,
         num_warps=tile.warps, **launch_options(pdl),
@@ -244,15 +244,15 @@ if triton is not None:
 
     @triton.jit
     def _row_gemv_kernel(
-        x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, rows, eps,
-        ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+        x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, eps,
+        ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # One program per BLOCK_N weight rows (with SWIGLU: of gate, and the same rows of up,
-        # N rows further down). For each row of x in turn, each round loads a BLOCK_K chunk of
-        # every weight row and sums it against x's; the sums go to the row's place in `acc`
-        # (ROWS_PAD, BLOCK_N), padding rows never read nor written.
+        # N rows further down). For each row of x in turn (the same code, unrolled), each round
+        # loads a BLOCK_K chunk of every weight row and sums it against x's; the sums go to
+        # the row's place in `acc` (ROWS_PAD, BLOCK_N), padding rows never read nor written.
         columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = columns < N
         rows_ptr = weight_ptr + columns[:, None].to(tl.int64) * K
@@ -260,18 +260,20 @@ if triton is not None:
         w, up_w = weight_chunk(rows_ptr, inside, ks, N, K, SWIGLU)  # before the wait: no kernel writes it
         wait_for_previous(PDL)
         row_ids = tl.arange(0, ROWS_PAD)
-        live = row_ids < rows
+        live = row_ids < ROWS
         inv_rms = (
-            inverse_rms(x_ptr, rows, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else tl.zeros(row_ids.shape, tl.float32)
+            inverse_rms(x_ptr, ROWS, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else tl.zeros(row_ids.shape, tl.float32)
         )
         acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
-        for row in range(rows):  # (a row after the first reads the weight again, from L2)
+        for row in tl.static_range(ROWS):  # (a row after the first reads the weight again, from L2)
             sums = tl.zeros([BLOCK_N], dtype=tl.float32)
             up_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
             scale = tl.sum(tl.where(row_ids == row, inv_rms, 0.0), axis=0)
             for start in range(0, K, BLOCK_K):
-                if row > 0 or start > 0:
+                if row > 0:
+                    w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
+                elif start > 0:
                     w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
                 k_inside = start + ks < K
                 x = tl.load(x_ptr + row * K + start + ks, mask=k_inside, other=0.0)

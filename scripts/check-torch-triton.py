@@ -20,7 +20,8 @@ bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, che
   `triton_gemv.gemv_splits` chooses (marked *), with each one's weight bytes per second
   (`--sweep`: other split counts too). `--tiles`: for one row, each GEMV at other tiles
   (`triton_gemv.GemvTile`: column block, K chunk, warps, stages, splits) and the copy rate,
-  the rest skipped.
+  the rest skipped. (One row of a weight of at most `triton_gemv.ROW_GEMV_MAX_BYTES` takes
+  the row GEMV by default, so there the default is that kernel, the tiles the tl.dot one's.)
 - RMSNorm of a step's row at Qwen3-0.6B's, Qwen3-30B-A3B's and Qwen3-8B's hidden sizes:
   F.rms_norm vs `triton_ops.rms_norm`, with the bytes per second each moves (row, weight, output).
 

@@ -271,7 +271,7 @@ if triton is not None:
             up_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
             scale = tl.sum(tl.where(row_ids == row, inv_rms, 0.0), axis=0)
             for start in range(0, K, BLOCK_K):
-                if row > 0:
+                if row > 0:  # (row 0's first chunk is the one loaded before the wait)
                     w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
                 elif start > 0:
                     w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)

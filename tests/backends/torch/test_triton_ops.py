@@ -329,6 +329,26 @@ def test_a_verifys_rows_sum_as_each_alone():
         )
 
 
+def test_a_verify_steps_ops_sum_each_row_as_its_decode_step():
+    """TritonOps of a verify (every row through the GEMVs, `rowwise`) against a decode step's
+    TritonOps on each row alone: equal to the bit, through norm_matmul, norm_swiglu and the
+    residual matmul over bf16 linears."""
+    from ferrum_mac.backends.torch.layers import Linear
+
+    x, norm, weight, bias = gemv_inputs(3, 64, 2 * 32, torch.bfloat16, bias=True)
+    residual = torch.randn(3, 64, device=DEVICE).to(torch.bfloat16)
+    verify, decode = ops.TritonOps(gemv_max_rows=16, rowwise=True), ops.TritonOps()
+    calls = [
+        lambda o, i: o.norm_matmul(x[i], norm, Linear(weight, bias)),
+        lambda o, i: o.norm_swiglu(x[i], norm, Linear(weight, bias)),
+        lambda o, i: o.matmul_plus(x[i], Linear(weight), residual[i]),
+    ]
+    for call in calls:
+        whole = call(verify, slice(0, 3))
+        alone = torch.cat([call(decode, slice(i, i + 1)) for i in range(3)])
+        assert torch.equal(whole, alone)
+
+
 def test_the_row_gemv_takes_one_row_or_a_verifys_of_a_small_weight():
     small = torch.empty(64, 64)
     one, few = torch.empty(1, 64), torch.empty(3, 64)

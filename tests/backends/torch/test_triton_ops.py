@@ -332,16 +332,18 @@ def test_a_verifys_rows_sum_as_each_alone():
 def test_a_verify_steps_ops_sum_each_row_as_its_decode_step():
     """TritonOps of a verify (every row through the GEMVs, `rowwise`) against a decode step's
     TritonOps on each row alone: equal to the bit, through norm_matmul, norm_swiglu and the
-    residual matmul over bf16 linears."""
+    residual matmul over dense linears."""
     from ferrum_mac.backends.torch.layers import Linear
 
-    x, norm, weight, bias = gemv_inputs(3, 64, 2 * 32, torch.bfloat16, bias=True)
-    residual = torch.randn(3, 64, device=DEVICE).to(torch.bfloat16)
-    verify, decode = ops.TritonOps(gemv_max_rows=16, rowwise=True), ops.TritonOps()
+    # (float32, K of several chunks: sums in another order would show)
+    x, norm, weight, bias = gemv_inputs(3, 1500, 2 * 16, torch.float32, bias=True)
+    residual = torch.randn(3, 32, device=DEVICE)
+    gemvs = frozenset({"norm_matmul", "norm_swiglu", "matmul_residual"})
+    verify, decode = ops.TritonOps(gemvs, gemv_max_rows=16, rowwise=True), ops.TritonOps(gemvs)
     calls = [
         lambda o, i: o.norm_matmul(x[i], norm, Linear(weight, bias)),
         lambda o, i: o.norm_swiglu(x[i], norm, Linear(weight, bias)),
-        lambda o, i: o.matmul_plus(x[i], Linear(weight), residual[i]),
+        lambda o, i: o.matmul_plus(x[i, :32].contiguous(), Linear(weight[:, :32].contiguous()), residual[i]),
     ]
     for call in calls:
         whole = call(verify, slice(0, 3))

@@ -10,7 +10,8 @@ the given batch. On the GPU machine (torch only):
 It profiles the steps as replayed from their CUDA graph (the GPU's busy time beside the
 wall time shows the gaps between kernels), then eagerly (FERRUM_TORCH_CUDA_GRAPHS=0).
 `--time-only`: the graph's step time alone (best of 3 rounds of `--steps`), for A/B runs of
-two trees (PYTHONPATH) or of a module constant changed with `--set` (a Python literal), e.g.
+two trees (each tree's own copy of this script: it puts its tree first on the path, whatever
+PYTHONPATH says) or of a module constant changed with `--set` (a Python literal), e.g.
 `--set ferrum_mac.backends.torch.triton_pdl.PDL_MAX_BYTES=1099511627776`.
 """
 

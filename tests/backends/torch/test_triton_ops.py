@@ -281,17 +281,8 @@ def test_matmul_residual_matches_addmm(dtype, rows, k, n):
 def test_gemvs_split_over_k_match_torch(dtype, splits):
     """Each split's sums are added up by the last program to finish, which leaves the arrival
     counters at zero for the next launch (a CUDA graph replays it with no memset)."""
-    rows, n = 3, 70  # 16-column blocks
     k = 4 * triton_gemv.GEMV_TILE_BYTES // (16 * dtype.itemsize) + 100
-    x, norm, weight, bias = gemv_inputs(rows, k, 2 * n, dtype, bias=True)
-    residual = torch.randn(rows, 2 * n, device=DEVICE).to(dtype)
-    tolerance = dict(rtol=ulps(dtype), atol=ulps(dtype))
-    got = triton_gemv.norm_swiglu(x, norm.weight, norm.eps, weight, bias, splits=splits)
-    torch.testing.assert_close(got, torch_swiglu(F.linear(norm(x), weight, bias)), **tolerance)
-    got = triton_gemv.norm_matmul(x, norm.weight, norm.eps, weight, bias, splits=splits)
-    torch.testing.assert_close(got, F.linear(norm(x), weight, bias), **tolerance)
-    got = triton_gemv.matmul_residual(x, weight, residual, splits=splits)
-    torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), **tolerance)
+    assert_gemvs_match_torch(3, 70, k, dtype, splits=splits)  # (16-column blocks)
     assert not triton_splits.split_counters(DEVICE).any()
 
 
@@ -300,16 +291,21 @@ def test_gemvs_split_over_k_match_torch(dtype, splits):
 def test_row_gemvs_match_torch(dtype, block_n, block_k):
     """The one-row GEMV (here over a verify's rows): K in several chunks, the last one short,
     weight rows in blocks the last of which is short."""
-    rows, n, k = 3, 36, 4 * 64 + 20
+    tile = triton_gemv.RowTile(block_n, block_k, warps=2)
+    assert_gemvs_match_torch(3, 36, 4 * 64 + 20, dtype, tile=tile)
+
+
+def assert_gemvs_match_torch(rows: int, n: int, k: int, dtype: torch.dtype, **options) -> None:
+    """norm_swiglu, norm_matmul and matmul_residual with `options` (a split, a tile) on `rows`
+    rows of K `k` and 2n columns (n for SwiGLU) equal torch's, within a couple of ulps."""
     x, norm, weight, bias = gemv_inputs(rows, k, 2 * n, dtype, bias=True)
     residual = torch.randn(rows, 2 * n, device=DEVICE).to(dtype)
     tolerance = dict(rtol=ulps(dtype), atol=ulps(dtype))
-    tile = triton_gemv.RowTile(block_n, block_k, warps=2)
-    got = triton_gemv.norm_swiglu(x, norm.weight, norm.eps, weight, bias, tile=tile)
+    got = triton_gemv.norm_swiglu(x, norm.weight, norm.eps, weight, bias, **options)
     torch.testing.assert_close(got, torch_swiglu(F.linear(norm(x), weight, bias)), **tolerance)
-    got = triton_gemv.norm_matmul(x, norm.weight, norm.eps, weight, bias, tile=tile)
+    got = triton_gemv.norm_matmul(x, norm.weight, norm.eps, weight, bias, **options)
     torch.testing.assert_close(got, F.linear(norm(x), weight, bias), **tolerance)
-    got = triton_gemv.matmul_residual(x, weight, residual, tile=tile)
+    got = triton_gemv.matmul_residual(x, weight, residual, **options)
     torch.testing.assert_close(got, torch.addmm(residual, x, weight.t()), **tolerance)
 
 

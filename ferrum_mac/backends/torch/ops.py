@@ -126,7 +126,7 @@ class TritonOps(Ops):
             from ferrum_mac.backends.torch import triton_quant
 
             return triton_quant.gemv(x, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps)
-        if linear.quantized or not self.gemv("norm_matmul", x):
+        if linear.quantized or not (self.gemv("norm_matmul", x) or self.row_qkv(x, linear)):
             return super().norm_matmul(x, norm, linear)
         from ferrum_mac.backends.torch import triton_gemv
 
@@ -164,18 +164,33 @@ class TritonOps(Ops):
 
         return triton_gemv.norm_swiglu(x, norm.weight, norm.eps, gate_up.weight, gate_up.bias, rows_alike=self.rowwise)
 
+    def row_qkv(self, x: torch.Tensor, qkv: Linear) -> bool:
+        """Whether the qkv projection of x takes the row GEMV (`triton_gemv`), then q/k norm,
+        RoPE and KV write in a kernel of their own: two kernels that beat `triton_qkv`'s one."""
+        from ferrum_mac.backends.torch import triton_gemv
+
+        return (
+            not qkv.quantized and self.gemv("norm_qkv_rope", x) and triton_gemv.takes_rows(x, qkv.weight, self.rowwise)
+        )
+
+    def fused_qkv(self, h: torch.Tensor, attn) -> bool:
+        """Whether `triton_qkv`'s one kernel takes the norm, qkv projection, q/k norm, RoPE and
+        KV write of h."""
+        return not attn.qkv.quantized and self.gemv("norm_qkv_rope", h) and not self.row_qkv(h, attn.qkv)
+
     def attention(
         self, attn, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """For a few rows norm, projection, q/k norm, RoPE and KV write in one kernel
-        (`triton_qkv`), else the projection, then those in one (`triton_ops.norm_rope_write`);
+        (`triton_qkv`), else (and where the row GEMV takes the projection: `row_qkv`) the
+        projection, then those in one (`triton_ops.norm_rope_write`);
         then attention reading each row's keys up to its position (`plan`: a `DecodePlan`)."""
         from ferrum_mac.backends.torch import triton_ops, triton_qkv
         from ferrum_mac.backends.torch.triton_pdl import pdl_for
 
         kv = plan.pool.kv[attn.layer]  # (2, kv_heads, token rows, dim)
         interleaved, places = attn.rope.interleaved, plan.places
-        if not attn.qkv.quantized and self.gemv("norm_qkv_rope", h) and triton_qkv.fits(attn.head_dim, h.shape[0]):
+        if self.fused_qkv(h, attn) and triton_qkv.fits(attn.head_dim, h.shape[0]):
             q = triton_qkv.norm_qkv_rope_write(
                 h, norm.weight, norm.eps, attn.qkv.weight, attn.qkv.bias, attn.heads, attn.qk_norm, attn.eps,
                 cos, sin, interleaved, kv, places,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
+from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, PDL_MAX_BYTES, launch_options, pdl_for, prefetch_lines
 from ferrum_mac.backends.torch.triton_splits import SPLIT_K, split_buffers
 
 try:
@@ -53,6 +53,10 @@ ROW_BLOCK_K = 1024  # elements of each weight row a program loads a round
 ROW_TILE_ELEMENTS = 16384  # block_n x block_k at most: 32 KB of bf16 in flight a program
 ROW_PROGRAMS_PER_SM = 2  # the fewest programs an SM is given, where the rows allow
 ROW_WARPS = 4
+# A weight past PDL_MAX_BYTES streams from memory while no other kernel runs: its programs take
+# more warps and the tile that won a sweep at Qwen3-8B's shapes (docs/BENCHMARKS.md, issue 21).
+ROW_STREAM_TILE = (8, 1024, 8)  # block_n, block_k, warps
+ROW_STREAM_SWIGLU_TILE = (4, 2048, 8)  # (4 rows of gate and 4 of up)
 
 
 @dataclass(frozen=True)
@@ -88,16 +92,20 @@ class RowTile:
     warps: int = ROW_WARPS
 
 
-def row_tile(n: int, k: int, device: torch.device) -> RowTile:
-    """A chunk of ROW_BLOCK_K (all of K if shorter), and the most rows (up to 16) that keep the
-    tile within ROW_TILE_ELEMENTS and still give every SM ROW_PROGRAMS_PER_SM programs."""
-    block_k = min(ROW_BLOCK_K, triton.next_power_of_2(k))
-    block_n = 16
+def row_tile(n: int, k: int, device: torch.device, weight_bytes: int = 0, swiglu: bool = False) -> RowTile:
+    """For a weight of `weight_bytes` up to PDL_MAX_BYTES, a chunk of ROW_BLOCK_K (all of K if
+    shorter), and the most rows (up to 16) that keep the tile within ROW_TILE_ELEMENTS and still
+    give every SM ROW_PROGRAMS_PER_SM programs; for a larger one, ROW_STREAM_TILE's (or with
+    `swiglu`, ROW_STREAM_SWIGLU_TILE's) within the same bounds."""
+    block_n, block_k, warps = 16, ROW_BLOCK_K, ROW_WARPS
+    if weight_bytes > PDL_MAX_BYTES:
+        block_n, block_k, warps = ROW_STREAM_SWIGLU_TILE if swiglu else ROW_STREAM_TILE
+    block_k = min(block_k, triton.next_power_of_2(k))
     while block_n > 1 and (
         block_n * block_k > ROW_TILE_ELEMENTS or triton.cdiv(n, block_n) < ROW_PROGRAMS_PER_SM * multiprocessors(device)
     ):
         block_n //= 2
-    return RowTile(block_n, block_k)
+    return RowTile(block_n, block_k, warps)
 
 
 def takes_rows(x: torch.Tensor, weight: torch.Tensor, rows_alike: bool) -> bool:
@@ -146,7 +154,8 @@ def _gemv(
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if isinstance(tile, RowTile) or (tile is None and splits is None and takes_rows(x, weight, rows_alike)):
-        _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile or row_tile(n, k, x.device))
+        tile = tile or row_tile(n, k, x.device, weight.numel() * weight.element_size(), swiglu)
+        _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile)
         return out
     tile = tile or gemv_tile(n, k, x.device, weight.element_size())
     block_n, block_k = tile.block_n, tile.block_k
@@ -167,7 +176,8 @@ def _gemv(
     return out
 
 
-def _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile: RowTile) -> None:
+def _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile: RowTile, early=None) -> None:
+    """(`early`: load the first chunk before the PDL wait, by default where PDL launches it.)"""
     rows, k = x.shape
     n = out.shape[1]
     pdl = pdl_for(x.device, weight)
@@ -177,7 +187,7 @@ def _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile: Ro
         ROWS=rows, ROWS_PAD=max(2, triton.next_power_of_2(rows)), N=n, K=k, HAS_NORM=norm_weight is not None,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PDL=pdl,
-        num_warps=tile.warps, **launch_options(pdl),
+        EARLY=pdl if early is None else early, num_warps=tile.warps, **launch_options(pdl),
     )  # fmt: skip
 
 
@@ -247,17 +257,20 @@ if triton is not None:
         x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, eps,
         ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr,
         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         # One program per BLOCK_N weight rows (with SWIGLU: of gate, and the same rows of up,
         # N rows further down). For each row of x in turn (the same code, unrolled), each round
         # loads a BLOCK_K chunk of every weight row and sums it against x's; the sums go to
         # the row's place in `acc` (ROWS_PAD, BLOCK_N), padding rows never read nor written.
+        # EARLY (with PDL) loads the first chunk before the wait; else every round loads alike,
+        # which Triton's pipeliner takes (it streams a large weight faster).
         columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = columns < N
         rows_ptr = weight_ptr + columns[:, None].to(tl.int64) * K
         ks = tl.arange(0, BLOCK_K)
-        w, up_w = weight_chunk(rows_ptr, inside, ks, N, K, SWIGLU)  # before the wait: no kernel writes it
+        if EARLY:
+            w, up_w = weight_chunk(rows_ptr, inside, ks, N, K, SWIGLU)  # no kernel writes the weight
         wait_for_previous(PDL)
         row_ids = tl.arange(0, ROWS_PAD)
         live = row_ids < ROWS
@@ -271,19 +284,15 @@ if triton is not None:
             up_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
             scale = tl.sum(tl.where(row_ids == row, inv_rms, 0.0), axis=0)
             for start in range(0, K, BLOCK_K):
-                if row > 0:  # (row 0's first chunk is the one loaded before the wait)
+                if not EARLY:
                     w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
-                elif start > 0:
+                elif row > 0:
                     w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
-                k_inside = start + ks < K
-                x = tl.load(x_ptr + row * K + start + ks, mask=k_inside, other=0.0)
-                if HAS_NORM:  # scaled by 1/rms and the weight in float32, rounded once
-                    norm = tl.load(norm_ptr + start + ks, mask=k_inside, other=0.0).to(tl.float32)
-                    x = (x.to(tl.float32) * scale * norm).to(x.dtype)
-                x = x.to(tl.float32)[None, :]
-                sums += tl.sum(w.to(tl.float32) * x, axis=1)
-                if SWIGLU:
-                    up_sums += tl.sum(up_w.to(tl.float32) * x, axis=1)
+                elif start > 0:  # (row 0's first chunk is the one loaded before the wait)
+                    w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
+                more, more_up = chunk_sums(w, up_w, x_ptr + row * K, norm_ptr, scale, start + ks, K, HAS_NORM, SWIGLU)
+                sums += more
+                up_sums += more_up
             here = row_ids[:, None] == row
             acc = tl.where(here, sums[None, :], acc)
             up_acc = tl.where(here, up_sums[None, :], up_acc)
@@ -291,6 +300,20 @@ if triton is not None:
             acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
             N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
         )  # fmt: skip
+
+    @triton.jit
+    def chunk_sums(w, up_w, x_ptr, norm_ptr, scale, ks, K: tl.constexpr, HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr):
+        """Float32 sums of weight rows `w` (and `up_w`, with SWIGLU) times x's columns `ks` (those
+        before K), x first scaled by 1/rms `scale` and the norm weight, with HAS_NORM."""
+        k_inside = ks < K
+        x = tl.load(x_ptr + ks, mask=k_inside, other=0.0)
+        if HAS_NORM:  # scaled by 1/rms and the weight in float32, rounded once
+            norm = tl.load(norm_ptr + ks, mask=k_inside, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * scale * norm).to(x.dtype)
+        x = x.to(tl.float32)[None, :]
+        sums = tl.sum(w.to(tl.float32) * x, axis=1)
+        up_sums = tl.sum(up_w.to(tl.float32) * x, axis=1) if SWIGLU else sums
+        return sums, up_sums
 
     @triton.jit
     def weight_chunk(rows_ptr, inside, ks, N: tl.constexpr, K: tl.constexpr, SWIGLU: tl.constexpr):

@@ -25,6 +25,7 @@ from ferrum_mac.backends.torch import (  # noqa: E402
     steps,
     triton_gemv,
     triton_ops,
+    triton_pdl,
     triton_qkv,
     triton_splits,
 )
@@ -295,6 +296,16 @@ def test_row_gemvs_match_torch(dtype, block_n, block_k):
     assert_gemvs_match_torch(3, 36, 4 * 64 + 20, dtype, tile=tile)
 
 
+def test_the_row_gemv_sums_alike_whether_it_loads_its_first_chunk_early():
+    """Early (before the PDL wait, on a GPU that launches it early) or in the loop over K."""
+    x, norm, weight, bias = gemv_inputs(3, 4 * 64 + 20, 2 * 36, torch.bfloat16, bias=True)
+    tile = triton_gemv.RowTile(8, 64, warps=2)
+    outs = [torch.empty(3, 36, device=DEVICE, dtype=x.dtype) for _ in range(2)]
+    for out, early in zip(outs, (False, True)):
+        triton_gemv._row_gemv(x, weight, bias, norm.weight, norm.eps, True, None, out, tile, early=early)
+    assert torch.equal(*outs)
+
+
 def assert_gemvs_match_torch(rows: int, n: int, k: int, dtype: torch.dtype, **options) -> None:
     """norm_swiglu, norm_matmul and matmul_residual with `options` (a split, a tile) on `rows`
     rows of K `k` and 2n columns (n for SwiGLU) equal torch's, within a couple of ulps."""
@@ -358,6 +369,11 @@ def test_the_row_gemv_takes_one_row_or_a_verifys_of_a_small_weight():
     assert triton_gemv.row_tile(4096, 4096, cpu) == triton_gemv.RowTile(16, 1024)
     assert triton_gemv.row_tile(64, 300, cpu) == triton_gemv.RowTile(4, 512)
     assert triton_gemv.row_tile(10, 3000, cpu) == triton_gemv.RowTile(1, 1024)
+    streamed = triton_pdl.PDL_MAX_BYTES + 1  # more warps, and rows as the sweep chose
+    assert triton_gemv.row_tile(4096, 4096, cpu, streamed) == triton_gemv.RowTile(*triton_gemv.ROW_STREAM_TILE)
+    assert triton_gemv.row_tile(4096, 4096, cpu, streamed, swiglu=True) == triton_gemv.RowTile(
+        *triton_gemv.ROW_STREAM_SWIGLU_TILE
+    )
 
 
 def test_gemv_splits_k_only_where_the_columns_leave_sms_idle():

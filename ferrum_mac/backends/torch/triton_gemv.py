@@ -14,9 +14,8 @@ and the tl.dot GEMV's time there goes to its ramp and tail. For one row (a singl
 decode step) it is read by `_row_gemv_kernel` instead: many small programs (`RowTile`: a few
 whole weight rows each, a chunk of each a load round, a few warps), so every lane has a load
 in flight; each loads its first chunk before the PDL wait (the weight is no kernel's output).
-A verify's rows (`rows_alike`) go through it too, row after row (a row after the first reads
-the weight again, from L2), so that each row is summed as its one-row decode step was, to the
-bit. A batch of rows otherwise takes the tl.dot GEMV (its rows may then round differently from
+A verify's rows (`rows_alike`) go through it too, a program for each row and weight block,
+so that each row is summed as its one-row decode step was, to the bit. A batch of rows otherwise takes the tl.dot GEMV (its rows may then round differently from
 the same rows alone).
 
 Matmuls are summed in float32 and rounded once, the norm and SwiGLU rounded where the torch
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, PDL_MAX_BYTES, launch_options, pdl_for, prefetch_lines
+from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
 from ferrum_mac.backends.torch.triton_splits import SPLIT_K, split_buffers
 
 try:
@@ -53,10 +52,6 @@ ROW_BLOCK_K = 1024  # elements of each weight row a program loads a round
 ROW_TILE_ELEMENTS = 16384  # block_n x block_k at most: 32 KB of bf16 in flight a program
 ROW_PROGRAMS_PER_SM = 2  # the fewest programs an SM is given, where the rows allow
 ROW_WARPS = 4
-# A weight past PDL_MAX_BYTES streams from memory while no other kernel runs: its programs take
-# more warps and the tile that won a sweep at Qwen3-8B's shapes (docs/BENCHMARKS.md, issue 21).
-ROW_STREAM_TILE = (8, 1024, 8)  # block_n, block_k, warps
-ROW_STREAM_SWIGLU_TILE = (4, 2048, 8)  # (4 rows of gate and 4 of up)
 
 
 @dataclass(frozen=True)
@@ -92,20 +87,16 @@ class RowTile:
     warps: int = ROW_WARPS
 
 
-def row_tile(n: int, k: int, device: torch.device, weight_bytes: int = 0, swiglu: bool = False) -> RowTile:
-    """For a weight of `weight_bytes` up to PDL_MAX_BYTES, a chunk of ROW_BLOCK_K (all of K if
-    shorter), and the most rows (up to 16) that keep the tile within ROW_TILE_ELEMENTS and still
-    give every SM ROW_PROGRAMS_PER_SM programs; for a larger one, ROW_STREAM_TILE's (or with
-    `swiglu`, ROW_STREAM_SWIGLU_TILE's) within the same bounds."""
-    block_n, block_k, warps = 16, ROW_BLOCK_K, ROW_WARPS
-    if weight_bytes > PDL_MAX_BYTES:
-        block_n, block_k, warps = ROW_STREAM_SWIGLU_TILE if swiglu else ROW_STREAM_TILE
-    block_k = min(block_k, triton.next_power_of_2(k))
+def row_tile(n: int, k: int, device: torch.device) -> RowTile:
+    """A chunk of ROW_BLOCK_K (all of K if shorter), and the most rows (up to 16) that keep the
+    tile within ROW_TILE_ELEMENTS and still give every SM ROW_PROGRAMS_PER_SM programs."""
+    block_k = min(ROW_BLOCK_K, triton.next_power_of_2(k))
+    block_n = 16
     while block_n > 1 and (
         block_n * block_k > ROW_TILE_ELEMENTS or triton.cdiv(n, block_n) < ROW_PROGRAMS_PER_SM * multiprocessors(device)
     ):
         block_n //= 2
-    return RowTile(block_n, block_k, warps)
+    return RowTile(block_n, block_k, ROW_WARPS)
 
 
 def takes_rows(x: torch.Tensor, weight: torch.Tensor, rows_alike: bool) -> bool:
@@ -154,8 +145,7 @@ def _gemv(
     x = x.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if isinstance(tile, RowTile) or (tile is None and splits is None and takes_rows(x, weight, rows_alike)):
-        tile = tile or row_tile(n, k, x.device, weight.numel() * weight.element_size(), swiglu)
-        _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile)
+        _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile or row_tile(n, k, x.device))
         return out
     tile = tile or gemv_tile(n, k, x.device, weight.element_size())
     block_n, block_k = tile.block_n, tile.block_k
@@ -181,13 +171,12 @@ def _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile: Ro
     rows, k = x.shape
     n = out.shape[1]
     pdl = pdl_for(x.device, weight)
-    _row_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
+    _row_gemv_kernel[(triton.cdiv(n, tile.block_n) * rows,)](
         x, weight, x if norm_weight is None else norm_weight, x if bias is None else bias,
-        x if residual is None else residual.contiguous(), out, eps,  # (x: any pointer, never read)
-        ROWS=rows, ROWS_PAD=max(2, triton.next_power_of_2(rows)), N=n, K=k, HAS_NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, SWIGLU=swiglu, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PDL=pdl,
-        EARLY=pdl if early is None else early, num_warps=tile.warps, **launch_options(pdl),
+        x if residual is None else residual.contiguous(), out, eps, rows,  # (x: any pointer, never read)
+        N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        SWIGLU=swiglu, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NORM_BLOCK=min(4096, triton.next_power_of_2(k)),
+        PDL=pdl, EARLY=pdl if early is None else early, num_warps=tile.warps, **launch_options(pdl),
     )  # fmt: skip
 
 
@@ -254,51 +243,47 @@ if triton is not None:
 
     @triton.jit
     def _row_gemv_kernel(
-        x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, eps,
-        ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr,
-        HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+        x_ptr, weight_ptr, norm_ptr, bias_ptr, residual_ptr, out_ptr, eps, rows,
+        N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         # One program per BLOCK_N weight rows (with SWIGLU: of gate, and the same rows of up,
-        # N rows further down). For each row of x in turn (the same code, unrolled), each round
-        # loads a BLOCK_K chunk of every weight row and sums it against x's; the sums go to
-        # the row's place in `acc` (ROWS_PAD, BLOCK_N), padding rows never read nor written.
-        # EARLY (with PDL) loads the first chunk before the wait; else every round loads alike,
-        # which Triton's pipeliner takes (it streams a large weight faster).
-        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # N rows further down) and row of x: every row runs the same code, so sums as it alone
+        # would. The programs of one block of weight rows are launched side by side, so that
+        # the block is read from memory once and by the rest from L2. Each round loads a
+        # BLOCK_K chunk of every weight row and sums it against x's. EARLY (with PDL) loads the
+        # first chunk before the wait; else every round loads alike, which Triton's pipeliner
+        # takes (it streams a large weight faster).
+        row, block = tl.program_id(0) % rows, tl.program_id(0) // rows
+        columns = block * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = columns < N
         rows_ptr = weight_ptr + columns[:, None].to(tl.int64) * K
         ks = tl.arange(0, BLOCK_K)
         if EARLY:
             w, up_w = weight_chunk(rows_ptr, inside, ks, N, K, SWIGLU)  # no kernel writes the weight
         wait_for_previous(PDL)
-        row_ids = tl.arange(0, ROWS_PAD)
-        live = row_ids < ROWS
-        inv_rms = (
-            inverse_rms(x_ptr, ROWS, row_ids, eps, K, NORM_BLOCK) if HAS_NORM else tl.zeros(row_ids.shape, tl.float32)
-        )
-        acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
-        up_acc = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
-        for row in tl.static_range(ROWS):  # (a row after the first reads the weight again, from L2)
-            sums = tl.zeros([BLOCK_N], dtype=tl.float32)
-            up_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
-            scale = tl.sum(tl.where(row_ids == row, inv_rms, 0.0), axis=0)
-            for start in range(0, K, BLOCK_K):
-                if not EARLY:
-                    w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
-                elif row > 0:
-                    w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
-                elif start > 0:  # (row 0's first chunk is the one loaded before the wait)
-                    w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
-                more, more_up = chunk_sums(w, up_w, x_ptr + row * K, norm_ptr, scale, start + ks, K, HAS_NORM, SWIGLU)
-                sums += more
-                up_sums += more_up
-            here = row_ids[:, None] == row
-            acc = tl.where(here, sums[None, :], acc)
-            up_acc = tl.where(here, up_sums[None, :], up_acc)
+        x_ptr += row * K
+        out_ptr += row * N
+        residual_ptr += row * N
+        row_ids = tl.arange(0, 2)  # (this program's row, and a padding row, never written)
+        live = row_ids < 1
+        scale = 0.0
+        if HAS_NORM:
+            scale = tl.sum(inverse_rms(x_ptr, 1, row_ids, eps, K, NORM_BLOCK), axis=0)
+        sums = tl.zeros([BLOCK_N], dtype=tl.float32)
+        up_sums = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            if not EARLY:
+                w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
+            elif start > 0:  # (the first is the one loaded before the wait)
+                w, up_w = weight_chunk(rows_ptr, inside, start + ks, N, K, SWIGLU)
+            more, more_up = chunk_sums(w, up_w, x_ptr, norm_ptr, scale, start + ks, K, HAS_NORM, SWIGLU)
+            sums += more
+            up_sums += more_up
         _finish_gemv(
-            acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
-            N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
+            tl.where(live[:, None], sums[None, :], 0.0), tl.where(live[:, None], up_sums[None, :], 0.0),
+            bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
         )  # fmt: skip
 
     @triton.jit

@@ -25,7 +25,6 @@ from ferrum_mac.backends.torch import (  # noqa: E402
     steps,
     triton_gemv,
     triton_ops,
-    triton_pdl,
     triton_qkv,
     triton_splits,
 )
@@ -369,11 +368,6 @@ def test_the_row_gemv_takes_one_row_or_a_verifys_of_a_small_weight():
     assert triton_gemv.row_tile(4096, 4096, cpu) == triton_gemv.RowTile(16, 1024)
     assert triton_gemv.row_tile(64, 300, cpu) == triton_gemv.RowTile(4, 512)
     assert triton_gemv.row_tile(10, 3000, cpu) == triton_gemv.RowTile(1, 1024)
-    streamed = triton_pdl.PDL_MAX_BYTES + 1  # more warps, and rows as the sweep chose
-    assert triton_gemv.row_tile(4096, 4096, cpu, streamed) == triton_gemv.RowTile(*triton_gemv.ROW_STREAM_TILE)
-    assert triton_gemv.row_tile(4096, 4096, cpu, streamed, swiglu=True) == triton_gemv.RowTile(
-        *triton_gemv.ROW_STREAM_SWIGLU_TILE
-    )
 
 
 def test_gemv_splits_k_only_where_the_columns_leave_sms_idle():
@@ -449,6 +443,30 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv
     for got, want in zip(got, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert all(calls.values()), calls  # a decode step's two rows went through every GEMV and the norm
+
+
+def test_one_rows_qkv_takes_the_row_gemv_then_norm_rope_write(zoo, monkeypatch):
+    """A single stream's decode step: its qkv projection through the row GEMV, then q/k norm,
+    RoPE and KV write in their own kernel (not `triton_qkv`'s one); its logits equal torch's."""
+    from helpers import decode_batch_steps
+
+    model = zoo.ferrum("qwen3", "torch")
+    prompts = {"a": random_tokens(7, seed=4)}
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    expected = decode_batch_steps(model, prompts, "torch")
+    model.reset()
+    gemvs = frozenset({"norm_qkv_rope", "norm_swiglu", "matmul_residual"})
+    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TritonOps(gemv=gemvs))
+    calls = {"row": 0, "fused": 0, "rope": 0}
+    monkeypatch.setattr(triton_gemv, "_row_gemv", counted(triton_gemv._row_gemv, "row", calls))
+    monkeypatch.setattr(triton_qkv, "norm_qkv_rope_write", counted(triton_qkv.norm_qkv_rope_write, "fused", calls))
+    monkeypatch.setattr(triton_ops, "norm_rope_write", counted(triton_ops.norm_rope_write, "rope", calls))
+    got = decode_batch_steps(model, prompts, "triton")
+    model.reset()
+    for got, want in zip(got, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    layers = len(model.model.layers)
+    assert calls["fused"] == 0 and calls["rope"] == 2 * layers and calls["row"] == 2 * 4 * layers, calls
 
 
 def test_decode_batch_through_triton_over_shared_blocks_matches_torch(zoo, monkeypatch):

@@ -292,8 +292,9 @@ if triton is not None:
             tl.store(partial_max_ptr + parts, running_max, mask=in_group)
             tl.store(partial_sum_ptr + parts, running_sum, mask=in_group)
             if arrived_last(counters_ptr + row_kv_head, SPLITS):
+                used = tl.cdiv(length, share)  # (the splits after them are empty: weighed as nothing)
                 out = _merge_splits(
-                    partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims, SPLITS, BLOCK_D
+                    partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims, used, BLOCK_D
                 )
                 tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -307,18 +308,19 @@ if triton is not None:
         return blocks.to(tl.int64) * BLOCK_TOKENS + columns % BLOCK_TOKENS, seen
 
     @triton.jit
-    def _merge_splits(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims,
-                      SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-        """A query group's attention from its splits' partial softmaxes (`first_part`: each head's
-        first split), each split's sums rescaled to the heads' top max, in split order."""
+    def _merge_splits(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims, splits,
+                      BLOCK_D: tl.constexpr):  # fmt: skip
+        """A query group's attention from its first `splits` splits' partial softmaxes
+        (`first_part`: each head's first split), each split's sums rescaled to the heads' top
+        max, in split order."""
         top = tl.full(first_part.shape, -float("inf"), dtype=tl.float32)
-        for split in range(SPLITS):
+        for split in range(splits):
             top = tl.maximum(
                 top, tl.load(partial_max_ptr + first_part + split, mask=in_group, other=0.0, cache_modifier=".cg")
             )
         total = tl.zeros(first_part.shape, dtype=tl.float32)
         acc = tl.zeros([first_part.shape[0], BLOCK_D], dtype=tl.float32)
-        for split in range(SPLITS):
+        for split in range(splits):
             parts = first_part + split
             weight = tl.exp2(tl.load(partial_max_ptr + parts, mask=in_group, other=0.0, cache_modifier=".cg") - top)
             total += tl.load(partial_sum_ptr + parts, mask=in_group, other=0.0, cache_modifier=".cg") * weight

@@ -7,7 +7,8 @@ bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, che
 - attention: DecodePlan's SDPA under the additive bias vs `decode_attention` (a kv head's query
   group per program; split-K + merge where the batch is too small to fill the GPU)
 - attention block: the qkv projection and both of the above, as `DecodePlan.attend` vs
-  `TritonOps.attention` in a decode step (for a few rows, with `triton_qkv`)
+  `TritonOps.attention` in a decode step (for a few rows, with `triton_qkv`; for one row of a
+  small weight, the row GEMV and `norm_rope_write`)
 - norm+qkv+rope+write, for a few rows: F.rms_norm + F.linear + the torch norm + rope + write vs
   `triton_qkv.norm_qkv_rope_write`; then the three kernels a step ran before it (Triton's RMSNorm,
   cuBLAS, `norm_rope_write`) vs it; then it at other K chunks and splits

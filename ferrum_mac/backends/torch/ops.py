@@ -30,9 +30,10 @@ from ferrum_mac.backends.torch.pointwise import one_per_row, torch_swiglu
 TRITON = settings.value("FERRUM_TORCH_TRITON")
 # The fused GEMV kernels in use, by name: "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
 # "matmul_residual" (o_proj and down plus the residual), "norm_qkv_rope" (RMSNorm + qkv + q/k
-# norm + RoPE + KV write: `triton_qkv`), "norm_matmul" (RMSNorm + qkv projection, where
-# norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS, docs/BENCHMARKS.md,
-# torch session 3).
+# norm + RoPE + KV write: `triton_qkv`, or for the rows the row GEMV takes, it and then
+# `triton_ops.norm_rope_write`: `TritonOps.row_qkv`), "norm_matmul" (RMSNorm + qkv projection,
+# where norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS,
+# docs/BENCHMARKS.md, torch session 3).
 GEMV = settings.value("FERRUM_TORCH_GEMV")
 GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
 GEMV_MOST_ROWS = 16  # (triton_ops.MIN_DOT_ROWS: x padded to a tl.dot operand)

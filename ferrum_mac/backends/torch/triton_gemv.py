@@ -13,10 +13,13 @@ A weight of at most ROW_GEMV_MAX_BYTES (a small model's) is streamed in a few mi
 and the tl.dot GEMV's time there goes to its ramp and tail. For one row (a single stream's
 decode step) it is read by `_row_gemv_kernel` instead: many small programs (`RowTile`: a few
 whole weight rows each, a chunk of each a load round, a few warps), so every lane has a load
-in flight; each loads its first chunk before the PDL wait (the weight is no kernel's output).
-A verify's rows (`rows_alike`) go through it too, a program for each row and weight block,
-so that each row is summed as its one-row decode step was, to the bit. A batch of rows otherwise takes the tl.dot GEMV (its rows may then round differently from
-the same rows alone).
+in flight; where PDL launches it early, each loads its first chunk before the wait (the weight
+is no kernel's output). A verify's rows (`rows_alike`) go through it too, a program for each
+row and weight block, so that each row is summed as its one-row decode step was, to the bit.
+A batch of rows otherwise takes the tl.dot GEMV (its rows may then round differently from the
+same rows alone). Larger weights keep the tl.dot GEMV: there the row GEMV read one row faster,
+but a verify's rows, which must take the kernel their decode steps take, 2-3 times slower
+(docs/BENCHMARKS.md, issue 21).
 
 Matmuls are summed in float32 and rounded once, the norm and SwiGLU rounded where the torch
 path rounds them (see `triton_ops`). Entry functions launch on whatever tensors they are given

@@ -40,7 +40,7 @@ TIERS = {
     "slow": "takes several seconds on this project's 2-core machines",
     "gpu": "needs a CUDA GPU; skips without one",
 }
-INTERPRETER_FILES = ("test_triton_ops.py", "test_triton_moe.py")
+INTERPRETER_FILES = ("test_triton_ops.py", "test_triton_gemv.py", "test_triton_moe.py")
 REAL_MODEL_FIXTURES = ("smollm2_gguf",)
 
 

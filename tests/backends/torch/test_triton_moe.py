@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_interpreter import DEVICE, INTERPRET, like_a_gpu  # noqa: E402  (before triton: sets the interpreter up)
+from triton_interpreter import DEVICE, INTERPRET, like_a_gpu, ulps  # noqa: E402  (before triton: sets the interpreter up)
 
 triton = pytest.importorskip("triton")
 
@@ -42,11 +42,6 @@ def interpreter_rounds_like_a_gpu():
         patch.setattr(triton_moe, "UNSPLIT_DOWN_BLOCK_H", 64)
         yield
         patch.undo()
-
-
-def ulps(dtype: torch.dtype) -> float:
-    """A couple of units in the last place for `dtype`'s activations."""
-    return {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
 
 
 def distinct_logits(tokens: int, experts: int, dtype: torch.dtype) -> torch.Tensor:

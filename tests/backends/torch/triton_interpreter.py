@@ -1,4 +1,5 @@
-"""Triton's interpreter, for the Triton kernel tests on a machine without a GPU.
+"""Triton's interpreter, for the Triton kernel tests on a machine without a GPU, and what
+those tests share (a tolerance, the GEMVs' inputs).
 
 Importing this module before triton sets TRITON_INTERPRET when there is no CUDA device
 (Triton reads it when a kernel is defined and again at launches, so it stays set for the
@@ -67,3 +68,19 @@ def like_a_gpu():
         yield
     finally:
         patch.undo()
+
+
+def ulps(dtype: torch.dtype) -> float:
+    """A tolerance of a couple of units in the last place for `dtype`'s activations."""
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def gemv_inputs(rows: int, k: int, n: int, dtype: torch.dtype, bias: bool):
+    """x, its RMSNorm, a weight `(n, k)` scaled to keep outputs near 1, and maybe a bias."""
+    from ferrum_mac.backends.torch.layers import RmsNorm  # (after TRITON_INTERPRET is set)
+
+    torch.manual_seed(rows * k + n)
+    x = (3 * torch.randn(rows, k, device=DEVICE)).to(dtype)
+    norm = RmsNorm((1 + 0.3 * torch.randn(k, device=DEVICE)).to(dtype), 1e-6)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    return x, norm, weight, torch.randn(n, device=DEVICE).to(dtype) if bias else None

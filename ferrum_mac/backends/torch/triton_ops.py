@@ -66,6 +66,7 @@ def norm_rope_write(qkv: torch.Tensor, heads: int, weight: torch.Tensor | None, 
 
 KEYS_PER_BLOCK = 64  # keys a program scores per step of its loop
 MAX_SPLITS = 32
+MERGE_TILE = 8192  # float32 elements of partial sums the merge loads a round (heads x splits x dims)
 MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: a query group, or a GEMV's few rows, is padded to it
 
 
@@ -91,6 +92,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, pos
     block_n = (
         KEYS_PER_BLOCK if q.element_size() == 2 else KEYS_PER_BLOCK // 2
     )  # float32 blocks that size spill registers
+    group_p2 = triton.next_power_of_2(group)
     if splits == 1:
         partial_acc = partial_max = partial_sum = counters = out  # (any pointer: never read)
     else:
@@ -102,8 +104,9 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, pos
     _decode_attention_kernel[(rows * kv_heads, splits)](
         q, q.stride(0), q.stride(1), kv, kv.stride(0), kv.stride(1), kv.stride(2), table, width,
         positions, scale * math.log2(math.e), out, partial_acc, partial_max, partial_sum, counters,
-        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, group_p2), GROUP_P2=group_p2,
         DIM=dim, BLOCK_TOKENS=block_tokens, SPLITS=splits, BLOCK_N=block_n, BLOCK_D=block_d,
+        MERGE_SPLITS=min(splits, max(1, MERGE_TILE // (group_p2 * block_d))),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, PREFETCH=pdl and early,
         KEY_LINES=triton.next_power_of_2(triton.cdiv(dim * kv.element_size(), LINE_BYTES)), LINE_ELEMENTS=LINE_BYTES // kv.element_size(),
         num_warps=4, **launch_options(pdl),
@@ -225,12 +228,14 @@ if triton is not None:
         q_ptr, q_row_stride, q_head_stride,
         kv_ptr, kv_half_stride, kv_head_stride, kv_token_stride, table_ptr, table_width,
         positions_ptr, scale_log2, out_ptr, partial_acc_ptr, partial_max_ptr, partial_sum_ptr, counters_ptr,
-        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-        BLOCK_TOKENS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-        PREFETCH: tl.constexpr, KEY_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
+        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr,
+        DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, MERGE_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH: tl.constexpr, KEY_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
     ):  # fmt: skip
         # One program per (row, kv head, split): the kv head's query heads (padded to GROUP_PAD
-        # rows, the padding masked) against the split's share of the row's keys, in blocks of
+        # rows, the padding masked) against the split's share of the row's keys (whole blocks:
+        # at a short length the splits past it stay empty), in blocks of
         # BLOCK_N (each key's token row read from the row's block table), with an online
         # softmax per query head. Scores are in log2 units (exp2 is the
         # fast one); both products accumulate in float32, as flash attention does.
@@ -241,7 +246,7 @@ if triton is not None:
         # program starts while the kernel before runs (the newest key, which that kernel is
         # writing, lands in L2 too: writes go there).
         length = tl.load(positions_ptr + row) + 1
-        share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks per split
+        share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
         start = split * share
         end = tl.minimum(start + share, length)
         keys_ptr = kv_ptr + kv_head.to(tl.int64) * kv_head_stride
@@ -292,11 +297,11 @@ if triton is not None:
             tl.store(partial_max_ptr + parts, running_max, mask=in_group)
             tl.store(partial_sum_ptr + parts, running_sum, mask=in_group)
             if arrived_last(counters_ptr + row_kv_head, SPLITS):
-                used = tl.cdiv(length, share)  # (the splits after them are empty: weighed as nothing)
-                out = _merge_splits(
-                    partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims, used, BLOCK_D
-                )
-                tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+                first_head = row * (KV_HEADS * GROUP) + kv_head * GROUP
+                _merge_splits(
+                    partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, first_head, tl.cdiv(length, share),
+                    GROUP, GROUP_P2, DIM, SPLITS, MERGE_SPLITS, BLOCK_D,
+                )  # fmt: skip
 
     @triton.jit
     def _token_rows(row_table, block, end, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
@@ -308,30 +313,41 @@ if triton is not None:
         return blocks.to(tl.int64) * BLOCK_TOKENS + columns % BLOCK_TOKENS, seen
 
     @triton.jit
-    def _merge_splits(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, first_part, in_group, dims, splits,
-                      BLOCK_D: tl.constexpr):  # fmt: skip
-        """A query group's attention from its first `splits` splits' partial softmaxes
-        (`first_part`: each head's first split), each split's sums rescaled to the heads' top
-        max, in split order."""
-        top = tl.full(first_part.shape, -float("inf"), dtype=tl.float32)
-        for split in range(splits):
-            top = tl.maximum(
-                top, tl.load(partial_max_ptr + first_part + split, mask=in_group, other=0.0, cache_modifier=".cg")
-            )
-        total = tl.zeros(first_part.shape, dtype=tl.float32)
-        acc = tl.zeros([first_part.shape[0], BLOCK_D], dtype=tl.float32)
-        for split in range(splits):
-            parts = first_part + split
-            weight = tl.exp2(tl.load(partial_max_ptr + parts, mask=in_group, other=0.0, cache_modifier=".cg") - top)
-            total += tl.load(partial_sum_ptr + parts, mask=in_group, other=0.0, cache_modifier=".cg") * weight
-            part = tl.load(
-                partial_acc_ptr + parts[:, None] * BLOCK_D + dims[None, :],
-                mask=in_group[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            acc += part * weight[:, None]
-        return acc / tl.where(in_group, total, 1.0)[:, None]
+    def _merge_splits(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, first_head, used,
+                      GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
+                      MERGE_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+        """A query group's attention (heads `first_head ..`, stored to `out_ptr`) from its first
+        `used` splits' partial softmaxes (the splits after them are empty), each rescaled to
+        the heads' top max. All splits' maxes load at once, their sums MERGE_SPLITS at a time:
+        loads in flight together, not one split after another."""
+        members = tl.arange(0, GROUP_P2)
+        in_group = members < GROUP
+        heads = first_head + members
+        splits = tl.arange(0, SPLITS)
+        maxes = tl.load(
+            partial_max_ptr + heads[:, None] * SPLITS + splits[None, :],
+            mask=in_group[:, None] & (splits < used)[None, :], other=-float("inf"), cache_modifier=".cg",
+        )  # fmt: skip
+        top = tl.where(in_group, tl.max(maxes, axis=1), 0.0)
+        total = tl.zeros([GROUP_P2], dtype=tl.float32)
+        acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
+        dims = tl.arange(0, BLOCK_D)
+        for first in range(0, used, MERGE_SPLITS):
+            some = first + tl.arange(0, MERGE_SPLITS)
+            parts = heads[:, None] * SPLITS + some[None, :]
+            live = in_group[:, None] & (some < used)[None, :]
+            part_max = tl.load(partial_max_ptr + parts, mask=live, other=-float("inf"), cache_modifier=".cg")
+            weight = tl.exp2(part_max - top[:, None])  # (0 where not live)
+            part_sum = tl.load(partial_sum_ptr + parts, mask=live, other=0.0, cache_modifier=".cg")
+            total += tl.sum(part_sum * weight, axis=1)
+            part_acc = tl.load(
+                partial_acc_ptr + parts[:, :, None] * BLOCK_D + dims[None, None, :],
+                mask=live[:, :, None], other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            acc += tl.sum(part_acc * weight[:, :, None], axis=1)
+        out = acc / tl.where(in_group, total, 1.0)[:, None]
+        out_mask = in_group[:, None] & (dims < DIM)[None, :]
+        tl.store(out_ptr + heads[:, None] * DIM + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def _swiglu_kernel(

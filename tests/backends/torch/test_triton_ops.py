@@ -143,12 +143,15 @@ def attention_by_row(q, kv, table, positions, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_heads, dim, splits):
+@pytest.mark.parametrize("splits, merge_tile", [(1, 8192), (4, 8192), (16, 1)])
+def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_heads, dim, splits, merge_tile,
+                                                            monkeypatch):  # fmt: skip
     """Each row reads its keys through its own scattered, out-of-order blocks, and nothing past
     its position (NaN there, and in the scratch block its table ends with, would spread).
-    Split, the last program of each (row, kv head) to finish merges the splits and leaves its
-    arrival counter at zero for the next launch."""
+    Split, the last program of each (row, kv head) to finish merges the splits that hold keys
+    (the 150-key row: 3 of 4, merged in one round; or a few of 16, one a round with a
+    `merge_tile` that small) and leaves its arrival counter at zero for the next launch."""
+    monkeypatch.setattr(triton_ops, "MERGE_TILE", merge_tile)
     pool = random_pool(kv_heads, dim, 16, dtype, seed=2)
     # one key; three 64-key blocks, the last partial; one past a 64-key block
     positions = torch.tensor([0, 149, 64], device=DEVICE)

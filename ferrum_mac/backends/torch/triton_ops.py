@@ -234,8 +234,8 @@ if triton is not None:
         PDL: tl.constexpr, PREFETCH: tl.constexpr, KEY_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
     ):  # fmt: skip
         # One program per (row, kv head, split): the kv head's query heads (padded to GROUP_PAD
-        # rows, the padding masked) against the split's share of the row's keys (whole blocks:
-        # at a short length the splits past it stay empty), in blocks of
+        # rows, the padding masked) against the split's share of the row's keys (at a short
+        # length the splits past it stay empty), in blocks of
         # BLOCK_N (each key's token row read from the row's block table), with an online
         # softmax per query head. Scores are in log2 units (exp2 is the
         # fast one); both products accumulate in float32, as flash attention does.
@@ -246,7 +246,7 @@ if triton is not None:
         # program starts while the kernel before runs (the newest key, which that kernel is
         # writing, lands in L2 too: writes go there).
         length = tl.load(positions_ptr + row) + 1
-        share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+        share = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks per split
         start = split * share
         end = tl.minimum(start + share, length)
         keys_ptr = kv_ptr + kv_head.to(tl.int64) * kv_head_stride

@@ -286,18 +286,17 @@ if triton is not None:
             running_sum = running_sum * rescale + tl.sum(p, axis=1)
             running_max = new_max
 
-        out_offsets = row * (KV_HEADS * GROUP * DIM) + heads[:, None] * DIM + dims[None, :]
-        out_mask = in_group[:, None] & inside[None, :]
+        first_head = row * (KV_HEADS * GROUP) + kv_head * GROUP
         if SPLITS == 1:
+            out_offsets = (first_head + members)[:, None] * DIM + dims[None, :]
+            out_mask = in_group[:, None] & inside[None, :]
             tl.store(out_ptr + out_offsets, (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:  # an empty split leaves max -inf and sum 0, which the merge weighs as nothing
-            first_part = (row * (KV_HEADS * GROUP) + heads) * SPLITS
-            parts = first_part + split
+        else:  # (the merge reads only the splits that hold keys)
+            parts = (first_head + members) * SPLITS + split
             tl.store(partial_acc_ptr + parts[:, None] * BLOCK_D + dims[None, :], acc, mask=in_group[:, None])
             tl.store(partial_max_ptr + parts, running_max, mask=in_group)
             tl.store(partial_sum_ptr + parts, running_sum, mask=in_group)
             if arrived_last(counters_ptr + row_kv_head, SPLITS):
-                first_head = row * (KV_HEADS * GROUP) + kv_head * GROUP
                 _merge_splits(
                     partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, first_head, tl.cdiv(length, share),
                     GROUP, GROUP_P2, DIM, SPLITS, MERGE_SPLITS, BLOCK_D,

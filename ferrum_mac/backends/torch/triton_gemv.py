@@ -41,13 +41,16 @@ except ImportError:
     triton = None
 
 
-GEMV_TILE_BYTES = 8192  # of the weight (each of gate and up), per program and step of its loop over K
-GEMV_STAGES = 4  # tiles a program has in flight (software pipelining)
-GEMV_WARPS = 4
+GEMV_TILE_BYTES = 32768  # of the weight (each of gate and up), per program and step of its loop over K
+GEMV_STAGES = 4  # tiles a program has in flight (software pipelining), where shared memory holds them
+GEMV_WARPS = 4  # a program's fewest; a wide block takes a warp per 16 columns
+GEMV_WIDEST = 128  # output columns a program takes at most
+SHARED_MEMORY_SPARE = 8 << 10  # of an SM's shared memory, left to a program's other uses
 
-# A GEMV with fewer column blocks than SMs splits K, into enough programs to give every SM
-# MIN_PROGRAMS_PER_SM: below one block an SM splitting pays, past it the split sums cost more
-# than they give (docs/BENCHMARKS.md, torch session 4).
+# Column blocks at least FULL_GRID a SM keep the memory busy as they are; fewer, and they
+# narrow, then split K over enough programs to give every SM MIN_PROGRAMS_PER_SM: the split
+# sums cost more than they give past that (docs/BENCHMARKS.md, torch session 4 and issue 21).
+FULL_GRID = 0.5
 MIN_PROGRAMS_PER_SM = 2
 
 ROW_GEMV_MAX_BYTES = 16 << 20
@@ -69,15 +72,33 @@ class GemvTile:
     per_sm: int = MIN_PROGRAMS_PER_SM
 
 
-def gemv_tile(n: int, k: int, device: torch.device, element_size: int, tile_bytes: int = GEMV_TILE_BYTES,
-              widest: int = 64, **rest) -> GemvTile:  # fmt: skip
-    """The widest column block (up to `widest`) that still gives every SM a program, and a
-    chunk of the weight `tile_bytes` in size (`rest`: GemvTile's other fields)."""
-    block_n = widest
-    while block_n > 16 and triton.cdiv(n, block_n) < multiprocessors(device):
+def gemv_tile(n: int, k: int, device: torch.device, element_size: int, tile_bytes: int | None = None,
+              widest: int | None = None, weights: int = 1, **rest) -> GemvTile:  # fmt: skip
+    """The widest column block (up to `widest`, by default GEMV_WIDEST) that still fills the
+    machine (`fills_the_machine`), a chunk of the weight `tile_bytes` (GEMV_TILE_BYTES) in
+    size, a warp per 16 columns (at least GEMV_WARPS), and as many stages (up to GEMV_STAGES)
+    as shared memory holds of `weights` such tiles (2: gate's and up's) and x's rows.
+    (`rest`: GemvTile's fields, to set any of them.)"""
+    block_n = widest or GEMV_WIDEST
+    while block_n > 16 and not fills_the_machine(triton.cdiv(n, block_n), device):
         block_n //= 2
-    block_k = min(triton.next_power_of_2(k), tile_bytes // (block_n * element_size))
-    return GemvTile(block_n, max(block_k, 16), **rest)
+    block_k = max(16, min(triton.next_power_of_2(k), (tile_bytes or GEMV_TILE_BYTES) // (block_n * element_size)))
+    stage_bytes = (weights * block_n + MIN_DOT_ROWS) * block_k * element_size
+    stages = max(1, min(GEMV_STAGES, (shared_memory(device) - SHARED_MEMORY_SPARE) // stage_bytes))
+    rest = {"warps": max(GEMV_WARPS, block_n // 16), "stages": stages} | rest
+    return GemvTile(block_n, block_k, **rest)
+
+
+def fills_the_machine(blocks: int, device: torch.device) -> bool:
+    """Whether a GEMV's `blocks` of columns, a program each, keep the memory busy (FULL_GRID)."""
+    return blocks >= FULL_GRID * multiprocessors(device)
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory an SM has (a program may take nearly all of it)."""
+    if device.type != "cuda":
+        return 228 << 10
+    return torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
 
 
 @dataclass(frozen=True)
@@ -150,9 +171,11 @@ def _gemv(
     if isinstance(tile, RowTile) or (tile is None and splits is None and takes_rows(x, weight, rows_alike)):
         _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile or row_tile(n, k, x.device))
         return out
-    tile = tile or gemv_tile(n, k, x.device, weight.element_size())
+    tile = tile or gemv_tile(n, k, x.device, weight.element_size(), weights=2 if swiglu else 1)
     block_n, block_k = tile.block_n, tile.block_k
     blocks = triton.cdiv(n, block_n)
+    if splits is None and fills_the_machine(blocks, x.device):
+        splits = 1
     splits, k_per_split = gemv_splits(blocks, k, block_k, x.device, splits, tile.per_sm)
     partials, counters = split_buffers(splits, blocks, (rows, weight.shape[0]), x)
     pdl = pdl_for(x.device, weight)
@@ -322,9 +345,12 @@ if triton is not None:
         `columns` (where `inside`), summed over k_begin .. k_end in float32: `(rows, columns)`;
         with SWIGLU, also up's (the same columns, N rows further down the weight), else zeros.
         HAS_NORM: x normed first, by `inv_rms` and the norm weight, rounded as F.rms_norm."""
+        # The weight is tl.dot's left operand (its columns the matrix rows, x's rows the padded
+        # side): it reads a weight faster than the other way round, and every row of x still
+        # takes the same instructions, so rounds as it would alone.
         tiles = weight_ptr + columns[:, None].to(tl.int64) * K
-        acc = tl.zeros([row_ids.shape[0], columns.shape[0]], dtype=tl.float32)
-        up_acc = tl.zeros([row_ids.shape[0], columns.shape[0]], dtype=tl.float32)
+        acc = tl.zeros([columns.shape[0], row_ids.shape[0]], dtype=tl.float32)
+        up_acc = tl.zeros([columns.shape[0], row_ids.shape[0]], dtype=tl.float32)
         for start in range(k_begin, k_end, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
             k_inside = ks < K
@@ -332,13 +358,14 @@ if triton is not None:
             if HAS_NORM:  # scaled by 1/rms and the weight in float32, rounded once
                 norm = tl.load(norm_ptr + ks, mask=k_inside, other=0.0).to(tl.float32)
                 x = (x.to(tl.float32) * inv_rms[:, None] * norm[None, :]).to(x.dtype)
+            x = tl.trans(x)
             both = inside[:, None] & k_inside[None, :]
             w = tl.load(tiles + ks[None, :], mask=both, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            acc = tl.dot(w, x, acc, input_precision=PRECISION)
             if SWIGLU:
                 up = tl.load(tiles + N * K + ks[None, :], mask=both, other=0.0)
-                up_acc = tl.dot(x, tl.trans(up), up_acc, input_precision=PRECISION)
-        return acc, up_acc
+                up_acc = tl.dot(up, x, up_acc, input_precision=PRECISION)
+        return tl.trans(acc), tl.trans(up_acc)
 
     @triton.jit
     def finish_split_gemv(

@@ -7,8 +7,8 @@ bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, che
 - attention: DecodePlan's SDPA under the additive bias vs `decode_attention` (a kv head's query
   group per program; split-K + merge where the batch is too small to fill the GPU)
 - attention block: the qkv projection and both of the above, as `DecodePlan.attend` vs
-  `TritonOps.attention` in a decode step (for a few rows, with `triton_qkv`; for one row of a
-  small weight, the row GEMV and `norm_rope_write`)
+  `TritonOps.attention` in a decode step (for a few rows, with `triton_qkv`; for one row, a
+  `triton_gemv` GEMV and `norm_rope_write`)
 - norm+qkv+rope+write, for a few rows: F.rms_norm + F.linear + the torch norm + rope + write vs
   `triton_qkv.norm_qkv_rope_write`; then the three kernels a step ran before it (Triton's RMSNorm,
   cuBLAS, `norm_rope_write`) vs it; then it at other K chunks and splits
@@ -154,7 +154,7 @@ def check_case(name: str, layout, rows: int, context: int, timed: bool) -> list:
             0, *torch_project(F.linear(F.rms_norm(x, (hidden,), norm.weight, EPS), attn.qkv.weight)), attn.scale
         )
 
-    def triton_block():  # as a decode step runs it: the qkv projection in `triton_qkv` for a few rows
+    def triton_block():  # as a decode step runs it (`TritonOps.row_qkv` or `triton_qkv`)
         return triton_plan.ops.attention(attn, x, norm, triton_plan, cos, sin)
 
     def fused_qkv(w=qkv_weights[0], **variant):

@@ -30,8 +30,8 @@ from ferrum_mac.backends.torch.pointwise import one_per_row, torch_swiglu
 TRITON = settings.value("FERRUM_TORCH_TRITON")
 # The fused GEMV kernels in use, by name: "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
 # "matmul_residual" (o_proj and down plus the residual), "norm_qkv_rope" (RMSNorm + qkv + q/k
-# norm + RoPE + KV write: `triton_qkv`, or for the rows the row GEMV takes, it and then
-# `triton_ops.norm_rope_write`: `TritonOps.row_qkv`), "norm_matmul" (RMSNorm + qkv projection,
+# norm + RoPE + KV write: `triton_qkv`, or for one row or a verify's, a `triton_gemv` GEMV and
+# then `triton_ops.norm_rope_write`: `TritonOps.row_qkv`), "norm_matmul" (RMSNorm + qkv projection,
 # where norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS,
 # docs/BENCHMARKS.md, torch session 3).
 GEMV = settings.value("FERRUM_TORCH_GEMV")
@@ -166,13 +166,10 @@ class TritonOps(Ops):
         return triton_gemv.norm_swiglu(x, norm.weight, norm.eps, gate_up.weight, gate_up.bias, rows_alike=self.rowwise)
 
     def row_qkv(self, x: torch.Tensor, qkv: Linear) -> bool:
-        """Whether the qkv projection of x takes the row GEMV (`triton_gemv`), then q/k norm,
-        RoPE and KV write in a kernel of their own: two kernels that beat `triton_qkv`'s one."""
-        from ferrum_mac.backends.torch import triton_gemv
-
-        return (
-            not qkv.quantized and self.gemv("norm_qkv_rope", x) and triton_gemv.takes_rows(x, qkv.weight, self.rowwise)
-        )
+        """Whether the qkv projection of one row (or a verify's rows) takes a `triton_gemv`
+        GEMV, then q/k norm, RoPE and KV write in a kernel of their own: two kernels that beat
+        `triton_qkv`'s one there (docs/BENCHMARKS.md, issue 21)."""
+        return not qkv.quantized and self.gemv("norm_qkv_rope", x) and (x.shape[0] == 1 or self.rowwise)
 
     def fused_qkv(self, h: torch.Tensor, attn) -> bool:
         """Whether `triton_qkv`'s one kernel takes the norm, qkv projection, q/k norm, RoPE and
@@ -183,8 +180,8 @@ class TritonOps(Ops):
         self, attn, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """For a few rows norm, projection, q/k norm, RoPE and KV write in one kernel
-        (`triton_qkv`), else (and where the row GEMV takes the projection: `row_qkv`) the
-        projection, then those in one (`triton_ops.norm_rope_write`);
+        (`triton_qkv`), else (and for one row or a verify's: `row_qkv`) the projection, then
+        those in one (`triton_ops.norm_rope_write`);
         then attention reading each row's keys up to its position (`plan`: a `DecodePlan`)."""
         from ferrum_mac.backends.torch import triton_ops, triton_qkv
         from ferrum_mac.backends.torch.triton_pdl import pdl_for

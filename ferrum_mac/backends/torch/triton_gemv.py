@@ -1,13 +1,17 @@
 """Triton GEMVs for a CUDA decode step's few rows (up to 16): a weight read once for all of
-them, a block of output columns per program, tl.dot over K in chunks, the rows padded to 16.
+them, a block of output columns per program, tl.dot over K in chunks with the weight as the
+left operand (x's rows, padded to 16, the right one): every row runs the same instructions,
+so sums as it would alone, whatever rows share the launch.
 
 - `norm_matmul`: RMSNorm, then x W^T (every program norms the few rows itself).
 - `norm_swiglu`: RMSNorm, gate_up and SwiGLU (a program takes matching gate and up columns).
 - `matmul_residual`: x W^T + residual.
 
-Where the column blocks would leave SMs idle (`gemv_splits`), their programs split K as well
-(`triton_splits`: the last of a block's programs to finish adds the parts up and finishes the
-block). `triton_splits.SPLIT_K` caps the splits.
+A program's tile (`gemv_tile`) is wide and deep, up to 128 columns by 32 KB of the weight a
+step, with as many steps in flight as shared memory holds. Where even the narrowest blocks
+would leave most SMs idle (`fills_the_machine`), their programs split K as well
+(`gemv_splits`; `triton_splits`: the last of a block's programs to finish adds the parts up
+and finishes the block). `triton_splits.SPLIT_K` caps the splits.
 
 A weight of at most ROW_GEMV_MAX_BYTES (a small model's) is streamed in a few microseconds,
 and the tl.dot GEMV's time there goes to its ramp and tail. For one row (a single stream's
@@ -17,9 +21,8 @@ in flight; where PDL launches it early, each loads its first chunk before the wa
 is no kernel's output). A verify's rows (`rows_alike`) go through it too, a program for each
 row and weight block, so that each row is summed as its one-row decode step was, to the bit.
 A batch of rows otherwise takes the tl.dot GEMV (its rows may then round differently from the
-same rows alone). Larger weights keep the tl.dot GEMV: there the row GEMV read one row faster,
-but a verify's rows, which must take the kernel their decode steps take, 2-3 times slower
-(docs/BENCHMARKS.md, issue 21).
+same rows alone). Larger weights keep the tl.dot GEMV, which reads them about as fast as the
+row GEMV reads one row, and a verify's rows 2-3 times faster (docs/BENCHMARKS.md, issue 21).
 
 Matmuls are summed in float32 and rounded once, the norm and SwiGLU rounded where the torch
 path rounds them (see `triton_ops`). Entry functions launch on whatever tensors they are given

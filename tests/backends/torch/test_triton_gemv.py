@@ -148,6 +148,33 @@ def test_the_row_gemv_takes_one_row_or_a_verifys_of_a_small_weight():
     assert triton_gemv.row_tile(10, 3000, cpu) == triton_gemv.RowTile(1, 1024)
 
 
+def test_gemv_tiles_are_wide_and_deep_where_the_columns_fill_the_machine():
+    cpu = torch.device("cpu")  # 8 "SMs" (4 blocks fill them), 228 KiB of shared memory each
+    # 32 KB of weight a step, a warp per 16 columns; stages: as many as shared memory holds (at most 4)
+    assert triton_gemv.gemv_tile(4096, 12288, cpu, 2) == triton_gemv.GemvTile(128, 128, warps=8, stages=4)
+    assert triton_gemv.gemv_tile(4096, 12288, cpu, 2, weights=2).stages == 3  # gate's and up's tiles
+    assert triton_gemv.gemv_tile(48, 4096, cpu, 2) == triton_gemv.GemvTile(16, 1024, warps=4, stages=3)  # (and x's 16)
+    assert triton_gemv.fills_the_machine(4, cpu) and not triton_gemv.fills_the_machine(3, cpu)
+
+
+def test_a_verifys_rows_sum_as_each_alone_through_the_dot_gemv(monkeypatch):
+    """A large weight's rows (here: any weight's) take the tl.dot GEMV, which runs each row of
+    x through the same instructions however many share the launch."""
+    monkeypatch.setattr(triton_gemv, "ROW_GEMV_MAX_BYTES", 0)
+    x, norm, weight, bias = gemv_inputs(5, 300, 2 * 40, torch.bfloat16, bias=True)
+    residual = torch.randn(5, 80, device=DEVICE).to(torch.bfloat16)
+    for i in (0, 4):
+        one = slice(i, i + 1)
+        assert torch.equal(
+            triton_gemv.norm_swiglu(x, norm.weight, norm.eps, weight, bias, rows_alike=True)[i],
+            triton_gemv.norm_swiglu(x[one], norm.weight, norm.eps, weight, bias)[0],
+        )
+        assert torch.equal(
+            triton_gemv.matmul_residual(x, weight, residual, rows_alike=True)[i],
+            triton_gemv.matmul_residual(x[one], weight, residual[one])[0],
+        )
+
+
 def test_gemv_splits_k_only_where_the_columns_leave_sms_idle():
     cpu = torch.device("cpu")  # 8 "SMs": up to 16 column blocks split
     assert triton_gemv.gemv_splits(16, 4096, 256, cpu) == (1, 4096)

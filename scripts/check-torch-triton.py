@@ -327,7 +327,7 @@ def time_splits(where: str, triton_op, torch_op, copies: list, n_k: tuple[int, i
     return [((n, k), blocks, count, count == chosen, times[count], times[1], weight_bytes) for count in splits]
 
 
-TILE_WIDEST, TILE_BYTES, TILE_WARPS, TILE_STAGES = (32, 64, 128), (8192, 16384), (4, 8), (4,)
+TILE_WIDEST, TILE_BYTES, TILE_WARPS, TILE_STAGES = (32, 64, 128), (16384, 32768), (4, 8), (3, 4)
 TILE_SPLITS = (None, 1, 2, 3)  # None: gemv_splits' choice (timed once where it is one of the others)
 
 

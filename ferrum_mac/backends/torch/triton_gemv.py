@@ -46,6 +46,7 @@ except ImportError:
 
 GEMV_TILE_BYTES = 32768  # of the weight (each of gate and up), per program and step of its loop over K
 GEMV_STAGES = 4  # tiles a program has in flight (software pipelining), where shared memory holds them
+MIN_STAGES = 2  # where it holds fewer, the chunks of K shorten
 GEMV_WARPS = 4  # a program's fewest; a wide block takes a warp per 16 columns
 GEMV_WIDEST = 128  # output columns a program takes at most
 SHARED_MEMORY_SPARE = 8 << 10  # of an SM's shared memory, left to a program's other uses
@@ -86,10 +87,17 @@ def gemv_tile(n: int, k: int, device: torch.device, element_size: int, tile_byte
     while block_n > 16 and not fills_the_machine(triton.cdiv(n, block_n), device):
         block_n //= 2
     block_k = max(16, min(triton.next_power_of_2(k), (tile_bytes or GEMV_TILE_BYTES) // (block_n * element_size)))
-    stage_bytes = (weights * block_n + MIN_DOT_ROWS) * block_k * element_size
-    stages = max(1, min(GEMV_STAGES, (shared_memory(device) - SHARED_MEMORY_SPARE) // stage_bytes))
+    room = shared_memory(device) - SHARED_MEMORY_SPARE
+    while block_k > 16 and room // stage_bytes(block_n, block_k, weights, element_size) < MIN_STAGES:
+        block_k //= 2  # (a GPU of less shared memory: shorter chunks, still pipelined)
+    stages = max(1, min(GEMV_STAGES, room // stage_bytes(block_n, block_k, weights, element_size)))
     rest = {"warps": max(GEMV_WARPS, block_n // 16), "stages": stages} | rest
     return GemvTile(block_n, block_k, **rest)
+
+
+def stage_bytes(block_n: int, block_k: int, weights: int, element_size: int) -> int:
+    """Shared memory a stage of the tl.dot GEMV takes: a chunk of each weight, and of x's rows."""
+    return (weights * block_n + MIN_DOT_ROWS) * block_k * element_size
 
 
 def fills_the_machine(blocks: int, device: torch.device) -> bool:

@@ -157,6 +157,13 @@ def test_gemv_tiles_are_wide_and_deep_where_the_columns_fill_the_machine():
     assert triton_gemv.fills_the_machine(4, cpu) and not triton_gemv.fills_the_machine(3, cpu)
 
 
+def test_gemv_tiles_shorten_their_chunks_to_keep_two_stages_where_shared_memory_is_small(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(triton_gemv, "shared_memory", lambda device: 100 << 10)  # a consumer GPU's
+    tile = triton_gemv.gemv_tile(4096, 12288, cpu, 2, weights=2)
+    assert (tile.block_n, tile.block_k, tile.stages) == (128, 64, 2)  # (2 x 128 + 16) x 64 x 2 bytes a stage
+
+
 def test_a_verifys_rows_sum_as_each_alone_through_the_dot_gemv(monkeypatch):
     """A large weight's rows (here: any weight's) take the tl.dot GEMV, which runs each row of
     x through the same instructions however many share the launch."""

@@ -315,7 +315,8 @@ def time_splits(where: str, triton_op, torch_op, copies: list, n_k: tuple[int, i
     n, k = n_k
     tile = triton_gemv.gemv_tile(n, k, weight.device, weight.element_size())
     blocks = -(-n // tile.block_n)
-    chosen = triton_gemv.gemv_splits(blocks, k, tile.block_k, weight.device)[0]
+    full = triton_gemv.fills_the_machine(blocks, weight.device)  # (then unsplit, as `triton_gemv._gemv` runs it)
+    chosen = triton_gemv.gemv_splits(blocks, k, tile.block_k, weight.device, 1 if full else None)[0]
     wanted = {1, chosen} | (set(SWEEP_SPLITS) if "--sweep" in sys.argv else set())
     splits = sorted({triton_gemv.gemv_splits(blocks, k, tile.block_k, weight.device, count)[0] for count in wanted})
     times = {chosen: chosen_us}

@@ -18,7 +18,7 @@ bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, che
   vs `norm_swiglu`), o_proj/down+residual (`torch.addmm` vs `matmul_residual`). Their
   calls cycle through copies of the weight that together outgrow the L2 cache, as a step's
   layers do. Then the three GEMVs a layer runs by default with K unsplit against the split
-  `triton_gemv.gemv_splits` chooses (marked *), with each one's weight bytes per second
+  `triton_gemv.dot_splits` chooses (marked *), with each one's weight bytes per second
   (`--sweep`: other split counts too). `--tiles`: for one row, each GEMV at other tiles
   (`triton_gemv.GemvTile`: column block, K chunk, warps, stages, splits) and the copy rate,
   the rest skipped. (One row of a weight of at most `triton_gemv.ROW_GEMV_MAX_BYTES` takes
@@ -286,7 +286,7 @@ def columns_and_k(op: str, weight: torch.Tensor) -> tuple[int, int]:
 
 
 def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
-    """The GEMVs checked (split as `gemv_splits` chooses, and unsplit) and, if `timed`, timed
+    """The GEMVs checked (split as `dot_splits` chooses, and unsplit) and, if `timed`, timed
     against torch: rows for the main table, and rows for the split-K table."""
     where = f"{name} rows={rows}"
     ops = gemv_ops(layout, rows, timed)
@@ -301,24 +301,25 @@ def check_gemvs(name: str, layout, rows: int, timed: bool) -> tuple[list, list]:
     split_rows = []
     for op in SPLIT_OPS:
         torch_op, triton_op, copies = ops[op]
-        for row in time_splits(
-            f"{where} {op}", triton_op, torch_op, copies, columns_and_k(op, copies[0]), triton_us[op]
-        ):
+        weights = 2 if op == "norm+gate_up+swiglu" else 1  # (gate's and up's)
+        n_k = columns_and_k(op, copies[0])
+        for row in time_splits(f"{where} {op}", triton_op, torch_op, copies, n_k, triton_us[op], weights):
             split_rows.append((name, rows, op, *row))
     return timings, split_rows
 
 
-def time_splits(where: str, triton_op, torch_op, copies: list, n_k: tuple[int, int], chosen_us: float) -> list:
+def time_splits(where: str, triton_op, torch_op, copies: list, n_k: tuple[int, int], chosen_us: float,
+                weights: int) -> list:  # fmt: skip
     """(N x K, column blocks, splits, chosen?, us, unsplit us, weight bytes) for K unsplit, the
-    split `gemv_splits` chooses (timed already: `chosen_us`) and, with --sweep, other counts."""
+    split `triton_gemv.dot_splits` chooses (timed already: `chosen_us`) and, with --sweep,
+    other counts (`weights`: 2 for gate_up's, as `gemv_tile` takes them)."""
     weight = copies[0]
     n, k = n_k
-    tile = triton_gemv.gemv_tile(n, k, weight.device, weight.element_size())
+    tile = triton_gemv.gemv_tile(n, k, weight.device, weight.element_size(), weights=weights)
     blocks = -(-n // tile.block_n)
-    full = triton_gemv.fills_the_machine(blocks, weight.device)  # (then unsplit, as `triton_gemv._gemv` runs it)
-    chosen = triton_gemv.gemv_splits(blocks, k, tile.block_k, weight.device, 1 if full else None)[0]
+    chosen = triton_gemv.dot_splits(blocks, k, tile, weight.device)[0]
     wanted = {1, chosen} | (set(SWEEP_SPLITS) if "--sweep" in sys.argv else set())
-    splits = sorted({triton_gemv.gemv_splits(blocks, k, tile.block_k, weight.device, count)[0] for count in wanted})
+    splits = sorted({triton_gemv.dot_splits(blocks, k, tile, weight.device, count)[0] for count in wanted})
     times = {chosen: chosen_us}
     for count in splits:
         if count not in times:
@@ -329,7 +330,7 @@ def time_splits(where: str, triton_op, torch_op, copies: list, n_k: tuple[int, i
 
 
 TILE_WIDEST, TILE_BYTES, TILE_WARPS, TILE_STAGES = (32, 64, 128), (16384, 32768), (4, 8), (3, 4)
-TILE_SPLITS = (None, 1, 2, 3)  # None: gemv_splits' choice (timed once where it is one of the others)
+TILE_SPLITS = (None, 1, 2, 3)  # None: dot_splits' choice (timed once where it is one of the others)
 
 
 def sweep_tiles() -> int:
@@ -361,7 +362,7 @@ def time_tiles(where: str, gemv, copies: list, n: int, k: int) -> list:
         TILE_WIDEST, TILE_BYTES, TILE_WARPS, TILE_STAGES, TILE_SPLITS
     ):
         tile = triton_gemv.gemv_tile(n, k, device, DTYPE.itemsize, tile_bytes, widest, warps=warps, stages=stages)
-        splits = triton_gemv.gemv_splits(-(-n // tile.block_n), k, tile.block_k, device, wanted, tile.per_sm)[0]
+        splits = triton_gemv.dot_splits(-(-n // tile.block_n), k, tile, device, wanted)[0]
         if (tile, splits) in seen:
             continue
         seen.add((tile, splits))

@@ -10,7 +10,7 @@ so sums as it would alone, whatever rows share the launch.
 A program's tile (`gemv_tile`) is wide and deep, up to 128 columns by 32 KB of the weight a
 step, with as many steps in flight as shared memory holds. Where even the narrowest blocks
 would leave most SMs idle (`fills_the_machine`), their programs split K as well
-(`gemv_splits`; `triton_splits`: the last of a block's programs to finish adds the parts up
+(`dot_splits`; `triton_splits`: the last of a block's programs to finish adds the parts up
 and finishes the block). `triton_splits.SPLIT_K` caps the splits.
 
 A weight of at most ROW_GEMV_MAX_BYTES (a small model's) is streamed in a few microseconds,
@@ -144,7 +144,7 @@ def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
                 bias: torch.Tensor | None = None, splits: int | None = None, tile: GemvTile | RowTile | None = None,
                 rows_alike: bool = False) -> torch.Tensor:  # fmt: skip
     """rms_norm(x) W^T (+ bias) for a few rows: x `(M, K)`, W `(N, K)` -> `(M, N)`. (`splits`
-    of K and the `tile`, here and below: by default `gemv_splits`' and `gemv_tile`'s, or
+    of K and the `tile`, here and below: by default `dot_splits`' and `gemv_tile`'s, or
     `row_tile`'s; `rows_alike`: each row summed as it would be alone, see above.)"""
     return _gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, splits=splits, tile=tile, rows_alike=rows_alike)
 
@@ -185,9 +185,7 @@ def _gemv(
     tile = tile or gemv_tile(n, k, x.device, weight.element_size(), weights=2 if swiglu else 1)
     block_n, block_k = tile.block_n, tile.block_k
     blocks = triton.cdiv(n, block_n)
-    if splits is None and fills_the_machine(blocks, x.device):
-        splits = 1
-    splits, k_per_split = gemv_splits(blocks, k, block_k, x.device, splits, tile.per_sm)
+    splits, k_per_split = dot_splits(blocks, k, tile, x.device, splits)
     partials, counters = split_buffers(splits, blocks, (rows, weight.shape[0]), x)
     pdl = pdl_for(x.device, weight)
     lines = prefetch_lines(block_n, k_per_split, weight.element_size())
@@ -215,6 +213,14 @@ def _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile: Ro
         SWIGLU=swiglu, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NORM_BLOCK=min(4096, triton.next_power_of_2(k)),
         PDL=pdl, EARLY=pdl if early is None else early, num_warps=tile.warps, **launch_options(pdl),
     )  # fmt: skip
+
+
+def dot_splits(blocks: int, k: int, tile: GemvTile, device: torch.device, wanted: int | None = None) -> tuple[int, int]:
+    """The tl.dot GEMV's splits of K for `blocks` of `tile`'s columns (as `gemv_splits`): none
+    where the blocks fill the machine, unless `wanted`."""
+    if wanted is None and fills_the_machine(blocks, device):
+        wanted = 1
+    return gemv_splits(blocks, k, tile.block_k, device, wanted, tile.per_sm)
 
 
 def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted: int | None = None,

@@ -200,6 +200,13 @@ SETTINGS: tuple[Setting, ...] = (
         "0: MLX's ops instead of the MoE decode kernels (MLX CUDA).",
     ),
     Setting(
+        "FERRUM_MLX_CUDA_FUSED",
+        "bool",
+        True,
+        "backends/mlx/cuda_fused.py",
+        "0: MLX's ops instead of the fused q/k-norm + RoPE and add + RMSNorm kernels (MLX CUDA).",
+    ),
+    Setting(
         "FERRUM_MLX_CUDA_QMM",
         "bool",
         True,

@@ -17,7 +17,7 @@ import numpy as np
 
 from ferrum_mac import settings
 from ferrum_mac.backends.block_pool import SCRATCH
-from ferrum_mac.backends.mlx import cuda_attention
+from ferrum_mac.backends.mlx import cuda_attention, cuda_fused
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
 from ferrum_mac.backends.mlx.memory import on_cpu, on_cuda_gpu
@@ -190,6 +190,8 @@ class Attention:
         self.on_cuda = on_cuda_gpu()
         self.by_length = USE_CUDA_KERNEL and self.on_cuda and cuda_attention.supports(c.head_dim, group)
         self.by_numpy = NUMPY_ATTENTION and on_cpu()
+        self.fused_heads = self.qkv.fused is not None and cuda_fused.heads_run(c.head_dim)
+        self.rope_spec = cuda_fused.RopeSpec(self.rope, self.eps) if self.fused_heads else None
 
     def warm_up_kernels(self, dtype: mx.Dtype) -> None:
         """Compile the CUDA decode-attention kernels, where this layer uses them."""
@@ -200,6 +202,11 @@ class Attention:
         """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment
         (a scalar offset), else `(T, heads, dim)` (one position per token)."""
         one = positions.ndim == 0
+        if self.fused_heads and (not one or x.shape[1] == 1):
+            return cuda_fused.heads(
+                self.qkv.fused(x), positions, self.heads, self.kv_heads, self.head_dim, self.q_norm, self.k_norm,
+                self.rope_spec,
+            )  # fmt: skip
         q, k, v = self.qkv(x)
         q, k, v = (
             split_heads(a, n, self.head_dim, one) for a, n in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads))

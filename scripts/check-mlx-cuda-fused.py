@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Checks the fused small-op kernels (`ferrum_mac/backends/mlx/cuda_fused.py`) against MLX's
+own ops on MLX's CUDA build: q/k/v heads with q/k RMSNorm and RoPE (Qwen3-8B's and
+Qwen3-0.6B's heads, a Llama-3 frequency schedule, the traditional rotation, no norms; one
+token at a position, and four at their own), and the residual add + RMSNorm (widths 1,024
+and 4,096, 1 and 4 rows). Prints each one's relative error and the share of values equal
+bit for bit; exits 1 on a mismatch. On the GPU machine, after `scripts/bench-gpu` installed MLX:
+
+    PYTHONPATH=/tmp/site:. python3 scripts/check-mlx-cuda-fused.py
+"""
+
+import sys
+from types import SimpleNamespace
+
+import mlx.core as mx
+
+from _mlx_check import close
+from ferrum_mac.backends.mlx import cuda_fused
+from ferrum_mac.backends.mlx.layers import Rope
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}  # fmt: skip
+CASES = [  # (what, heads, kv_heads, head_dim, q/k norms, traditional, rope_scaling)
+    ("qwen3-8b", 32, 8, 128, True, False, None),
+    ("qwen3-0.6b", 16, 8, 128, True, False, None),
+    ("llama-3 freqs, no norms", 32, 8, 128, False, False, LLAMA3),
+    ("traditional, dim 64", 8, 2, 64, True, True, None),
+]
+
+
+def reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, rope, eps):
+    """What `Attention.project` computes with MLX's ops, in the kernel's output layout."""
+    T = qkv.shape[1]
+    q, k, v = mx.split(qkv, [heads * dim, (heads + kv_heads) * dim], axis=-1)
+    q, k, v = q.reshape(T, heads, dim), k.reshape(T, kv_heads, dim), v.reshape(T, kv_heads, dim)
+    if q_norm is not None:
+        q, k = mx.fast.rms_norm(q, q_norm, eps), mx.fast.rms_norm(k, k_norm, eps)
+    if positions.ndim == 0:
+        q, k = (rope(a.reshape(1, a.shape[1], 1, dim), positions) for a in (q, k))
+        return q, k, v.reshape(1, kv_heads, 1, dim)
+    q, k = (rope(a[:, :, None, :], positions)[:, :, 0, :] for a in (q, k))
+    return q, k, v
+
+
+def exact_share(got, want) -> float:
+    return (got == want).astype(mx.float32).mean().item()
+
+
+def check_heads() -> bool:
+    ok, eps = True, 1e-6
+    for what, heads, kv_heads, dim, norms, traditional, scaling in CASES:
+        config = SimpleNamespace(head_dim=dim, rope_traditional=traditional, rope_theta=1e6, rope_scaling=scaling)
+        rope = Rope(config)
+        spec = cuda_fused.RopeSpec(rope, eps)
+        q_norm = (1 + 0.1 * mx.random.normal((dim,))).astype(mx.bfloat16) if norms else None
+        k_norm = (1 + 0.1 * mx.random.normal((dim,))).astype(mx.bfloat16) if norms else None
+        for positions in (mx.array(517), mx.array([3, 90, 4000, 31000], mx.int32)):
+            T = 1 if positions.ndim == 0 else positions.shape[0]
+            qkv = mx.random.normal((1, T, (heads + 2 * kv_heads) * dim)).astype(mx.bfloat16)
+            got = cuda_fused.heads(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, spec)
+            want = reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, rope, eps)
+            for name, g, w in zip("qkv", got, want):
+                label = f"heads {what}, {T} token(s): {name}"
+                ok &= g.shape == w.shape and close(label, g, w, 1e-2)
+                print(f"      {'':40s} shape {g.shape}, equal bit for bit: {exact_share(g, w):.1%}")
+    return ok
+
+
+def check_add_rms_norm() -> bool:
+    ok = True
+    for width in (1024, 4096):
+        for rows in (1, 4):
+            x, y = (mx.random.normal((1, rows, width)).astype(mx.bfloat16) for _ in range(2))
+            w = (1 + 0.1 * mx.random.normal((width,))).astype(mx.bfloat16)
+            h, out = cuda_fused.add_rms_norm(x, y, w, 1e-6)
+            want_h = x + y
+            want = mx.fast.rms_norm(want_h, w, 1e-6)
+            ok &= close(f"add_rms_norm {width} x {rows}: sum", h, want_h, 0.0)
+            ok &= close(f"add_rms_norm {width} x {rows}: norm", out, want, 1e-2)
+            print(f"      {'':40s} equal bit for bit: {exact_share(out, want):.1%}")
+    return ok
+
+
+def main() -> int:
+    print("device:", mx.default_device())
+    mx.random.seed(0)
+    ok = check_heads() & check_add_rms_norm()
+    print("\nall match" if ok else "\nMISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

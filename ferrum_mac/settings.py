@@ -204,7 +204,7 @@ SETTINGS: tuple[Setting, ...] = (
         "bool",
         True,
         "backends/mlx/cuda_fused.py",
-        "0: MLX's ops instead of the fused q/k-norm + RoPE and add + RMSNorm kernels (MLX CUDA).",
+        "0: MLX's ops instead of the one kernel for a token's q/k norms and RoPE (MLX CUDA).",
     ),
     Setting(
         "FERRUM_MLX_CUDA_QMM",

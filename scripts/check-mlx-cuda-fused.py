@@ -1,10 +1,9 @@
 #!/usr/bin/env python3
-"""Checks the fused small-op kernels (`ferrum_mac/backends/mlx/cuda_fused.py`) against MLX's
-own ops on MLX's CUDA build: q/k/v heads with q/k RMSNorm and RoPE (Qwen3-8B's and
+"""Checks the fused heads kernel (`ferrum_mac/backends/mlx/cuda_fused.py`) against MLX's own
+ops on MLX's CUDA build: q/k/v heads with q/k RMSNorm and RoPE (Qwen3-8B's and
 Qwen3-0.6B's heads, a Llama-3 frequency schedule, the traditional rotation, no norms; one
-token at a position, and four at their own), and the residual add + RMSNorm (widths 1,024
-and 4,096, 1 and 4 rows). Prints each one's relative error and the share of values equal
-bit for bit; exits 1 on a mismatch. On the GPU machine, after `scripts/bench-gpu` installed MLX:
+token at a position, and four at their own). Prints each one's relative error and the share
+of values equal bit for bit; exits 1 on a mismatch. On the GPU machine, after `scripts/bench-gpu` installed MLX:
 
     PYTHONPATH=/tmp/site:. python3 scripts/check-mlx-cuda-fused.py
 """
@@ -66,25 +65,10 @@ def check_heads() -> bool:
     return ok
 
 
-def check_add_rms_norm() -> bool:
-    ok = True
-    for width in (1024, 4096):
-        for rows in (1, 4):
-            x, y = (mx.random.normal((1, rows, width)).astype(mx.bfloat16) for _ in range(2))
-            w = (1 + 0.1 * mx.random.normal((width,))).astype(mx.bfloat16)
-            h, out = cuda_fused.add_rms_norm(x, y, w, 1e-6)
-            want_h = x + y
-            want = mx.fast.rms_norm(want_h, w, 1e-6)
-            ok &= close(f"add_rms_norm {width} x {rows}: sum", h, want_h, 0.0)
-            ok &= close(f"add_rms_norm {width} x {rows}: norm", out, want, 1e-2)
-            print(f"      {'':40s} equal bit for bit: {exact_share(out, want):.1%}")
-    return ok
-
-
 def main() -> int:
     print("device:", mx.default_device())
     mx.random.seed(0)
-    ok = check_heads() & check_add_rms_norm()
+    ok = check_heads()
     print("\nall match" if ok else "\nMISMATCH")
     return 0 if ok else 1
 

@@ -1,19 +1,19 @@
-"""The small ops around a decode step's matmuls, fused into single kernels on MLX's CUDA build.
+"""One token's q, k and v heads from the fused qkv projection in one kernel, on MLX's CUDA build.
 
 A decode step of one sequence is bound by the host: MLX records every op of the step, and
-each costs host time whatever its size (docs/BENCHMARKS.md, MLX CUDA). Between the matmuls
-a layer has many tiny ops; two kernels here take the place of most:
+each costs host time whatever its size. Between the qkv matmul and attention a layer has
+eight small ops: a split, three reshapes, Qwen3's q_norm and k_norm, and two RoPEs. `heads`
+does them in one kernel: q and k each RMS-normed by head (where the model has those norms)
+and rotated, v copied out, each in the layout `Attention.project` returns.
 
-- `heads`: the fused q/k/v projection's output -> q, k and v by heads, q and k each
-  RMS-normed by head (Qwen3's q_norm / k_norm, where the model has them) and rotated
-  (RoPE). One kernel instead of a split, three reshapes, two norms and two RoPEs.
-- `add_rms_norm`: a residual add and the RMSNorm of its sum (both returned). One kernel
-  instead of two.
+Only a kernel that replaces several of MLX's ops pays: on an H200 a custom kernel took
+about 18 us of host time a call where MLX's add or RMSNorm took 3-5 (docs/BENCHMARKS.md,
+"Fewer ops in an MLX CUDA decode step"), so fusing an add with a norm, or SwiGLU, was slower.
 
-Each rounds where MLX's own ops round (the norm's product in the activations' dtype before
-its weight multiplies it, the sum before the norm reads it), so the results match MLX's up
-to the order of a float32 sum. `scripts/check-mlx-cuda-fused.py` checks them against MLX's
-ops on the GPU; elsewhere the callers keep MLX's ops.
+It rounds where MLX's ops round (the norm's product in the activations' dtype before its
+weight multiplies it; RoPE's angle as MLX computes it), and on the GPU its outputs equal
+MLX's bit for bit: `scripts/check-mlx-cuda-fused.py` checks that. Elsewhere the caller
+keeps MLX's ops.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from ferrum_mac.backends.mlx.memory import on_cuda_gpu
 
 # FERRUM_MLX_CUDA_FUSED=0 keeps MLX's ops (A/B timing).
 ENABLED = settings.value("FERRUM_MLX_CUDA_FUSED")
-NORM_THREADS = 256  # a block per row of `add_rms_norm`; each thread holds width / NORM_THREADS values
-MAX_NORM_WIDTH = NORM_THREADS * 32
 
 _BLOCK_SUM = """
 // The sum of every thread's x, in every thread of the block (blockDim.x a multiple of 32).
@@ -78,42 +76,12 @@ _HEADS = """
   dst[b] = static_cast<T>(x1 * s + x2 * c);
 """
 
-# x, y (rows, N); w (N,); eps (1,) float32 -> h = x + y, out = RMSNorm(h) * w. A block per row.
-_ADD_RMS_NORM = """
-  constexpr int PER = N / NT;
-  const size_t base = (size_t)blockIdx.x * N;
-  float values[PER];
-  float squares = 0.f;
-  #pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const size_t at = base + threadIdx.x + j * NT;
-    const T sum = static_cast<T>(static_cast<float>(x[at]) + static_cast<float>(y[at]));
-    h[at] = sum;
-    values[j] = static_cast<float>(sum);
-    squares += values[j] * values[j];
-  }
-  const float n = rsqrt(ferrum_block_sum(squares) / N + eps[0]);
-  #pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int at = threadIdx.x + j * NT;
-    out[base + at] = w[at] * static_cast<T>(values[j] * n);
-  }
-"""
-
 
 @lru_cache(maxsize=None)
 def _heads_kernel():
     return mx.fast.cuda_kernel(
         name="ferrum_qkv_heads", input_names=["qkv", "positions", "q_norm", "k_norm", "freqs", "consts"],
         output_names=["q", "k", "v"], source=_HEADS, header=_BLOCK_SUM,
-    )  # fmt: skip
-
-
-@lru_cache(maxsize=None)
-def _add_rms_norm_kernel():
-    return mx.fast.cuda_kernel(
-        name="ferrum_add_rms_norm", input_names=["x", "y", "w", "eps"], output_names=["h", "out"],
-        source=_ADD_RMS_NORM, header=_BLOCK_SUM,
     )  # fmt: skip
 
 
@@ -125,10 +93,6 @@ def _floats(*values: float) -> mx.array:
 def heads_run(head_dim: int) -> bool:
     """Whether `heads` runs here for heads of this size (a rotated pair a thread, whole warps)."""
     return ENABLED and head_dim % 64 == 0 and head_dim <= 2048 and on_cuda_gpu()
-
-
-def add_rms_norm_runs(width: int) -> bool:
-    return ENABLED and width % NORM_THREADS == 0 and width <= MAX_NORM_WIDTH and on_cuda_gpu()
 
 
 class RopeSpec:
@@ -151,30 +115,16 @@ def heads(qkv: mx.array, positions: mx.array, heads: int, kv_heads: int, head_di
     norm = q_norm is not None
     weights = (q_norm, k_norm) if norm else (qkv, qkv)  # unread without NORM
     freqs = spec.freqs if spec.freqs is not None else spec.consts  # unread without FREQS
-    q, k, v = _heads_kernel()(
-        inputs=[qkv, int32(positions), weights[0], weights[1], freqs, spec.consts],
-        template=[("T", qkv.dtype), ("H", heads), ("KV", kv_heads), ("D", head_dim), ("NORM", norm),
-                  ("FREQS", spec.freqs is not None), ("TRADITIONAL", spec.traditional), ("PER_ROW", per_row)],
-        grid=(head_dim // 2 * (heads + 2 * kv_heads), T, 1),
-        threadgroup=(head_dim // 2, 1, 1),
-        output_shapes=[(T, heads, head_dim), (T, kv_heads, head_dim), (T, kv_heads, head_dim)],
-        output_dtypes=[qkv.dtype] * 3,
+    # one token: the heads-first layout `(1, heads, 1, dim)`, the same bytes, shaped by the kernel
+    shape = (lambda n: (T, n, head_dim)) if per_row else (lambda n: (1, n, 1, head_dim))
+    return tuple(
+        _heads_kernel()(
+            inputs=[qkv, int32(positions), weights[0], weights[1], freqs, spec.consts],
+            template=[("T", qkv.dtype), ("H", heads), ("KV", kv_heads), ("D", head_dim), ("NORM", norm),
+                      ("FREQS", spec.freqs is not None), ("TRADITIONAL", spec.traditional), ("PER_ROW", per_row)],
+            grid=(head_dim // 2 * (heads + 2 * kv_heads), T, 1),
+            threadgroup=(head_dim // 2, 1, 1),
+            output_shapes=[shape(heads), shape(kv_heads), shape(kv_heads)],
+            output_dtypes=[qkv.dtype] * 3,
+        )
     )  # fmt: skip
-    if per_row:
-        return q, k, v
-    return tuple(a.reshape(1, a.shape[1], 1, head_dim) for a in (q, k, v))
-
-
-def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
-    """`(x + y, mx.fast.rms_norm(x + y, weight, eps))` for x, y `(..., N)`, as one kernel."""
-    N = x.shape[-1]
-    rows = x.size // N
-    h, out = _add_rms_norm_kernel()(
-        inputs=[x, y, weight, _floats(eps)],
-        template=[("T", x.dtype), ("N", N), ("NT", NORM_THREADS)],
-        grid=(NORM_THREADS * rows, 1, 1),
-        threadgroup=(NORM_THREADS, 1, 1),
-        output_shapes=[x.shape, x.shape],
-        output_dtypes=[x.dtype, x.dtype],
-    )  # fmt: skip
-    return h, out

@@ -159,11 +159,10 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
     """x `(..., K)` with a few rows in all, times the dequantized `weight` `(N, K)` transposed -> `(..., N)`.
     `warps` and `rows_per_warp` override `launch_shape` (for timing)."""
     K, N = x.shape[-1], weight.shape[0]
-    flat = x.reshape(-1, K)
-    M = flat.shape[0]
+    M = x.size // K  # the kernel reads x as (M, K) whatever its shape: no reshape node
     nw, r = launch_shape(N, warps, rows_per_warp)
     (out,) = _kernel()(
-        inputs=[flat, weight, scales, biases],
+        inputs=[x, weight, scales, biases],
         template=[
             ("T", x.dtype),
             ("M", M),
@@ -176,7 +175,7 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
         ],
         grid=(32 * nw * -(-N // (nw * r)), 1, 1),
         threadgroup=(32 * nw, 1, 1),
-        output_shapes=[(M, N)],
+        output_shapes=[(*x.shape[:-1], N)],
         output_dtypes=[x.dtype],
     )
-    return out.reshape(*x.shape[:-1], N)
+    return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ferrum_mac import settings
-from ferrum_mac.backends.mlx import cuda_fused
 from ferrum_mac.backends.mlx.attention import Attention, Plan
 from ferrum_mac.backends.mlx.layers import Linear, TensorSource, swiglu
 from ferrum_mac.weights import ModelConfig
@@ -49,7 +48,6 @@ class Block:
         self.attn_norm = src.norm(f"{p}.input_layernorm", config.hidden_size)
         self.mlp_norm = src.norm(f"{p}.post_attention_layernorm", config.hidden_size)
         self.eps = config.rms_norm_eps
-        self.fused_norm = cuda_fused.add_rms_norm_runs(config.hidden_size)
         self.compiled_pre = mx.compile(self.pre)
         self.compiled_post = mx.compile(self.post)
 
@@ -57,13 +55,8 @@ class Block:
         return self.attn.project(mx.fast.rms_norm(x, self.attn_norm, self.eps), positions)
 
     def post(self, x: mx.array, attn_out: mx.array) -> mx.array:
-        out = self.attn.o_proj(attn_out)
-        if self.fused_norm:
-            h, normed = cuda_fused.add_rms_norm(x, out, self.mlp_norm, self.eps)
-        else:
-            h = x + out
-            normed = mx.fast.rms_norm(h, self.mlp_norm, self.eps)
-        return h + self.mlp(normed)
+        h = x + self.attn.o_proj(attn_out)
+        return h + self.mlp(mx.fast.rms_norm(h, self.mlp_norm, self.eps))
 
     def __call__(self, x: mx.array, plan: Plan) -> mx.array:
         small = plan.total <= COMPILE_MAX_TOKENS

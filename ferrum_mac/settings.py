@@ -200,10 +200,10 @@ SETTINGS: tuple[Setting, ...] = (
         "0: MLX's ops instead of the MoE decode kernels (MLX CUDA).",
     ),
     Setting(
-        "FERRUM_MLX_CUDA_FUSED",
+        "FERRUM_MLX_CUDA_HEADS",
         "bool",
         True,
-        "backends/mlx/cuda_fused.py",
+        "backends/mlx/cuda_heads.py",
         "0: MLX's ops instead of the one kernel for a token's q/k norms and RoPE (MLX CUDA).",
     ),
     Setting(

@@ -17,7 +17,7 @@ import numpy as np
 
 from ferrum_mac import settings
 from ferrum_mac.backends.block_pool import SCRATCH
-from ferrum_mac.backends.mlx import cuda_attention, cuda_fused
+from ferrum_mac.backends.mlx import cuda_attention, cuda_heads
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
 from ferrum_mac.backends.mlx.memory import on_cpu, on_cuda_gpu
@@ -190,8 +190,8 @@ class Attention:
         self.on_cuda = on_cuda_gpu()
         self.by_length = USE_CUDA_KERNEL and self.on_cuda and cuda_attention.supports(c.head_dim, group)
         self.by_numpy = NUMPY_ATTENTION and on_cpu()
-        self.fused_heads = self.qkv.fused is not None and cuda_fused.heads_run(c.head_dim)
-        self.rope_spec = cuda_fused.RopeSpec(self.rope, self.eps) if self.fused_heads else None
+        self.fused_heads = self.qkv.fused is not None and cuda_heads.runs(c.head_dim)
+        self.rope_spec = cuda_heads.RopeSpec(self.rope, self.eps) if self.fused_heads else None
 
     def warm_up_kernels(self, dtype: mx.Dtype) -> None:
         """Compile the CUDA decode-attention kernels, where this layer uses them."""
@@ -203,7 +203,7 @@ class Attention:
         (a scalar offset), else `(T, heads, dim)` (one position per token)."""
         one = positions.ndim == 0
         if self.fused_heads and (not one or x.shape[1] == 1):
-            return cuda_fused.heads(
+            return cuda_heads.heads(
                 self.qkv.fused(x), positions, self.heads, self.kv_heads, self.head_dim, self.q_norm, self.k_norm,
                 self.rope_spec,
             )  # fmt: skip

@@ -12,7 +12,7 @@ about 18 us of host time a call where MLX's add or RMSNorm took 3-5 (docs/BENCHM
 
 It rounds where MLX's ops round (the norm's product in the activations' dtype before its
 weight multiplies it; RoPE's angle as MLX computes it), and on the GPU its outputs equal
-MLX's bit for bit: `scripts/check-mlx-cuda-fused.py` checks that. Elsewhere the caller
+MLX's bit for bit: `scripts/check-mlx-cuda-heads.py` checks that. Elsewhere the caller
 keeps MLX's ops.
 """
 
@@ -27,8 +27,8 @@ from ferrum_mac import settings
 from ferrum_mac.backends.mlx.cuda_attention import int32
 from ferrum_mac.backends.mlx.memory import on_cuda_gpu
 
-# FERRUM_MLX_CUDA_FUSED=0 keeps MLX's ops (A/B timing).
-ENABLED = settings.value("FERRUM_MLX_CUDA_FUSED")
+# FERRUM_MLX_CUDA_HEADS=0 keeps MLX's ops (A/B timing).
+ENABLED = settings.value("FERRUM_MLX_CUDA_HEADS")
 
 _BLOCK_SUM = """
 // The sum of every thread's x, in every thread of the block (blockDim.x a multiple of 32).
@@ -44,9 +44,10 @@ __device__ __forceinline__ float ferrum_block_sum(float x) {
 }
 """
 
-# qkv (rows, (H + 2 KV) * D); positions int32, (rows,) when PER_ROW, else one (row r at it + r); q_norm, k_norm (D,); freqs
-# (D / 2,) float32 (the rotation periods, when FREQS); consts (3,) float32: eps, log2(base),
-# RoPE's position scale. A block per (head, row), a thread per rotated pair of values.
+# qkv (rows, (H + 2 KV) * D); positions int32: (rows,) when PER_ROW, else one (row r at it + r);
+# q_norm, k_norm (D,); freqs (D / 2,) float32, the rotation periods (when FREQS); consts (3,)
+# float32: eps, log2(base), RoPE's position scale. A block per (head, row), a thread per
+# rotated pair of values.
 _HEADS = """
   constexpr int HALF = D / 2;
   const int head = blockIdx.x, row = blockIdx.y, i = threadIdx.x;
@@ -90,7 +91,7 @@ def _floats(*values: float) -> mx.array:
     return mx.array(values, mx.float32)  # one array for every layer and step, not one each
 
 
-def heads_run(head_dim: int) -> bool:
+def runs(head_dim: int) -> bool:
     """Whether `heads` runs here for heads of this size (a rotated pair a thread, whole warps)."""
     return ENABLED and head_dim % 64 == 0 and head_dim <= 2048 and on_cuda_gpu()
 

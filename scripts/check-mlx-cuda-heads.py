@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Checks the fused heads kernel (`ferrum_mac/backends/mlx/cuda_fused.py`) against MLX's own
+"""Checks the fused heads kernel (`ferrum_mac/backends/mlx/cuda_heads.py`) against MLX's own
 ops on MLX's CUDA build: q/k/v heads with q/k RMSNorm and RoPE (Qwen3-8B's and
 Qwen3-0.6B's heads, a Llama-3 frequency schedule, the traditional rotation, no norms; one
 token at a position, and four at their own). Prints each one's relative error and the share
 of values equal bit for bit; exits 1 on a mismatch. On the GPU machine, after `scripts/bench-gpu` installed MLX:
 
-    PYTHONPATH=/tmp/site:. python3 scripts/check-mlx-cuda-fused.py
+    PYTHONPATH=/tmp/site:. python3 scripts/check-mlx-cuda-heads.py
 """
 
 import sys
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 
 from _mlx_check import close
-from ferrum_mac.backends.mlx import cuda_fused
+from ferrum_mac.backends.mlx import cuda_heads
 from ferrum_mac.backends.mlx.layers import Rope
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -50,13 +50,13 @@ def check_heads() -> bool:
     for what, heads, kv_heads, dim, norms, traditional, scaling in CASES:
         config = SimpleNamespace(head_dim=dim, rope_traditional=traditional, rope_theta=1e6, rope_scaling=scaling)
         rope = Rope(config)
-        spec = cuda_fused.RopeSpec(rope, eps)
+        spec = cuda_heads.RopeSpec(rope, eps)
         q_norm = (1 + 0.1 * mx.random.normal((dim,))).astype(mx.bfloat16) if norms else None
         k_norm = (1 + 0.1 * mx.random.normal((dim,))).astype(mx.bfloat16) if norms else None
         for positions in (mx.array(517), mx.array([3, 90, 4000, 31000], mx.int32)):
             T = 1 if positions.ndim == 0 else positions.shape[0]
             qkv = mx.random.normal((1, T, (heads + 2 * kv_heads) * dim)).astype(mx.bfloat16)
-            got = cuda_fused.heads(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, spec)
+            got = cuda_heads.heads(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, spec)
             want = reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, rope, eps)
             for name, g, w in zip("qkv", got, want):
                 label = f"heads {what}, {T} token(s): {name}"

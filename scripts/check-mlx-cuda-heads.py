@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Checks the fused heads kernel (`ferrum_mac/backends/mlx/cuda_heads.py`) against MLX's own
-ops on MLX's CUDA build: q/k/v heads with q/k RMSNorm and RoPE (Qwen3-8B's and
-Qwen3-0.6B's heads, a Llama-3 frequency schedule, the traditional rotation, no norms; one
-token at a position, and four at their own). Prints each one's relative error and the share
-of values equal bit for bit; exits 1 on a mismatch. On the GPU machine, after `scripts/bench-gpu` installed MLX:
+"""Checks the heads kernel (`ferrum_mac/backends/mlx/cuda_heads.py`) against MLX's own ops
+on MLX's CUDA build: q/k/v heads with q/k RMSNorm and RoPE (Qwen3-8B's and Qwen3-0.6B's
+heads, a Llama-3 frequency schedule, the traditional rotation, no norms; one token at a
+position, and four at their own). Prints each one's relative error and the share of values
+equal bit for bit; exits 1 on a mismatch. On the GPU machine, after `scripts/bench-gpu`
+installed MLX:
 
     PYTHONPATH=/tmp/site:. python3 scripts/check-mlx-cuda-heads.py
 """

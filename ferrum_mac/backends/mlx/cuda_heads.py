@@ -113,6 +113,8 @@ def heads(qkv: mx.array, positions: mx.array, heads: int, kv_heads: int, head_di
     `(1, heads, 1, dim)` and so on (the layouts `Attention.project` returns)."""
     T = qkv.shape[1]
     per_row = positions.ndim == 1
+    if not per_row and T != 1:
+        raise ValueError(f"heads: {T} tokens at one position; several tokens need a position each")
     norm = q_norm is not None
     weights = (q_norm, k_norm) if norm else (qkv, qkv)  # unread without NORM
     freqs = spec.freqs if spec.freqs is not None else spec.consts  # unread without FREQS

@@ -202,7 +202,7 @@ class Attention:
         """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment
         (a scalar offset), else `(T, heads, dim)` (one position per token)."""
         one = positions.ndim == 0
-        if self.fused_heads and (not one or x.shape[1] == 1):
+        if self.fused_heads and (x.shape[1] == 1 or (not one and x.shape[1] <= cuda_heads.MAX_TOKENS)):
             return cuda_heads.heads(
                 self.qkv.fused(x), positions, self.heads, self.kv_heads, self.head_dim, self.q_norm, self.k_norm,
                 self.rope_spec,

@@ -29,6 +29,7 @@ from ferrum_mac.backends.mlx.memory import on_cuda_gpu
 
 # FERRUM_MLX_CUDA_HEADS=0 keeps MLX's ops (A/B timing).
 ENABLED = settings.value("FERRUM_MLX_CUDA_HEADS")
+MAX_TOKENS = 65535  # a block row per token: CUDA's limit on a grid's second dimension
 
 _BLOCK_SUM = """
 // The sum of every thread's x, in every thread of the block (blockDim.x a multiple of 32).

@@ -192,11 +192,18 @@ class Attention:
         self.by_numpy = NUMPY_ATTENTION and on_cpu()
         self.fused_heads = self.qkv.fused is not None and cuda_heads.runs(c.head_dim)
         self.rope_spec = cuda_heads.RopeSpec(self.rope, self.eps) if self.fused_heads else None
+        self.heads_warm = False
 
     def warm_up_kernels(self, dtype: mx.Dtype) -> None:
-        """Compile the CUDA decode-attention kernels, where this layer uses them."""
+        """Compile the CUDA decode-attention kernels, and the heads kernel's build for a batch's
+        rows (a one-token step compiles the other), where this layer uses them."""
         if self.by_length:
             cuda_attention.warm_up(dtype, self.heads, self.kv_heads, self.head_dim)
+        if self.fused_heads and not self.heads_warm:
+            qkv = mx.zeros((1, 2, (self.heads + 2 * self.kv_heads) * self.head_dim), dtype)
+            heads = (self.heads, self.kv_heads, self.head_dim, self.q_norm, self.k_norm, self.rope_spec)
+            mx.eval(*cuda_heads.heads(qkv, mx.array([0, 1]), *heads))
+            self.heads_warm = True
 
     def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from ferrum_mac.backends.mlx import cuda_heads
-from ferrum_mac.backends.mlx.layers import Rope
+from ferrum_mac.backends.mlx.layers import Projections, Rope
 
 
 def rope(scaling=None, traditional=False):
@@ -43,3 +43,69 @@ def test_rope_constants_are_those_mlx_rope_uses():
 def test_several_tokens_need_a_position_each():
     with pytest.raises(ValueError, match="a position each"):
         cuda_heads.heads(mx.zeros((1, 2, 8 * 64)), mx.array(5), 4, 2, 64, None, None, cuda_heads.RopeSpec(rope(), 1e-6))
+
+
+def mlx_ops_heads(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, spec, eps=1e-6, rope_of=None):
+    """The kernel's contract by MLX's ops: what `Attention.project` computes, in the kernel's layouts."""
+    T = qkv.shape[1]
+    q, k, v = mx.split(qkv, [heads * dim, (heads + kv_heads) * dim], axis=-1)
+    q, k, v = q.reshape(T, heads, dim), k.reshape(T, kv_heads, dim), v.reshape(T, kv_heads, dim)
+    if q_norm is not None:
+        q, k = mx.fast.rms_norm(q, q_norm, eps), mx.fast.rms_norm(k, k_norm, eps)
+    if positions.ndim == 0:
+        q, k = (rope_of(a.reshape(1, a.shape[1], 1, dim), positions) for a in (q, k))
+        return q, k, v.reshape(1, kv_heads, 1, dim)
+    q, k = (rope_of(a[:, :, None, :], positions)[:, :, 0, :] for a in (q, k))
+    return q, k, v
+
+
+def test_attention_takes_the_heads_kernel_where_it_runs(zoo, monkeypatch):
+    """With the kernel standing in as MLX's ops, a model routed through it decodes (one
+    sequence, a batch) exactly as the plain path: its arguments and layouts are the right ones."""
+    import numpy as np
+
+    import ferrum_mac
+    from ferrum_mac.llm import DecodeItem
+    from helpers import ferrum_greedy, random_tokens
+
+    def batch_steps(tag: str) -> list:
+        for name, tokens in prompts.items():
+            model.prefill(f"{tag}-{name}", tokens)
+        steps = [
+            np.array(model.decode_batch([DecodeItem(f"{tag}-{n}", 3 + i, len(p) + i) for n, p in prompts.items()]))
+            for i in range(2)
+        ]
+        for name in prompts:
+            model.release(f"{tag}-{name}")
+        return steps
+
+    model = ferrum_mac.open_model(zoo.path("qwen3"), backend="mlx", dtype="float32")
+    layers = model.model.layers
+    for block in layers:  # q/k/v as one matmul, as on a GPU (the kernel reads its output)
+        block.attn.qkv = Projections(block.attn.qkv.parts, fuse=True)
+        block.compiled_pre = mx.compile(block.pre)
+    prompt = random_tokens(7, seed=5)
+    prompts = {"a": random_tokens(5, seed=1), "b": random_tokens(9, seed=2)}
+    want_tokens = ferrum_greedy(model, "plain", prompt, 6)
+    want_batch = batch_steps("plain")
+
+    calls = []
+    eps = layers[0].attn.eps
+
+    def fake_heads(qkv, positions, *rest):
+        calls.append(positions.ndim)
+        return mlx_ops_heads(qkv, positions, *rest, eps=eps, rope_of=layers[0].attn.rope)
+
+    monkeypatch.setattr(cuda_heads, "heads", fake_heads)
+    for block in layers:
+        block.attn.fused_heads = True
+        block.attn.rope_spec = cuda_heads.RopeSpec(block.attn.rope, block.attn.eps)
+        block.compiled_pre = mx.compile(block.pre)
+    assert ferrum_greedy(model, "fused", prompt, 6) == want_tokens
+    for got, want in zip(batch_steps("fused"), want_batch):
+        np.testing.assert_array_equal(got, want)
+    assert 0 in calls and 1 in calls  # one token at its offset; a batch's rows at their own positions
+    calls.clear()
+    layers[0].attn.warm_up_kernels(mx.float32)
+    layers[0].attn.warm_up_kernels(mx.float32)
+    assert calls == [1]  # the batch's build, once

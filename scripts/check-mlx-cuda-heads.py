@@ -28,20 +28,6 @@ CASES = [  # (what, heads, kv_heads, head_dim, q/k norms, traditional, rope_scal
 ]
 
 
-def reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, rope, eps):
-    """What `Attention.project` computes with MLX's ops, in the kernel's output layout."""
-    T = qkv.shape[1]
-    q, k, v = mx.split(qkv, [heads * dim, (heads + kv_heads) * dim], axis=-1)
-    q, k, v = q.reshape(T, heads, dim), k.reshape(T, kv_heads, dim), v.reshape(T, kv_heads, dim)
-    if q_norm is not None:
-        q, k = mx.fast.rms_norm(q, q_norm, eps), mx.fast.rms_norm(k, k_norm, eps)
-    if positions.ndim == 0:
-        q, k = (rope(a.reshape(1, a.shape[1], 1, dim), positions) for a in (q, k))
-        return q, k, v.reshape(1, kv_heads, 1, dim)
-    q, k = (rope(a[:, :, None, :], positions)[:, :, 0, :] for a in (q, k))
-    return q, k, v
-
-
 def exact_share(got, want) -> float:
     return (got == want).astype(mx.float32).mean().item()
 
@@ -58,7 +44,7 @@ def check_heads() -> bool:
             T = 1 if positions.ndim == 0 else positions.shape[0]
             qkv = mx.random.normal((1, T, (heads + 2 * kv_heads) * dim)).astype(mx.bfloat16)
             got = cuda_heads.heads(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, spec)
-            want = reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, rope, eps)
+            want = cuda_heads.reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, rope, eps)
             for name, g, w in zip("qkv", got, want):
                 label = f"heads {what}, {T} token(s): {name}"
                 ok &= g.shape == w.shape and close(label, g, w, 1e-2)

@@ -132,3 +132,18 @@ def heads(qkv: mx.array, positions: mx.array, heads: int, kv_heads: int, head_di
             output_dtypes=[qkv.dtype] * 3,
         )
     )  # fmt: skip
+
+
+def reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, rope, eps):
+    """`heads`' contract by MLX's ops (what `Attention.project` computes), in the kernel's layouts:
+    what the GPU check and the CPU tests hold the kernel to."""
+    T = qkv.shape[1]
+    q, k, v = mx.split(qkv, [heads * dim, (heads + kv_heads) * dim], axis=-1)
+    q, k, v = q.reshape(T, heads, dim), k.reshape(T, kv_heads, dim), v.reshape(T, kv_heads, dim)
+    if q_norm is not None:
+        q, k = mx.fast.rms_norm(q, q_norm, eps), mx.fast.rms_norm(k, k_norm, eps)
+    if positions.ndim == 0:
+        q, k = (rope(a.reshape(1, a.shape[1], 1, dim), positions) for a in (q, k))
+        return q, k, v.reshape(1, kv_heads, 1, dim)
+    q, k = (rope(a[:, :, None, :], positions)[:, :, 0, :] for a in (q, k))
+    return q, k, v

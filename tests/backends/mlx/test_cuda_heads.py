@@ -45,20 +45,6 @@ def test_several_tokens_need_a_position_each():
         cuda_heads.heads(mx.zeros((1, 2, 8 * 64)), mx.array(5), 4, 2, 64, None, None, cuda_heads.RopeSpec(rope(), 1e-6))
 
 
-def mlx_ops_heads(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, spec, eps=1e-6, rope_of=None):
-    """The kernel's contract by MLX's ops: what `Attention.project` computes, in the kernel's layouts."""
-    T = qkv.shape[1]
-    q, k, v = mx.split(qkv, [heads * dim, (heads + kv_heads) * dim], axis=-1)
-    q, k, v = q.reshape(T, heads, dim), k.reshape(T, kv_heads, dim), v.reshape(T, kv_heads, dim)
-    if q_norm is not None:
-        q, k = mx.fast.rms_norm(q, q_norm, eps), mx.fast.rms_norm(k, k_norm, eps)
-    if positions.ndim == 0:
-        q, k = (rope_of(a.reshape(1, a.shape[1], 1, dim), positions) for a in (q, k))
-        return q, k, v.reshape(1, kv_heads, 1, dim)
-    q, k = (rope_of(a[:, :, None, :], positions)[:, :, 0, :] for a in (q, k))
-    return q, k, v
-
-
 def test_attention_takes_the_heads_kernel_where_it_runs(zoo, monkeypatch):
     """With the kernel standing in as MLX's ops, a model routed through it decodes (one
     sequence, a batch) exactly as the plain path: its arguments and layouts are the right ones."""
@@ -94,7 +80,8 @@ def test_attention_takes_the_heads_kernel_where_it_runs(zoo, monkeypatch):
 
     def fake_heads(qkv, positions, *rest):
         calls.append(positions.ndim)
-        return mlx_ops_heads(qkv, positions, *rest, eps=eps, rope_of=layers[0].attn.rope)
+        heads, kv_heads, dim, q_norm, k_norm, _ = rest
+        return cuda_heads.reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, layers[0].attn.rope, eps)
 
     monkeypatch.setattr(cuda_heads, "heads", fake_heads)
     for block in layers:

@@ -200,3 +200,47 @@ def test_one_row_takes_the_few_row_kernel_only_where_it_reads_faster(monkeypatch
     assert not cuda_qmatmul.runs(1, 4096, 12288, 64, 4)  # down
     assert not cuda_qmatmul.runs(1, 5120, 2048, 64, 4)  # Qwen3-30B-A3B's qkv: small
     assert cuda_qmatmul.runs(2, 4096, 4096, 64, 4)  # two rows: always (MLX's tiled kernel is slower)
+
+
+def test_norms_and_swiglu_go_into_the_few_row_kernel(converted, monkeypatch):
+    """Where the few-row kernel runs, it takes the RMSNorm before q/k/v and gate/up and the
+    SwiGLU after gate/up. With the kernel standing in as MLX's ops (`cuda_qmatmul.reference`),
+    a model routed through it decodes (one sequence, a batch) exactly as the plain path."""
+    from ferrum_mac.backends.mlx import cuda_qmatmul
+    from ferrum_mac.backends.mlx.layers import Projections
+    from ferrum_mac.llm import DecodeItem
+
+    monkeypatch.setenv("FERRUM_DEQUANTIZE_ON_CPU", "0")
+    model = ferrum_mac.open_model(converted("qwen2-q4g32-fp32"), dtype="float32")
+    layers = model.model.layers
+    for block in layers:  # one matmul each, as on a GPU (where the kernel reads the stacked weight)
+        block.attn.qkv = Projections(block.attn.qkv.parts, fuse=True)
+        block.mlp.gate_up = Projections(block.mlp.gate_up.parts, fuse=True)
+
+    def recompile():
+        for block in layers:
+            block.compiled_pre, block.compiled_post = mx.compile(block.pre), mx.compile(block.post)
+
+    def run(tag: str) -> tuple[list[int], np.ndarray]:
+        recompile()
+        tokens = ferrum_greedy(model, tag, PROMPT[:6], 5)
+        for i, prompt in enumerate((PROMPT[:5], PROMPT[3:12])):
+            model.prefill(f"{tag}-{i}", prompt)
+        batch = model.decode_batch([DecodeItem(f"{tag}-0", 3, 5), DecodeItem(f"{tag}-1", 4, 9)])
+        return tokens, np.array(batch)
+
+    want_tokens, want_batch = run("plain")
+    calls = []
+
+    def stand_in(x, *args, norm=None, eps=0.0, swiglu=False, **_):
+        calls.append((x.size // x.shape[-1], norm is not None, swiglu))
+        return cuda_qmatmul.reference(x, *args, norm=norm, eps=eps, swiglu=swiglu)
+
+    monkeypatch.setattr(cuda_qmatmul, "on_cuda_gpu", lambda: True)
+    monkeypatch.setattr(cuda_qmatmul, "ONE_ROW_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(cuda_qmatmul, "quantized_matmul", stand_in)
+    tokens, batch = run("fused")
+    assert tokens == want_tokens
+    np.testing.assert_array_equal(batch, want_batch)
+    assert (1, True, False) in calls and (1, True, True) in calls  # one token: qkv, gate_up + SwiGLU
+    assert (2, True, True) in calls and (2, False, False) in calls  # a batch's: and its o_proj, down

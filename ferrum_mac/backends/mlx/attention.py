@@ -205,18 +205,16 @@ class Attention:
             mx.eval(*cuda_heads.heads(qkv, mx.array([0, 1]), *heads))
             self.heads_warm = True
 
-    def project(self, x: mx.array, positions: mx.array, norm: mx.array | None = None,
-                eps: float = 0.0) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
-        """x `(1, T, hidden)` (RMS-normalised first with `norm`) -> roped q, k and v:
-        `(1, heads, T, dim)` for one segment (a scalar offset), else `(T, heads, dim)` (one
-        position per token)."""
+    def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment
+        (a scalar offset), else `(T, heads, dim)` (one position per token)."""
         one = positions.ndim == 0
         if self.fused_heads and (x.shape[1] == 1 or (not one and x.shape[1] <= cuda_heads.MAX_TOKENS)):
             return cuda_heads.heads(
-                self.qkv.fused(x, norm, eps), positions, self.heads, self.kv_heads, self.head_dim, self.q_norm,
-                self.k_norm, self.rope_spec,
+                self.qkv.fused(x), positions, self.heads, self.kv_heads, self.head_dim, self.q_norm, self.k_norm,
+                self.rope_spec,
             )  # fmt: skip
-        q, k, v = self.qkv(x, norm, eps)
+        q, k, v = self.qkv(x)
         q, k, v = (
             split_heads(a, n, self.head_dim, one) for a, n in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads))
         )

@@ -9,10 +9,8 @@ all rows: a warp takes one or two output rows (`launch_shape`), its lanes walk t
 packed words (coalesced, eight words a lane loaded before any is used), dequantize each word
 once and multiply it with every input row.
 
-Two of a layer's neighbours come along, each a node a step fewer on the host: the RMSNorm
-before the product (every block normalises its inputs itself, as MLX rounds them), and the
-SwiGLU after it, when the weight stacks the gate's rows over the up's (one warp computes a
-gate row and its up row and writes silu(gate) * up).
+For a weight that stacks an MLP's gate rows over its up rows, it can write the SwiGLU,
+silu(gate) * up, itself (a warp computes a gate row and its up row): two nodes a step fewer.
 
 MLX-quantized (affine, 4- or 8-bit) weights only; x `(M, K)` with M up to MAX_ROWS.
 """
@@ -73,9 +71,7 @@ __device__ __forceinline__ void ferrum_load_floats(const T* src, float* dst) {
 # (M, N / 2) with SWIGLU. A warp takes R output rows (each one weight row, or a gate row and
 # its up row: W weight rows); its lanes walk their words 8 / W at a time, loading every packed
 # word, scale and bias of those before using any (so the loads overlap), then the inputs'
-# values for each word once for all rows. With NORM each warp multiplies x by norm_w as it
-# reads it and sums x's squares on the way, scaling its sums by rsqrt(mean(x^2) + eps) at the
-# end (in float: the normalised x is not rounded to T, as MLX's RMSNorm output is).
+# values for each word once for all rows.
 _SOURCE = """
   constexpr int PACK = 32 / BITS;
   constexpr int WORDS = K / PACK;
@@ -87,12 +83,11 @@ _SOURCE = """
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int first = (blockIdx.x * NW + warp) * R;
   if (first >= OUT) return;
-  float acc[W][M], squares[M];
+  float acc[W][M];
   #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    squares[m] = 0.f;
+  for (int r = 0; r < W; ++r) {
     #pragma unroll
-    for (int r = 0; r < W; ++r) acc[r][m] = 0.f;
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
   }
   for (int base = 0; base < WORDS; base += 32 * UNROLL) {
     uint32_t packed[UNROLL][W];
@@ -118,18 +113,6 @@ _SOURCE = """
         float xv[M][PACK];
         #pragma unroll
         for (int m = 0; m < M; ++m) ferrum_load_floats<T, PACK>(x + m * K + word * PACK, xv[m]);
-        if constexpr (NORM) {  // the warp's lanes see each input value once: its square, then x * norm_w
-          float gv[PACK];
-          ferrum_load_floats<T, PACK>(norm_w + word * PACK, gv);
-          #pragma unroll
-          for (int m = 0; m < M; ++m) {
-            #pragma unroll
-            for (int p = 0; p < PACK; ++p) {
-              squares[m] += xv[m][p] * xv[m][p];
-              xv[m][p] *= gv[p];
-            }
-          }
-        }
         #pragma unroll
         for (int r = 0; r < W; ++r) {
           #pragma unroll
@@ -142,18 +125,15 @@ _SOURCE = """
       }
     }
   }
-  float inv_rms[M];
-  #pragma unroll
-  for (int m = 0; m < M; ++m) inv_rms[m] = NORM ? rsqrt(ferrum_warp_sum(squares[m]) / K + eps[0]) : 1.f;
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     #pragma unroll
     for (int m = 0; m < M; ++m) {
       // the product rounds to T as MLX's matmul output would, before the SwiGLU reads it
-      const float total = static_cast<float>(static_cast<T>(ferrum_warp_sum(acc[r][m]) * inv_rms[m]));
+      const float total = static_cast<float>(static_cast<T>(ferrum_warp_sum(acc[r][m])));
       float value = total;
       if constexpr (SWIGLU) {
-        const float up = static_cast<float>(static_cast<T>(ferrum_warp_sum(acc[r + R][m]) * inv_rms[m]));
+        const float up = static_cast<float>(static_cast<T>(ferrum_warp_sum(acc[r + R][m])));
         value = total / (1.f + expf(-total)) * up;
       }
       if (lane == 0 && first + r < OUT) out[(size_t)m * OUT + first + r] = static_cast<T>(value);
@@ -165,14 +145,9 @@ _SOURCE = """
 @lru_cache(maxsize=None)
 def _kernel():
     return mx.fast.cuda_kernel(
-        name="ferrum_qmm_rows", input_names=["x", "w", "scales", "biases", "norm_w", "eps"], output_names=["out"],
+        name="ferrum_qmm_rows", input_names=["x", "w", "scales", "biases"], output_names=["out"],
         source=_SOURCE, header=WARP_SUM + _LOAD,
     )  # fmt: skip
-
-
-@lru_cache(maxsize=None)
-def _eps_array(eps: float) -> mx.array:
-    return mx.array([eps], dtype=mx.float32)
 
 
 def runs(rows: int, out_dim: int, in_dim: int, group_size: int, bits: int) -> bool:
@@ -194,19 +169,17 @@ def launch_shape(out_dim: int, warps: int | None = None, rows_per_warp: int | No
 
 
 def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-                     norm: mx.array | None = None, eps: float = 0.0, swiglu: bool = False,
-                     warps: int | None = None, rows_per_warp: int | None = None) -> mx.array:  # fmt: skip
+                     swiglu: bool = False, warps: int | None = None, rows_per_warp: int | None = None) -> mx.array:  # fmt: skip
     """x `(..., K)` with a few rows in all, times the dequantized `weight` `(N, K)` transposed -> `(..., N)`.
-    `norm`: RMSNorm x first with this weight and `eps`. `swiglu`: the weight is a gate's rows
-    over an up projection's, and the result `silu(gate) * up` `(..., N / 2)`. `warps` and
-    `rows_per_warp` override `launch_shape` (for timing)."""
+    `swiglu`: the weight is a gate's rows over an up projection's, and the result
+    `silu(gate) * up` `(..., N / 2)`. `warps` and `rows_per_warp` override `launch_shape` (for timing)."""
     K, N = x.shape[-1], weight.shape[0]
     M = x.size // K  # the kernel reads x as (M, K) whatever its shape: no reshape node
     out_dim = N // 2 if swiglu else N
     # a SwiGLU warp reads two weight rows an output row: one output row each, where a plain one takes two
     nw, r = launch_shape(out_dim, warps, rows_per_warp or (1 if swiglu else None))
     (out,) = _kernel()(
-        inputs=[x, weight, scales, biases, x if norm is None else norm, _eps_array(eps)],
+        inputs=[x, weight, scales, biases],
         template=[
             ("T", x.dtype),
             ("M", M),
@@ -216,7 +189,6 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
             ("GROUP", group_size),
             ("NW", nw),
             ("R", r),
-            ("NORM", norm is not None),
             ("SWIGLU", swiglu),
         ],
         grid=(32 * nw * -(-out_dim // (nw * r)), 1, 1),
@@ -228,11 +200,9 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
 
 
 def reference(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-              norm: mx.array | None = None, eps: float = 0.0, swiglu: bool = False) -> mx.array:  # fmt: skip
+              swiglu: bool = False) -> mx.array:  # fmt: skip
     """What `quantized_matmul` computes, by MLX's own ops (the GPU check compares them; CPU
     tests route the model through it)."""
-    if norm is not None:
-        x = mx.fast.rms_norm(x, norm, eps)
     y = mx.quantized_matmul(x, weight, scales, biases, transpose=True, group_size=group_size, bits=bits)
     if not swiglu:
         return y

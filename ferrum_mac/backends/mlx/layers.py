@@ -92,28 +92,24 @@ class Linear:
     def quantized(self) -> bool:
         return self.scales is not None
 
-    def __call__(self, x: mx.array, norm: mx.array | None = None, eps: float = 0.0) -> mx.array:
-        """x W^T (+ b); with `norm`, of x RMS-normalised first (in the kernel, where it runs)."""
+    def __call__(self, x: mx.array) -> mx.array:
         if self.on_cuda_kernel(x):
-            y = cuda_qmatmul.quantized_matmul(
-                x, self.weight, self.scales, self.biases, self.group_size, self.bits, norm=norm, eps=eps
-            )  # fmt: skip
+            y = cuda_qmatmul.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
         elif self.quantized:
             y = mx.quantized_matmul(
-                rms_norm(x, norm, eps), self.weight, self.scales, self.biases, transpose=True,
-                group_size=self.group_size, bits=self.bits,
-            )  # fmt: skip
+                x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
+            )
         else:
-            y = rms_norm(x, norm, eps) @ self.weight.T
+            y = x @ self.weight.T
         return y if self.bias is None else y + self.bias
 
-    def swiglu(self, x: mx.array, norm: mx.array | None = None, eps: float = 0.0) -> mx.array:
+    def swiglu(self, x: mx.array) -> mx.array:
         """silu(gate) * up, this linear's rows being a gate projection's over an up projection's."""
         if self.bias is None and self.on_cuda_kernel(x):
             return cuda_qmatmul.quantized_matmul(
-                x, self.weight, self.scales, self.biases, self.group_size, self.bits, norm=norm, eps=eps, swiglu=True
+                x, self.weight, self.scales, self.biases, self.group_size, self.bits, swiglu=True
             )  # fmt: skip
-        return swiglu(*mx.split(self(x, norm, eps), 2, axis=-1))
+        return swiglu(*mx.split(self(x), 2, axis=-1))
 
     def on_cuda_kernel(self, x: mx.array) -> bool:
         """Whether `cuda_qmatmul` takes x's rows of this linear."""
@@ -166,23 +162,16 @@ class Projections:
         self.parts = None if self.fused else linears
         self.splits = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
 
-    def __call__(self, x: mx.array, norm: mx.array | None = None, eps: float = 0.0) -> list[mx.array]:
-        """Each linear of x (RMS-normalised first with `norm`)."""
+    def __call__(self, x: mx.array) -> list[mx.array]:
         if self.fused is not None:
-            return mx.split(self.fused(x, norm, eps), self.splits, axis=-1)
-        x = rms_norm(x, norm, eps)
+            return mx.split(self.fused(x), self.splits, axis=-1)
         return [l(x) for l in self.parts]
 
-    def swiglu(self, x: mx.array, norm: mx.array | None = None, eps: float = 0.0) -> mx.array:
+    def swiglu(self, x: mx.array) -> mx.array:
         """silu(gate) * up of a gate and an up projection (in that order)."""
         if self.fused is not None:
-            return self.fused.swiglu(x, norm, eps)
-        return swiglu(*self(x, norm, eps))
-
-
-def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-    """x RMS-normalised with `weight`, or x itself when there is none."""
-    return x if weight is None else mx.fast.rms_norm(x, weight, eps)
+            return self.fused.swiglu(x)
+        return swiglu(*self(x))
 
 
 class Rope:

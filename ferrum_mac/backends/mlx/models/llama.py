@@ -28,9 +28,8 @@ class Mlp:
         )
         self.down = src.linear(f"{prefix}.down_proj", c.hidden_size, hidden, bias)
 
-    def __call__(self, x: mx.array, norm: mx.array | None = None, eps: float = 0.0) -> mx.array:
-        """x `(..., hidden)` (RMS-normalised first with `norm`) through the SwiGLU MLP."""
-        return self.down(self.gate_up.swiglu(x, norm, eps))
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down(self.gate_up.swiglu(x))
 
 
 class Block:
@@ -51,13 +50,12 @@ class Block:
         self.compiled_pre = mx.compile(self.pre)
         self.compiled_post = mx.compile(self.post)
 
-    # Each norm goes with the projection after it: a few-row CUDA kernel computes both.
     def pre(self, x: mx.array, positions: mx.array):
-        return self.attn.project(x, positions, self.attn_norm, self.eps)
+        return self.attn.project(mx.fast.rms_norm(x, self.attn_norm, self.eps), positions)
 
     def post(self, x: mx.array, attn_out: mx.array) -> mx.array:
         h = x + self.attn.o_proj(attn_out)
-        return h + self.mlp(h, self.mlp_norm, self.eps)
+        return h + self.mlp(mx.fast.rms_norm(h, self.mlp_norm, self.eps))
 
     def __call__(self, x: mx.array, plan: Plan) -> mx.array:
         small = plan.total <= COMPILE_MAX_TOKENS

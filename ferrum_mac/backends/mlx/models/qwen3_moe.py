@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from ferrum_mac import settings
 from ferrum_mac.backends.mlx import cuda_moe
-from ferrum_mac.backends.mlx.layers import Linear, TensorSource, rms_norm
+from ferrum_mac.backends.mlx.layers import Linear, TensorSource
 from ferrum_mac.backends.mlx.memory import on_cuda_gpu
 from ferrum_mac.backends.mlx.models import llama
 from ferrum_mac.errors import CorruptModelError
@@ -198,9 +198,7 @@ class SparseMoe:
         self.router = Router(gate, moe.top_k, moe.norm_topk_prob, moe.num_experts)
         self.experts = Experts(src, f"{p}.switch_mlp", moe, config.hidden_size)
 
-    def __call__(self, x: mx.array, norm: mx.array | None = None, eps: float = 0.0) -> mx.array:
-        """x `(..., hidden)` (RMS-normalised first with `norm`) through the routed experts."""
-        x = rms_norm(x, norm, eps)
+    def __call__(self, x: mx.array) -> mx.array:
         flat = x.reshape(-1, x.shape[-1])
         experts, weights = self.router(flat)
         return self.experts(flat, experts, weights).reshape(x.shape)

@@ -5,6 +5,8 @@ Update them after an intended change of the look: pytest tests/tui/test_snapshot
 
 from __future__ import annotations
 
+import time
+
 from ferrum_mac.tui.widgets.status_bar import StatusBar
 from tui_pilot import SIZE, ready, send, wait_for
 
@@ -25,10 +27,19 @@ def still(pilot) -> None:
     pilot.app.screen.set_focus(None)
 
 
-async def settle(pilot) -> None:
+async def settle(pilot, timeout: float = 10.0) -> None:
+    """Until the screen stops changing: a fixed pause is too short on a loaded machine (a
+    chip or a markdown block still being laid out when the snapshot is taken)."""
     still(pilot)
     await pilot.pause(0.3)
     await pilot.wait_for_scheduled_animations()
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        shot = pilot.app.export_screenshot()
+        if shot == last:
+            return
+        last = shot
+        await pilot.pause(0.2)
 
 
 def test_empty(snap_compare, make_app):

@@ -153,7 +153,8 @@ NUMPY_ATTENTION = settings.value("FERRUM_MLX_NUMPY_ATTENTION")
 NUMPY_MIN_SCORES = 1 << 16
 NUMPY_BLOCK_SCORES = 1 << 24  # scores numpy holds at once (64 MB of float32): queries go in blocks
 # A one-token segment on CUDA: MLX's one-query attention reads up to this many keys right
-# from the pool; from here its two-pass kernel needs keys that start at the buffer's first row.
+# from the pool; from here it hands them to cuDNN as rows 0.. of their buffer (mlx-lm's cache
+# keeps them so), while a sequence's rows start later (block 0 is the pool's scratch block).
 MLX_CUDA_SAFE_KEYS = 256
 # From this many keys the table kernel beats copying them for MLX's kernel (its launch costs
 # more host time a layer; the copy grows with the keys).
@@ -273,6 +274,7 @@ class Attention:
             # MLX CUDA's one-query attention misreads this many keys when they start past the
             # buffer's first row (NaNs, then illegal addresses), as a sequence's keys do: the
             # table kernel reads them in place, or they are copied where that is cheaper.
+            # (MLX 0.32's `unslice_kv` widens the slice to the whole buffer from row 0.)
             if self.by_length and (keys_after >= TABLE_KERNEL_KEYS or isinstance(seg.read_rows, mx.array)):
                 return self._decode_through_table(q, k, v, seg)
             keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)

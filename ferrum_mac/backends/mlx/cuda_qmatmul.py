@@ -10,7 +10,7 @@ packed words (coalesced, eight words a lane loaded before any is used), dequanti
 once and multiply it with every input row.
 
 For a weight that stacks an MLP's gate rows over its up rows, it can write the SwiGLU,
-silu(gate) * up, itself (a warp computes a gate row and its up row): two nodes a step fewer.
+silu(gate) * up, itself (a warp computes a gate row and its up row): two nodes a layer fewer.
 
 MLX-quantized (affine, 4- or 8-bit) weights only; x `(M, K)` with M up to MAX_ROWS.
 """

@@ -203,8 +203,9 @@ def test_one_row_takes_the_few_row_kernel_only_where_it_reads_faster(monkeypatch
 
 
 def test_swiglu_goes_into_the_few_row_kernel(converted, monkeypatch):
-    """Where the few-row kernel runs a stacked gate/up weight, it writes the SwiGLU too. With the kernel standing in as MLX's ops (`cuda_qmatmul.reference`),
-    a model routed through it decodes (one sequence, a batch) exactly as the plain path."""
+    """Where the few-row kernel runs a stacked gate/up weight, it writes the SwiGLU too. With
+    the kernel standing in as MLX's ops (`cuda_qmatmul.reference`), a model routed through it
+    decodes (one sequence, a batch) exactly as the plain path."""
     from ferrum_mac.backends.mlx import cuda_qmatmul
     from ferrum_mac.backends.mlx.layers import Projections
     from ferrum_mac.llm import DecodeItem

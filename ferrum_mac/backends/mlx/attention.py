@@ -152,13 +152,12 @@ USE_CUDA_KERNEL = settings.value("FERRUM_MLX_CUDA_ATTENTION")
 NUMPY_ATTENTION = settings.value("FERRUM_MLX_NUMPY_ATTENTION")
 NUMPY_MIN_SCORES = 1 << 16
 NUMPY_BLOCK_SCORES = 1 << 24  # scores numpy holds at once (64 MB of float32): queries go in blocks
-# A one-token segment on CUDA: MLX's one-query attention reads up to this many keys right
-# from the pool; from here it hands them to cuDNN as rows 0.. of their buffer (mlx-lm's cache
-# keeps them so), while a sequence's rows start later (block 0 is the pool's scratch block).
-MLX_CUDA_SAFE_KEYS = 256
-# From this many keys the table kernel beats copying them for MLX's kernel (its launch costs
-# more host time a layer; the copy grows with the keys).
-TABLE_KERNEL_KEYS = 4096
+# A one-token segment on CUDA whose rows are scattered attends through the table kernel
+# from this many keys (gathering them would copy them all, every layer).
+GATHER_KEYS = 256
+# From this many keys the table kernel beats MLX's one-query kernel reading a lone sequence's
+# keys in place (it costs more host time a layer, and splits long sequences better).
+TABLE_KERNEL_KEYS = 8192
 # A segment of several tokens on CUDA pads its queries to a power of two and its keys to one
 # of four lengths an octave (`quarter_octave_above`), from these: the keys' share of the work
 # grows with them, the queries' padding adds only attention rows.
@@ -269,16 +268,8 @@ class Attention:
 
     def _attend_segment(self, q, k, v, seg: Segment) -> mx.array:
         """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`."""
-        keys_after = seg.offset + 1
-        if seg.length == 1 and self.on_cuda and keys_after >= MLX_CUDA_SAFE_KEYS:
-            # MLX CUDA's one-query attention misreads this many keys when they start past the
-            # buffer's first row (NaNs, then illegal addresses), as a sequence's keys do: the
-            # table kernel reads them in place, or they are copied where that is cheaper.
-            # (MLX 0.32's `unslice_kv` widens the slice to the whole buffer from row 0.)
-            if self.by_length and (keys_after >= TABLE_KERNEL_KEYS or isinstance(seg.read_rows, mx.array)):
-                return self._decode_through_table(q, k, v, seg)
-            keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
-            return mx.fast.scaled_dot_product_attention(q, mx.contiguous(keys), mx.contiguous(values), scale=self.scale)
+        if self._through_table(seg):
+            return self._decode_through_table(q, k, v, seg)
         if seg.length > 1 and self.on_cuda:
             return self._attend_padded(q, k, v, seg)
         keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
@@ -286,6 +277,14 @@ class Attention:
             return numpy_causal_attention(q, keys, values, self.scale)
         mask = "causal" if seg.length > 1 else None
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+
+    def _through_table(self, seg: Segment) -> bool:
+        """Whether a segment attends by the table kernel: one token of a long sequence on CUDA,
+        or of one whose rows are scattered. MLX's own attention reads a shorter one's keys in
+        place, as a slice of the pool (which `kv.SPARE_ROWS` keeps safe)."""
+        keys = seg.offset + 1
+        scattered = isinstance(seg.read_rows, mx.array)
+        return seg.length == 1 and self.by_length and (keys >= TABLE_KERNEL_KEYS or (scattered and keys >= GATHER_KEYS))
 
     def _attend_padded(self, q, k, v, seg: Segment) -> mx.array:
         """Several tokens of a sequence, on CUDA. MLX's attention there builds a cuDNN graph

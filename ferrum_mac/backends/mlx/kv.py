@@ -1,5 +1,5 @@
 """The KV manager: MLX buffers for `BlockPool`'s blocks. Per layer one key buffer and one
-value buffer `(1, kv_heads, blocks * BLOCK_TOKENS, head_dim)`: block `b` is the token rows
+value buffer `(1, kv_heads, blocks * BLOCK_TOKENS + SPARE_ROWS, head_dim)`: block `b` is the token rows
 `b * BLOCK_TOKENS ...` of one long token axis (the leading 1 lets a segment's
 `(1, kv_heads, n, head_dim)` keys go in and come out with no reshape node).
 
@@ -21,6 +21,13 @@ import numpy as np
 from ferrum_mac.backends.block_pool import BLOCK_TOKENS, BlockPool, SequenceBlocks
 
 __all__ = ["BLOCK_TOKENS", "KvManager", "SequenceCache"]
+
+# Rows past the last block's, never written or read. MLX CUDA (0.32) attends one query over a
+# slice of 256 keys or more with cuDNN when the slice's buffer has a multiple of 256 rows,
+# taking it for mlx-lm's cache and reading from the buffer's row 0 (`unslice_kv`), while a
+# sequence's rows start later (block 0 is scratch). With these no buffer is such a multiple,
+# and MLX's vector kernel reads a sequence's keys in place, where they lie.
+SPARE_ROWS = 8
 
 
 class SequenceCache(SequenceBlocks):
@@ -91,7 +98,7 @@ class KvManager(BlockPool):
 
     def _resize(self, blocks: int, keep: list[int]) -> None:
         B = self.block_tokens
-        shape = (1, self.kv_heads, blocks * B, self.head_dim)
+        shape = (1, self.kv_heads, blocks * B + SPARE_ROWS, self.head_dim)
         kept = len(keep) * B
         rows = slice(0, kept) if keep == list(range(len(keep))) else mx.array(self.rows_of(keep))
         for buffers in (self.keys, self.values):

@@ -111,6 +111,33 @@ def test_a_single_sequence_decode_reads_a_slice_of_the_pool(fresh_model):
     mx.eval(model.decode("a", 3, seq.length))
 
 
+def test_a_lone_sequence_on_cuda_reads_its_keys_in_place(fresh_model, monkeypatch):
+    """On CUDA a lone sequence's one-token step hands MLX's attention its keys as a slice of
+    the pool, up to the table kernel's length. MLX 0.32 would read such a slice from its
+    buffer's row 0 were the buffer's token axis a multiple of 256 (`kv.SPARE_ROWS`), so no
+    buffer's is; scattered rows take the table kernel from `GATHER_KEYS` keys."""
+    from ferrum_mac.backends.mlx import attention, cuda_attention
+
+    monkeypatch.setattr(cuda_attention, "decode_attention", kernel_on_the_cpu)
+    kernel_on_the_cpu.calls = 0
+    model = fresh_model
+    for block in model.model.layers:
+        block.attn.on_cuda = block.attn.by_length = True
+    monkeypatch.setattr(attention, "TABLE_KERNEL_KEYS", 300)
+    history = random_tokens(290, seed=62)
+    model.prefill("a", history)
+    for step in range(12):  # 291 .. 302 keys: in place, then through the table from 300
+        token = random_tokens(1, seed=200 + step)[0]
+        got = model.decode("a", token, len(history))
+        history.append(token)
+        if step in (0, 8, 11):
+            assert_close(got, reference_logits(model, history)[-1], REL, f"step {step}")
+        assert (kernel_on_the_cpu.calls > 0) == (len(history) >= 300), len(history)
+    for tokens in (256 - 2 * B, 512, 2048):
+        model.prepare(f"grow{tokens}", tokens)
+        assert model.kv.keys[0].shape[2] % 256 != 0, model.kv.keys[0].shape
+
+
 def test_padded_attention_of_cuda_equals_the_causal_one(zoo, monkeypatch):
     """On CUDA a segment of several tokens attends at padded lengths under a mask (so MLX
     builds few cuDNN graphs): the logits of a fresh prompt, of a chunk after consecutive

@@ -114,7 +114,7 @@ class Linear:
     def on_cuda_kernel(self, x: mx.array) -> bool:
         """Whether `cuda_qmatmul` takes x's rows of this linear."""
         return self.quantized and cuda_qmatmul.runs(
-            x.size // x.shape[-1], self.weight.shape[0], x.shape[-1], self.group_size, self.bits
+            x.size // x.shape[-1], self.weight.shape[0], x.shape[-1], self.group_size, self.bits, x.dtype
         )
 
     def dense(self) -> "Linear":

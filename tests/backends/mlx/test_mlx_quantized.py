@@ -189,12 +189,42 @@ def test_quantized_is_close_to_the_dense_model_only_loosely(converted, zoo):
     assert np.argmax(to_np(mlx_lm_logits(q8, PROMPT))[-1]) == np.argmax(to_np(dense_tied)[-1])
 
 
-def test_one_row_takes_the_few_row_kernel_only_where_it_reads_faster(monkeypatch):
-    """On CUDA one row of a large widening weight (Qwen3-8B's gate_up, a head) takes the
-    few-row kernel; a square, narrowing or small weight keeps MLX's vector kernel."""
+def test_one_row_of_a_4bit_weight_takes_the_one_row_kernel_where_it_fits(monkeypatch):
+    """On CUDA one row of a 4-bit weight in a 2-byte float, its K a multiple of 1,024 up to
+    16,384 and its groups of 32 values or more, takes the one-row kernel whatever the weight's
+    shape; its launch covers every output row. Without it, a large widening weight takes the
+    few-row kernel and the rest MLX's vector kernel."""
     from ferrum_mac.backends.mlx import cuda_qmatmul
 
     monkeypatch.setattr(cuda_qmatmul, "on_cuda_gpu", lambda: True)
+    shapes = [(4096, 4096), (4096, 12288), (5120, 2048), (24576, 4096), (151936, 2048), (300, 1024)]
+    for out_dim, in_dim in shapes:
+        assert cuda_qmatmul.runs(1, out_dim, in_dim, 64, 4, mx.bfloat16)
+        assert cuda_qmatmul.one_row_fits(in_dim, 64, 4, mx.float16)
+    assert not cuda_qmatmul.one_row_fits(4096, 64, 8, mx.bfloat16)  # 8-bit
+    assert not cuda_qmatmul.one_row_fits(4096, 64, 4, mx.float32)
+    assert not cuda_qmatmul.one_row_fits(1536, 64, 4, mx.bfloat16)  # K not whole 512-byte reads
+    assert not cuda_qmatmul.one_row_fits(32768, 64, 4, mx.bfloat16)  # x past 32 KB of shared memory
+    assert not cuda_qmatmul.one_row_fits(4096, 16, 4, mx.bfloat16)  # a group smaller than a lane's read
+
+    launches = []
+
+    def kernel(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        launches.append((dict(template), grid[0] // threadgroup[0], threadgroup[0] // 32))
+        return [mx.zeros(output_shapes[0], output_dtypes[0])]
+
+    monkeypatch.setattr(cuda_qmatmul, "_one_row_kernel", lambda: kernel)
+    for out_dim, in_dim in shapes:
+        w, scales, biases = mx.quantize(mx.zeros((out_dim, in_dim)), group_size=64, bits=4)
+        for swiglu in (False, True):
+            x = mx.zeros((1, 1, in_dim), mx.bfloat16)
+            out = cuda_qmatmul.quantized_matmul(x, w, scales, biases, 64, 4, swiglu=swiglu)
+            template, blocks, warps = launches[-1]
+            assert out.shape == (1, 1, out_dim // 2 if swiglu else out_dim)
+            assert (template["K"], template["N"], template["SWIGLU"]) == (in_dim, out_dim, swiglu)
+            assert 0 <= blocks * warps * template["R"] - out.shape[-1] < warps * template["R"]
+
+    monkeypatch.setattr(cuda_qmatmul, "ONE_ROW", False)
     assert cuda_qmatmul.runs(1, 24576, 4096, 64, 4) and cuda_qmatmul.runs(1, 151936, 2048, 64, 4)
     assert not cuda_qmatmul.runs(1, 4096, 4096, 64, 4)  # o_proj
     assert not cuda_qmatmul.runs(1, 4096, 12288, 64, 4)  # down

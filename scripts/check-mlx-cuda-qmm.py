@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks and times the few-row quantized matmul (`ferrum_mac/backends/mlx/cuda_qmatmul.py`)
+"""Checks and times the one-row and few-row quantized matmuls (`ferrum_mac/backends/mlx/cuda_qmatmul.py`)
 against MLX's `quantized_matmul` on MLX's CUDA build: the projections of Qwen3-30B-A3B and
 Qwen3-8B as mlx-community quantizes them (4-bit, group 64; the MoE router's gate 8-bit), at
 1 to 8 rows, random weights. Exits 1 on a mismatch. On the GPU machine, after
@@ -49,6 +49,13 @@ def check_swiglu() -> bool:
     return ok
 
 
+def launch(rows: int, N: int, K: int, bits: int) -> str:
+    """Which kernel took the call, and its launch shape."""
+    if rows == 1 and cuda_qmatmul.one_row_fits(K, 64, bits, mx.bfloat16):
+        return f"one-row {cuda_qmatmul.one_row_launch(N)}"
+    return f"few-row {cuda_qmatmul.launch_shape(N)}"
+
+
 def main() -> int:
     print("device:", mx.default_device())
     ok = True
@@ -69,9 +76,7 @@ def main() -> int:
             theirs = lambda x, c: mx.quantized_matmul(x, *c, transpose=True, group_size=64, bits=bits)  # noqa: E731
             ok &= close(f"{what} rows={rows}", ours(x, copies[0]), theirs(x, copies[0]), 1e-2)
             us, ref_us = chained_us(ours, x, copies), chained_us(theirs, x, copies)
-            print(
-                f"{what:22s} {rows:4d} {us:8.1f} {ref_us:8.1f} {nbytes / us / 1e3:9.0f}  {cuda_qmatmul.launch_shape(N)}"
-            )
+            print(f"{what:22s} {rows:4d} {us:8.1f} {ref_us:8.1f} {nbytes / us / 1e3:9.0f}  {launch(rows, N, K, bits)}")
         del copies
     ok &= check_swiglu()
     if mx.default_device() == mx.gpu:

@@ -300,7 +300,8 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
                      swiglu: bool = False, warps: int | None = None, rows_per_warp: int | None = None) -> mx.array:  # fmt: skip
     """x `(..., K)` with a few rows in all, times the dequantized `weight` `(N, K)` transposed -> `(..., N)`.
     `swiglu`: the weight is a gate's rows over an up projection's, and the result
-    `silu(gate) * up` `(..., N / 2)`. `warps` and `rows_per_warp` override `launch_shape` (for timing)."""
+    `silu(gate) * up` `(..., N / 2)`. `warps` and `rows_per_warp` override the launch shape
+    (`one_row_launch` or `launch_shape`; for timing)."""
     K, N = x.shape[-1], weight.shape[0]
     M = x.size // K  # the kernels read x as (M, K) whatever its shape: no reshape node
     out_dim = N // 2 if swiglu else N

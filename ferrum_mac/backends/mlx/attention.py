@@ -316,7 +316,7 @@ def numpy_causal_attention(q: mx.array, keys: mx.array, values: mx.array, scale:
     for the CPU: q `(1, heads, n, dim)` over keys and values `(1, kv_heads, T, dim)`, the last
     n keys the queries' own (query i sees keys up to T - n + i). A long chunk's work is mostly
     its scores' softmax, and MLX's CPU `exp` takes some 20 ns a value where numpy's takes about
-    1 (docs/BENCHMARKS.md); the products go to OpenBLAS. In float32, the queries of a KV head's
+    1 (`scripts/probe-cpu-attention.py`); the products go to OpenBLAS. In float32, the queries of a KV head's
     group stacked into one product, a block of queries at a time (`block_scores` scores)."""
     _, heads, n, dim = q.shape
     kv_heads, total = keys.shape[1], keys.shape[2]

@@ -4,7 +4,7 @@ sequence's own length.
 
 MLX's fused `scaled_dot_product_attention` takes no per-sequence lengths, and with an array
 mask its CUDA build leaves the fused kernel for a general path several times slower
-(`scripts/probe-mlx-batch.py`; docs/BENCHMARKS.md, serving session 2); the batch's keys also
+(`scripts/probe-mlx-batch.py`); the batch's keys also
 had to be gathered out of the pool first. Metal's fused kernel takes masks, so this module is
 used on CUDA only.
 

@@ -7,8 +7,8 @@ does them in one kernel: q and k each RMS-normed by head (where the model has th
 and rotated, v copied out, each in the layout `Attention.project` returns.
 
 Only a kernel that replaces several of MLX's ops pays: on an H200 a custom kernel took
-about 18 us of host time a call where MLX's add or RMSNorm took 3-5 (docs/BENCHMARKS.md,
-"Fewer ops in an MLX CUDA decode step"), so fusing an add with a norm, or SwiGLU, in a kernel
+about 18 us of host time a call where MLX's add or RMSNorm took 3-5, so fusing an add with a
+norm, or SwiGLU, in a kernel
 of its own was slower (SwiGLU now rides in the gate/up product's kernel, `cuda_qmatmul`).
 
 It rounds where MLX's ops round (the norm's product in the activations' dtype before its

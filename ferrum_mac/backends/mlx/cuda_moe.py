@@ -3,8 +3,8 @@ the chosen experts' gate/up projections with SwiGLU, and their down projections 
 each token's experts. MLX-quantized (affine, 4- or 8-bit) expert weights only.
 
 A decode step of a MoE model is bound by how many kernels it runs, not by the bytes it reads
-(a token took many times as long as reading its weights: docs/BENCHMARKS.md, MLX CUDA
-session 3). MLX's route is argpartition, take, softmax, then a gathered quantized matmul, a
+(a token took many times as long as reading its weights). MLX's route is argpartition, take,
+softmax, then a gathered quantized matmul, a
 SwiGLU, another gathered matmul and a sum: here it is three kernels, each reading only the
 chosen experts' weights. The matrix-vector products put one warp on each output row, its
 lanes walking the row's packed words (coalesced; a lane loads all of its words before using

@@ -2,8 +2,8 @@
 
 MLX's `quantized_matmul` runs one row as a matrix-vector kernel, but from two rows on it
 switches to a tiled matrix-matrix kernel that, at decode sizes, reads the weight slower than
-the vector kernel reads it for one row, so a batch of 8 spent much of its step there
-(docs/BENCHMARKS.md, MLX CUDA session 4); and for one row of a large widening weight the
+the vector kernel reads it for one row, so a batch of 8 spent much of its step there; and
+for one row of a large widening weight the
 vector kernel is slower than this one. This kernel reads each packed weight word once for
 all rows: a warp takes one or two output rows (`launch_shape`), its lanes walk the rows'
 packed words (coalesced, eight words a lane loaded before any is used), dequantize each word
@@ -32,13 +32,13 @@ from ferrum_mac import settings
 MAX_ROWS = 8  # the input rows of one call are held in registers: up to this many
 # One row the one-row kernel does not fit takes MLX's vector kernel but where the few-row one
 # reads faster: a widening weight of at least this many values, not a small or narrowing one
-# (docs/BENCHMARKS.md, MLX CUDA, 2026-11-24).
+# (docs/BENCHMARKS.md, the MLX CUDA table: qwen3-8b 4-bit, one row of a large widening weight).
 ONE_ROW_MIN_WEIGHTS = 1 << 24
 WARPS = 4  # per block, when the output has rows enough to fill the GPU so
 ROWS_PER_WARP = 2  # output rows a warp computes from one read of its inputs, likewise
 BLOCKS_WANTED = 264  # two per SM of an H100: narrower outputs get smaller blocks
 # From this many input rows on, MLX's tiled kernel wins where the output is wide enough to
-# fill the GPU with its tiles (the lm_head at 8 rows: docs/BENCHMARKS.md, MLX CUDA session 4).
+# fill the GPU with its tiles (the lm_head at 8 rows).
 TILED_ROWS, TILED_MIN_OUT = 8, 16384
 # FERRUM_MLX_CUDA_QMM=0 keeps MLX's quantized_matmul for every row count (A/B timing).
 ENABLED = settings.value("FERRUM_MLX_CUDA_QMM")
@@ -284,7 +284,7 @@ def one_row_fits(in_dim: int, group_size: int, bits: int, dtype: mx.Dtype) -> bo
 
 def one_row_launch(out_dim: int) -> tuple[int, int]:
     """Warps per block and output rows per warp of the one-row kernel: a warp a row, four for a
-    head's wide output (docs/BENCHMARKS.md, the one-row kernel)."""
+    head's wide output."""
     return 8, (4 if out_dim >= 65536 else 1)
 
 

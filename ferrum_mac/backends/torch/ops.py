@@ -32,8 +32,7 @@ TRITON = settings.value("FERRUM_TORCH_TRITON")
 # "matmul_residual" (o_proj and down plus the residual), "norm_qkv_rope" (RMSNorm + qkv + q/k
 # norm + RoPE + KV write: `triton_qkv`, or for one row or a verify's, a `triton_gemv` GEMV and
 # then `triton_ops.norm_rope_write`: `TritonOps.row_qkv`), "norm_matmul" (RMSNorm + qkv projection,
-# where norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS,
-# docs/BENCHMARKS.md, torch session 3).
+# where norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS).
 GEMV = settings.value("FERRUM_TORCH_GEMV")
 GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
 GEMV_MOST_ROWS = 16  # (triton_ops.MIN_DOT_ROWS: x padded to a tl.dot operand)
@@ -168,7 +167,7 @@ class TritonOps(Ops):
     def row_qkv(self, x: torch.Tensor, qkv: Linear) -> bool:
         """Whether the qkv projection of one row (or a verify's rows) takes a `triton_gemv`
         GEMV, then q/k norm, RoPE and KV write in a kernel of their own: two kernels that beat
-        `triton_qkv`'s one there (docs/BENCHMARKS.md, issue 21)."""
+        `triton_qkv`'s one there (docs/BENCHMARKS.md, the torch table: qwen3-8b bf16, H200, one row's qkv)."""
         return not qkv.quantized and self.gemv("norm_qkv_rope", x) and (x.shape[0] == 1 or self.rowwise)
 
     def fused_qkv(self, h: torch.Tensor, attn) -> bool:

@@ -111,7 +111,7 @@ def queue_read(token: torch.Tensor) -> Callable[[], int]:
     """Queues a device scalar's copy to the host now, and returns the function that gives it as
     an int. That waits for the work queued before this call only: `token.item()` later would
     also wait for the decode step queued since, leaving the GPU idle while the host builds the
-    step after it (docs/BENCHMARKS.md, torch session 4)."""
+    step after it."""
     if token.device.type != "cuda":
         return lambda: int(token.item())
     host = torch.empty((), dtype=token.dtype, pin_memory=True)

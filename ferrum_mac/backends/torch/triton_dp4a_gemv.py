@@ -45,14 +45,13 @@ X_LEVELS = 32767.0  # x's largest magnitude as an integer: 16 bits, symmetric
 # float32, and 0 * inf is NaN); what it leaves out is below float32's resolution of any sum.
 X_SMALLEST = 1e-30
 # The FMA tile with half its columns: on the H200 as fast or faster at every Qwen3-8B and 0.6B
-# shape (`scripts/check-torch-quant.py --sweep --rows=1 --dp4a`, docs/BENCHMARKS.md)
+# shape (`scripts/check-torch-quant.py --sweep --rows=1 --dp4a`)
 DP4A_TILE = FmaTile(columns=32)
 # What changes in it by the weight's shape (`dp4a_tile`), from the sweep's best at Qwen3-8B's
 # shapes, which together took its 4-bit step from 2.35 to 2.12 ms on the H200: SwiGLU's two
 # weights read in longer rows a step, a narrowing weight (down) in narrower column blocks, a
 # square one (qkv, o_proj) in wider blocks by more warps. Only 4-bit weights (what was swept) of
-# SHAPE_TILES_MIN_BYTES or more take them: Qwen3-0.6B's, all smaller, ran 2% slower with them
-# (docs/BENCHMARKS.md).
+# SHAPE_TILES_MIN_BYTES or more take them: Qwen3-0.6B's, all smaller, ran 2% slower with them.
 DP4A_SHAPE_TILES = {"swiglu": {"row_bytes": 1024}, "narrowing": {"columns": 16}, "square": {"columns": 64, "warps": 8}}
 SHAPE_TILES_MIN_BYTES = 4 << 20  # of packed words
 

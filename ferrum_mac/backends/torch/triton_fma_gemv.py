@@ -64,7 +64,7 @@ class FmaTile:
     those programs are one wave of FMA_RESIDENT an SM (else the columns' rule alone), as
     a tile of the default's bytes takes the registers of that many."""
 
-    columns: int = 64  # (these two: the sweep's choice on the H100, docs/BENCHMARKS.md)
+    columns: int = 64  # (these two: the sweep's choice on the H100, `scripts/check-torch-quant.py --sweep`)
     row_bytes: int = 512
     warps: int = 4
     prefetch: bool = False  # each step loads the next step's weight before it computes (else Triton's schedule)

@@ -22,7 +22,7 @@ is no kernel's output). A verify's rows (`rows_alike`) go through it too, a prog
 row and weight block, so that each row is summed as its one-row decode step was, to the bit.
 A batch of rows otherwise takes the tl.dot GEMV (its rows may then round differently from the
 same rows alone). Larger weights keep the tl.dot GEMV, which reads them about as fast as the
-row GEMV reads one row, and a verify's rows 2-3 times faster (docs/BENCHMARKS.md, issue 21).
+row GEMV reads one row, and a verify's rows 2-3 times faster.
 
 Matmuls are summed in float32 and rounded once, the norm and SwiGLU rounded where the torch
 path rounds them (see `triton_ops`). Entry functions launch on whatever tensors they are given
@@ -53,7 +53,7 @@ SHARED_MEMORY_SPARE = 8 << 10  # of an SM's shared memory, left to a program's o
 
 # Column blocks at least FULL_GRID a SM keep the memory busy as they are; fewer, and they
 # narrow, then split K over enough programs to give every SM MIN_PROGRAMS_PER_SM: the split
-# sums cost more than they give past that (docs/BENCHMARKS.md, torch session 4 and issue 21).
+# sums cost more than they give past that.
 FULL_GRID = 0.5
 MIN_PROGRAMS_PER_SM = 2
 

@@ -12,7 +12,7 @@ the RMSNorm before them or the SwiGLU after, are `triton_gemv`'s.
   GPU; the last of them to finish merges their partial softmaxes (`triton_splits`).
 - `swiglu`: silu(gate) * up (* per-row weights) from the fused gate_up output.
 - `rms_norm`: F.rms_norm for a step's few rows, where torch's kernel is slow for what it
-  does (docs/BENCHMARKS.md, torch session 4): a program per row, the whole row in registers.
+  does: a program per row, the whole row in registers.
 Results round where the torch path rounds (the q/k norm in float32, rounded before the
 weight; the block norms weighed in float32 and rounded once, as F.rms_norm; each product of
 RoPE and SwiGLU rounded to the activations' dtype), so they match it to the last bit or so. Attention keeps its softmax and sums in float32.

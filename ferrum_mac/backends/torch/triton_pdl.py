@@ -14,8 +14,7 @@ using (its buffers may be the same memory, reused by torch's allocator in stream
 Kernels with no weight, and those streaming at most PDL_MAX_BYTES of one, launch early: it
 speeds up a step of small GEMVs (Qwen3-0.6B's) and slows one of large GEMVs (Qwen3-8B's),
 whose prefetched lines are evicted before use by the kernel still streaming, and whose
-programs, placed while another kernel fills the SMs, may sit unevenly (docs/BENCHMARKS.md,
-torch session 5).
+programs, placed while another kernel fills the SMs, may sit unevenly.
 
 FERRUM_TORCH_PDL=0 turns it off (for A/B timing). PREFETCH_BYTES is the weight each GEMV
 program prefetches before its wait (0: none); PDL_MAX_BYTES the largest weight a kernel
@@ -37,7 +36,7 @@ except ImportError:
     triton = None
 
 PDL = settings.value("FERRUM_TORCH_PDL")
-# 64 KB a program: the least that runs at full speed (docs/BENCHMARKS.md, torch session 5).
+# 64 KB a program: the least that runs at full speed.
 PREFETCH_BYTES = 64 << 10
 PDL_MAX_BYTES = 16 << 20
 LINE_BYTES = 128  # an L2 line: what one prefetch brings

@@ -28,7 +28,7 @@ except ImportError:
 TILE_BYTES = 16384  # of the weight, per program and step of its loop over K (a head's 128 columns x 64)
 STAGES = 4
 # Splits of K: enough to give every SM one program, about the fastest split timed on both
-# Qwen3 shapes (docs/BENCHMARKS.md, torch session 5).
+# Qwen3 shapes.
 PROGRAMS_PER_SM = 1
 
 

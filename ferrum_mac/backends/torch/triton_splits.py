@@ -5,8 +5,8 @@ and finishes the work. So a kernel with too few programs for the GPU's SMs can s
 reduction without a second launch. The GEMVs (`triton_gemv`), the MoE down projection
 (`triton_moe`) and decode attention (`triton_ops`) split so.
 
-SPLIT_K: the most programs a GEMV's column block splits its K over (docs/BENCHMARKS.md, torch
-sessions 4 and 5). 0 (or 1) turns splitting a matmul's sum off: in the GEMVs, and in
+SPLIT_K: the most programs a GEMV's column block splits its K over. 0 (or 1) turns splitting
+a matmul's sum off: in the GEMVs, and in
 `triton_moe.down_sum_plus` (then a token's k pairs are one program's).
 """
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS
 from ferrum_mac.errors import CacheStateError, FerrumError, KvCapacityError
 from ferrum_mac.llm import KV_CAPACITY_ENV, DecodeItem, ForwardItem
 import helpers
@@ -89,7 +89,7 @@ def test_prefill_whole_equals_prefix_then_decodes(model):
 def test_backends_share_one_bookkeeping(model):
     """The slot bookkeeping, chunked prefill, rows of a mixed batch and input checks are
     `PooledLLM`'s alone: a backend that wrote its own would drift from the other."""
-    from ferrum_mac.backends.pooled_llm import PooledLLM
+    from ferrum_mac.backends.state.pooled_llm import PooledLLM
 
     assert isinstance(model, PooledLLM)
     shared = (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
 from helpers import BACKENDS, assert_close, random_tokens, to_np
 
 REL = 1e-5

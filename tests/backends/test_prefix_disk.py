@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from ferrum_mac.backends import prefix_disk
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
-from ferrum_mac.backends.block_pool import BlockPool
-from ferrum_mac.backends.prefix_disk import SUFFIX, PrefixDisk, for_checkpoint, model_key
+from ferrum_mac.backends.state import prefix_disk
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BlockPool
+from ferrum_mac.backends.state.prefix_disk import SUFFIX, PrefixDisk, for_checkpoint, model_key
 from ferrum_mac.llm import MISS_NO_PREFIX, MISS_OTHER_MODEL
 from ferrum_mac.weights import load_checkpoint
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
 from ferrum_mac.llm import MISS_NO_PREFIX, DecodeItem
 from helpers import ASSETS, BACKENDS, assert_close, assert_same_tokens, random_tokens
 from prefix_support import REL, greedy, reference_logits

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS
 from ferrum_mac.engine import Done
 from ferrum_mac.serve import EventQueue, GenerationRequest, Scheduler
 from serve_support import open_stories

@@ -21,8 +21,8 @@ from ferrum_mac.backends.mlx.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, on_cuda_gpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
-from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
-from ferrum_mac.backends.prefix_disk import for_checkpoint
+from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.state.prefix_disk import for_checkpoint
 from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 

@@ -15,9 +15,9 @@ from typing import Sequence
 
 import torch
 
-from ferrum_mac.backends.padding import power_of_two_above, quarter_octave_above
-from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
-from ferrum_mac.backends.prefix_disk import for_checkpoint
+from ferrum_mac.backends.state.padding import power_of_two_above, quarter_octave_above
+from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.state.prefix_disk import for_checkpoint
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
 from ferrum_mac.llm import DecodeItem
 from helpers import assert_close, random_tokens
 from prefix_support import REL, reference_logits

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
 from ferrum_mac.backends.torch.attention import positions_rows
 from ferrum_mac.llm import DecodeItem
 from helpers import assert_close, random_tokens

@@ -24,7 +24,7 @@ import contextlib
 from typing import Any, Sequence
 
 from ferrum_mac import settings
-from ferrum_mac.backends.block_pool import BlockPool
+from ferrum_mac.backends.state.block_pool import BlockPool
 from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import (
     KV_MEMORY_SHARE,

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ferrum_mac.backends.prefix_index import Match, PrefixIndex
+from ferrum_mac.backends.state.prefix_index import Match, PrefixIndex
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import MISS_NO_PREFIX, MISS_OTHER_MODEL, PrefixReuse, PrefixStats
 

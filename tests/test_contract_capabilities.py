@@ -19,12 +19,6 @@ class Plain(DecoderOnlyLLM):
     def decode(self, cache_id, token, pos):
         raise NotImplementedError
 
-    def release(self, cache_id):
-        pass
-
-    def kv_len(self, cache_id):
-        return 0
-
 
 class Batched(Plain):
     def decode_batch(self, items):

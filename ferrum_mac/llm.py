@@ -16,8 +16,8 @@ changes. A device token (one of the backend's `device_array_types`) is not read,
 wait for it: the backend clips it into the vocabulary instead, so an id outside it never
 reads past the embedding (it reads the last or first row).
 
-Sequence state: what a model's sequences hold (their KV blocks, later sliding windows and
-recurrent states) is kept by its state manager, `model.state` (`ferrum_mac.sequence_state`):
+Sequence state: what a model's sequences hold (each layer's keys and values, or whatever
+else its kind of state is) is kept by its state manager, `model.state` (`ferrum_mac.sequence_state`):
 lengths, prefix reuse, remembering, truncation and release, and the memory they take. The
 model keeps the seed's methods; `truncate_kv` and `release` go to the manager.
 

@@ -16,28 +16,21 @@ changes. A device token (one of the backend's `device_array_types`) is not read,
 wait for it: the backend clips it into the vocabulary instead, so an id outside it never
 reads past the embedding (it reads the last or first row).
 
-Memory: `kv_allocated_tokens()` / `kv_used_tokens()` say what the KV buffers hold against
-what the sequences have cached; `kv_tokens_for(lengths)` what they would hold with sequences
-of those lengths at once, which is what a scheduler admits against.
+Sequence state: what a model's sequences hold (each layer's keys and values, or whatever
+else its kind of state is) is kept by its state manager, `model.state` (`ferrum_mac.sequence_state`):
+lengths, prefix reuse, remembering, truncation and release, and the memory they take. The
+model keeps the seed's methods; `truncate_kv` and `release` go to the manager.
 
-Positions: a cache holds `kv_len(cache_id)` tokens; `decode(..., pos)` and
+Positions: a sequence holds `state.length(cache_id)` tokens; `decode(..., pos)` and
 `ForwardItem.pos_offset` must equal that length (the token goes right after what is
 cached). To rewrite history, `truncate_kv` first.
-
-Prefix cache: a backend that keeps KV in shared blocks finds what was computed before. A
-caller tells it which token ids a sequence holds (`kv_remember`, after a prefill and before
-a release), and starts a sequence with `kv_reuse`, which attaches the longest cached prefix
-of its prompt and says how many tokens it holds; only the rest is prefilled. The output is
-the same as without the cache (the attached keys and values are the ones the same tokens
-produce). `kv_prefix_stats` counts hits, misses and their reasons. A backend without a
-cache reuses nothing, and callers need not know which kind they drive.
 """
 
 from __future__ import annotations
 
 import abc
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence, TypeAlias
 
 from ferrum_mac.errors import (  # noqa: F401  (re-exported: the contract's errors)
@@ -49,6 +42,19 @@ from ferrum_mac.errors import (  # noqa: F401  (re-exported: the contract's erro
     ModelNotFoundError,
     UnsupportedError,
     UnsupportedModelError,
+)
+from ferrum_mac.sequence_state import (  # noqa: F401  (re-exported: the contract's state types)
+    MISS_CHANGED,
+    MISS_EVICTED,
+    MISS_NO_PREFIX,
+    MISS_OFF,
+    MISS_OTHER_MODEL,
+    CountingState,
+    LayerKind,
+    PrefixReuse,
+    PrefixStats,
+    StateManager,
+    every_layer_full,
 )
 
 if TYPE_CHECKING:  # the contract imports neither backend at run time
@@ -75,6 +81,7 @@ class LlmRuntimeConfig:
     dtype: str = ""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layer_kinds: tuple[LayerKind, ...] = ()  # what each layer keeps for a sequence (`sequence_state`)
 
     @classmethod
     def of_model(cls, c, dtype: str) -> "LlmRuntimeConfig":
@@ -90,45 +97,22 @@ class LlmRuntimeConfig:
             dtype=dtype,
             bos_token_id=c.bos_token_id,
             eos_token_ids=tuple(c.eos_token_ids),
+            layer_kinds=every_layer_full(c.num_layers),  # (every family's layers attend to every position)
         )
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
-# Why `kv_reuse` found nothing (more) to reuse.
-MISS_NO_PREFIX = "no prefix"  # no cached sequence starts like this prompt
-MISS_EVICTED = "evicted"  # one did, but its blocks were evicted for memory
-MISS_CHANGED = "changed earlier tokens"  # a cached sequence continues the match, but the prompt differs from it early
-MISS_OTHER_MODEL = "different model"  # cached for another model (or dtype) only
-MISS_OFF = "no prefix cache"  # the backend keeps none
-
-
 @dataclass(frozen=True)
-class PrefixReuse:
-    """What `kv_reuse` attached: the cache holds `tokens` of the prompt now, `cached` of them
-    taken from the prefix cache; `miss` says why no more was found (None: all but the last
-    token was found)."""
+class Capabilities:
+    """What a model runs in one forward, so a scheduler plans for it instead of trying:
+    `unified_forward` (decode steps and prefill chunks mixed), `batched_decode` (`decode_batch`)
+    and `batched_verify` (`verify_batch` over several sequences at once, not per item)."""
 
-    tokens: int
-    cached: int = 0
-    miss: str | None = None
-
-
-@dataclass
-class PrefixStats:
-    """The prefix cache's counters since the model was loaded (`kv_prefix_stats`)."""
-
-    lookups: int = 0  # kv_reuse calls
-    hits: int = 0  # lookups that reused at least one cached token
-    reused_tokens: int = 0  # tokens taken from the cache instead of computed
-    missed_tokens: int = 0  # prompt tokens the lookups left to compute
-    misses: dict = field(default_factory=dict)  # reason (MISS_*) -> lookups that stopped there
-    cached_tokens: int = 0  # tokens the cache holds now (blocks found by the index)
-    evicted_blocks: int = 0
-    disk_bytes_written: int = 0
-    disk_bytes_read: int = 0
-    disk_tokens_loaded: int = 0
+    unified_forward: bool
+    batched_decode: bool
+    batched_verify: bool
 
 
 @dataclass(frozen=True)
@@ -213,7 +197,9 @@ def kv_capacity_within(
 
 
 class DecoderOnlyLLM(abc.ABC):
-    """A decoder-only language model that owns the KV caches of its sequences."""
+    """A decoder-only language model; what its sequences hold is kept by its state manager (`state`)."""
+
+    device_array_types: tuple[type, ...] = ()  # the backend's device arrays, taken as lazy tokens
 
     # -- required -------------------------------------------------------------------
 
@@ -230,15 +216,24 @@ class DecoderOnlyLLM(abc.ABC):
     def decode(self, cache_id: str, token: Token, pos: int) -> Logits:
         """Append one token at position `pos`; return `[vocab]` logits for the next step."""
 
-    @abc.abstractmethod
+    # -- provided ------------------------------------------------------------------
+
+    @property
+    def state(self) -> StateManager:
+        """The manager of what this model's sequences hold (`ferrum_mac.sequence_state`). A
+        backend sets `_state`; without one, a `CountingState` that the model advances."""
+        state = vars(self).get("_state")
+        if state is None:
+            state = self._state = CountingState(self.config.layer_kinds)
+        return state
+
     def release(self, cache_id: str) -> None:
         """Free the cache of a finished sequence. Idempotent; unknown ids are ignored."""
+        self.state.release(cache_id)
 
-    @abc.abstractmethod
-    def kv_len(self, cache_id: str) -> int:
-        """Tokens held in the cache of `cache_id` (0 when it has none)."""
-
-    # -- provided ------------------------------------------------------------------
+    def truncate_kv(self, cache_id: str, new_len: int) -> None:
+        """Drop every cached position from `new_len` on."""
+        self.state.truncate(cache_id, new_len)
 
     def prepare(self, cache_id: str, max_tokens: int) -> None:
         """Allocate `cache_id`'s cache for `max_tokens` and warm the kernels up. Changes no logits."""
@@ -246,45 +241,6 @@ class DecoderOnlyLLM(abc.ABC):
     def kv_capacity(self) -> int:
         """Most tokens any one cache may hold; callers check it before they extend a sequence."""
         return self.config.max_seq_len
-
-    def kv_free_tokens(self) -> int | None:
-        """How many more KV tokens, over all sequences together, free memory holds; None when unknown."""
-        return None
-
-    def kv_allocated_tokens(self) -> int | None:
-        """Token positions the KV buffers hold now, used or not; None when unknown."""
-        return None
-
-    def kv_used_tokens(self) -> int | None:
-        """Tokens the live caches hold now (every `kv_len` together); None when unknown."""
-        return None
-
-    def kv_tokens_for(self, lengths: Sequence[int]) -> int:
-        """Token positions the KV buffers would hold with sequences of `lengths` live at once:
-        what admitting them costs. The default is their sum (a cache per sequence, sized to
-        it); a pool whose buffers are shared (every slot as long as the longest) says more."""
-        return sum(lengths)
-
-    def kv_reuse(self, cache_id: str, tokens: Sequence[int]) -> PrefixReuse:
-        """Start `cache_id` on the prompt `tokens` without computing what is cached: it takes
-        the longest cached prefix of `tokens` that is longer than what it holds, always leaving
-        the last token to compute (its logits are the next step's). The caller then prefills
-        `tokens[result.tokens:]`.
-
-        `cache_id` must hold nothing or a prefix of `tokens` (truncate it to the common part
-        first). Changes no logits: the same tokens give the same keys and values."""
-        held = self.kv_len(cache_id)
-        return PrefixReuse(held, 0, None if held >= len(tokens) - 1 else MISS_OFF)
-
-    def kv_remember(self, cache_id: str, tokens: Sequence[int]) -> None:
-        """Say that `cache_id`'s first `len(tokens)` positions hold `tokens` (at most
-        `kv_len`), so a later `kv_reuse` of any sequence may share them; they stay cached
-        after a release until memory is needed. Call it after a prompt is prefilled (two
-        requests in flight share it) and before a release (an answer is kept too)."""
-
-    def kv_prefix_stats(self) -> PrefixStats | None:
-        """The prefix cache's counters, or None when the backend keeps no prefix cache."""
-        return None
 
     def decode_batch(self, items: Sequence[DecodeItem]) -> Logits:
         """One decode step for each item; returns `[len(items), vocab]` logits in item order.
@@ -309,12 +265,19 @@ class DecoderOnlyLLM(abc.ABC):
         An empty `items` raises `FerrumError`."""
         raise UnsupportedError(f"{type(self).__name__} has no unified forward; use prefill() and decode_batch()")
 
-    def truncate_kv(self, cache_id: str, new_len: int) -> None:
-        """Drop every cached position from `new_len` on."""
-        raise UnsupportedError(f"{type(self).__name__} cannot truncate its KV cache")
-
     def reset(self) -> None:
         """Drop all cached state."""
+        self.state.reset()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this model runs batched: by default, the batched methods its class overrides."""
+        cls = type(self)
+        return Capabilities(
+            unified_forward=cls.unified_forward is not DecoderOnlyLLM.unified_forward,
+            batched_decode=cls.decode_batch is not DecoderOnlyLLM.decode_batch,
+            batched_verify=cls.verify_batch is not DecoderOnlyLLM.verify_batch,
+        )
 
     def sampler(self, params: Any, context: Sequence[int] = ()) -> Any:
         """A sampler for one answer (see `ferrum_mac.engine.sampling.Sampler`): `sample(logits)`
@@ -323,69 +286,72 @@ class DecoderOnlyLLM(abc.ABC):
         already in the sequence, which the penalties look back over."""
         raise UnsupportedError(f"{type(self).__name__} has no sampler; use a backend that provides one (mlx)")
 
-    # -- helpers for implementations --------------------------------------------------
 
-    device_array_types: tuple[type, ...] = ()  # the backend's device arrays, taken as lazy tokens
+# -- checks for implementations: every call is checked before any state changes ------------
 
-    def check_call(self, segments: Sequence[tuple[str, Any, int]]) -> None:
-        """Validate the (cache_id, tokens, offset) parts of one call before any state changes:
-        each one's host token ids (`check_token_ids`), then the segments (`check_segments`)."""
-        for cache_id, tokens, _ in segments:
-            self.check_token_ids(cache_id, tokens)
-        self.check_segments([(cache_id, token_count(tokens), offset) for cache_id, tokens, offset in segments])
 
-    def check_segments(self, segments: Sequence[tuple[str, int, int]]) -> None:
-        """Validate the (cache_id, n_tokens, offset) parts of one call before any state changes:
-        at least one, tokens given, each sequence once, positions that continue its cache, room in it."""
-        if not segments:
-            raise FerrumError("the call names no sequence; pass at least one item")
-        seen = set()
-        for cache_id, n, offset in segments:
-            if n < 1:
-                raise FerrumError(f"no tokens given for sequence {cache_id!r}; pass at least one token")
-            if not is_token_id(offset):
-                raise FerrumError(
-                    f"the position {offset!r} of sequence {cache_id!r} is not a whole number; pass kv_len()"
-                )
-            if cache_id in seen:
-                raise CacheStateError(f"sequence {cache_id!r} appears twice in one batch; give each sequence one item")
-            seen.add(cache_id)
-            held = self.kv_len(cache_id)
-            if offset != held:
-                raise CacheStateError(
-                    f"sequence {cache_id!r} holds {held} tokens but the call places its token(s) at position {offset}; "
-                    "positions must continue the cache (truncate_kv first to rewrite it)"
-                )
-            self.check_capacity(cache_id, offset + n)
+def check_call(model: DecoderOnlyLLM, segments: Sequence[tuple[str, Any, int]]) -> None:
+    """Validate the (cache_id, tokens, offset) parts of one call to `model` before any state
+    changes: each one's host token ids (`check_token_ids`), then the segments (`check_segments`)."""
+    vocab, device_types = model.config.vocab_size, model.device_array_types
+    for cache_id, tokens, _ in segments:
+        check_token_ids(cache_id, tokens, vocab, device_types)
+    check_segments(model, [(cache_id, token_count(tokens), offset) for cache_id, tokens, offset in segments])
 
-    def check_token_ids(self, cache_id: str, tokens) -> None:
-        """Refuse host ids that are not whole numbers or lie outside the vocabulary (an
-        embedding lookup past its end may crash). A device array (`device_array_types`, a
-        sampled token) is not read, which would wait for it: the backend clips it instead."""
-        if isinstance(tokens, self.device_array_types):
-            return
-        ids = [tokens] if is_token_id(tokens) else host_tokens(cache_id, tokens)
-        if not set(map(type, ids)) <= {int} and not all(map(is_token_id, ids)):  # (plain ints: the fast test)
-            wrong = next(t for t in ids if not is_token_id(t))
+
+def check_segments(model: DecoderOnlyLLM, segments: Sequence[tuple[str, int, int]]) -> None:
+    """Validate the (cache_id, n_tokens, offset) parts of one call before any state changes:
+    at least one, tokens given, each sequence once, positions that continue its cache, room in it."""
+    if not segments:
+        raise FerrumError("the call names no sequence; pass at least one item")
+    state, capacity = model.state, model.kv_capacity()
+    seen = set()
+    for cache_id, n, offset in segments:
+        if n < 1:
+            raise FerrumError(f"no tokens given for sequence {cache_id!r}; pass at least one token")
+        if not is_token_id(offset):
             raise FerrumError(
-                f"token {wrong!r:.40} of sequence {cache_id!r} is not a token id (a whole number); "
-                "encode the text with this model's tokenizer"
+                f"the position {offset!r} of sequence {cache_id!r} is not a whole number; pass state.length()"
             )
-        vocab = self.config.vocab_size
-        if ids and not (0 <= min(ids) and max(ids) < vocab):
-            bad = next(int(t) for t in ids if not 0 <= t < vocab)
-            raise FerrumError(
-                f"token id {bad} of sequence {cache_id!r} is outside the vocabulary (0 to {vocab - 1}); "
-                "encode the text with this model's tokenizer"
+        if cache_id in seen:
+            raise CacheStateError(f"sequence {cache_id!r} appears twice in one batch; give each sequence one item")
+        seen.add(cache_id)
+        held = state.length(cache_id)
+        if offset != held:
+            raise CacheStateError(
+                f"sequence {cache_id!r} holds {held} tokens but the call places its token(s) at position {offset}; "
+                "positions must continue the cache (truncate_kv first to rewrite it)"
             )
+        check_capacity(cache_id, offset + n, capacity)
 
-    def check_capacity(self, cache_id: str, new_len: int) -> None:
-        """Raise `KvCapacityError` if `cache_id` would hold more than `kv_capacity()` tokens."""
-        capacity = self.kv_capacity()
-        if new_len > capacity:
-            raise KvCapacityError(
-                f"sequence {cache_id!r} would hold {new_len} tokens but the KV capacity is {capacity}; "
-                f"shorten the prompt, truncate the conversation or raise {KV_CAPACITY_ENV}",
-                needed=new_len,
-                capacity=capacity,
-            )
+
+def check_token_ids(cache_id: str, tokens, vocab: int, device_types: tuple[type, ...] = ()) -> None:
+    """Refuse host ids that are not whole numbers or lie outside the vocabulary of `vocab` ids
+    (an embedding lookup past its end may crash). A device array (one of `device_types`, a
+    sampled token) is not read, which would wait for it: the backend clips it instead."""
+    if isinstance(tokens, device_types):
+        return
+    ids = [tokens] if is_token_id(tokens) else host_tokens(cache_id, tokens)
+    if not set(map(type, ids)) <= {int} and not all(map(is_token_id, ids)):  # (plain ints: the fast test)
+        wrong = next(t for t in ids if not is_token_id(t))
+        raise FerrumError(
+            f"token {wrong!r:.40} of sequence {cache_id!r} is not a token id (a whole number); "
+            "encode the text with this model's tokenizer"
+        )
+    if ids and not (0 <= min(ids) and max(ids) < vocab):
+        bad = next(int(t) for t in ids if not 0 <= t < vocab)
+        raise FerrumError(
+            f"token id {bad} of sequence {cache_id!r} is outside the vocabulary (0 to {vocab - 1}); "
+            "encode the text with this model's tokenizer"
+        )
+
+
+def check_capacity(cache_id: str, new_len: int, capacity: int) -> None:
+    """Raise `KvCapacityError` if `cache_id` would hold more than `capacity` tokens."""
+    if new_len > capacity:
+        raise KvCapacityError(
+            f"sequence {cache_id!r} would hold {new_len} tokens but the KV capacity is {capacity}; "
+            f"shorten the prompt, truncate the conversation or raise {KV_CAPACITY_ENV}",
+            needed=new_len,
+            capacity=capacity,
+        )

@@ -132,7 +132,7 @@ SETTINGS: tuple[Setting, ...] = (
         "FERRUM_PREFIX_CACHE_MB",
         "int",
         4096,
-        "backends/pooled_llm.py: the prefix cache in memory",
+        "backends/state/pooled_llm.py: the prefix cache in memory",
         "Memory (MiB) the prefix cache may keep for prompts no request is using (at most a quarter "
         "of what is free after loading); 0 turns the prefix cache off.",
         minimum=0,
@@ -141,7 +141,7 @@ SETTINGS: tuple[Setting, ...] = (
         "FERRUM_PREFIX_DISK_MB",
         "int",
         4096,
-        "backends/prefix_disk.py: the prefix cache on disk",
+        "backends/state/prefix_disk.py: the prefix cache on disk",
         "Disk space (MiB) for prompt prefixes kept across restarts, under the cache folder's "
         "prefix-cache/ (CPUs and Macs: a CUDA GPU computes them again faster); 0 keeps nothing on disk.",
         minimum=0,
@@ -349,7 +349,7 @@ def dense_weights_dir() -> Path:
 
 
 def prefix_cache_dir() -> Path:
-    """Prompt prefixes' KV blocks kept across restarts (`backends/prefix_disk.py`)."""
+    """Prompt prefixes' KV blocks kept across restarts (`backends/state/prefix_disk.py`)."""
     return cache_dir() / "prefix-cache"
 
 

@@ -14,7 +14,7 @@ import time
 
 import mlx.core as mx
 
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS
 from ferrum_mac.backends.mlx.cuda_attention import decode_attention
 
 LAYOUTS = {"qwen3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "smollm2": (9, 3, 64)}

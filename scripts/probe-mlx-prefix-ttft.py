@@ -4,7 +4,7 @@
 
 Random weights of the shape; a prompt of `prefix` tokens is prefilled and remembered, then
 prompts sharing it plus each `new` count of tokens in turn are timed (a count not seen before
-shows what a new attention shape costs on CUDA): the lookup (`kv_reuse`), the prefill of the new
+shows what a new attention shape costs on CUDA): the lookup (`state.reuse`), the prefill of the new
 tokens and the first token read; whether the sequence's blocks are consecutive (a slice) or
 not (a gather per layer). Then the attention of such a chunk alone over `prefix` keys.
 """
@@ -37,7 +37,7 @@ def main() -> None:
     t = time.perf_counter()
     mx.eval(model.prefill("a", prefix))
     print(f"cold prefill {args.prefix}: {time.perf_counter() - t:.3f} s")
-    model.kv_remember("a", prefix)
+    model.state.remember("a", prefix)
     model.release("a")
 
     counts = [int(n) for n in args.new.split(",")]
@@ -47,7 +47,7 @@ def main() -> None:
         cid = f"b{run}"
         mx.synchronize()
         t0 = time.perf_counter()
-        reuse = model.kv_reuse(cid, prefix + new)
+        reuse = model.state.reuse(cid, prefix + new)
         t1 = time.perf_counter()
         logits = model.prefill(cid, (prefix + new)[reuse.cached :])
         t2 = time.perf_counter()

@@ -3,7 +3,7 @@
     python scripts/probe-prefix-ttft.py [--shape qwen3-8b] [--prefix 16000] [--new 200]
 
 Random weights of the shape; a prompt of `prefix` tokens is prefilled and remembered, then a
-prompt sharing it plus `new` tokens is timed: the lookup (`kv_reuse`), the prefill of the new
+prompt sharing it plus `new` tokens is timed: the lookup (`state.reuse`), the prefill of the new
 tokens and the first token read. Then the attention of such a chunk alone, under the boolean
 mask against PyTorch's lower-right causal bias (which its fused kernels take).
 """
@@ -42,14 +42,14 @@ def main() -> None:
     shared = [rng.randrange(vocab) for _ in range(args.prefix)]
     with torch.inference_mode():
         cold = timed(lambda: llm.prefill("cold", shared + [1]).argmax().item(), device)
-        llm.kv_remember("cold", shared)
+        llm.state.remember("cold", shared)
         llm.release("cold")
         print(f"cold prefill of {args.prefix + 1}: {cold * 1000:.1f} ms")
         for run in range(4):
             prompt = shared + [rng.randrange(vocab) for _ in range(args.new)]
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            found = llm.kv_reuse(f"warm{run}", prompt)
+            found = llm.state.reuse(f"warm{run}", prompt)
             t1 = time.perf_counter()
             logits = llm.prefill(f"warm{run}", prompt[found.tokens :])
             t2 = time.perf_counter()

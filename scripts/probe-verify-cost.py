@@ -34,7 +34,7 @@ def main() -> None:
         ids = [f"s{j}" for j in range(STREAMS)]
         for cid in ids:
             model.prefill(cid, PROMPT)
-        held = model.kv_len(ids[0])
+        held = model.state.length(ids[0])
 
         def seconds(step, cut=ids[:1]) -> float:
             torch.cuda.synchronize()

@@ -13,7 +13,7 @@ REL = 1e-5
 def greedy(model, cache_id: str, prompt: list[int], n: int, reuse: bool) -> tuple[list[int], int]:
     """`n` greedy tokens after `prompt`, starting from the prefix cache when `reuse`; the
     sequence is remembered and released after. Returns (tokens, tokens reused)."""
-    found = model.kv_reuse(cache_id, prompt).tokens if reuse else 0
+    found = model.state.reuse(cache_id, prompt).tokens if reuse else 0
     logits = model.prefill(cache_id, prompt[found:])
     out, pos = [], len(prompt)
     for step in range(n):
@@ -22,7 +22,7 @@ def greedy(model, cache_id: str, prompt: list[int], n: int, reuse: bool) -> tupl
             logits = model.decode(cache_id, out[-1], pos)
             pos += 1
     if reuse:
-        model.kv_remember(cache_id, prompt + out)
+        model.state.remember(cache_id, prompt + out)
     model.release(cache_id)
     return out, found
 

@@ -288,7 +288,7 @@ def test_token_ids_outside_the_vocabulary(zoo, bad):
         with pytest.raises(FerrumError) as err:
             call()
         assert str(bad) in str(err.value) and "\n" not in str(err.value)
-        assert model.kv_len(cid) == 0
+        assert model.state.length(cid) == 0
     model.prefill(cid, [5, 6])
     with pytest.raises(CacheStateError):
         model.decode(cid, 5, 7)

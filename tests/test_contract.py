@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS
 from ferrum_mac.errors import CacheStateError, FerrumError, KvCapacityError
 from ferrum_mac.llm import KV_CAPACITY_ENV, DecodeItem, ForwardItem
 import helpers
@@ -70,13 +70,13 @@ def test_prefill_whole_equals_prefix_then_decodes(model):
     ref = reference(model, tokens)
     whole = fresh_id()
     assert_close(model.prefill(whole, tokens), ref[-1])
-    assert model.kv_len(whole) == 12
+    assert model.state.length(whole) == 12
 
     split = fresh_id()
     assert_close(model.prefill(split, tokens[:5]), ref[4])
     for pos in range(5, 12):
         assert_close(model.decode(split, tokens[pos], pos), ref[pos], REL, f"decode at {pos}")
-    assert model.kv_len(split) == 12
+    assert model.state.length(split) == 12
 
     chunks = fresh_id()  # prefill continues a cache that already holds tokens
     model.prefill(chunks, tokens[:3])
@@ -89,7 +89,7 @@ def test_prefill_whole_equals_prefix_then_decodes(model):
 def test_backends_share_one_bookkeeping(model):
     """The slot bookkeeping, chunked prefill, rows of a mixed batch and input checks are
     `PooledLLM`'s alone: a backend that wrote its own would drift from the other."""
-    from ferrum_mac.backends.pooled_llm import PooledLLM
+    from ferrum_mac.backends.state.pooled_llm import PooledLLM
 
     assert isinstance(model, PooledLLM)
     shared = (
@@ -112,7 +112,7 @@ def test_long_prefill_in_chunks_equals_one_forward(model, monkeypatch):
         monkeypatch.setattr(model, "prefill_chunk", chunk)
         cid = fresh_id()
         assert_close(model.prefill(cid, tokens), ref[-1], REL, f"chunk {chunk}")
-        assert model.kv_len(cid) == 23
+        assert model.state.length(cid) == 23
         assert_close(model.decode(cid, 7, 23), reference(model, tokens + [7])[-1], REL, f"decode after chunk {chunk}")
         model.release(cid)
 
@@ -132,7 +132,7 @@ def test_cache_growth_keeps_history(model):
     grown = fresh_id()
     model.prefill(grown, tokens[:40])
     model.prepare(grown, 3 * n)  # grows the buffers under the live cache
-    assert model.kv_len(grown) == 40
+    assert model.state.length(grown) == 40
     assert_close(model.decode(grown, tokens[40], 40), ref[40])
     model.release(grown)
 
@@ -155,7 +155,7 @@ def test_decode_batch_equals_sequential_decodes(model):
             want = model.decode(single[i], nexts[i][step], lengths[i] + step)
             assert_close(out[row], want, REL, f"step {step}, sequence {i}")
     for b, n in zip(batched, lengths):
-        assert model.kv_len(b) == n + 3
+        assert model.state.length(b) == n + 3
         model.release(b)
     for s in single:
         model.release(s)
@@ -180,7 +180,7 @@ def test_forward_verify_equals_decode_loop(model):
     last = model.prefill(loop, prompt)
     rows = model.forward_verify(verify, draft)
     assert rows.shape == (5, model.config.vocab_size)
-    assert model.kv_len(verify) == 12
+    assert model.state.length(verify) == 12
     for i, tok in enumerate(draft):
         assert_close(rows[i], model.decode(loop, tok, 7 + i), REL, f"draft position {i}")
     # and the cache it leaves decodes on like the loop's
@@ -204,7 +204,7 @@ def test_verify_batch_equals_each_alone(model):
     for cid, prompt, guess, got in zip(alone, prompts, guesses, rows):
         assert got.shape == (len(guess), model.config.vocab_size)
         assert_close(got, reference(model, prompt + guess)[len(prompt) :])
-        assert model.kv_len(batched[alone.index(cid)]) == len(prompt) + len(guess)
+        assert model.state.length(batched[alone.index(cid)]) == len(prompt) + len(guess)
     for b, a, p, g in zip(batched, alone, prompts, guesses):
         model.forward_verify(a, g)
         assert_close(model.decode(b, 5, len(p) + len(g)), model.decode(a, 5, len(p) + len(g)))
@@ -219,19 +219,19 @@ def test_truncate_then_redecode_reproduces_logits(model):
     first = to_np(model.decode(cid, 11, 10))
     second = to_np(model.decode(cid, 12, 11))
     model.truncate_kv(cid, 10)
-    assert model.kv_len(cid) == 10
+    assert model.state.length(cid) == 10
     assert_close(model.decode(cid, 11, 10), first)
     assert_close(model.decode(cid, 12, 11), second)
     # a different continuation after truncating into the prompt (speculative rejection)
     model.truncate_kv(cid, 4)
-    assert model.kv_len(cid) == 4
+    assert model.state.length(cid) == 4
     assert_close(model.decode(cid, 13, 4), reference(model, prompt[:4] + [13])[-1])
     model.truncate_kv(cid, 100)  # never grows
-    assert model.kv_len(cid) == 5
+    assert model.state.length(cid) == 5
     with pytest.raises(CacheStateError):
         model.truncate_kv(cid, -1)
     model.truncate_kv(cid, 0)
-    assert model.kv_len(cid) == 0
+    assert model.state.length(cid) == 0
     assert_close(model.prefill(cid, prompt), reference(model, prompt)[-1])
     model.release(cid)
 
@@ -246,7 +246,7 @@ def test_kv_capacity_overflow_changes_nothing(zoo, family, backend):
 
     with pytest.raises(KvCapacityError) as err:
         model.prefill("a", prompt)  # 17 > 16
-    assert (err.value.needed, err.value.capacity) == (17, 16) and model.kv_len("a") == 0
+    assert (err.value.needed, err.value.capacity) == (17, 16) and model.state.length("a") == 0
 
     model.prefill("a", prompt[:10])
     for call in (
@@ -256,17 +256,17 @@ def test_kv_capacity_overflow_changes_nothing(zoo, family, backend):
     ):
         with pytest.raises(KvCapacityError):
             call()
-        assert model.kv_len("a") == 10
+        assert model.state.length("a") == 10
     assert_close(model.decode("a", prompt[10], 10), ref[10])
     model.prefill("a", prompt[11:16])
-    assert model.kv_len("a") == 16
+    assert model.state.length("a") == 16
 
     model.prefill("b", prompt[:3])
     with pytest.raises(KvCapacityError):  # one item over capacity fails the whole batch
         model.decode_batch([DecodeItem("b", prompt[3], 3), DecodeItem("a", 5, 16)])
     with pytest.raises(KvCapacityError):
         model.decode("a", 5, 16)
-    assert (model.kv_len("a"), model.kv_len("b")) == (16, 3)
+    assert (model.state.length("a"), model.state.length("b")) == (16, 3)
     assert_close(model.decode("b", prompt[3], 3), ref[3])
     model.truncate_kv("a", 15)
     assert_close(model.decode("a", prompt[15], 15), ref[15])
@@ -300,11 +300,11 @@ def test_release_then_reuse_starts_clean(model):
     cid = fresh_id()
     model.prefill(cid, long)
     model.release(cid)
-    assert model.kv_len(cid) == 0
+    assert model.state.length(cid) == 0
     model.release(cid)  # idempotent
     model.release("never-seen")
     assert_close(model.prefill(cid, short), reference(model, short)[-1])
-    assert model.kv_len(cid) == 6
+    assert model.state.length(cid) == 6
     # a released cache goes to the pool; whoever takes it next sees none of its keys
     model.release(cid)
     other = fresh_id()
@@ -318,7 +318,7 @@ def test_reset_drops_every_cache(zoo, family, backend):
     model.prefill("a", [5, 6, 7])
     model.prefill("b", [8])
     model.reset()
-    assert model.kv_len("a") == model.kv_len("b") == 0
+    assert model.state.length("a") == model.state.length("b") == 0
     assert_close(model.prefill("a", [9, 10]), reference(model, [9, 10])[-1])
 
 
@@ -340,7 +340,7 @@ def test_unified_forward_equals_split_path(model):
         ]
     )
     assert out[1] is None and all(o is not None for o in (out[0], out[2], out[3]))
-    assert [model.kv_len(u[k]) for k in "abcd"] == [6, 9, 4, 4]
+    assert [model.state.length(u[k]) for k in "abcd"] == [6, 9, 4, 4]
     assert_close(out[0], model.decode(s["a"], 21, 5))
     assert_close(out[2], model.decode(s["b"], 22, 8))
     assert_close(out[3], model.prefill(s["d"], d_prompt))
@@ -357,7 +357,7 @@ def test_unified_forward_equals_split_path(model):
     assert_close(out[0], model.prefill(s["c"], c_prompt))
     assert_close(out[1], model.decode(s["a"], 24, 6))
     assert model.unified_forward([ForwardItem(u["b"], [25, 26], 9, is_final=False)]) == [None]
-    assert model.kv_len(u["b"]) == 11
+    assert model.state.length(u["b"]) == 11
     e_prompt = random_tokens(6, seed=15)
     u["e"], s["e"] = fresh_id("ue"), fresh_id("se")
     out = model.unified_forward(  # decode rows first, as the scheduler orders them
@@ -376,11 +376,11 @@ def test_prepare_changes_no_logits(model):
     ref = reference(model, prompt + [4])
     cid = fresh_id()
     model.prepare(cid, 64)
-    assert model.kv_len(cid) == 0
+    assert model.state.length(cid) == 0
     assert_close(model.prefill(cid, prompt), ref[8])
     assert_close(model.decode(cid, 4, 9), ref[9])
     model.prepare(cid, 600)  # on a live sequence: grows, keeps its tokens
-    assert model.kv_len(cid) == 10
+    assert model.state.length(cid) == 10
     assert_close(model.decode(cid, 4, 10), reference(model, prompt + [4, 4])[-1])
     model.release(cid)
 
@@ -393,7 +393,7 @@ def test_decode_with_wrong_pos_raises_and_changes_nothing(model):
         with pytest.raises(CacheStateError) as err:
             model.decode(cid, 8, pos)
         assert "\n" not in str(err.value)
-        assert model.kv_len(cid) == 5
+        assert model.state.length(cid) == 5
     other = fresh_id()
     model.prefill(other, prompt[:2])
     with pytest.raises(CacheStateError):  # one bad item fails the batch before any change
@@ -404,7 +404,7 @@ def test_decode_with_wrong_pos_raises_and_changes_nothing(model):
         model.unified_forward([ForwardItem(other, [1], 2), ForwardItem(cid, [8], 9)])
     with pytest.raises(CacheStateError):
         model.decode(fresh_id(), 8, 3)  # an unknown sequence starts at 0
-    assert (model.kv_len(cid), model.kv_len(other)) == (5, 2)
+    assert (model.state.length(cid), model.state.length(other)) == (5, 2)
     assert_close(model.decode(cid, 8, 5), reference(model, prompt + [8])[-1])
     assert_close(model.decode(other, 1, 2), reference(model, prompt[:2] + [1])[-1])
     with pytest.raises(FerrumError):

@@ -43,7 +43,7 @@ def test_prompts_of_anything_but_ids_are_refused(model, tokens):
         lambda: model.unified_forward([ForwardItem(cid, tokens, 0)]),
     ):
         refused(call)
-        assert model.kv_len(cid) == 0
+        assert model.state.length(cid) == 0
     model.release(cid)
 
 
@@ -53,7 +53,7 @@ def test_decode_of_anything_but_a_token_is_refused(model, token):
     model.prefill(cid, [4, 5])
     refused(lambda: model.decode(cid, token, 2))
     refused(lambda: model.decode_batch([DecodeItem(cid, token, 2)]))
-    assert model.kv_len(cid) == 2
+    assert model.state.length(cid) == 2
     model.release(cid)
 
 
@@ -96,7 +96,7 @@ assert abs(got - want).max() <= 1e-5 * abs(want).max(), "not clipped to the last
 model.prefill("b", [4, 5])
 rows = to_np(model.decode_batch([DecodeItem("a", device_array(logits, vocab), 3), DecodeItem("b", device_array(logits, -1), 2)]))
 assert rows.shape == (2, vocab) and abs(rows).max() < 1e30
-print("ok", model.kv_len("a"), model.kv_len("b"))
+print("ok", model.state.length("a"), model.state.length("b"))
 """
 
 

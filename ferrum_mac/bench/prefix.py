@@ -156,14 +156,14 @@ class Server:
         """`emit`, noting the KV allocated at each event (on the scheduler's thread, between steps)."""
 
         def watched(event) -> None:
-            self.peak_allocated = max(self.peak_allocated, self.model.kv_allocated_tokens() or 0)
+            self.peak_allocated = max(self.peak_allocated, self.model.state.allocated_tokens() or 0)
             emit(event)
 
         return watched
 
     # (read between requests, while the scheduler's thread has nothing to do)
     def prefix_stats(self) -> dict:
-        stats = self.model.kv_prefix_stats()
+        stats = self.model.state.prefix_stats()
         return asdict(stats) if stats is not None else {}
 
     def stop(self) -> None:

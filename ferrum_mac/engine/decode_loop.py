@@ -66,7 +66,7 @@ def sampled_tokens(
     most one unread token in the cache, after the last one it was given.
     """
     capacity = model.kv_capacity()
-    pos = model.kv_len(cache_id)
+    pos = model.state.length(cache_id)
     token = sampler.sample(logits)
     count = 0
     while True:
@@ -102,7 +102,7 @@ def constrained_tokens(
     or the capacity ended the answer.
     """
     capacity = model.kv_capacity()
-    pos = model.kv_len(cache_id)
+    pos = model.state.length(cache_id)
     mask = np.empty((1, matcher.vocab.words), dtype=np.int32)
     matcher.fill_mask(mask)
     token = sampler.sample(logits, mask[0])

@@ -1,9 +1,9 @@
 """One turn of a conversation: fit the prompt, reuse the cache, prefill the rest, stream the answer.
 
 The cache is reused twice over: the conversation's own cache is cut back to what it shares
-with the new prompt, then the model's prefix cache (`kv_reuse`) attaches whatever more of the
+with the new prompt, then the model's prefix cache (`state.reuse`) attaches whatever more of the
 prompt any sequence computed before (another conversation with the same system prompt, the
-turn before an edit). What the turn computes is remembered (`kv_remember`) for later ones.
+turn before an edit). What the turn computes is remembered (`state.remember`) for later ones.
 
 Whatever ends the turn (the answer's end, cancel, Ctrl-C, an error, the caller dropping
 the stream), the conversation is left consistent: the answer so far is its last assistant
@@ -97,9 +97,9 @@ def run_turn(
                 f"dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} to fit the "
                 f"{model.kv_capacity()}-token context"
             )
-        reused = model.kv_reuse(conv.cache_id, ids).tokens
+        reused = model.state.reuse(conv.cache_id, ids).tokens
         logits = model.prefill(conv.cache_id, ids[reused:])
-        model.kv_remember(conv.cache_id, ids)  # a conversation started alike shares it from now on
+        model.state.remember(conv.cache_id, ids)  # a conversation started alike shares it from now on
         tokens, speculation = answer_tokens(
             model,
             sampler,
@@ -223,7 +223,7 @@ def _user_turns(messages: list[dict]) -> int:
 
 def _trim_cache(engine: "Engine", conv: Conversation, ids: list[int]) -> None:
     """Cut the cache back to its longest prefix shared with `ids`; at least one id is left to prefill."""
-    held = engine.model.kv_len(conv.cache_id)
+    held = engine.model.state.length(conv.cache_id)
     reused = min(common_prefix(conv.ledger[:held], ids), len(ids) - 1)
     if held > reused:
         engine.model.truncate_kv(conv.cache_id, reused)
@@ -241,12 +241,12 @@ def _commit(engine: "Engine", conv: Conversation, known: list[int], answer: Answ
     if answer.reasoning:
         message["reasoning_content"] = answer.reasoning
     conv.messages.append(message)
-    held = engine.model.kv_len(conv.cache_id)
+    held = engine.model.state.length(conv.cache_id)
     if held > len(known):  # a step queued ahead and never read
         engine.model.truncate_kv(conv.cache_id, len(known))
         held = len(known)
     conv.ledger = known[:held]
-    engine.model.kv_remember(conv.cache_id, conv.ledger)  # the answer too: the next turn starts with it
+    engine.model.state.remember(conv.cache_id, conv.ledger)  # the answer too: the next turn starts with it
 
 
 def done_event(

@@ -13,7 +13,7 @@ free memory held at start; a decoding sequence gets a token every step, so a
 long prompt never stalls the others for more than one chunk.
 
 Prefix cache: an admitted request first takes what the model's prefix cache holds of its
-prompt (`kv_reuse`) and prefills only the rest. A prompt is remembered (`kv_remember`) once
+prompt (`state.reuse`) and prefills only the rest. A prompt is remembered (`state.remember`) once
 it is prefilled, and again with its answer before its cache is released. A request that
 shares a long prefix with one still being prefilled waits for that prefix to be computed
 rather than computing it a second time (16 requests with one system prompt hold it once).
@@ -136,7 +136,7 @@ class Sequence:
         return self.speculator.stats if self.speculator is not None else None
 
     def attach(self, reuse: PrefixReuse) -> None:
-        """Start from what `kv_reuse` attached: prefill only the rest of the prompt."""
+        """Start from what `state.reuse` attached: prefill only the rest of the prompt."""
         prompt = self.request.prompt_ids
         self.pos, self.cached, self.miss = reuse.tokens, reuse.tokens, reuse.miss
         self.unprefilled = list(prompt[reuse.tokens :])
@@ -378,11 +378,11 @@ class Scheduler:
         self.model.prepare(WARMUP_ID, 16)  # compiles kernels and captures graphs before any request
         self.model.release(WARMUP_ID)
         self._warm_up_batches()
-        self.stats.prefix = _snapshot(self.model.kv_prefix_stats())
+        self.stats.prefix = _snapshot(self.model.state.prefix_stats())
         self.prefix_cache = self.stats.prefix is not None
         self._prefix_read = time.monotonic()
         if self.kv_budget is None:
-            self.kv_budget = self.model.kv_free_tokens()  # None: only the batch size limits admission
+            self.kv_budget = self.model.state.free_tokens()  # None: only the batch size limits admission
 
     def _warm_up_batches(self) -> None:
         """One batched decode step at each power-of-two batch up to `max_batch`, so a backend
@@ -394,7 +394,7 @@ class Scheduler:
                 self.model.prefill(cache_id, [0])
             rows = 2
             while rows <= self.max_batch:
-                self.model.decode_batch([DecodeItem(c, 0, self.model.kv_len(c)) for c in ids[:rows]])
+                self.model.decode_batch([DecodeItem(c, 0, self.model.state.length(c)) for c in ids[:rows]])
                 rows *= 2
         except UnsupportedError:
             pass  # no batched decode: requests decode one by one
@@ -452,7 +452,7 @@ class Scheduler:
         """Give `seq` what the prefix cache holds of its prompt; when a sequence still prefilling
         shares a longer prefix with it, make `seq` wait for that one (its `leader`)."""
         prompt = seq.request.prompt_ids
-        seq.attach(self.model.kv_reuse(seq.cache_id, prompt))
+        seq.attach(self.model.state.reuse(seq.cache_id, prompt))
         if not self.prefix_cache:
             return
         for other in self._running:
@@ -462,8 +462,8 @@ class Scheduler:
             if shared < seq.pos + SHARE_WAIT_TOKENS:
                 continue
             if other.pos > seq.pos:  # it computed part of the prefix already: take that now
-                self.model.kv_remember(other.cache_id, other.held_tokens(other.pos))
-                seq.attach(self.model.kv_reuse(seq.cache_id, prompt))
+                self.model.state.remember(other.cache_id, other.held_tokens(other.pos))
+                seq.attach(self.model.state.reuse(seq.cache_id, prompt))
             if shared >= seq.pos + SHARE_WAIT_TOKENS and shared > seq.shared:
                 seq.leader, seq.shared = other, shared
 
@@ -478,7 +478,7 @@ class Scheduler:
                 continue
             try:
                 if running:
-                    self.model.kv_remember(leader.cache_id, leader.held_tokens(leader.pos))
+                    self.model.state.remember(leader.cache_id, leader.held_tokens(leader.pos))
                 seq.leader, seq.shared = None, 0
                 self._attach_prefix(seq)
             except Exception as e:  # its lookup failed: only this request fails
@@ -494,7 +494,7 @@ class Scheduler:
         """KV positions the model would hold once a sequence of `need` tokens runs beside the
         running ones, each at its full need: for a pool of equal slots that is every slot as
         long as the longest, not the sum of the needs."""
-        return self.model.kv_tokens_for([seq.need for seq in self._running] + [need])
+        return self.model.state.tokens_for([seq.need for seq in self._running] + [need])
 
     def _step_or_fail(self) -> None:
         try:
@@ -730,7 +730,7 @@ class Scheduler:
 
     def _accept(self, seq: Sequence, token: int) -> None:
         if seq.generated == 0:  # its prompt is in the cache: requests that start alike share it now
-            self.model.kv_remember(seq.cache_id, seq.request.prompt_ids)
+            self.model.state.remember(seq.cache_id, seq.request.prompt_ids)
             log.info("%s", prefix_line(seq))
         seq.timing.token()
         seq.generated += 1
@@ -773,8 +773,8 @@ class Scheduler:
         """Keep the prompt and answer cached after the release (a client's next request
         sends both back); a failure here must not stop the loop."""
         try:
-            held = min(self.model.kv_len(seq.cache_id), seq.pos)  # a finished step's later guesses are no answer
-            self.model.kv_remember(seq.cache_id, seq.held_tokens(held))
+            held = min(self.model.state.length(seq.cache_id), seq.pos)  # a finished step's later guesses are no answer
+            self.model.state.remember(seq.cache_id, seq.held_tokens(held))
         except Exception:
             log.exception("remembering %s failed", seq.cache_id)
 
@@ -803,12 +803,12 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.stats.active = len(self._running)
         self.stats.waiting = len(self._waiting) + self._inbox.qsize()
-        self.stats.kv_tokens = sum(self.model.kv_len(s.cache_id) for s in self._running)
-        self.stats.kv_tokens_allocated = self.model.kv_allocated_tokens() or 0
-        self.stats.kv_tokens_used = self.model.kv_used_tokens() or 0
+        self.stats.kv_tokens = sum(self.model.state.length(s.cache_id) for s in self._running)
+        self.stats.kv_tokens_allocated = self.model.state.allocated_tokens() or 0
+        self.stats.kv_tokens_used = self.model.state.used_tokens() or 0
         now = time.monotonic()
         if self.prefix_cache and (now - self._prefix_read >= PREFIX_STATS_S or not self._running):
-            self.stats.prefix = _snapshot(self.model.kv_prefix_stats())
+            self.stats.prefix = _snapshot(self.model.state.prefix_stats())
             self._prefix_read = now
 
 

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
-from ferrum_mac.backends.block_pool import BlockPool
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BlockPool
 from ferrum_mac.llm import MISS_CHANGED, MISS_EVICTED, MISS_NO_PREFIX
 
 

@@ -1,6 +1,6 @@
 """The KV pool holds what its live sequences use: blocks for the tokens they hold, grown to
-them and given back when they end, and it says what it holds (`kv_allocated_tokens`,
-`kv_used_tokens`, `kv_tokens_for`), on every installed backend, through the model contract.
+them and given back when they end, and it says what it holds (`state.allocated_tokens`,
+`state.used_tokens`, `state.tokens_for`), on every installed backend, through the model contract.
 
 The case that made a server hold 7 GB idle: a burst of short sequences, all released, then
 one long one. A pool of equal slots gave every slot the long one's room and kept it; a pool
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
 from helpers import BACKENDS, assert_close, random_tokens, to_np
 
 REL = 1e-5
@@ -40,7 +40,7 @@ def blocks_of(tokens: int) -> int:
 def assert_holds_about(model, tokens: int) -> None:
     """The buffers hold `tokens` (in whole blocks), and at most half as much again plus one
     growth step: memory follows what is cached."""
-    held = model.kv_allocated_tokens()
+    held = model.state.allocated_tokens()
     assert tokens <= held <= tokens + tokens // 2 + GROWTH, (held, tokens)
 
 
@@ -50,29 +50,29 @@ def test_a_burst_then_one_long_sequence_holds_its_own_blocks(fresh_model):
     for i, cid in enumerate(short):
         model.prefill(cid, random_tokens(10, seed=i))
     assert_holds_about(model, 32 * B)  # a block each
-    assert model.kv_used_tokens() == 320
+    assert model.state.used_tokens() == 320
     for cid in short:
         model.release(cid)
-    assert model.kv_allocated_tokens() == 0  # idle: nothing was prepared, so nothing is kept
-    assert model.kv_used_tokens() == 0
+    assert model.state.allocated_tokens() == 0  # idle: nothing was prepared, so nothing is kept
+    assert model.state.used_tokens() == 0
 
     model.prefill("long", random_tokens(700, seed=99))
     assert_holds_about(model, blocks_of(700) * B)  # the long one's blocks, not 32 sequences' room
-    assert model.kv_used_tokens() == 700
+    assert model.state.used_tokens() == 700
     model.release("long")
-    assert model.kv_allocated_tokens() == 0
+    assert model.state.allocated_tokens() == 0
 
 
 def test_idle_size_is_what_prepare_asked_for(fresh_model):
     model = fresh_model
     model.prepare("warm", 16)
     model.release("warm")
-    idle = model.kv_allocated_tokens()
+    idle = model.state.allocated_tokens()
     assert 16 <= idle <= GROWTH
     model.prefill("long", random_tokens(600, seed=1))
     assert_holds_about(model, blocks_of(600) * B)
     model.release("long")
-    assert model.kv_allocated_tokens() == idle  # back to the idle size
+    assert model.state.allocated_tokens() == idle  # back to the idle size
 
 
 def test_shrinking_moves_live_sequences_down_and_keeps_their_history(fresh_model):
@@ -85,7 +85,7 @@ def test_shrinking_moves_live_sequences_down_and_keeps_their_history(fresh_model
     for cid in ["s0", "s1", "s2", "s4", "s5", "s7", "s8"]:
         model.release(cid)
     # s3 and s6 are left: the buffers shrink to one growth step, their blocks moved down
-    assert model.kv_allocated_tokens() <= GROWTH
+    assert model.state.allocated_tokens() <= GROWTH
     for cid in ("s3", "s6"):
         prompt = prompts[cid]
         got = model.decode(cid, 7, len(prompt))
@@ -99,22 +99,22 @@ def test_a_small_saving_does_not_reallocate(fresh_model):
     model = fresh_model
     model.prefill("a", [5, 6, 7])
     model.prefill("b", [5, 6])
-    held = model.kv_allocated_tokens()
+    held = model.state.allocated_tokens()
     model.release("a")
-    assert model.kv_allocated_tokens() == held
+    assert model.state.allocated_tokens() == held
     assert_close(model.decode("b", 9, 2), reference_next(model, [5, 6, 9]), REL)
     model.release("b")
-    assert model.kv_allocated_tokens() == 0
+    assert model.state.allocated_tokens() == 0
 
 
 def test_kv_tokens_for_is_each_sequences_blocks(fresh_model):
     """What admitting sequences costs: each one's blocks and one more for its next tokens;
     what other sequences hold is not counted again."""
     model = fresh_model
-    assert model.kv_tokens_for([10, 700]) == (blocks_of(10) + 1 + blocks_of(700) + 1) * B
-    assert model.kv_tokens_for([10, 10, 10]) == 3 * 2 * B
+    assert model.state.tokens_for([10, 700]) == (blocks_of(10) + 1 + blocks_of(700) + 1) * B
+    assert model.state.tokens_for([10, 10, 10]) == 3 * 2 * B
     model.prefill("x", random_tokens(300, seed=3))
-    assert model.kv_tokens_for([10]) == 2 * B
+    assert model.state.tokens_for([10]) == 2 * B
     model.release("x")
 
 
@@ -133,12 +133,12 @@ def test_growth_holds_at_most_one_old_layer_beside_the_new_buffers(zoo):
         model.prefill("filler", random_tokens(len(model.kv.free) * B, seed=9))  # takes every free block
     mx.eval(model.kv.arrays())
     assert not model.kv.free
-    old = model.kv_allocated_tokens() * per_token
+    old = model.state.allocated_tokens() * per_token
     mx.clear_cache()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     mx.eval(model.decode("s0", 5, 8 * B))  # its next block: the buffers grow
-    new = model.kv_allocated_tokens() * per_token
+    new = model.state.allocated_tokens() * per_token
     assert new > old
     layer = (old + B * per_token) // (2 * c.num_layers)  # one old layer's keys (or values), scratch included
     assert mx.get_peak_memory() - before < new - old + 2 * layer + old // 8  # slack for the step's activations

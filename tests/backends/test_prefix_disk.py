@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from ferrum_mac.backends import prefix_disk
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
-from ferrum_mac.backends.block_pool import BlockPool
-from ferrum_mac.backends.prefix_disk import SUFFIX, PrefixDisk, for_checkpoint, model_key
+from ferrum_mac.backends.state import prefix_disk
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BlockPool
+from ferrum_mac.backends.state.prefix_disk import SUFFIX, PrefixDisk, for_checkpoint, model_key
 from ferrum_mac.llm import MISS_NO_PREFIX, MISS_OTHER_MODEL
 from ferrum_mac.weights import load_checkpoint
 
@@ -226,19 +226,17 @@ def test_a_full_disk_or_a_full_queue_drops_writes_without_error(tmp_path):
     assert len(block_files(tmp_path / "q" / "model")) > 3
 
 
-def test_for_checkpoint_follows_the_budget_setting(tmp_path, monkeypatch):
+def test_for_checkpoint_follows_its_budget(tmp_path):
     if not STORIES.exists():
         pytest.skip("stories260K is not in the shared assets")
     checkpoint = load_checkpoint(STORIES)
-    monkeypatch.setenv("FERRUM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("FERRUM_PREFIX_DISK_MB", "0")
-    assert for_checkpoint(checkpoint, "float32", "torch-cpu", B) is None
-    monkeypatch.setenv("FERRUM_PREFIX_DISK_MB", "64")
-    disk = for_checkpoint(checkpoint, "float32", "torch-cpu", B)
+    root = tmp_path / "prefix-cache"
+    assert for_checkpoint(checkpoint, "float32", "torch-cpu", B, root, 0) is None
+    disk = for_checkpoint(checkpoint, "float32", "torch-cpu", B, root, 64)
     assert disk is not None and disk.budget == 64 << 20
-    assert disk.folder.parent == tmp_path / "prefix-cache"
-    assert for_checkpoint(checkpoint, "float32", "torch-cuda", B) is None  # a GPU recomputes faster
-    assert for_checkpoint(checkpoint, "float32", "mlx-cuda", B) is None
+    assert disk.folder.parent == root
+    assert for_checkpoint(checkpoint, "float32", "torch-cuda", B, root, 64) is None  # a GPU recomputes faster
+    assert for_checkpoint(checkpoint, "float32", "mlx-cuda", B, root, 64) is None
 
 
 def test_the_writer_thread_ends_when_idle_and_comes_back_for_new_work(tmp_path, monkeypatch):

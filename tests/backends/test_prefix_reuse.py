@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
 from ferrum_mac.llm import MISS_NO_PREFIX, DecodeItem
 from helpers import ASSETS, BACKENDS, assert_close, assert_same_tokens, random_tokens
 from prefix_support import REL, greedy, reference_logits
@@ -64,7 +64,7 @@ def test_greedy_output_with_the_prefix_cache_equals_without(real_model):
         cold, _ = greedy(model, f"{name}-cold", prompt, n, reuse=False)
         assert found >= at_least, name
         assert_same_tokens(cached, cold)
-    stats = model.kv_prefix_stats()
+    stats = model.state.prefix_stats()
     assert stats.hits == 4 and stats.reused_tokens > 4 * len(system)
 
 
@@ -81,17 +81,17 @@ def test_reuse_after_remember_reuses_all_but_the_last_token(fresh_model):
     model = fresh_model
     prompt = random_tokens(2 * B + 7, seed=10)
     model.prefill("a", prompt)
-    model.kv_remember("a", prompt)
+    model.state.remember("a", prompt)
     model.release("a")
 
-    found = model.kv_reuse("b", prompt)
+    found = model.state.reuse("b", prompt)
     assert (found.tokens, found.cached, found.miss) == (len(prompt) - 1, len(prompt) - 1, None)
-    assert model.kv_len("b") == len(prompt) - 1
+    assert model.state.length("b") == len(prompt) - 1
     ref = reference_logits(model, prompt + [5])
     assert_close(model.prefill("b", prompt[-1:]), ref[-2], REL)
     assert_close(model.decode("b", 5, len(prompt)), ref[-1], REL)
 
-    fresh = model.kv_reuse("c", random_tokens(50, seed=11))
+    fresh = model.state.reuse("c", random_tokens(50, seed=11))
     assert (fresh.tokens, fresh.cached, fresh.miss) == (0, 0, MISS_NO_PREFIX)
 
 
@@ -102,15 +102,15 @@ def test_sequences_sharing_a_prefix_hold_its_full_blocks_once(fresh_model):
     system = random_tokens(6 * B, seed=20)
     prompts = [system + [100 + i] + random_tokens(9, seed=30 + i) for i in range(8)]  # each its own from 192 on
     for i, prompt in enumerate(prompts):
-        found = model.kv_reuse(f"s{i}", prompt)
+        found = model.state.reuse(f"s{i}", prompt)
         assert found.tokens == (0 if i == 0 else len(system))
         model.prefill(f"s{i}", prompt[found.tokens :])
-        model.kv_remember(f"s{i}", prompt)
-    used = model.kv_used_tokens()
+        model.state.remember(f"s{i}", prompt)
+    used = model.state.used_tokens()
     assert used == 8 * (len(system) + 10)
     held_blocks = 6 + 8  # the shared prefix, then one block of its own each
-    assert model.kv_allocated_tokens() <= (held_blocks + 8) * B  # (the buffers grow by 8 blocks at least)
-    assert model.kv_allocated_tokens() < used // 3
+    assert model.state.allocated_tokens() <= (held_blocks + 8) * B  # (the buffers grow by 8 blocks at least)
+    assert model.state.allocated_tokens() < used // 3
     out = model.decode_batch([DecodeItem(f"s{i}", 7, len(p)) for i, p in enumerate(prompts)])
     for i, prompt in enumerate(prompts):
         assert_close(out[i], reference_logits(model, prompt + [7])[-1], REL, f"s{i}")

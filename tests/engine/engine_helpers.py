@@ -32,7 +32,7 @@ def greedy(engine, **changes):
 
 def assert_consistent(engine, conv) -> None:
     """The ledger is exactly what the cache holds, and it starts with a fresh render of the history."""
-    assert engine.model.kv_len(conv.cache_id) == len(conv.ledger)
+    assert engine.model.state.length(conv.cache_id) == len(conv.ledger)
     history = conv.messages[:-1]  # up to the last user message; its answer follows the render
     if history:
         _, fresh = engine.render(conv.settings, history)

@@ -143,7 +143,7 @@ def test_answer_stops_when_the_cache_is_full(small_context):
     conv = greedy(engine)  # no max_tokens: until the context ends
     stats = done(list(conv.send(STORY)))
     assert stats.stop_reason == CONTEXT
-    assert engine.model.kv_len(conv.cache_id) == 40 == len(conv.ledger)
+    assert engine.model.state.length(conv.cache_id) == 40 == len(conv.ledger)
 
 
 # -- ending an answer early -------------------------------------------------------------
@@ -254,10 +254,10 @@ def test_engine_cancel_from_another_thread(stories):
 def test_close_releases_the_cache(stories):
     conv = greedy(stories, max_tokens=4)
     list(conv.send(STORY))
-    assert stories.model.kv_len(conv.cache_id) > 0
+    assert stories.model.state.length(conv.cache_id) > 0
     conv.close()
     conv.close()  # idempotent
-    assert stories.model.kv_len(conv.cache_id) == 0 and conv.ledger == []
+    assert stories.model.state.length(conv.cache_id) == 0 and conv.ledger == []
     with pytest.raises(FerrumError, match="closed"):
         list(conv.send("Hi."))
 

@@ -18,7 +18,7 @@ MAX_TOKENS = 12
 def engine(stories_path):
     """An engine of its own: its prefix cache holds only what the test puts there."""
     engine = Engine.open(stories_path)
-    if engine.model.kv_prefix_stats() is None:
+    if engine.model.state.prefix_stats() is None:
         pytest.skip("this backend keeps no prefix cache")
     return engine
 
@@ -51,7 +51,7 @@ def test_a_new_conversation_with_the_same_system_prompt_reuses_it(engine, storie
     assert done(events).prompt_tokens == len(prompt) - shared
     assert answer(events) == cold_answer(stories_path, [], question, system=SYSTEM)
     assert_consistent(engine, second)
-    stats = engine.model.kv_prefix_stats()
+    stats = engine.model.state.prefix_stats()
     assert stats.hits >= 1 and stats.reused_tokens >= shared
 
 

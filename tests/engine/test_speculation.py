@@ -158,7 +158,7 @@ def test_the_next_turn_and_the_prefix_cache_see_the_kept_tokens_only(stories):
     assert fast == plain
     held = list(first.ledger)
     first.close()
-    reuse = stories.model.kv_reuse("replay", held)
+    reuse = stories.model.state.reuse("replay", held)
     assert reuse.cached > len(held) // 2
     logits = stories.model.prefill("replay", held[reuse.tokens :])
     fresh = stories.model.prefill("fresh", held)
@@ -182,7 +182,7 @@ def test_a_draft_model_keeps_its_cache_in_step(stories_path, stories):
         assert fast == plain
         stats = done(events).speculation
         assert stats["accepted"] == stats["proposed"] > 20, stats
-    assert draft.kv_used_tokens() == 0
+    assert draft.state.used_tokens() == 0
 
 
 def test_sampled_tokens_follow_the_targets_distribution(stories_path):

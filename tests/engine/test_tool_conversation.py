@@ -37,7 +37,7 @@ BOX = Toolbox([get_weather, get_time])
 
 def assert_consistent_with_tools(engine, conv) -> None:
     """The ledger is what the cache holds and starts with the history rendered with the tools."""
-    assert engine.model.kv_len(conv.cache_id) == len(conv.ledger)
+    assert engine.model.state.length(conv.cache_id) == len(conv.ledger)
     _, fresh = engine.render(conv.settings, conv.messages[:-1], BOX.definitions())
     assert conv.ledger[: len(fresh)] == fresh
 

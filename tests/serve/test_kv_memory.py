@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS
 from ferrum_mac.engine import Done
 from ferrum_mac.serve import EventQueue, GenerationRequest, Scheduler
 from serve_support import open_stories
@@ -26,7 +26,7 @@ def run_all(scheduler, requests: list[dict], note=None) -> list[int]:
         queue = EventQueue()
 
         def emit(event, put=queue.put):
-            held.append(scheduler.model.kv_allocated_tokens())
+            held.append(scheduler.model.state.allocated_tokens())
             if note is not None:
                 note(event)
             put(event)
@@ -72,9 +72,9 @@ def test_memory_follows_the_tokens_held(fresh_scheduler):
     # copies it on its first write), and scratch: the buffers grow by at most half again
     assert max(held) <= 2 * (2 * 32 + 1) * BLOCK_TOKENS
     wait_idle(scheduler)
-    after_burst = model.kv_allocated_tokens()
+    after_burst = model.state.allocated_tokens()
     assert after_burst <= max(held)
-    assert model.kv_prefix_stats().cached_tokens >= 32 * 4  # released, their blocks stay cached
+    assert model.state.prefix_stats().cached_tokens >= 32 * 4  # released, their blocks stay cached
 
     held = run_all(scheduler, [dict(prompt_ids=long_prompt(450), max_tokens=8, ignore_eos=True)])
     assert max(held) <= 2 * (after_burst + blocks_of(458) * BLOCK_TOKENS)  # its own blocks, not 32 slots of them
@@ -104,7 +104,7 @@ def test_admission_budgets_for_the_blocks_requests_need(stories_path):
     one waits for the short one to end."""
     scheduler = Scheduler(open_stories(stories_path)).start()
     short, long = [1, 20, 30, 40, 50], long_prompt(450)
-    scheduler.kv_budget = scheduler.model.kv_tokens_for([len(short) + 100, len(long) + 8]) - 1
+    scheduler.kv_budget = scheduler.model.state.tokens_for([len(short) + 100, len(long) + 8]) - 1
     running = []
 
     def note_running(event, scheduler=scheduler):

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ferrum_mac.backends.prefix_disk import SUFFIX
+from ferrum_mac.backends.state.prefix_disk import SUFFIX
 
 CHAT = "/v1/chat/completions"
 # about 300 tokens: a prompt of several full KV blocks, within stories260K's 512 positions

@@ -38,7 +38,7 @@ def live(stories_path):
 
     def start():
         scheduler = Scheduler(open_stories(stories_path)).start()
-        if scheduler.model.kv_prefix_stats() is None:
+        if scheduler.model.state.prefix_stats() is None:
             pytest.skip("this backend keeps no prefix cache")
         server = LiveServer(build_app(scheduler, "stories260K"))
         opened.append((server, scheduler))
@@ -178,14 +178,14 @@ def test_a_failing_lookup_fails_only_its_request(live, monkeypatch):
 
     _, scheduler, _ = live()
     model, poisoned = scheduler.model, 77
-    real_reuse = model.kv_reuse
+    real_reuse = model.state.reuse
 
-    def kv_reuse(cache_id, tokens):
+    def reuse(cache_id, tokens):
         if poisoned in tokens:
             raise RuntimeError("the prefix index broke")
         return real_reuse(cache_id, tokens)
 
-    monkeypatch.setattr(model, "kv_reuse", kv_reuse)
+    monkeypatch.setattr(model.state, "reuse", reuse)
     tokenizer = scheduler.engine.tokenizer
     good = tokenizer.encode(SYSTEM)
     queues = [submit(scheduler, good), submit(scheduler, good[:5] + [poisoned] + good[5:]), submit(scheduler, good)]

@@ -16,12 +16,12 @@ import mlx.core as mx
 import numpy as np
 
 from ferrum_mac import settings
-from ferrum_mac.backends.block_pool import SCRATCH
+from ferrum_mac.backends.state.block_pool import SCRATCH
 from ferrum_mac.backends.mlx import cuda_attention, cuda_heads
 from ferrum_mac.backends.mlx.kv import SequenceCache
 from ferrum_mac.backends.mlx.layers import Rope, TensorSource
 from ferrum_mac.backends.mlx.memory import on_cpu, on_cuda_gpu
-from ferrum_mac.backends.padding import power_of_two_above, quarter_octave_above
+from ferrum_mac.backends.state.padding import power_of_two_above, quarter_octave_above
 from ferrum_mac.weights import ModelConfig
 
 

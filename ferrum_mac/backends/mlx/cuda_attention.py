@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS
 
 WARPS = 4  # per block; each walks every WARPS-th run of UNROLL keys (at the 160 registers a thread
 # ncu counted, 3 such blocks fit an SM, against 1 of 8 warps)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS, BlockPool, SequenceBlocks
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS, BlockPool, SequenceBlocks
 
 __all__ = ["BLOCK_TOKENS", "KvManager", "SequenceCache"]
 

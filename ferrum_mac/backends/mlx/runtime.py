@@ -21,8 +21,9 @@ from ferrum_mac.backends.mlx.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, on_cuda_gpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
-from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
-from ferrum_mac.backends.prefix_disk import for_checkpoint
+from ferrum_mac.backends.state.manager import PooledState
+from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.state.prefix_disk import for_checkpoint
 from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
@@ -87,16 +88,24 @@ class MlxLLM(PooledLLM):
         self._config = LlmRuntimeConfig.of_model(c, str(self.dtype).split(".")[-1])
         free = free_memory_bytes()
         self._capacity = kv_capacity_within(self._config, free, self.dtype.size, kv_capacity)
-        max_blocks, cache_blocks = pool_limits(self._config, free, self.dtype.size, BLOCK_TOKENS)
+        cache_mb = settings.value("FERRUM_PREFIX_CACHE_MB")
+        max_blocks, cache_blocks = pool_limits(self._config, free, self.dtype.size, BLOCK_TOKENS, cache_mb)
+        disk = None
+        if cache_blocks:
+            disk = for_checkpoint(
+                checkpoint, self._config.dtype, f"mlx-{mlx_device()}", BLOCK_TOKENS,
+                settings.prefix_cache_dir(), settings.value("FERRUM_PREFIX_DISK_MB"),
+            )  # fmt: skip
         self.kv = KvManager(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, cache_blocks,
-            disk=for_checkpoint(checkpoint, self._config.dtype, f"mlx-{mlx_device()}", BLOCK_TOKENS) if cache_blocks else None,
-        )  # fmt: skip
+            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, cache_blocks, disk
+        )
+        self._state = PooledState(self.kv, self._config, self.device_array_types, free_tokens=self._free_tokens)
+
+    def _free_tokens(self) -> int:
+        """Tokens free memory holds now (the unified memory a Mac shares, which other programs take too)."""
+        return int(free_memory_bytes() * KV_MEMORY_SHARE) // self._config.kv_bytes_per_token(self.dtype.size)
 
     # -- contract -------------------------------------------------------------------
-
-    def kv_free_tokens(self) -> int:
-        return int(free_memory_bytes() * KV_MEMORY_SHARE) // self._config.kv_bytes_per_token(self.dtype.size)
 
     def prepare(self, cache_id: str, max_tokens: int) -> None:
         self.kv.prepare(cache_id, min(max(1, max_tokens), self._capacity))
@@ -109,7 +118,7 @@ class MlxLLM(PooledLLM):
         self.model.layers[0].attn.warm_up_kernels(self.dtype)  # the batched decode's, on CUDA
 
     def reset(self) -> None:
-        self.kv.reset()
+        self.state.reset()
         mx.clear_cache()
 
     def sampler(self, params, context: Sequence[int] = ()):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS, BlockPool, SequenceBlocks
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS, BlockPool, SequenceBlocks
 
 __all__ = ["BLOCK_TOKENS", "KvManager", "SequenceBlocks"]
 

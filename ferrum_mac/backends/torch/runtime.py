@@ -15,9 +15,11 @@ from typing import Sequence
 
 import torch
 
-from ferrum_mac.backends.padding import power_of_two_above, quarter_octave_above
-from ferrum_mac.backends.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
-from ferrum_mac.backends.prefix_disk import for_checkpoint
+from ferrum_mac import settings
+from ferrum_mac.backends.state.manager import PooledState
+from ferrum_mac.backends.state.padding import power_of_two_above, quarter_octave_above
+from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.state.prefix_disk import for_checkpoint
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
@@ -82,14 +84,21 @@ class TorchLLM(PooledLLM):
         self._capacity = kv_capacity_within(self._config, free_memory_bytes(self.device), element, kv_capacity)
         with torch.inference_mode():
             self.model.rope.build(self._capacity)
-        max_blocks, cache_blocks = pool_limits(self._config, free_memory_bytes(self.device), element, BLOCK_TOKENS)
+        cache_mb = settings.value("FERRUM_PREFIX_CACHE_MB")
+        max_blocks, cache_blocks = pool_limits(
+            self._config, free_memory_bytes(self.device), element, BLOCK_TOKENS, cache_mb
+        )
+        disk = None
+        if cache_blocks:
+            disk = for_checkpoint(
+                checkpoint, self._config.dtype, f"torch-{self.device.type}", BLOCK_TOKENS,
+                settings.prefix_cache_dir(), settings.value("FERRUM_PREFIX_DISK_MB"),
+            )  # fmt: skip
         self.kv = KvManager(
             c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity,
-            max_blocks, cache_blocks,
-            disk=for_checkpoint(checkpoint, self._config.dtype, f"torch-{self.device.type}", BLOCK_TOKENS)
-            if cache_blocks
-            else None,
+            max_blocks, cache_blocks, disk,
         )  # fmt: skip
+        self._state = PooledState(self.kv, self._config, self.device_array_types, self._computing)
         self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
         self.captured_prefill = self.device.type == "cuda" and USE_GRAPHS  # off once a capture fails
         self.verify_rows = VERIFY_ROWS if self.device.type == "cuda" else 0
@@ -127,7 +136,7 @@ class TorchLLM(PooledLLM):
             width *= 2
 
     def reset(self) -> None:
-        self.kv.reset()
+        self.state.reset()
         self.steps.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

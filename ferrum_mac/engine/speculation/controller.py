@@ -89,7 +89,7 @@ def _measure(model: DecoderOnlyLLM) -> tuple[float, ...]:
         return (1.0,) + (float("inf"),) * MAX_K
     try:
         wait_for(model.prefill(cache_id, prompt))
-        held = model.kv_len(cache_id)
+        held = model.state.length(cache_id)
 
         def decode() -> None:
             wait_for(model.decode(cache_id, prompt[-1], held))

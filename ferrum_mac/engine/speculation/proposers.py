@@ -162,7 +162,7 @@ class DraftModel:
             self.ledger.append(tokens[-1])
 
     def close(self) -> None:
-        self.model.kv_remember(self.cache_id, self.ledger)
+        self.model.state.remember(self.cache_id, self.ledger)
         self.model.release(self.cache_id)
         self.ledger = []
 
@@ -172,7 +172,7 @@ class DraftModel:
         if keep < len(self.ledger):
             self.model.truncate_kv(self.cache_id, keep)
         if keep == 0:
-            keep = self.model.kv_reuse(self.cache_id, list(history)).tokens
+            keep = self.model.state.reuse(self.cache_id, list(history)).tokens
         logits = self.model.prefill(self.cache_id, list(history[keep:]))
         self.ledger = list(history)
         return logits

@@ -112,7 +112,7 @@ def speculative_tokens(
     guesses after the last id it read in the cache: truncate to what it read.
     """
     capacity = model.kv_capacity()
-    pos = model.kv_len(cache_id)
+    pos = model.state.length(cache_id)
     history = list(prompt)
     token = sampler.sample(logits)  # the next answer token: drawn, maybe not read, not in the cache
     first = True  # read before step 1 is built, as in the plain loop

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
 from ferrum_mac.llm import DecodeItem
 from helpers import assert_close, random_tokens
 from prefix_support import REL, reference_logits
@@ -56,9 +56,9 @@ def test_batched_decode_over_scattered_blocks_equals_each_alone(zoo, attention_r
         model.prefill(cid, prompt)
     for step in range(2 * B):
         if step == 6:  # s0 holds B + 4 tokens: t shares its first block and copies 3 rows of its second
-            model.kv_remember("s0", history["s0"])
+            model.state.remember("s0", history["s0"])
             history["t"] = history["s0"][: B + 3] + [9]
-            found = model.kv_reuse("t", history["t"])
+            found = model.state.reuse("t", history["t"])
             assert found.tokens == B + 3
             model.prefill("t", history["t"][found.tokens :])
         live = list(history)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ferrum_mac
-from ferrum_mac.backends.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
 from ferrum_mac.backends.torch.attention import positions_rows
 from ferrum_mac.llm import DecodeItem
 from helpers import assert_close, random_tokens
@@ -32,8 +32,8 @@ def test_a_shared_block_is_copied_before_it_is_written(fresh_model):
     model = fresh_model
     prompt = random_tokens(3 * B, seed=70)
     model.prefill("a", prompt)
-    model.kv_remember("a", prompt)
-    assert model.kv_reuse("b", prompt + [1]).tokens == len(prompt)
+    model.state.remember("a", prompt)
+    assert model.state.reuse("b", prompt + [1]).tokens == len(prompt)
     a, b = model.kv.get("a"), model.kv.get("b")
     assert a.blocks == b.blocks
 
@@ -56,9 +56,9 @@ def test_batched_decode_over_scattered_blocks_equals_each_alone(fresh_model):
         model.prefill(cid, prompt)
     for step in range(2 * B):
         if step == 6:  # s0 holds B + 4 tokens: t shares its first block and copies 3 rows of its second
-            model.kv_remember("s0", history["s0"])
+            model.state.remember("s0", history["s0"])
             history["t"] = history["s0"][: B + 3] + [9]
-            found = model.kv_reuse("t", history["t"])
+            found = model.state.reuse("t", history["t"])
             assert found.tokens == B + 3
             model.prefill("t", history["t"][found.tokens :])
         live = list(history)

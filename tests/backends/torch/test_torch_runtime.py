@@ -56,7 +56,7 @@ def test_steps_are_kept_by_rows_and_width(zoo):
     model.decode("second", 3, len(PROMPT))
     assert model.steps.steps[(1, MIN_WIDTH, 1)] is step  # short sequences share the narrowest step
     blocks = model.kv.blocks
-    held = model.kv_len("second")
+    held = model.state.length("second")
     longer = random_tokens(blocks * BLOCK_TOKENS - held, seed=3)  # more blocks than the pool holds
     model.prefill("second", longer)
     model.decode("second", 3, held + len(longer))
@@ -273,7 +273,7 @@ def test_a_fresh_prompt_as_a_prefill_step_equals_the_forward(zoo, family):
         prompt = random_tokens(n, seed=n)
         model.captured_prefill = True
         got = model.prefill("step", prompt)
-        assert model.kv_len("step") == n and any(key[0] == "prefill" for key in model.steps.steps)
+        assert model.state.length("step") == n and any(key[0] == "prefill" for key in model.steps.steps)
         model.captured_prefill = False
         want = model.prefill("forward", prompt)
         assert_close(got, want, 1e-5)

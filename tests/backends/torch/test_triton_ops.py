@@ -336,9 +336,9 @@ def test_decode_batch_through_triton_over_shared_blocks_matches_torch(zoo, monke
     def decode_shared(tag: str) -> list[torch.Tensor]:
         model.reset()
         model.prefill(f"{tag}-a", prompt)
-        model.kv_remember(f"{tag}-a", prompt)
+        model.state.remember(f"{tag}-a", prompt)
         other = prompt[: 2 * B - 6] + [4]
-        found = model.kv_reuse(f"{tag}-b", other).tokens
+        found = model.state.reuse(f"{tag}-b", other).tokens
         model.prefill(f"{tag}-b", other[found:])
         lengths = {"a": len(prompt), "b": len(other)}
         logits = []

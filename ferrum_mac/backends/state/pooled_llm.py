@@ -1,12 +1,13 @@
 """`PooledLLM`: the half of a runtime both backends share, on top of their `BlockPool`.
 
-Every call is checked (`DecoderOnlyLLM.check_call`) before any cache changes, then runs as
+Every call is checked (`llm.check_call`) before any cache changes, then runs as
 one forward over a list of (cache_id, tokens, offset) segments: `prefill` one segment (in
 chunks, so activations stay bounded), `forward_verify` one, `verify_batch` several, `unified_forward` a mix of
 decode steps and prefill chunks. This class keeps the slots' bookkeeping around that
-forward (acquire a sequence's blocks, make room, record what each sequence now holds), the
-prefix cache's calls (`kv_reuse`, `kv_remember`: the pool's) and the rows of the result each
-call returns; a backend adds only what runs on its device:
+forward (acquire a sequence's blocks, make room, record what each sequence now holds) and
+the rows of the result each call returns; what the sequences hold between calls (prefix
+reuse, truncation, release, the memory counters) is its state manager's (`PooledState`,
+over the same pool). A backend adds only what runs on its device:
 
 - `_hidden(token_parts, segments)`: the model over the segments' tokens -> hidden states;
 - `_token_ids(tokens)`: one segment's tokens as the backend's ids (device tokens clipped);
@@ -15,7 +16,8 @@ call returns; a backend adds only what runs on its device:
 - `_verify(segments)`: may run short verifies faster than `_forward` (torch: as decode rows);
 - `_fresh_prompt(cache_id, tokens)`: may run a prompt with nothing before it faster (torch: a CUDA graph);
 - `_computing()`: the context the forwards run in (torch's inference mode);
-- `prepare`, `reset`, `sampler` and its buffers (`kv`, the pool; `segment_type`, its plan's segment).
+- `prepare`, `reset`, `sampler` and its buffers (`kv`, the pool; `_state`, a `PooledState`
+  over it; `segment_type`, its plan's segment).
 """
 
 from __future__ import annotations
@@ -23,19 +25,18 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Sequence
 
-from ferrum_mac import settings
-from ferrum_mac.backends.block_pool import BlockPool
-from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
+from ferrum_mac.backends.state.block_pool import BlockPool
+from ferrum_mac.errors import UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import (
     KV_MEMORY_SHARE,
+    Capabilities,
     DecodeItem,
     DecoderOnlyLLM,
     ForwardItem,
     LlmRuntimeConfig,
     Logits,
-    PrefixReuse,
-    PrefixStats,
     Token,
+    check_call,
     host_tokens,
     token_count,
 )
@@ -54,13 +55,13 @@ def model_family(families: dict, model_type: str, backend: str):
 
 
 def pool_limits(
-    config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int, block_tokens: int
+    config: LlmRuntimeConfig, free_bytes: int, bytes_per_element: int, block_tokens: int, cache_mb: int
 ) -> tuple[int, int]:
     """(max_blocks, cache_blocks) for a pool: the blocks free memory holds (its KV share), and
-    those the prefix cache may keep unused (FERRUM_PREFIX_CACHE_MB, at most CACHE_SHARE of it)."""
+    those the prefix cache may keep unused (`cache_mb` MiB, at most CACHE_SHARE of it)."""
     block_bytes = config.kv_bytes_per_token(bytes_per_element) * block_tokens
     max_blocks = max(2, int(free_bytes * KV_MEMORY_SHARE) // block_bytes)
-    cache_bytes = min(settings.value("FERRUM_PREFIX_CACHE_MB") << 20, int(free_bytes * CACHE_SHARE))
+    cache_bytes = min(cache_mb << 20, int(free_bytes * CACHE_SHARE))
     return max_blocks, cache_bytes // block_bytes
 
 
@@ -115,37 +116,14 @@ class PooledLLM(DecoderOnlyLLM):
     def kv_capacity(self) -> int:
         return self._capacity
 
-    def kv_len(self, cache_id: str) -> int:
-        return self.kv.length(cache_id)
-
-    def kv_allocated_tokens(self) -> int:
-        return self.kv.allocated_tokens
-
-    def kv_used_tokens(self) -> int:
-        return self.kv.used_tokens
-
-    def kv_tokens_for(self, lengths: Sequence[int]) -> int:
-        return self.kv.allocation_for(lengths)
-
-    def kv_reuse(self, cache_id: str, tokens: Sequence[int]) -> PrefixReuse:
-        tokens = host_tokens(cache_id, tokens)
-        self.check_token_ids(cache_id, tokens)
-        with self._computing():  # a partly matched block is copied on the device
-            return self.kv.reuse(cache_id, tokens)
-
-    def kv_remember(self, cache_id: str, tokens: Sequence[int]) -> None:
-        tokens = host_tokens(cache_id, tokens)
-        self.check_token_ids(cache_id, tokens)
-        with self._computing():  # the disk tier may read blocks back
-            self.kv.remember(cache_id, tokens)
-
-    def kv_prefix_stats(self) -> PrefixStats | None:
-        return self.kv.prefix_stats() if self.kv.cache_blocks else None
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(unified_forward=True, batched_decode=True, batched_verify=True)
 
     def prefill(self, cache_id: str, tokens: Sequence[int]) -> Logits:
         tokens = host_tokens(cache_id, tokens)
         offset = self.kv.length(cache_id)
-        self.check_call([(cache_id, tokens, offset)])
+        check_call(self, [(cache_id, tokens, offset)])
         with self._computing():
             if offset == 0:
                 logits = self._fresh_prompt(cache_id, tokens)
@@ -163,7 +141,7 @@ class PooledLLM(DecoderOnlyLLM):
         return self.decode_batch([DecodeItem(cache_id, token, pos)])[0]
 
     def decode_batch(self, items: Sequence[DecodeItem]) -> Logits:
-        self.check_call([(it.cache_id, it.token, it.pos) for it in items])
+        check_call(self, [(it.cache_id, it.token, it.pos) for it in items])
         with self._computing():
             return self._decode_batch(items)
 
@@ -172,7 +150,7 @@ class PooledLLM(DecoderOnlyLLM):
 
     def verify_batch(self, items: Sequence[ForwardItem]) -> list[Logits]:
         segments = [(it.cache_id, host_tokens(it.cache_id, it.tokens), it.pos_offset) for it in items]
-        self.check_call(segments)
+        check_call(self, segments)
         with self._computing():
             logits = self._verify(segments)
         parts, start = [], 0
@@ -192,7 +170,7 @@ class PooledLLM(DecoderOnlyLLM):
 
     def unified_forward(self, items: Sequence[ForwardItem]) -> list[Logits | None]:
         segments = [(it.cache_id, host_tokens(it.cache_id, it.tokens), it.pos_offset) for it in items]
-        self.check_call(segments)
+        check_call(self, segments)
         with self._computing():
             h = self._forward(segments)
             final_rows, row = [], 0
@@ -204,15 +182,6 @@ class PooledLLM(DecoderOnlyLLM):
                 return [None] * len(items)
             logits = iter(self._logits_at(h, final_rows))
             return [next(logits) if it.is_final else None for it in items]
-
-    def truncate_kv(self, cache_id: str, new_len: int) -> None:
-        if new_len < 0:
-            raise CacheStateError(f"cannot truncate {cache_id!r} to a negative length ({new_len})")
-        self.kv.truncate(cache_id, new_len)
-
-    def release(self, cache_id: str) -> None:
-        with self._computing():  # a release may shrink the pool: new buffers like those the forwards make
-            self.kv.release(cache_id)
 
     # -- one forward over segments ----------------------------------------------------
 

@@ -48,7 +48,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ferrum_mac import settings
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.store.derived import checkpoint_files
 from ferrum_mac.store.paths import inside
@@ -56,7 +55,6 @@ from ferrum_mac.weights import Checkpoint
 from ferrum_mac.weights.safetensors import check_header
 
 FORMAT = "1"  # bump when what a block file holds changes
-BUDGET_SETTING = "FERRUM_PREFIX_DISK_MB"
 LONG_PREFIX_TOKENS = 1024  # a remembered prefix this long is written without waiting for a reuse
 MIN_FREE_BYTES = 2 << 30  # never fill the disk past this
 QUEUE_BYTES = 64 << 20  # blocks waiting to be written at most; more is dropped (and a release reads no more)
@@ -76,11 +74,14 @@ DTYPES: dict[str, tuple[str, np.dtype]] = {
 }
 
 
-def for_checkpoint(checkpoint: Checkpoint, dtype: str, backend: str, block_tokens: int) -> "PrefixDisk | None":
+def for_checkpoint(
+    checkpoint: Checkpoint, dtype: str, backend: str, block_tokens: int, root: Path, budget_mb: int
+) -> "PrefixDisk | None":
     """The disk tier for a model loaded from `checkpoint` in `dtype` (float32, float16, bfloat16)
-    by `backend` (its name and device, e.g. "torch-cpu"); None when it keeps nothing on disk
-    (FERRUM_PREFIX_DISK_MB=0, a CUDA device, a checkpoint without files, an unusable cache folder)."""
-    budget = settings.value(BUDGET_SETTING) << 20
+    by `backend` (its name and device, e.g. "torch-cpu"), in the folder `root` (shared by every
+    model) holding at most `budget_mb` MiB; None when it keeps nothing on disk (a budget of 0,
+    a CUDA device, a checkpoint without files, an unusable cache folder)."""
+    budget = budget_mb << 20
     if backend.endswith("-cuda"):
         # A CUDA GPU computes a prompt again faster than it reads the prompt's KV back (an
         # H100 prefills 16k tokens of an 8B model in under a second, 2.3 GB of KV), and the
@@ -90,7 +91,7 @@ def for_checkpoint(checkpoint: Checkpoint, dtype: str, backend: str, block_token
     if not budget or key is None or dtype not in DTYPES:
         return None
     try:
-        return PrefixDisk(settings.prefix_cache_dir(), key, dtype, budget)
+        return PrefixDisk(root, key, dtype, budget)
     except (OSError, FerrumError):
         return None
 

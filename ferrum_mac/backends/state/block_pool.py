@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ferrum_mac.backends.prefix_index import Match, PrefixIndex
+from ferrum_mac.backends.state.prefix_index import Match, PrefixIndex
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import MISS_NO_PREFIX, MISS_OTHER_MODEL, PrefixReuse, PrefixStats
 
@@ -192,7 +192,7 @@ class BlockPool:
     # -- the prefix cache -------------------------------------------------------------
 
     def reuse(self, cache_id: str, tokens: Sequence[int]) -> PrefixReuse:
-        """`DecoderOnlyLLM.kv_reuse`."""
+        """`StateManager.reuse`."""
         seq = self.acquire(cache_id)
         held, limit = seq.length, len(tokens) - 1
         self.stats.lookups += 1
@@ -222,7 +222,7 @@ class BlockPool:
         return PrefixReuse(found, found - held, match.miss)
 
     def remember(self, cache_id: str, tokens: Sequence[int]) -> None:
-        """`DecoderOnlyLLM.kv_remember`."""
+        """`StateManager.remember`."""
         seq = self.caches.get(cache_id)
         if seq is None or not self.cache_blocks:
             return

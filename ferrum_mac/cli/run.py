@@ -75,6 +75,7 @@ def run(words: list[str], options: RunOptions) -> None:
         if not prompt.strip():
             raise FerrumError("the prompt on stdin is empty; pipe some text in or give the prompt as an argument")
     engine = open_engine(model, options)
+    say_when_demo_model(model, options)
     settings = engine.settings(
         system=options.system,
         sampling=engine.default_sampling.replace(**options.sampling_changes()),
@@ -111,6 +112,19 @@ def open_engine(model: str | None, options: RunOptions) -> ChatEngine:
     return open_local(
         model, backend=options.backend, device=options.device, pull=options.pull, kv_capacity=options.kv_capacity
     )
+
+
+def say_when_demo_model(model: str | None, options: RunOptions) -> None:
+    """On stderr, one line when the bundled demo model answers: it is small, and what to pull instead."""
+    if options.remote:
+        return
+    from ferrum_mac.backends import choose
+    from ferrum_mac.engine import default_model_name
+    from ferrum_mac.store.recommend import demo_model_notice
+
+    line = demo_model_notice(model or default_model_name(), choose(options.backend))
+    if line:
+        print(f"ferrum: {line}", file=sys.stderr)
 
 
 def split_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:

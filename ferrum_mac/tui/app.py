@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ferrum_mac.engine import ChatEngine
 
 MEMORY_REFRESH_SECONDS = 2.0
+DEMO_NOTICE_SECONDS = 30
 
 
 class ChatApp(App):
@@ -78,7 +79,7 @@ class ChatApp(App):
         except Exception as e:
             self.post_message(EngineFailed(name, str(e).splitlines()[0] if str(e) else type(e).__name__))
             return
-        self.post_message(EngineOpened(engine, device))
+        self.post_message(EngineOpened(engine, device, self.services.demo_notice(engine.name or name)))
 
     def on_engine_opened(self, event: EngineOpened) -> None:
         self.engine = event.engine
@@ -86,6 +87,8 @@ class ChatApp(App):
         self.model_name = event.engine.name or self.model_name
         self.device_text = event.device
         self.refresh_status()
+        if event.notice:
+            self.notify(event.notice, title="A demo model", timeout=DEMO_NOTICE_SECONDS)
 
     def on_engine_failed(self, event: EngineFailed) -> None:
         self.device_text = "not loaded"

@@ -4,7 +4,6 @@ they can run offline on the bundled model: each prints what its comment claims."
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -12,8 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ferrum_mac.store.bundled import SMOLLM2
 
 FERRUM = Path(sys.executable).with_name("ferrum")
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -96,25 +93,6 @@ def test_every_example_is_run_here_or_named_as_run_elsewhere():
     here, elsewhere = ({tuple(shlex.split(example)) for example in named} for named in (OFFLINE, ELSEWHERE))
     assert here <= examples, here - examples  # the README still shows them
     assert examples <= here | elsewhere, examples - here - elsewhere
-
-
-@pytest.fixture(scope="module")
-def newcomer_env(smollm2_gguf, tmp_path_factory) -> dict:
-    """A store holding only the bundled model (as after the first `ferrum run`), no network."""
-    home = tmp_path_factory.mktemp("readme")
-    folder = home / "data" / "ferrum_mac" / "models" / SMOLLM2.name
-    folder.mkdir(parents=True)
-    (folder / SMOLLM2.filename).symlink_to(smollm2_gguf)
-    variables = {
-        **os.environ,
-        "XDG_DATA_HOME": str(home / "data"),
-        "HF_HOME": str(home / "hf"),
-        "HF_HUB_OFFLINE": "1",
-        "TERM": "dumb",
-        "NO_COLOR": "1",
-    }
-    variables.pop("FERRUM_MODEL", None)
-    return variables
 
 
 @pytest.mark.parametrize("example", sorted(OFFLINE))

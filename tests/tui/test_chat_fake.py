@@ -222,3 +222,15 @@ async def test_model_picker_pulls_with_progress_and_switches(make_app, history):
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.services.opened_names[-1] == "smollm2:360m" and app.engine is not None)
         assert app.model_name == "smollm2:360m"
+
+
+async def test_line_breaks_in_an_answer_stay(make_app, history):
+    poem = "Roses are red,\nviolets are blue,\nsugar is sweet."
+    app = make_app([[("text", poem)]])
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "a poem please")
+        await pilot.pause()
+        paragraph = app.chat.query(MessageView).last().query_one("MarkdownParagraph")
+        assert paragraph.size.height == 3  # a line each, not one reflowed line
+        assert str(paragraph.render()).splitlines() == poem.splitlines()

@@ -452,10 +452,10 @@ class ChatScreen(Screen):
                 return
 
     def action_attach(self) -> None:
-        from ferrum_mac.tui.screens.text_prompt_screen import TextPromptScreen
+        from ferrum_mac.tui.screens.text_prompt_screen import PathPromptScreen
 
-        question = "Attach a text file: its path (or type @path in the prompt; Tab completes it)"
-        self.app.push_screen(TextPromptScreen(question), self.attach_path)
+        question = "Attach a text file: its path (Tab completes it; or type @path in the prompt)"
+        self.app.push_screen(PathPromptScreen(question), self.attach_path)
 
     def attach_path(self, path: str | None) -> None:
         if not path:

@@ -136,7 +136,9 @@ async def test_at_80x24_the_prompt_status_and_an_answer_footer_fit(make_app, tmp
 
 
 def label_text(screen) -> str:
-    label = screen.query_one("#dialog > Label", Label)
+    """The dialog's question as far as it is inside the dialog (what the screen shows)."""
+    label, dialog = screen.query_one("#dialog > Label", Label), screen.query_one("#dialog")
+    assert dialog.content_region.contains_region(label.region), (label.region, dialog.content_region)
     return "\n".join(line.text for line in label.render_lines(label.region.reset_offset)).strip()
 
 

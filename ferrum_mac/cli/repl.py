@@ -24,6 +24,7 @@ from ferrum_mac.errors import FerrumError
 PROMPT, MORE = ">>> ", "... "
 FENCE = '"""'
 HINT = "Use Ctrl-D or /bye to exit (or Ctrl-C again)."
+GREETING = "Chatting with {model}. /? for help, /bye or Ctrl-D to exit."
 
 
 class LineReader:
@@ -85,6 +86,8 @@ class Repl:
         self.commands = Commands(self.session)
 
     def run(self) -> None:
+        if self.reader.tty:  # a person at a terminal, not a script piping messages in
+            print(GREETING.format(model=self.session.engine.name or "the model"))
         try:
             self._loop()
         except KeyboardInterrupt:  # a Ctrl-C that landed between two reads: leave, as asked

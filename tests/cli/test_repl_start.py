@@ -1,0 +1,47 @@
+"""The REPL as a person at a terminal meets it: a greeting naming the model and the help, and a
+bare /set that lists the settings."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ferrum_mac.cli.printer import EventPrinter
+from ferrum_mac.cli.repl import Repl
+from ferrum_mac.cli.repl_commands import Commands
+from ferrum_mac.cli.session import ChatSession
+
+
+class Reader:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def read(self, prompt: str) -> str:
+        raise EOFError
+
+    def close(self) -> None:
+        pass
+
+
+def repl(tty: bool) -> Repl:
+    engine = SimpleNamespace(name="smollm2:135m")
+    return Repl(engine, SimpleNamespace(close=lambda: None), EventPrinter(), Reader(tty))
+
+
+def test_a_terminal_repl_greets_with_the_model_and_the_help(capsys):
+    repl(tty=True).run()
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "Chatting with smollm2:135m. /? for help, /bye or Ctrl-D to exit."
+
+
+def test_a_piped_repl_prints_no_greeting(capsys):
+    repl(tty=False).run()
+    assert capsys.readouterr().out == ""
+
+
+def test_a_bare_set_lists_the_settings(capsys):
+    session = ChatSession(SimpleNamespace(name="m"), SimpleNamespace(), EventPrinter())
+    assert Commands(session).run("/set")
+    out = capsys.readouterr().out
+    assert "Unknown setting" not in out
+    assert out.startswith("Available /set commands:") and "/set temperature" not in out
+    assert "/set parameter NAME VALUE" in out and "/set format json | text" in out and "/show" not in out

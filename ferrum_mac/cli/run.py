@@ -69,6 +69,8 @@ class RunOptions:
 
 def run(words: list[str], options: RunOptions) -> None:
     model, prompt = split_model_and_prompt(words)
+    if prompt is not None and not prompt.strip():
+        raise FerrumError('the prompt is empty; give some text (`ferrum run "Hi"`), or none for the REPL')
     check_options(options)
     if prompt is None and not options.interactive and not sys.stdin.isatty():
         prompt = sys.stdin.read()
@@ -131,7 +133,7 @@ def split_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:
     if not words:
         return None, None
     if looks_like_model(words[0]):
-        return words[0], " ".join(words[1:]) or None
+        return words[0], " ".join(words[1:]) if len(words) > 1 else None
     return None, " ".join(words)
 
 

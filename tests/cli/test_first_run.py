@@ -3,6 +3,7 @@ it is a small demo, and which model to pull for this machine."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,3 +28,13 @@ def test_first_run_says_the_model_is_a_demo_and_what_to_pull(newcomer_env):
 def test_a_named_model_file_gets_no_demo_line(smollm2_gguf, newcomer_env):
     run = ferrum("run", str(smollm2_gguf), "--max-tokens", "2", "Hi", env=newcomer_env)
     assert run.returncode == 0 and "demo model" not in run.stderr, run.stderr
+
+
+def test_an_empty_prompt_is_refused_before_the_model_loads(tmp_path):
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    for words in ([""], ["  "], ["smollm2:135m", ""]):
+        run = ferrum("run", "--no-pull", *words, env=env)
+        assert run.returncode == 1 and run.stdout == ""
+        assert run.stderr.splitlines() == [
+            'ferrum: the prompt is empty; give some text (`ferrum run "Hi"`), or none for the REPL'
+        ], run.stderr

@@ -190,6 +190,27 @@ async def test_settings_modal_changes_the_next_turn(make_app, history):
         assert (settings.system, settings.max_tokens, settings.sampling.temperature) == ("Be terse.", 7, 0.5)
 
 
+async def test_settings_modal_shows_the_defaults_in_force(make_app, history):
+    from textual.widgets import Input
+
+    from tui_fakes import FakeEngine
+
+    engine = FakeEngine()
+    engine.default_sampling = engine.default_sampling.replace(temperature=0.2, top_p=0.9)
+    app = make_app(engine=engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        fields = {name: app.screen.query_one(f"#{name}", Input) for name in ("temperature", "top_p", "max_tokens")}
+        assert {name: field.placeholder for name, field in fields.items()} == {
+            "temperature": "default: 0.2",
+            "top_p": "default: 0.9",
+            "max_tokens": "default: no limit",  # the fake engine sets none
+        }
+        assert all(field.value == "" for field in fields.values())  # nothing stored: the defaults apply
+
+
 async def test_export_writes_markdown(make_app, history, tmp_path):
     app = make_app([[("text", "```python\nprint('hi')\n```")]])
     async with app.run_test(size=SIZE) as pilot:

@@ -393,7 +393,9 @@ class ChatScreen(Screen):
             title, settings = chat.title, stored_settings(chat.settings)
         engine = self.app.engine
         find_drafts = partial(self.app.services.draft_models, engine) if engine is not None else None
-        self.app.push_screen(SettingsScreen(title, settings, find_drafts), self.settings_saved)
+        self.app.push_screen(
+            SettingsScreen(title, settings, find_drafts, defaults_in_force(engine)), self.settings_saved
+        )
 
     async def settings_saved(self, settings: dict | None) -> None:
         if settings is None:
@@ -657,6 +659,18 @@ STOP_REASONS = {
     "cancelled": "stopped by you",
     "error": "stopped by an error",
 }
+
+
+def defaults_in_force(engine) -> dict:
+    """The model's defaults the settings dialog shows in its empty fields ({} before it loads)."""
+    if engine is None:
+        return {}
+    settings = engine.settings()
+    return {
+        "temperature": settings.sampling.temperature,
+        "top_p": settings.sampling.top_p,
+        "max_tokens": settings.max_tokens,
+    }
 
 
 def answer_footer(stats: dict) -> str:

@@ -260,6 +260,9 @@ def chat(
     search: Optional[str] = typer.Option(
         None, "--search", metavar="TEXT", help="Print the history's messages that match TEXT, then exit."
     ),
+    open_id: Optional[int] = typer.Option(
+        None, "--open", metavar="N", help="Open conversation N (the number --search prints beside each match)."
+    ),
 ) -> None:
     """The chat application: conversations kept as they happen, streaming Markdown, a model picker."""
     if search is not None:
@@ -269,7 +272,7 @@ def chat(
         return
     from ferrum_mac.tui.app import main as chat_app
 
-    chat_app(model, backend, db, max_tokens, remote=remote, api_key=api_key, device=device)
+    chat_app(model, backend, db, max_tokens, remote=remote, api_key=api_key, device=device, open_id=open_id)
 
 
 def main(prog_name: str | None = None) -> None:

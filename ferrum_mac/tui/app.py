@@ -37,8 +37,11 @@ class ChatApp(App):
         model: str | None = None,
         default_settings: dict | None = None,
         export_dir: Path | None = None,
+        open_id: int | None = None,
     ):
+        """`open_id`: the conversation shown first (default: the latest)."""
         super().__init__()
+        self.open_id = open_id
         self.services = services
         self.history = history
         self.model_name = model or services.default_model()
@@ -146,6 +149,7 @@ def main(
     remote: str | None = None,
     api_key: str | None = None,
     device: str | None = None,
+    open_id: int | None = None,
 ) -> None:
     from ferrum_mac.store.history import History
     from ferrum_mac.tui.chat_settings import stored_settings
@@ -154,7 +158,9 @@ def main(
     services = RemoteServices(remote, api_key) if remote else Services(backend, device)
     history = History.open(db)
     try:
-        app = ChatApp(services, history, model, stored_settings(max_tokens=max_tokens))
+        if open_id is not None:
+            history.conversation(open_id)  # a number that is none: one line now, not an empty app
+        app = ChatApp(services, history, model, stored_settings(max_tokens=max_tokens), open_id=open_id)
         app.run()
     finally:
         history.close()

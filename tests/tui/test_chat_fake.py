@@ -255,3 +255,19 @@ async def test_line_breaks_in_an_answer_stay(make_app, history):
         paragraph = app.chat.query(MessageView).last().query_one("MarkdownParagraph")
         assert paragraph.size.height == 3  # a line each, not one reflowed line
         assert str(paragraph.render()).splitlines() == poem.splitlines()
+
+
+async def test_open_shows_the_conversation_asked_for(history, tmp_path):
+    from ferrum_mac.tui.app import ChatApp
+    from tui_fakes import FakeEngine, FakeServices
+
+    older = history.new_conversation("lighthouses")
+    history.add_message(older.id, "user", "the lighthouse keeper")
+    newer = history.new_conversation("newer")
+    history.add_message(newer.id, "user", "something else")
+    engine = FakeEngine()
+    app = ChatApp(FakeServices(engine), history, engine.name, export_dir=tmp_path, open_id=older.id)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.chat.current_id == older.id
+        assert texts(app) == [("user", "the lighthouse keeper")]

@@ -109,7 +109,8 @@ class ChatScreen(Screen):
         self.query_one("#editing").display = False
         self.query_one("#attachments").display = False
         conversations = self.history.conversations()
-        await self.open_conversation(conversations[0].id if conversations else None)
+        first = self.app.open_id or (conversations[0].id if conversations else None)
+        await self.open_conversation(first)
         self.query_one(PromptInput).focus()
 
     # -- what is shown ------------------------------------------------------------------------

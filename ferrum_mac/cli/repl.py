@@ -81,6 +81,7 @@ def read_message(reader: LineReader) -> str:
 class Repl:
     def __init__(self, engine: ChatEngine, conv: Conversation, printer: EventPrinter, reader: LineReader | None = None):
         printer.limit_setting = "/set num_predict"
+        printer.context_advice = "/clear empties it; `ferrum run --kv-capacity N` sets its size"
         self.session = ChatSession(engine, conv, printer)
         self.reader = reader or LineReader(history=history_file())
         self.commands = Commands(self.session)

@@ -45,3 +45,20 @@ def test_a_bare_set_lists_the_settings(capsys):
     assert "Unknown setting" not in out
     assert out.startswith("Available /set commands:") and "/set temperature" not in out
     assert "/set parameter NAME VALUE" in out and "/set format json | text" in out and "/show" not in out
+
+
+def test_a_full_context_says_how_to_change_it():
+    from ferrum_mac.cli.printer import cut_line
+    from ferrum_mac.engine import CONTEXT, Done
+
+    done = Done(
+        CONTEXT, prompt_tokens=30, cached_tokens=0, generated_tokens=10, ttft_s=0.1, prefill_tps=1, decode_tps=1
+    )
+    assert cut_line(done, "--max-tokens") == (
+        "the answer was cut at 10 tokens: the context is full "
+        "(--kv-capacity sets its size, up to the model's context length)"
+    )
+    printer = repl(tty=False).session.printer
+    assert cut_line(done, printer.limit_setting, printer.context_advice).endswith(
+        "(/clear empties it; `ferrum run --kv-capacity N` sets its size)"
+    )

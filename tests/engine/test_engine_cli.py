@@ -120,7 +120,9 @@ def test_an_answer_cut_by_a_full_context_says_so(stories_path, env):
     assert run.stdout.strip()
     lines = run.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("ferrum: the answer was cut at "), run.stderr
-    assert lines[0].endswith(" tokens: the context is full")
+    assert lines[0].endswith(
+        " tokens: the context is full (--kv-capacity sets its size, up to the model's context length)"
+    )
 
 
 @pytest.mark.slow

@@ -656,7 +656,7 @@ def engine_messages(stored) -> list[dict]:
 
 STOP_REASONS = {
     "max_tokens": "cut at max tokens",
-    "context": "context full",
+    "context": "context full (Ctrl+N starts afresh; FERRUM_KV_CAPACITY sets its size)",
     "cancelled": "stopped by you",
     "error": "stopped by an error",
 }

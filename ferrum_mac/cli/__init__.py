@@ -11,6 +11,7 @@ import typer
 
 from ferrum_mac.cli.bench import bench_app
 from ferrum_mac.cli.options import (
+    CONTEXT_DEFAULT,
     NAME_HELP,
     AliasBackend,
     ApiKey,
@@ -141,7 +142,10 @@ def run(
     backend: Backend = "auto",
     device: Device = None,
     kv_capacity: KvCapacity = None,
-    context: str = typer.Option("error", help="When the context is full: error or truncate-oldest."),
+    context: str = typer.Option(
+        CONTEXT_DEFAULT,
+        help="When the context is full: truncate-oldest (drop the oldest turns, as the chat app does) or error.",
+    ),
     pull: bool = typer.Option(True, "--pull/--no-pull", help="Download the model when it is not on disk."),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="The REPL, even with stdin piped."),
     remote: Remote = None,

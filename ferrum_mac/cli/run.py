@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ferrum_mac.cli.options import CONTEXT_DEFAULT
 from ferrum_mac.cli.printer import EventPrinter
 from ferrum_mac.engine import ChatEngine, ChatSettings, Conversation, Notice, ResponseFormat, SamplingParams
 from ferrum_mac.engine.speculation import DRAFT, Speculate, check_speculate, draft_name, same_vocabulary
@@ -39,7 +40,7 @@ class RunOptions:
     backend: str = "auto"
     device: str | None = None
     kv_capacity: int | None = None
-    context: str = "error"
+    context: str = CONTEXT_DEFAULT
     pull: bool = True
     interactive: bool = False
     remote: str | None = None  # an OpenAI-compatible server's URL instead of a local model

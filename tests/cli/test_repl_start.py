@@ -62,3 +62,15 @@ def test_a_full_context_says_how_to_change_it():
     assert cut_line(done, printer.limit_setting, printer.context_advice).endswith(
         "(/clear empties it; `ferrum run --kv-capacity N` sets its size)"
     )
+
+
+def test_run_and_the_chat_app_take_the_same_context_policy():
+    from typer.main import get_command
+
+    from ferrum_mac.cli import app
+    from ferrum_mac.cli.run import RunOptions
+    from ferrum_mac.engine import TRUNCATE_OLDEST
+    from ferrum_mac.tui.chat_settings import stored_settings
+
+    flag = next(p for p in get_command(app).commands["run"].params if p.name == "context")
+    assert RunOptions().context == flag.default == stored_settings()["context_policy"] == TRUNCATE_OLDEST

@@ -27,7 +27,6 @@ CLI_PULL = "`ferrum pull {name}`, then `ferrum run {name}`"  # how to get the re
 class Recommendation:
     name: str
     weight_bytes: int
-    memory_bytes: int  # the machine's
 
 
 def machine_memory_bytes() -> int:
@@ -43,7 +42,7 @@ def recommended_model(memory_bytes: int, backend: str = "mlx") -> Recommendation
     WEIGHT_SHARE of `memory_bytes`; None when not even the smallest does."""
     per_parameter = BYTES_PER_PARAMETER[DEFAULT_QUANT.get(backend, "4bit")]
     fits = [
-        Recommendation(name, int(billions * 1e9 * per_parameter), memory_bytes)
+        Recommendation(name, int(billions * 1e9 * per_parameter))
         for name, billions in LADDER
         if billions * 1e9 * per_parameter <= WEIGHT_SHARE * memory_bytes
     ]
@@ -70,9 +69,7 @@ def first_model_lines(memory_bytes: int, backend: str = "mlx", hub_offline: bool
     if hub_offline:
         lines.append("HF_HUB_OFFLINE is set, so no other model can be pulled now")
     else:
-        lines.append(
-            f"for better answers, {better_model_hint(memory_bytes, backend)} (`ferrum list --available` shows more)"
-        )
+        lines.append(f"for better answers, {better_model_hint(memory_bytes, backend)}")
     return lines
 
 

@@ -23,13 +23,13 @@ def _ferrum_from_random(shape: str, quant: str):
     return MlxLLM(checkpoint), rm.peer, f"{shape} {quant} (random weights)"
 
 
-def _ferrum_from_path(model: str):
+def _ferrum_from_path(model: str, with_peer: bool):
     import ferrum_mac
 
     llm = ferrum_mac.open_model(model, backend="mlx")  # (auto takes torch on an NVIDIA machine)
     source = llm.source.path
     peer = None
-    if source.is_dir():
+    if with_peer and source.is_dir():
         from mlx_lm import load
 
         peer, _ = load(str(source))
@@ -96,13 +96,20 @@ def run_bench(
     from ferrum_mac.bench.measure import batched_decode_tps, ferrum_stream, mlx_lm_stream, time_stream
     from ferrum_mac.bench.report import interleaved
 
-    require_peer("mlx_lm", "ferrum bench compares against mlx-lm: pip install 'ferrum-mac[bench]'")
+    if peer:
+        require_peer("mlx_lm", "ferrum bench compares against mlx-lm: pip install 'ferrum-mac[bench]' (or --no-peer)")
+    elif shape:
+        require_peer(
+            "mlx_lm",
+            "ferrum bench --shape builds its weights with mlx-lm's model classes: pip install 'ferrum-mac[bench]' "
+            "(or bench a MODEL with --no-peer)",
+        )
     use_device(check_device(device))
     if (model is None) == (shape is None):
         raise FerrumError("give either a MODEL or --shape (for example: ferrum bench --shape qwen3-0.6b)")
     log = (lambda msg: print(msg, file=sys.stderr)) if json_out else print
     log("ferrum bench: preparing weights ...")
-    llm, peer_model, label = _ferrum_from_random(shape, quant) if shape else _ferrum_from_path(model)
+    llm, peer_model, label = _ferrum_from_random(shape, quant) if shape else _ferrum_from_path(model, peer)
     prompt_tokens, new_tokens = fit_to_context(prompt_tokens, new_tokens, llm.kv_capacity())
     rng = random.Random(0)
     prompt = [rng.randrange(llm.config.vocab_size) for _ in range(prompt_tokens)]

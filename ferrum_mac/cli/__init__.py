@@ -11,6 +11,7 @@ import typer
 
 from ferrum_mac.cli.bench import bench_app
 from ferrum_mac.cli.options import (
+    CONTEXT_DEFAULT,
     NAME_HELP,
     AliasBackend,
     ApiKey,
@@ -141,7 +142,10 @@ def run(
     backend: Backend = "auto",
     device: Device = None,
     kv_capacity: KvCapacity = None,
-    context: str = typer.Option("error", help="When the context is full: error or truncate-oldest."),
+    context: str = typer.Option(
+        CONTEXT_DEFAULT,
+        help="When the context is full: truncate-oldest (drop the oldest turns, as the chat app does) or error.",
+    ),
     pull: bool = typer.Option(True, "--pull/--no-pull", help="Download the model when it is not on disk."),
     interactive: bool = typer.Option(False, "--interactive", "-i", help="The REPL, even with stdin piped."),
     remote: Remote = None,
@@ -260,6 +264,9 @@ def chat(
     search: Optional[str] = typer.Option(
         None, "--search", metavar="TEXT", help="Print the history's messages that match TEXT, then exit."
     ),
+    open_id: Optional[int] = typer.Option(
+        None, "--open", metavar="N", help="Open conversation N (the number --search prints beside each match)."
+    ),
 ) -> None:
     """The chat application: conversations kept as they happen, streaming Markdown, a model picker."""
     if search is not None:
@@ -269,7 +276,7 @@ def chat(
         return
     from ferrum_mac.tui.app import main as chat_app
 
-    chat_app(model, backend, db, max_tokens, remote=remote, api_key=api_key, device=device)
+    chat_app(model, backend, db, max_tokens, remote=remote, api_key=api_key, device=device, open_id=open_id)
 
 
 def main(prog_name: str | None = None) -> None:

@@ -27,3 +27,4 @@ def print_search(db: str | None, text: str) -> None:
         snippet = " ".join(hit.snippet.split()).replace(MATCH_START, start).replace(MATCH_END, end)
         print(f"{hit.title}  (conversation {hit.conversation_id}, {ROLE_NAMES.get(hit.role, hit.role)})")
         print(f"  {snippet}")
+    print(f"`ferrum chat --open {hits[0].conversation_id}` opens the first of them", file=sys.stderr)

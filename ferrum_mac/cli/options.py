@@ -11,6 +11,9 @@ from typing import Annotated, Optional
 import typer
 
 API_KEY_ENV = "FERRUM_API_KEY"
+# What `ferrum run` does when the context is full: what the chat app does (tui/chat_settings.py),
+# and Ollama's REPL: a long conversation drops its oldest turns instead of stopping.
+CONTEXT_DEFAULT = "truncate-oldest"
 NAME_HELP = "Alias (qwen3:0.6b), Hugging Face repo id (org/name[@revision][:QUANT]), folder or .gguf file."
 
 Backend = Annotated[str, typer.Option("--backend", help="auto, mlx or torch.")]

@@ -10,6 +10,7 @@ from typing import TextIO
 from ferrum_mac.engine import CONTEXT, MAX_TOKENS, Done, Event, Notice, ReasoningDelta, TextDelta
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
+CONTEXT_ADVICE = "--kv-capacity sets its size, up to the model's context length"
 
 
 class EventPrinter:
@@ -26,6 +27,7 @@ class EventPrinter:
         self.show_reasoning = show_reasoning
         self.verbose = verbose
         self.limit_setting = "--max-tokens"  # what the user changes the answer limit with
+        self.context_advice = CONTEXT_ADVICE  # what to do when the context is full
         self._colour = _is_terminal(self.err)
         self._answer_open = False  # answer text printed without its final newline
         self._reasoning_open = False
@@ -44,7 +46,7 @@ class EventPrinter:
             self._write(self.err, f"ferrum: {event.text}\n")
         elif isinstance(event, Done):
             self.end_line()
-            cut = cut_line(event, self.limit_setting)
+            cut = cut_line(event, self.limit_setting, self.context_advice)
             if cut:
                 self._write(self.err, f"ferrum: {cut}\n")
             if self.verbose:
@@ -68,13 +70,14 @@ class EventPrinter:
         stream.flush()
 
 
-def cut_line(done: Done, limit_setting: str) -> str | None:
-    """Why the answer stopped short, when a limit or the context cut it (not for its own end)."""
+def cut_line(done: Done, limit_setting: str, context_advice: str = CONTEXT_ADVICE) -> str | None:
+    """Why the answer stopped short, when a limit or the context cut it (not for its own end),
+    and how to change that."""
     tokens = f"{done.generated_tokens} token{'s' if done.generated_tokens != 1 else ''}"
     if done.stop_reason == MAX_TOKENS:
         return f"the answer was cut at {tokens} ({limit_setting})"
     if done.stop_reason == CONTEXT:
-        return f"the answer was cut at {tokens}: the context is full"
+        return f"the answer was cut at {tokens}: the context is full ({context_advice})"
     return None
 
 

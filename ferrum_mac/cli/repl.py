@@ -24,6 +24,7 @@ from ferrum_mac.errors import FerrumError
 PROMPT, MORE = ">>> ", "... "
 FENCE = '"""'
 HINT = "Use Ctrl-D or /bye to exit (or Ctrl-C again)."
+GREETING = "Chatting with {model}. /? for help, /bye or Ctrl-D to exit."
 
 
 class LineReader:
@@ -80,11 +81,14 @@ def read_message(reader: LineReader) -> str:
 class Repl:
     def __init__(self, engine: ChatEngine, conv: Conversation, printer: EventPrinter, reader: LineReader | None = None):
         printer.limit_setting = "/set num_predict"
+        printer.context_advice = "/clear empties it; `ferrum run --kv-capacity N` sets its size"
         self.session = ChatSession(engine, conv, printer)
         self.reader = reader or LineReader(history=history_file())
         self.commands = Commands(self.session)
 
     def run(self) -> None:
+        if self.reader.tty:  # a person at a terminal, not a script piping messages in
+            print(GREETING.format(model=self.session.engine.name or "the model"))
         try:
             self._loop()
         except KeyboardInterrupt:  # a Ctrl-C that landed between two reads: leave, as asked

@@ -32,6 +32,9 @@ HELP = """Available commands:
   /?, /help                   this help
 Use \"\"\" to begin and end a multi-line message. Ctrl-C stops an answer."""
 
+# a bare /set: HELP's /set lines
+SET_HELP = HELP.split("\n  /show", 1)[0].replace("Available commands:", "Available /set commands:", 1)
+
 # REPL parameter name -> (SamplingParams field, type); Ollama's names and ferrum's own
 SAMPLING_PARAMETERS: dict[str, tuple[str, Callable]] = {
     "temperature": ("temperature", float),
@@ -76,6 +79,9 @@ class Commands:
         what, _, value = rest.partition(" ")
         value = value.strip()
         what = what.lower()
+        if not what:
+            say(SET_HELP)
+            return
         if what == "parameter":
             what, _, value = value.partition(" ")
             value = value.strip()

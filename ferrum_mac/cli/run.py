@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ferrum_mac.cli.options import CONTEXT_DEFAULT
 from ferrum_mac.cli.printer import EventPrinter
 from ferrum_mac.engine import ChatEngine, ChatSettings, Conversation, Notice, ResponseFormat, SamplingParams
 from ferrum_mac.engine.speculation import DRAFT, Speculate, check_speculate, draft_name, same_vocabulary
@@ -39,7 +40,7 @@ class RunOptions:
     backend: str = "auto"
     device: str | None = None
     kv_capacity: int | None = None
-    context: str = "error"
+    context: str = CONTEXT_DEFAULT
     pull: bool = True
     interactive: bool = False
     remote: str | None = None  # an OpenAI-compatible server's URL instead of a local model
@@ -69,12 +70,15 @@ class RunOptions:
 
 def run(words: list[str], options: RunOptions) -> None:
     model, prompt = split_model_and_prompt(words)
+    if prompt is not None and not prompt.strip():
+        raise FerrumError('the prompt is empty; give some text (`ferrum run "Hi"`), or none for the REPL')
     check_options(options)
     if prompt is None and not options.interactive and not sys.stdin.isatty():
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise FerrumError("the prompt on stdin is empty; pipe some text in or give the prompt as an argument")
     engine = open_engine(model, options)
+    say_when_demo_model(model, options)
     settings = engine.settings(
         system=options.system,
         sampling=engine.default_sampling.replace(**options.sampling_changes()),
@@ -113,11 +117,24 @@ def open_engine(model: str | None, options: RunOptions) -> ChatEngine:
     )
 
 
+def say_when_demo_model(model: str | None, options: RunOptions) -> None:
+    """On stderr, one line when the bundled demo model answers: it is small, and what to pull instead."""
+    if options.remote:
+        return
+    from ferrum_mac.backends import choose
+    from ferrum_mac.engine import default_model_name
+    from ferrum_mac.store.recommend import demo_model_notice
+
+    line = demo_model_notice(model or default_model_name(), choose(options.backend))
+    if line:
+        print(f"ferrum: {line}", file=sys.stderr)
+
+
 def split_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:
     if not words:
         return None, None
     if looks_like_model(words[0]):
-        return words[0], " ".join(words[1:]) or None
+        return words[0], " ".join(words[1:]) if len(words) > 1 else None
     return None, " ".join(words)
 
 

@@ -27,7 +27,10 @@ def list_command(available: bool, backend: str) -> None:
     models = list_models()
     complete = [m for m in models if m.complete]
     if not complete:
-        print("no models yet; `ferrum pull qwen3:0.6b` fetches one (`ferrum list --available` shows more)")
+        from ferrum_mac.settings import value
+        from ferrum_mac.store.recommend import first_model_lines, machine_memory_bytes
+
+        print("\n".join(first_model_lines(machine_memory_bytes(), backend, value("HF_HUB_OFFLINE"))))
     else:
         _table(
             ["NAME", "SIZE", "QUANT", "FORMAT", "MODIFIED"],

@@ -60,10 +60,15 @@ ANY_JSON: dict = {
 
 ANY_OBJECT: dict = {"type": "object", "additionalProperties": {"$ref": "#/$defs/json"}}
 
+# JSON mode's answer holds at least one member: `{}` is valid JSON that says nothing, and a small
+# model asked for JSON takes it every time (as it would end a free answer at once). A schema is
+# left as its author wrote it.
+JSON_MODE_OBJECT: dict = {**ANY_OBJECT, "minProperties": 1}
+
 
 def json_object_grammar() -> str:
-    """Any JSON object: `response_format` `{"type": "json_object"}`."""
-    return json_schema_grammar({**ANY_OBJECT, "$defs": {"json": ANY_JSON}}, "json_object")
+    """Any JSON object with at least one member: `response_format` `{"type": "json_object"}`."""
+    return json_schema_grammar({**JSON_MODE_OBJECT, "$defs": {"json": ANY_JSON}}, "json_object")
 
 
 def bounded_numbers(schema: Any) -> Any:

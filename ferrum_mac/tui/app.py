@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ferrum_mac.engine import ChatEngine
 
 MEMORY_REFRESH_SECONDS = 2.0
+DEMO_NOTICE_SECONDS = 30
 
 
 class ChatApp(App):
@@ -36,8 +37,11 @@ class ChatApp(App):
         model: str | None = None,
         default_settings: dict | None = None,
         export_dir: Path | None = None,
+        open_id: int | None = None,
     ):
+        """`open_id`: the conversation shown first (default: the latest)."""
         super().__init__()
+        self.open_id = open_id
         self.services = services
         self.history = history
         self.model_name = model or services.default_model()
@@ -78,7 +82,7 @@ class ChatApp(App):
         except Exception as e:
             self.post_message(EngineFailed(name, str(e).splitlines()[0] if str(e) else type(e).__name__))
             return
-        self.post_message(EngineOpened(engine, device))
+        self.post_message(EngineOpened(engine, device, self.services.demo_notice(engine.name or name)))
 
     def on_engine_opened(self, event: EngineOpened) -> None:
         self.engine = event.engine
@@ -86,6 +90,8 @@ class ChatApp(App):
         self.model_name = event.engine.name or self.model_name
         self.device_text = event.device
         self.refresh_status()
+        if event.notice:
+            self.notify(event.notice, title="A demo model", timeout=DEMO_NOTICE_SECONDS)
 
     def on_engine_failed(self, event: EngineFailed) -> None:
         self.device_text = "not loaded"
@@ -143,6 +149,7 @@ def main(
     remote: str | None = None,
     api_key: str | None = None,
     device: str | None = None,
+    open_id: int | None = None,
 ) -> None:
     from ferrum_mac.store.history import History
     from ferrum_mac.tui.chat_settings import stored_settings
@@ -151,7 +158,9 @@ def main(
     services = RemoteServices(remote, api_key) if remote else Services(backend, device)
     history = History.open(db)
     try:
-        app = ChatApp(services, history, model, stored_settings(max_tokens=max_tokens))
+        if open_id is not None:
+            history.conversation(open_id)  # a number that is none: one line now, not an empty app
+        app = ChatApp(services, history, model, stored_settings(max_tokens=max_tokens), open_id=open_id)
         app.run()
     finally:
         history.close()

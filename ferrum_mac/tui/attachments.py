@@ -64,7 +64,12 @@ def read_attachment(path: str, folder: Path) -> Attachment:
 
 
 def pasted(text: str, number: int) -> Attachment:
-    return Attachment(f"pasted text {number}", text)
+    return Attachment(f"pasted text {number}", unix_newlines(text))
+
+
+def unix_newlines(text: str) -> str:
+    """`text` with CR LF and lone CR line ends as LF: tmux and some terminals paste lines ended by CR."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def at_paths(text: str, folder: Path) -> list[str]:

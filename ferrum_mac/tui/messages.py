@@ -118,10 +118,11 @@ class PullFinished(Message):
 
 
 class EngineOpened(Message):
-    def __init__(self, engine: ChatEngine, device: str):
+    def __init__(self, engine: ChatEngine, device: str, notice: str = ""):
         super().__init__()
         self.engine = engine
         self.device = device
+        self.notice = notice  # a line to show once it is open (the demo model's)
 
 
 class EngineFailed(Message):

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from ferrum_mac.engine.speculation import Speculate
 
 
+PICKER_PULL = "F4 pulls it"  # the model picker's pull field holds the recommended model
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
@@ -42,6 +45,30 @@ class Services:
         from ferrum_mac.store.units import human_bytes
 
         return [ModelEntry(m.name, f"{human_bytes(m.size)}  {m.format} {m.quant}") for m in list_models() if m.complete]
+
+    def machine_memory_bytes(self) -> int:
+        from ferrum_mac.store.recommend import machine_memory_bytes
+
+        return machine_memory_bytes()
+
+    def recommended_model(self) -> str | None:
+        """The catalog model sized to this machine's memory (see store/recommend.py)."""
+        from ferrum_mac.backends import choose
+        from ferrum_mac.store.recommend import recommended_model
+
+        best = recommended_model(self.machine_memory_bytes(), choose(self.backend))
+        return best.name if best else None
+
+    def demo_notice(self, name: str) -> str:
+        """One line when `name` is the bundled demo model and no other model is here: it is
+        small, and the model picker pulls one sized to this machine ('' otherwise)."""
+        from ferrum_mac.backends import choose
+        from ferrum_mac.store.recommend import DEMO_MODEL, demo_model_line
+
+        if name != DEMO_MODEL:
+            return ""
+        others = [m.name for m in self.local_models() if m.name != DEMO_MODEL]
+        return demo_model_line(name, others, self.machine_memory_bytes(), choose(self.backend), PICKER_PULL)
 
     def draft_models(self, engine: ChatEngine) -> list[str]:
         """The local models that can draft for `engine`'s model: the same vocabulary, another
@@ -118,6 +145,9 @@ class RemoteServices(Services):
 
     def draft_models(self, engine: ChatEngine) -> list[str]:
         return []
+
+    def demo_notice(self, name: str) -> str:
+        return ""  # the server's model: pulled there, not here
 
     def open_draft(self, engine: ChatEngine, name: str) -> Speculate:
         from ferrum_mac.errors import FerrumError

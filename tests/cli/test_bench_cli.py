@@ -29,6 +29,28 @@ def test_bench_fits_the_defaults_into_a_short_context(shared_assets, backend):
     assert len(notices) == 1 and "instead of 512 + 128" in notices[0]
 
 
+WITHOUT_MLX_LM = [
+    sys.executable,
+    "-c",
+    "import sys; sys.modules['mlx_lm'] = None; from ferrum_mac.cli import main; main()",
+]
+
+
+def test_bench_no_peer_needs_no_mlx_lm(smollm2_gguf):
+    args = ["bench", str(smollm2_gguf), "--backend", "mlx", "--device", "cpu", "--runs", "1", "--json"]
+    args += ["--prompt-tokens", "16", "--new-tokens", "4"]
+    proc = subprocess.run(WITHOUT_MLX_LM + args + ["--no-peer"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["mlx_lm"] is None and report["ferrum"]["decode_tps"] > 0
+    proc = subprocess.run(WITHOUT_MLX_LM + args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith("ferrum: ferrum bench compares against mlx-lm")
+    proc = subprocess.run(
+        WITHOUT_MLX_LM + ["bench", "--shape", "qwen3-0.6b", "--no-peer"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1 and "--shape builds its weights with mlx-lm" in proc.stderr
+
+
 def test_bench_turns_reuses_the_cache(shared_assets):
     model = shared_assets / "stories260K"
     args = ["bench", "turns", str(model), "--turns", "2", "--answer-tokens", "4", "--runs", "1", "--json"]

@@ -82,6 +82,15 @@ def test_json_object_numbers_are_capped_too(smollm2_vocab, smollm2_tokenizer):
     assert not accepts(grammar, smollm2_vocab, smollm2_tokenizer, '{"a": [0.12345678]}')
 
 
+def test_json_object_has_a_member(smollm2_vocab, smollm2_tokenizer):
+    # JSON mode's answer carries content; a schema that allows `{}` keeps allowing it
+    grammar = json_object_grammar()
+    assert not accepts(grammar, smollm2_vocab, smollm2_tokenizer, "{}")
+    assert accepts(grammar, smollm2_vocab, smollm2_tokenizer, '{"colours": ["red", "green", "blue"]}')
+    assert accepts(grammar, smollm2_vocab, smollm2_tokenizer, '{"a": {}}')
+    assert accepts(json_schema_grammar({"type": "object"}), smollm2_vocab, smollm2_tokenizer, "{}")
+
+
 def test_bounds_narrow_the_schema_and_leave_it_unchanged():
     schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": -(10**19)}}, "not": UNBOUNDED}
     capped = bounded_numbers(schema)

@@ -68,7 +68,16 @@ def test_ferrum_chat_search_prints_the_matches(tmp_path):
         f"Lighthouses  (conversation {chat.id}, you)",
         "  Tell me about the lighthouse keeper and her cat.",
     ]
+    assert f"`ferrum chat --open {chat.id}` opens the first of them" in found.stderr
     missing = chat_search("walrus")
     assert missing.returncode == 0 and missing.stdout == "" and "no message matches 'walrus'" in missing.stderr
     empty = chat_search("  ?! ")
     assert empty.returncode == 1 and empty.stderr.strip().count("\n") == 0 and "nothing to search for" in empty.stderr
+
+
+def test_ferrum_chat_open_refuses_a_conversation_that_is_not_there(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    History.open(path).close()
+    command = [sys.executable, "-m", "ferrum_mac.cli", "chat", "--db", str(path), "--open", "7"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and run.stderr == "ferrum: no conversation 7 in the chat history\n"

@@ -31,7 +31,7 @@ async def test_the_footer_shows_tokens_speed_first_token_cache_and_the_stop_reas
         await send(pilot, "b")
         assert footer(app).endswith("· stop string 'THE END'")
         await send(pilot, "c")
-        assert footer(app).endswith("· context full")
+        assert footer(app).endswith("· context full (Ctrl+N starts afresh; FERRUM_KV_CAPACITY sets its size)")
         await send(pilot, "d")
         assert footer(app) == "2 tokens · 42.0 tok/s · first token 0.25 s"
         # the figures are kept: reopening the conversation shows the same footers

@@ -114,6 +114,13 @@ async def test_a_large_paste_collapses_to_a_chip_and_at_paths_complete(make_app,
         await pilot.pause()
         assert chips(app) == []
 
+        app.post_message(events.Paste("\r".join(f"tmux line {i}" for i in range(25))))  # CR line ends
+        await pilot.pause()
+        assert prompt.text == "" and chips(app)[0].startswith("📎 pasted text 2 · 25 lines · ")
+        assert prompt.attachments[0].text.split("\n") == [f"tmux line {i}" for i in range(25)]
+        await pilot.press("backspace")
+        await pilot.pause()
+
         await pilot.press(*"see @no", "tab")
         assert prompt.text == "see @notes.txt"
         await pilot.press("enter")

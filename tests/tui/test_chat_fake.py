@@ -190,6 +190,27 @@ async def test_settings_modal_changes_the_next_turn(make_app, history):
         assert (settings.system, settings.max_tokens, settings.sampling.temperature) == ("Be terse.", 7, 0.5)
 
 
+async def test_settings_modal_shows_the_defaults_in_force(make_app, history):
+    from textual.widgets import Input
+
+    from tui_fakes import FakeEngine
+
+    engine = FakeEngine()
+    engine.default_sampling = engine.default_sampling.replace(temperature=0.2, top_p=0.9)
+    app = make_app(engine=engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        fields = {name: app.screen.query_one(f"#{name}", Input) for name in ("temperature", "top_p", "max_tokens")}
+        assert {name: field.placeholder for name, field in fields.items()} == {
+            "temperature": "default: 0.2",
+            "top_p": "default: 0.9",
+            "max_tokens": "default: no limit",  # the fake engine sets none
+        }
+        assert all(field.value == "" for field in fields.values())  # nothing stored: the defaults apply
+
+
 async def test_export_writes_markdown(make_app, history, tmp_path):
     app = make_app([[("text", "```python\nprint('hi')\n```")]])
     async with app.run_test(size=SIZE) as pilot:
@@ -222,3 +243,31 @@ async def test_model_picker_pulls_with_progress_and_switches(make_app, history):
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.services.opened_names[-1] == "smollm2:360m" and app.engine is not None)
         assert app.model_name == "smollm2:360m"
+
+
+async def test_line_breaks_in_an_answer_stay(make_app, history):
+    poem = "Roses are red,\nviolets are blue,\nsugar is sweet."
+    app = make_app([[("text", poem)]])
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "a poem please")
+        await pilot.pause()
+        paragraph = app.chat.query(MessageView).last().query_one("MarkdownParagraph")
+        assert paragraph.size.height == 3  # a line each, not one reflowed line
+        assert str(paragraph.render()).splitlines() == poem.splitlines()
+
+
+async def test_open_shows_the_conversation_asked_for(history, tmp_path):
+    from ferrum_mac.tui.app import ChatApp
+    from tui_fakes import FakeEngine, FakeServices
+
+    older = history.new_conversation("lighthouses")
+    history.add_message(older.id, "user", "the lighthouse keeper")
+    newer = history.new_conversation("newer")
+    history.add_message(newer.id, "user", "something else")
+    engine = FakeEngine()
+    app = ChatApp(FakeServices(engine), history, engine.name, export_dir=tmp_path, open_id=older.id)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.chat.current_id == older.id
+        assert texts(app) == [("user", "the lighthouse keeper")]

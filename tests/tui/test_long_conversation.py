@@ -47,6 +47,22 @@ async def test_only_the_last_screenful_is_mounted_and_more_come_on_demand(make_a
         await wait_for(pilot, lambda: app.focused.content == f"message {first - WINDOW - 1}", what="the walk up")
 
 
+async def test_two_loads_at_once_mount_one_window_under_one_marker(make_app, history):
+    import asyncio
+
+    fill(history)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        shown = app.chat.query_one(MessageList)
+        first = shown.first
+        await asyncio.gather(shown.load_more(earlier=True), shown.load_more(earlier=True))  # a click while scrolling up
+        await pilot.pause()
+        markers = [i for i, w in enumerate(shown.children) if isinstance(w, MoreMessages)]
+        assert markers == [0]
+        assert contents(app) == [f"message {i}" for i in range(first - WINDOW, MESSAGES)]
+
+
 async def test_a_search_hit_far_back_opens_around_it_and_a_new_turn_goes_at_the_end(make_app, history):
     chat_id = fill(history)
     app = make_app()

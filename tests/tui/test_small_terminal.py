@@ -133,3 +133,43 @@ async def test_at_80x24_the_prompt_status_and_an_answer_footer_fit(make_app, tmp
         footer = screen.query(".footer").last()
         assert visible(footer) and "cut at max tokens" in str(footer.render())
         assert visible(screen.query(".chip").last())
+
+
+def label_text(screen) -> str:
+    """The dialog's question as far as it is inside the dialog (what the screen shows)."""
+    label, dialog = screen.query_one("#dialog > Label", Label), screen.query_one("#dialog")
+    assert dialog.content_region.contains_region(label.region), (label.region, dialog.content_region)
+    return "\n".join(line.text for line in label.render_lines(label.region.reset_offset)).strip()
+
+
+async def test_dialog_questions_wrap_at_80_columns(make_app, history):
+    history.new_conversation("A conversation about lighthouses, their keepers and the lamp oil they burned")
+    app = make_app()
+    async with app.run_test(size=SMALL) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        shown = " ".join(label_text(app.screen).split())
+        assert shown == "Attach a text file: its path (Tab completes it; or type @path in the prompt)"
+        await pilot.press("escape")
+        await pilot.pause()
+        app.chat.action_delete_chat()
+        await pilot.pause()
+        shown = " ".join(label_text(app.screen).split())
+        assert shown.endswith("and the lamp oil they burned” and its messages?"), shown
+
+
+async def test_the_attach_dialog_completes_paths_with_tab(make_app, tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("lamp oil\n")
+    (tmp_path / "docs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    app = make_app()
+    async with app.run_test(size=SMALL) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        await pilot.press("n", "tab")
+        assert app.screen.query_one("#answer").value == "notes.txt"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.chat.query_one("#prompt").attachments[0].name == "notes.txt"

@@ -109,7 +109,8 @@ class ChatScreen(Screen):
         self.query_one("#editing").display = False
         self.query_one("#attachments").display = False
         conversations = self.history.conversations()
-        await self.open_conversation(conversations[0].id if conversations else None)
+        first = self.app.open_id or (conversations[0].id if conversations else None)
+        await self.open_conversation(first)
         self.query_one(PromptInput).focus()
 
     # -- what is shown ------------------------------------------------------------------------
@@ -393,7 +394,9 @@ class ChatScreen(Screen):
             title, settings = chat.title, stored_settings(chat.settings)
         engine = self.app.engine
         find_drafts = partial(self.app.services.draft_models, engine) if engine is not None else None
-        self.app.push_screen(SettingsScreen(title, settings, find_drafts), self.settings_saved)
+        self.app.push_screen(
+            SettingsScreen(title, settings, find_drafts, defaults_in_force(engine)), self.settings_saved
+        )
 
     async def settings_saved(self, settings: dict | None) -> None:
         if settings is None:
@@ -452,10 +455,10 @@ class ChatScreen(Screen):
                 return
 
     def action_attach(self) -> None:
-        from ferrum_mac.tui.screens.text_prompt_screen import TextPromptScreen
+        from ferrum_mac.tui.screens.text_prompt_screen import PathPromptScreen
 
-        question = "Attach a text file: its path (or type @path in the prompt; Tab completes it)"
-        self.app.push_screen(TextPromptScreen(question), self.attach_path)
+        question = "Attach a text file: its path (Tab completes it; or type @path in the prompt)"
+        self.app.push_screen(PathPromptScreen(question), self.attach_path)
 
     def attach_path(self, path: str | None) -> None:
         if not path:
@@ -653,10 +656,22 @@ def engine_messages(stored) -> list[dict]:
 
 STOP_REASONS = {
     "max_tokens": "cut at max tokens",
-    "context": "context full",
+    "context": "context full (Ctrl+N starts afresh; FERRUM_KV_CAPACITY sets its size)",
     "cancelled": "stopped by you",
     "error": "stopped by an error",
 }
+
+
+def defaults_in_force(engine) -> dict:
+    """The model's defaults the settings dialog shows in its empty fields ({} before it loads)."""
+    if engine is None:
+        return {}
+    settings = engine.settings()
+    return {
+        "temperature": settings.sampling.temperature,
+        "top_p": settings.sampling.top_p,
+        "max_tokens": settings.max_tokens,
+    }
 
 
 def answer_footer(stats: dict) -> str:

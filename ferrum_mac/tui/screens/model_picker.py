@@ -12,6 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, ProgressBar
 from textual.widgets.option_list import Option
 
+from ferrum_mac.store.recommend import DEMO_MODEL
 from ferrum_mac.tui.messages import PullFinished, PullProgressed
 from ferrum_mac.tui.pull_progress import PostedPullProgress
 
@@ -39,6 +40,8 @@ class ModelPicker(ModalScreen[str | None]):
 
     def on_mount(self) -> None:
         self.query_one(ProgressBar).display = False
+        if self.current == DEMO_MODEL:  # what the demo model's notice says F4 pulls
+            self.query_one("#pull-name", Input).value = self.services.recommended_model() or ""
         self.show_models()
 
     def show_models(self) -> None:

@@ -28,12 +28,20 @@ class SettingsScreen(ModalScreen[dict | None]):
     CSS_PATH = "settings_screen.tcss"
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]
 
-    def __init__(self, title: str, settings: dict, find_drafts: Callable[[], list[str]] | None = None):
+    def __init__(
+        self,
+        title: str,
+        settings: dict,
+        find_drafts: Callable[[], list[str]] | None = None,
+        in_force: dict | None = None,
+    ):
         """`find_drafts`: the names of the models that can draft for the chat's model (slow:
-        it runs in a thread once the screen shows; None: no draft models)."""
+        it runs in a thread once the screen shows; None: no draft models). `in_force`: the
+        model's defaults (temperature, top_p, max_tokens), shown in the fields left empty."""
         super().__init__()
         self.chat_title = title
         self.settings = settings
+        self.in_force = in_force or {}
         self.find_drafts = find_drafts
         self.draft_names: list[str] | None = None  # None until find_drafts answered
 
@@ -47,11 +55,21 @@ class SettingsScreen(ModalScreen[dict | None]):
             yield TextArea(s.get("system") or "", id="system")
             with Grid(id="fields"):
                 yield Label("Temperature")
-                yield Input(_text(s.get("temperature")), placeholder="model default", id="temperature", type="number")
+                yield Input(
+                    _text(s.get("temperature")),
+                    placeholder=self.placeholder("temperature"),
+                    id="temperature",
+                    type="number",
+                )
                 yield Label("Top-p", classes="right")
-                yield Input(_text(s.get("top_p")), placeholder="model default", id="top_p", type="number")
+                yield Input(_text(s.get("top_p")), placeholder=self.placeholder("top_p"), id="top_p", type="number")
                 yield Label("Max tokens")
-                yield Input(_text(s.get("max_tokens")), placeholder="model default", id="max_tokens", type="integer")
+                yield Input(
+                    _text(s.get("max_tokens")),
+                    placeholder=self.placeholder("max_tokens"),
+                    id="max_tokens",
+                    type="integer",
+                )
                 yield Label("Thinking", classes="right")
                 yield Select(THINKING, value=think, allow_blank=False, id="think")
                 yield Label("When the context is full", classes="wide")
@@ -67,6 +85,15 @@ class SettingsScreen(ModalScreen[dict | None]):
             with Horizontal(id="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+
+    def placeholder(self, field: str) -> str:
+        """What an empty field means: the model's default, by its value where it is known."""
+        if field not in self.in_force:
+            return "model default"
+        value = self.in_force[field]
+        if value is None:  # max tokens: no limit but the context's
+            return "default: no limit"
+        return f"default: {value:g}"
 
     def on_mount(self) -> None:
         if self.find_drafts is not None:

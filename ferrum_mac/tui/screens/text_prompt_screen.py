@@ -1,6 +1,8 @@
-"""Ask for one line of text (a new title); Enter accepts, Esc cancels."""
+"""Ask for one line of text (a new title, a file's path: Tab completes it); Enter accepts, Esc cancels."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from textual import on
 from textual.app import ComposeResult
@@ -8,6 +10,8 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label
+
+from ferrum_mac.tui.attachments import complete_path
 
 
 class TextPromptScreen(ModalScreen[str | None]):
@@ -27,3 +31,18 @@ class TextPromptScreen(ModalScreen[str | None]):
     @on(Input.Submitted)
     def _accept(self, event: Input.Submitted) -> None:
         self.dismiss(event.value.strip() or None)
+
+
+class PathPromptScreen(TextPromptScreen):
+    """A path, relative to the working folder; Tab completes it as a shell does."""
+
+    BINDINGS = [Binding("tab", "complete", "Complete", priority=True)]
+
+    def action_complete(self) -> None:
+        answer = self.query_one("#answer", Input)
+        completed, matches = complete_path(answer.value, Path.cwd())
+        if completed != answer.value:
+            answer.value = completed
+            answer.cursor_position = len(completed)
+        elif len(matches) > 1:
+            self.notify("  ".join(matches), title="Files", timeout=4)

@@ -78,7 +78,11 @@ class MessageList(VerticalScroll):
         return self.last >= len(self.items)
 
     async def load_more(self, earlier: bool) -> None:
-        """Mount the next window of earlier (or later) messages, keeping what was shown in place."""
+        """Mount the next window of earlier (or later) messages, keeping what was shown in place.
+        One window at a time: a click on the marker while a scroll to the top loads would mount
+        the same messages twice, with a stale marker between them."""
+        if self.loading:
+            return
         self.loading = True
         try:
             await self._load_more(earlier)

@@ -12,7 +12,7 @@ from pathlib import Path
 from textual import events
 from textual.widgets import TextArea
 
-from ferrum_mac.tui.attachments import PASTE_LINES, Attachment, complete_path, pasted
+from ferrum_mac.tui.attachments import PASTE_LINES, Attachment, complete_path, pasted, unix_newlines
 from ferrum_mac.tui.messages import AttachmentsChanged, PromptSubmitted
 
 NEWLINE_KEYS = ("shift+enter", "ctrl+j")
@@ -41,7 +41,7 @@ class PromptInput(TextArea):
     async def _on_paste(self, event: events.Paste) -> None:
         # A short paste goes on to TextArea's own handler (Textual calls each class's in turn);
         # prevent_default keeps a long one out of the text.
-        if event.text.count("\n") + 1 > PASTE_LINES:
+        if unix_newlines(event.text).count("\n") + 1 > PASTE_LINES:
             event.stop()
             event.prevent_default()
             self.pastes += 1

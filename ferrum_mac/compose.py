@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ferrum_mac import settings
 from ferrum_mac.backends import choose, describe_device, open_path, recommended_dtype
+from ferrum_mac.backends.options import SETTING_OF, BackendOptions
 from ferrum_mac.llm import DecoderOnlyLLM
 
 if TYPE_CHECKING:
@@ -48,7 +49,13 @@ def open_model(
 
         path = resolve_model(str(name_or_path), backend=chosen, pull=pull)
     return open_path(
-        path, backend=chosen, dtype=dtype, device=device, kv_capacity=kv_capacity_or_setting(kv_capacity), quant=quant
+        path,
+        backend=chosen,
+        dtype=dtype,
+        device=device,
+        kv_capacity=kv_capacity_or_setting(kv_capacity),
+        quant=quant,
+        options=backend_options(),
     )
 
 
@@ -81,6 +88,7 @@ def open_engine(
         dtype=dtype or recommended_dtype(chosen, device),
         device=device,
         kv_capacity=kv_capacity_or_setting(kv_capacity),
+        options=backend_options(),
     )
     tokenizer = load_tokenizer(path)
     return Engine(
@@ -93,6 +101,11 @@ def open_engine(
         max_tokens=max_tokens_default(path),
         device=describe_device(chosen, model),
     )
+
+
+def backend_options() -> BackendOptions:
+    """The backends' switches as the settings (FERRUM_MLX_*, FERRUM_TORCH_*, ...) say now."""
+    return BackendOptions(**{option: settings.value(name) for option, name in SETTING_OF.items()})
 
 
 def kv_capacity_or_setting(kv_capacity: int | None) -> int | None:

@@ -50,7 +50,7 @@ def test_no_module_reads_a_ferrum_variable_but_the_settings_module():
 
 def test_every_ferrum_variable_named_in_the_code_and_scripts_is_declared():
     named = set()
-    for path in [*python_files(), *(ROOT / "scripts").iterdir(), PACKAGE / "backends/mlx/_cpu_blas.c"]:
+    for path in [*python_files(), *(ROOT / "scripts").iterdir(), PACKAGE / "backends/mlx/cpu/_cpu_blas.c"]:
         if path.is_file():
             named |= set(
                 re.findall(r"\bFERRUM_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(encoding="utf-8", errors="replace"))

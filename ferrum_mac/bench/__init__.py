@@ -13,6 +13,7 @@ from ferrum_mac.errors import FerrumError
 def _ferrum_from_random(shape: str, quant: str):
     from ferrum_mac.backends.mlx.runtime import MlxLLM
     from ferrum_mac.bench.shapes import build_random
+    from ferrum_mac.compose import backend_options
     from ferrum_mac.weights import Checkpoint, config_from_dict
     from ferrum_mac.weights.safetensors import canonical_name
 
@@ -20,7 +21,7 @@ def _ferrum_from_random(shape: str, quant: str):
     tensors = {canonical_name(k): v for k, v in rm.weights.items()}
     fmt = "mlx-quantized" if quant == "4bit" else "safetensors"
     checkpoint = Checkpoint(config_from_dict(rm.config), tensors, Path(f"random-{shape}-{quant}"), fmt)
-    return MlxLLM(checkpoint), rm.peer, f"{shape} {quant} (random weights)"
+    return MlxLLM(checkpoint, options=backend_options()), rm.peer, f"{shape} {quant} (random weights)"
 
 
 def _ferrum_from_path(model: str):

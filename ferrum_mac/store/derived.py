@@ -1,5 +1,5 @@
 """Files ferrum derives from a model and keeps in the user cache: the dense copies of
-quantized checkpoints that MLX's CPU build loads (`backends/mlx/dense_cache.py` writes them).
+quantized checkpoints that MLX's CPU build loads (`backends/mlx/cpu/dense_cache.py` writes them).
 
 Each copy records the model file it was made from (safetensors metadata `ferrum_source`), so
 copies whose model is gone, removed by `ferrum rm` or by hand, can be swept. The folder is

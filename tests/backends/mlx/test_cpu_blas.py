@@ -1,4 +1,4 @@
-"""MLX's CPU matmuls routed to numpy's OpenBLAS (ferrum_mac/backends/mlx/cpu_blas.py)."""
+"""MLX's CPU matmuls routed to numpy's OpenBLAS (ferrum_mac/backends/mlx/cpu/blas.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ferrum_mac.backends.mlx import cpu_blas
+from ferrum_mac.backends.mlx.cpu import blas as cpu_blas
 
 linux_cpu = pytest.mark.skipif(
     not sys.platform.startswith("linux") or mx.default_device() != mx.cpu, reason="routes MLX's CPU build on Linux only"
@@ -73,7 +73,7 @@ def run_python(code: str, **env) -> dict:
 
 PROBE = """
 import json, ferrum_mac.backends; ferrum_mac.backends.route_cpu_blas(); import mlx.core as mx, numpy as np
-from ferrum_mac.backends.mlx import cpu_blas
+from ferrum_mac.backends.mlx.cpu import blas as cpu_blas
 a = np.arange(12, dtype=np.float32).reshape(3, 4); b = np.ones((4, 2), dtype=np.float32)
 ok = bool(np.allclose(np.array(mx.array(a) @ mx.array(b)), a @ b))
 print(json.dumps({"status": cpu_blas.status(), "calls": cpu_blas.routed_calls(), "ok": ok}))

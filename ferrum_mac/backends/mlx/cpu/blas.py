@@ -27,7 +27,7 @@ from typing import NamedTuple
 from ferrum_mac import settings
 
 ENV = "FERRUM_CPU_BLAS"  # "reference": leave MLX on the BLAS its wheel bundles
-EXTENSION = "ferrum_mac.backends.mlx._cpu_blas"
+EXTENSION = "ferrum_mac.backends.mlx.cpu._cpu_blas"
 # Name patterns of the CBLAS entry points of numpy's OpenBLAS builds ({} is sgemm or sgemv),
 # with whether they take 64-bit sizes (ILP64)
 SYMBOLS = (

@@ -14,7 +14,7 @@ of its own was slower (SwiGLU now rides in the gate/up product's kernel, `cuda_q
 It rounds where MLX's ops round (the norm's product in the activations' dtype before its
 weight multiplies it; RoPE's angle as MLX computes it), and on the GPU its outputs equal
 MLX's bit for bit: `scripts/check-mlx-cuda-heads.py` checks that. Elsewhere the caller
-keeps MLX's ops.
+keeps MLX's ops (`CudaOps.project` routes here; FERRUM_MLX_CUDA_HEADS=0 never).
 """
 
 from __future__ import annotations
@@ -24,12 +24,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ferrum_mac import settings
-from ferrum_mac.backends.mlx.cuda_attention import int32
-from ferrum_mac.backends.mlx.memory import on_cuda_gpu
+from ferrum_mac.backends.mlx.cuda.attention import int32
 
-# FERRUM_MLX_CUDA_HEADS=0 keeps MLX's ops (A/B timing).
-ENABLED = settings.value("FERRUM_MLX_CUDA_HEADS")
 MAX_TOKENS = 65535  # a block row per token: CUDA's limit on a grid's second dimension
 
 _BLOCK_SUM = """
@@ -94,8 +90,8 @@ def _floats(*values: float) -> mx.array:
 
 
 def runs(head_dim: int) -> bool:
-    """Whether `heads` runs here for heads of this size (a rotated pair a thread, whole warps)."""
-    return ENABLED and head_dim % 64 == 0 and head_dim <= 2048 and on_cuda_gpu()
+    """Whether `heads` takes heads of this size (a rotated pair a thread, whole warps)."""
+    return head_dim % 64 == 0 and head_dim <= 2048
 
 
 class RopeSpec:

@@ -26,8 +26,6 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
-from ferrum_mac.backends.mlx.memory import on_cuda_gpu
-from ferrum_mac import settings
 
 MAX_ROWS = 8  # the input rows of one call are held in registers: up to this many
 # One row the one-row kernel does not fit takes MLX's vector kernel but where the few-row one
@@ -40,8 +38,6 @@ BLOCKS_WANTED = 264  # two per SM of an H100: narrower outputs get smaller block
 # From this many input rows on, MLX's tiled kernel wins where the output is wide enough to
 # fill the GPU with its tiles (the lm_head at 8 rows: docs/BENCHMARKS.md, MLX CUDA session 4).
 TILED_ROWS, TILED_MIN_OUT = 8, 16384
-# FERRUM_MLX_CUDA_QMM=0 keeps MLX's quantized_matmul for every row count (A/B timing).
-ENABLED = settings.value("FERRUM_MLX_CUDA_QMM")
 # One row of a 4-bit weight takes the one-row kernel (`_ONE_ROW_SOURCE`) where it fits: K a
 # multiple of 1,024 (a warp's 512-byte reads) and at most this (x in 32 KB of shared memory).
 ONE_ROW = True  # probes turn it off for A/B timing
@@ -262,15 +258,15 @@ def _kernel():
 
 
 def runs(rows: int, out_dim: int, in_dim: int, group_size: int, bits: int, dtype: mx.Dtype = mx.bfloat16) -> bool:
-    """Whether `quantized_matmul` takes `rows` rows of a linear of this format here."""
+    """Whether `quantized_matmul` takes `rows` rows of a linear of this format."""
     one_row = one_row_fits(in_dim, group_size, bits, dtype) or (
         out_dim > in_dim and out_dim * in_dim >= ONE_ROW_MIN_WEIGHTS
     )
     return (
-        ENABLED and 1 <= rows <= MAX_ROWS and bits in (4, 8)
+        1 <= rows <= MAX_ROWS and bits in (4, 8)
         and (rows > 1 or one_row)
         and not (rows >= TILED_ROWS and out_dim >= TILED_MIN_OUT)
-        and in_dim % group_size == 0 and in_dim % 32 == 0 and on_cuda_gpu()
+        and in_dim % group_size == 0 and in_dim % 32 == 0
     )  # fmt: skip
 
 

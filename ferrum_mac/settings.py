@@ -239,14 +239,14 @@ SETTINGS: tuple[Setting, ...] = (
         "FERRUM_TORCH_DP4A",
         "bool",
         True,
-        "backends/torch/triton_quant.py",
+        "backends/torch/kernels/triton_quant.py",
         "0: a packed weight's one-row GEMV multiplies x in floats (FMA), not as integers (dp4a).",
     ),
     Setting(
         "FERRUM_TORCH_PDL",
         "bool",
         True,
-        "backends/torch/triton_pdl.py",
+        "backends/torch/kernels/triton_pdl.py",
         "0: no programmatic dependent launch of the Triton kernels (Hopper and later).",
     ),
     Setting(

@@ -12,7 +12,7 @@ wall time shows the gaps between kernels), then eagerly (FERRUM_TORCH_CUDA_GRAPH
 `--time-only`: the graph's step time alone (best of 3 rounds of `--steps`), for A/B runs of
 two trees (each tree's own copy of this script: it puts its tree first on the path, whatever
 PYTHONPATH says) or of a module constant changed with `--set` (a Python literal), e.g.
-`--set ferrum_mac.backends.torch.triton_pdl.PDL_MAX_BYTES=1099511627776`.
+`--set ferrum_mac.backends.torch.kernels.triton_pdl.PDL_MAX_BYTES=1099511627776`.
 """
 
 import argparse

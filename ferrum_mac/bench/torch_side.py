@@ -235,9 +235,15 @@ def time_transformers(reference, prompt: list[int], new_tokens: int, device: tor
     start = time.perf_counter()
     with torch.no_grad():
         reference.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, streamer=clock, pad_token_id=0, eos_token_id=None,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=clock,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     first, last = clock.times[1], clock.times[-1]
     decoded = len(clock.times) - 2  # tokens after the first
     return Timing(first - start, len(prompt) / (first - start), decoded / (last - first), peak_memory_gb(device))

@@ -74,9 +74,17 @@ class MlxLLM(PooledLLM):
         self._capacity = kv_capacity_within(self._config, free, self.dtype.size, kv_capacity)
         max_blocks, cache_blocks = pool_limits(self._config, free, self.dtype.size, BLOCK_TOKENS)
         self.kv = KvManager(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, cache_blocks,
-            disk=for_checkpoint(checkpoint, self._config.dtype, f"mlx-{self.ops.device}", BLOCK_TOKENS) if cache_blocks else None,
-        )  # fmt: skip
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self._capacity,
+            max_blocks,
+            cache_blocks,
+            disk=for_checkpoint(checkpoint, self._config.dtype, f"mlx-{self.ops.device}", BLOCK_TOKENS)
+            if cache_blocks
+            else None,
+        )
 
     # -- contract -------------------------------------------------------------------
 

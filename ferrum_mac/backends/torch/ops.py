@@ -111,7 +111,7 @@ class TritonOps(Ops):
         # one kernel of torch's rounding: F.rms_norm takes several microseconds on a row
         if norm.weight is None:
             return super().rms_norm(x, norm)
-        from ferrum_mac.backends.torch import triton_ops
+        from ferrum_mac.backends.torch.kernels import triton_ops
 
         return triton_ops.rms_norm(x, norm.weight, norm.eps)
 
@@ -124,12 +124,12 @@ class TritonOps(Ops):
         if self._by_row(x, linear):
             return torch.cat([self.norm_matmul(x[i : i + 1], norm, linear) for i in range(x.shape[0])])
         if self.quant_gemv(x, linear, norm):
-            from ferrum_mac.backends.torch import triton_quant
+            from ferrum_mac.backends.torch.kernels import triton_quant
 
             return triton_quant.gemv(x, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps)
         if linear.quantized or not (self.gemv("norm_matmul", x) or self.row_qkv(x, linear)):
             return super().norm_matmul(x, norm, linear)
-        from ferrum_mac.backends.torch import triton_gemv
+        from ferrum_mac.backends.torch.kernels import triton_gemv
 
         return triton_gemv.norm_matmul(x, norm.weight, norm.eps, linear.weight, linear.bias, rows_alike=self.rowwise)
 
@@ -139,14 +139,14 @@ class TritonOps(Ops):
             return torch.cat([linear.plus(x[i : i + 1], residual[i : i + 1]) for i in range(x.shape[0])])
         if linear.quantized or linear.bias is not None or not self.gemv("matmul_residual", x):
             return super().matmul_plus(x, linear, residual)
-        from ferrum_mac.backends.torch import triton_gemv
+        from ferrum_mac.backends.torch.kernels import triton_gemv
 
         return triton_gemv.matmul_residual(x, linear.weight, residual, rows_alike=self.rowwise)
 
     def swiglu(self, gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         if not one_per_row(weights, gate_up):
             return super().swiglu(gate_up, weights)
-        from ferrum_mac.backends.torch import triton_ops
+        from ferrum_mac.backends.torch.kernels import triton_ops
 
         return triton_ops.swiglu(gate_up, weights)
 
@@ -154,14 +154,14 @@ class TritonOps(Ops):
         if self._by_row(x, gate_up):
             return torch.cat([self.norm_swiglu(x[i : i + 1], norm, gate_up) for i in range(x.shape[0])])
         if self.quant_gemv(x, gate_up, norm):
-            from ferrum_mac.backends.torch import triton_quant
+            from ferrum_mac.backends.torch.kernels import triton_quant
 
             return triton_quant.gemv(
                 x, gate_up.weight, gate_up.bias, norm_weight=norm.weight, eps=norm.eps, swiglu=True
             )
         if gate_up.quantized or not self.gemv("norm_swiglu", x):
             return super().norm_swiglu(x, norm, gate_up)
-        from ferrum_mac.backends.torch import triton_gemv
+        from ferrum_mac.backends.torch.kernels import triton_gemv
 
         return triton_gemv.norm_swiglu(x, norm.weight, norm.eps, gate_up.weight, gate_up.bias, rows_alike=self.rowwise)
 
@@ -183,16 +183,27 @@ class TritonOps(Ops):
         (`triton_qkv`), else (and for one row or a verify's: `row_qkv`) the projection, then
         those in one (`triton_ops.norm_rope_write`);
         then attention reading each row's keys up to its position (`plan`: a `DecodePlan`)."""
-        from ferrum_mac.backends.torch import triton_ops, triton_qkv
-        from ferrum_mac.backends.torch.triton_pdl import pdl_for
+        from ferrum_mac.backends.torch.kernels import triton_ops, triton_qkv
+        from ferrum_mac.backends.torch.kernels.triton_pdl import pdl_for
 
         kv = plan.pool.kv[attn.layer]  # (2, kv_heads, token rows, dim)
         interleaved, places = attn.rope.interleaved, plan.places
         if self.fused_qkv(h, attn) and triton_qkv.fits(attn.head_dim, h.shape[0]):
             q = triton_qkv.norm_qkv_rope_write(
-                h, norm.weight, norm.eps, attn.qkv.weight, attn.qkv.bias, attn.heads, attn.qk_norm, attn.eps,
-                cos, sin, interleaved, kv, places,
-            )  # fmt: skip
+                h,
+                norm.weight,
+                norm.eps,
+                attn.qkv.weight,
+                attn.qkv.bias,
+                attn.heads,
+                attn.qk_norm,
+                attn.eps,
+                cos,
+                sin,
+                interleaved,
+                kv,
+                places,
+            )
             early = pdl_for(h.device, attn.qkv.weight)  # (a large weight's kernel lets none start early)
         else:
             qkv = self.norm_matmul(h, norm, attn.qkv)
@@ -210,12 +221,12 @@ class TritonOps(Ops):
 
         if qwen3_moe.ROUTE or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
             return super().sparse_moe(moe, x, residual)
-        from ferrum_mac.backends.torch import triton_moe
+        from ferrum_mac.backends.torch.kernels import triton_moe
 
         router, experts = moe.router, moe.experts  # (the gate has no bias)
         ids, weights = triton_moe.gate_route(x, router.gate.weight, router.top_k, router.renormalise)
         if experts.packed:  # the same two kernels over packed experts
-            from ferrum_mac.backends.torch import triton_quant
+            from ferrum_mac.backends.torch.kernels import triton_quant
 
             return triton_quant.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
         return triton_moe.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
@@ -236,7 +247,7 @@ def decode_ops(device: torch.device, verify: bool = False) -> Ops:
 @functools.cache
 def triton_imports() -> bool:
     try:  # imported only here, and only for CUDA: the CPU path never pays for it
-        from ferrum_mac.backends.torch import triton_ops
+        from ferrum_mac.backends.torch.kernels import triton_ops
     except ImportError:
         return False
     return triton_ops.triton is not None

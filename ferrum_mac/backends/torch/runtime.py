@@ -84,12 +84,18 @@ class TorchLLM(PooledLLM):
             self.model.rope.build(self._capacity)
         max_blocks, cache_blocks = pool_limits(self._config, free_memory_bytes(self.device), element, BLOCK_TOKENS)
         self.kv = KvManager(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity,
-            max_blocks, cache_blocks,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            self._capacity,
+            max_blocks,
+            cache_blocks,
             disk=for_checkpoint(checkpoint, self._config.dtype, f"torch-{self.device.type}", BLOCK_TOKENS)
             if cache_blocks
             else None,
-        )  # fmt: skip
+        )
         self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
         self.captured_prefill = self.device.type == "cuda" and USE_GRAPHS  # off once a capture fails
         self.verify_rows = VERIFY_ROWS if self.device.type == "cuda" else 0
@@ -177,7 +183,7 @@ class TorchLLM(PooledLLM):
             (token, offset + i, cache.blocks)
             for cache, (_, tokens, offset) in zip(caches, segments)
             for i, token in enumerate(tokens)
-        ]  # fmt: skip
+        ]
         logits = self._step_over(batch, max(len(cache.blocks) for cache in caches), len(segments))
         for cache, (_, tokens, offset) in zip(caches, segments):
             cache.length = offset + len(tokens)

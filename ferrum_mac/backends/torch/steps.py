@@ -79,8 +79,17 @@ class CapturedStep:
 
 
 class DecodeStep(CapturedStep):
-    def __init__(self, model, pool: KvManager, rows: int, width: int, dtype: torch.dtype, device: torch.device, graphs,
-                 sequences: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        pool: KvManager,
+        rows: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        graphs,
+        sequences: int | None = None,
+    ):
         super().__init__(device, graphs)
         self.model, self.pool, self.rows, self.width, self.dtype = model, pool, rows, width, dtype
         self.sequences = sequences or rows  # (`DecodePlan`'s: a verify's rows are one sequence's)
@@ -166,9 +175,9 @@ class DecodeSteps:
 
     def get(self, rows: int, width: int, sequences: int | None = None) -> DecodeStep:
         key = (rows, width, sequences or rows)
-        return self._kept(key, lambda: DecodeStep(
-            self.model, self.pool, rows, width, self.dtype, self.device, self.graphs, sequences
-        ))  # fmt: skip
+        return self._kept(
+            key, lambda: DecodeStep(self.model, self.pool, rows, width, self.dtype, self.device, self.graphs, sequences)
+        )
 
     def prefill(self, rows: int, width: int) -> PrefillStep:
         key = ("prefill", rows, width)

@@ -72,9 +72,15 @@ class TensorSource:
     """Hands out a checkpoint's tensors by canonical name, checking presence and shape."""
 
     def __init__(
-        self, tensors: dict, config: ModelConfig, dtype: torch.dtype, device: torch.device, where: str,
-        packed: bool | None = None, on_the_fly: str | None = None,
-    ):  # fmt: skip
+        self,
+        tensors: dict,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        where: str,
+        packed: bool | None = None,
+        on_the_fly: str | None = None,
+    ):
         self.tensors, self.config, self.dtype, self.device, self.where = tensors, config, dtype, device, where
         self.keep_packed = device.type == "cuda" if packed is None else packed
         self.on_the_fly = quant.checked_quant(on_the_fly)  # "4bit", "8bit": dense linears quantized at load

@@ -15,8 +15,15 @@ pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu, reason="quantized checkpoints load dense on MLX's CPU build only"
 )
 
-TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1",
-         "token_embd": "Q8_0"}  # fmt: skip
+TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "ffn_gate": "Q8_0",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q4_1",
+    "token_embd": "Q8_0",
+}
 PROMPT = [1, 5, 9, 42, 7]
 
 

@@ -114,9 +114,14 @@ def mlx_lm_converted(tmp_path_factory):
         build_hf_folder(v, root / f"{name}-hf")
         folders[name] = root / name
         convert(
-            str(root / f"{name}-hf"), str(folders[name]), quantize=True, q_group_size=v.group_size,
-            q_bits=v.bits, dtype=v.dtype, quant_predicate=v.predicate,
-        )  # fmt: skip
+            str(root / f"{name}-hf"),
+            str(folders[name]),
+            quantize=True,
+            q_group_size=v.group_size,
+            q_bits=v.bits,
+            dtype=v.dtype,
+            quant_predicate=v.predicate,
+        )
     return folders
 
 

@@ -16,7 +16,8 @@ from triton_interpreter import DEVICE, INTERPRET, like_a_gpu, ulps  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import steps, triton_moe, triton_splits  # noqa: E402
+from ferrum_mac.backends.torch import steps  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_moe, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.layers import Linear  # noqa: E402
 from ferrum_mac.backends.torch.models import qwen3_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import Router, SparseMoe  # noqa: E402
@@ -165,10 +166,15 @@ def test_down_sum_plus_is_one_rounding_of_the_exact_sum(dtype, experts, top_k, h
     assert not triton_splits.split_counters(DEVICE).any()
 
 
-@pytest.mark.parametrize("dtype, route, renormalise", [
-    (torch.float32, "grouped", True), (torch.bfloat16, "grouped", False),
-    (torch.float32, "gathered", False), (torch.bfloat16, "gathered", True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, route, renormalise",
+    [
+        (torch.float32, "grouped", True),
+        (torch.bfloat16, "grouped", False),
+        (torch.float32, "gathered", False),
+        (torch.bfloat16, "gathered", True),
+    ],
+)
 def test_moe_block_matches_the_torch_routes(dtype, route, renormalise):
     torch.manual_seed(4)
     moe = random_moe(8, 4, 64, 48, renormalise, dtype)

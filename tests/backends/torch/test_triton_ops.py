@@ -18,16 +18,8 @@ from triton_interpreter import DEVICE, gemv_inputs, like_a_gpu, ulps  # noqa: E4
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import (  # noqa: E402
-    attention,
-    ops,
-    pointwise,
-    steps,
-    triton_gemv,
-    triton_ops,
-    triton_qkv,
-    triton_splits,
-)
+from ferrum_mac.backends.torch import attention, ops, pointwise, steps  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_gemv, triton_ops, triton_qkv, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import Rope  # noqa: E402
@@ -115,9 +107,22 @@ def test_norm_qkv_rope_write_matches_torch(dtype, heads, kv_heads, dim, interlea
     cos, sin = rope_tables(dim, interleaved, positions, dtype)
 
     q = triton_qkv.norm_qkv_rope_write(
-        x, norm.weight, norm.eps, weight, b, heads, qk_weight, 1e-6, cos, sin, interleaved, pool.kv[0], plan.places,
-        splits=splits, block_k=16,
-    )  # fmt: skip
+        x,
+        norm.weight,
+        norm.eps,
+        weight,
+        b,
+        heads,
+        qk_weight,
+        1e-6,
+        cos,
+        sin,
+        interleaved,
+        pool.kv[0],
+        plan.places,
+        splits=splits,
+        block_k=16,
+    )
 
     qkv = F.linear(norm(x), weight, b)
     want_q = triton_ops.norm_rope_write(qkv, heads, qk_weight, cos, sin, 1e-6, interleaved, expected.kv[0], plan.places)
@@ -144,8 +149,9 @@ def attention_by_row(q, kv, table, positions, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
 @pytest.mark.parametrize("splits, merge_tile", [(1, 8192), (4, 8192), (16, 1)])
-def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_heads, dim, splits, merge_tile,
-                                                            monkeypatch):  # fmt: skip
+def test_decode_attention_reads_each_row_up_to_its_position(
+    dtype, heads, kv_heads, dim, splits, merge_tile, monkeypatch
+):
     """Each row reads its keys through its own scattered, out-of-order blocks, and nothing past
     its position (NaN there, and in the scratch block its table ends with, would spread).
     Split, the last program of each (row, kv head) to finish merges the splits that hold keys

@@ -81,7 +81,7 @@ def _heads_kernel():
     return mx.fast.cuda_kernel(
         name="ferrum_qkv_heads", input_names=["qkv", "positions", "q_norm", "k_norm", "freqs", "consts"],
         output_names=["q", "k", "v"], source=_HEADS, header=_BLOCK_SUM,
-    )  # fmt: skip
+    )
 
 
 @lru_cache(maxsize=None)
@@ -105,7 +105,7 @@ class RopeSpec:
 
 
 def heads(qkv: mx.array, positions: mx.array, heads: int, kv_heads: int, head_dim: int,
-          q_norm: mx.array | None, k_norm: mx.array | None, spec: RopeSpec) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+          q_norm: mx.array | None, k_norm: mx.array | None, spec: RopeSpec) -> tuple[mx.array, mx.array, mx.array]:
     """qkv `(1, T, (heads + 2 kv_heads) * head_dim)`, positions a scalar (T = 1) or `(T,)` ->
     roped and normed q `(T, heads, dim)`, k `(T, kv_heads, dim)` and v likewise; for one token
     `(1, heads, 1, dim)` and so on (the layouts `Attention.project` returns)."""
@@ -128,7 +128,7 @@ def heads(qkv: mx.array, positions: mx.array, heads: int, kv_heads: int, head_di
             output_shapes=[shape(heads), shape(kv_heads), shape(kv_heads)],
             output_dtypes=[qkv.dtype] * 3,
         )
-    )  # fmt: skip
+    )
 
 
 def reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, rope, eps):

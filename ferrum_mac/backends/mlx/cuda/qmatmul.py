@@ -246,7 +246,7 @@ def _one_row_kernel():
     return mx.fast.cuda_kernel(
         name="ferrum_qmv", input_names=["x", "w", "scales", "biases"], output_names=["out"],
         source=_ONE_ROW_SOURCE, header=WARP_SUM,
-    )  # fmt: skip
+    )
 
 
 @lru_cache(maxsize=None)
@@ -254,7 +254,7 @@ def _kernel():
     return mx.fast.cuda_kernel(
         name="ferrum_qmm_rows", input_names=["x", "w", "scales", "biases"], output_names=["out"],
         source=_SOURCE, header=WARP_SUM + _LOAD,
-    )  # fmt: skip
+    )
 
 
 def runs(rows: int, out_dim: int, in_dim: int, group_size: int, bits: int, dtype: mx.Dtype = mx.bfloat16) -> bool:
@@ -267,7 +267,7 @@ def runs(rows: int, out_dim: int, in_dim: int, group_size: int, bits: int, dtype
         and (rows > 1 or one_row)
         and not (rows >= TILED_ROWS and out_dim >= TILED_MIN_OUT)
         and in_dim % group_size == 0 and in_dim % 32 == 0
-    )  # fmt: skip
+    )
 
 
 def one_row_fits(in_dim: int, group_size: int, bits: int, dtype: mx.Dtype) -> bool:
@@ -275,7 +275,7 @@ def one_row_fits(in_dim: int, group_size: int, bits: int, dtype: mx.Dtype) -> bo
     return (
         ONE_ROW and bits == 4 and in_dim % 1024 == 0 and in_dim <= ONE_ROW_MAX_K
         and group_size % 32 == 0 and dtype in (mx.bfloat16, mx.float16)
-    )  # fmt: skip
+    )
 
 
 def one_row_launch(out_dim: int) -> tuple[int, int]:
@@ -293,7 +293,7 @@ def launch_shape(out_dim: int, warps: int | None = None, rows_per_warp: int | No
 
 
 def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-                     swiglu: bool = False, warps: int | None = None, rows_per_warp: int | None = None) -> mx.array:  # fmt: skip
+                     swiglu: bool = False, warps: int | None = None, rows_per_warp: int | None = None) -> mx.array:
     """x `(..., K)` with a few rows in all, times the dequantized `weight` `(N, K)` transposed -> `(..., N)`.
     `swiglu`: the weight is a gate's rows over an up projection's, and the result
     `silu(gate) * up` `(..., N / 2)`. `warps` and `rows_per_warp` override the launch shape
@@ -321,7 +321,7 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
 
 
 def reference(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-              swiglu: bool = False) -> mx.array:  # fmt: skip
+              swiglu: bool = False) -> mx.array:
     """What `quantized_matmul` computes, by MLX's own ops (the GPU check compares them; CPU
     tests route the model through it)."""
     y = mx.quantized_matmul(x, weight, scales, biases, transpose=True, group_size=group_size, bits=bits)

@@ -22,12 +22,12 @@ def available(backend: str) -> bool:
         return False
 
 
-def choose(backend: str) -> str:
+def choose(backend: str, cpu_blas: str = "openblas") -> str:
     """The backend to use for `backend` (auto, mlx, torch); for MLX, with its CPU BLAS routed
-    (`route_cpu_blas`) before anything imports it."""
+    (`route_cpu_blas`, `cpu_blas` its mode: FERRUM_CPU_BLAS) before anything imports it."""
     chosen = automatic() if backend == "auto" else checked(backend)
     if chosen == "mlx":
-        route_cpu_blas()
+        route_cpu_blas(cpu_blas)
     return chosen
 
 
@@ -117,7 +117,9 @@ def open_path(
     from ferrum_mac.backends.torch.weights import load_onto
 
     place = resolve_device(device)
-    return TorchLLM(load_onto(path, place), dtype=dtype, device=place, kv_capacity=kv_capacity, quant=quant)
+    return TorchLLM(
+        load_onto(path, place), dtype=dtype, device=place, kv_capacity=kv_capacity, quant=quant, options=options
+    )
 
 
 def describe_device(backend: str, model: DecoderOnlyLLM) -> str:
@@ -132,13 +134,13 @@ def describe_device(backend: str, model: DecoderOnlyLLM) -> str:
     return f"torch · {device_name(model.device)}"
 
 
-def route_cpu_blas() -> None:
+def route_cpu_blas(mode: str = "openblas") -> None:
     """Route the float32 matmuls of MLX's Linux CPU build to numpy's OpenBLAS (see
     backends/mlx/cpu/blas.py). It works only before the process first imports MLX, so `choose`
     calls it before handing out MLX (the composition root, `ferrum bench` and `open_path` all
     choose first), and tests/conftest.py before the tests import MLX; once MLX is loaded it
-    does nothing."""
+    does nothing. `mode`: "openblas", or FERRUM_CPU_BLAS's other values (leave MLX's BLAS)."""
     if sys.platform.startswith("linux"):
         from ferrum_mac.backends.mlx.cpu.blas import activate
 
-        activate()
+        activate(mode)

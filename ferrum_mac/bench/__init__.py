@@ -72,7 +72,8 @@ def fit_to_context(prompt_tokens: int, new_tokens: int, capacity: int) -> tuple[
 def run_bench(
     *, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, backend="mlx", device=None
 ) -> dict:
-    from ferrum_mac.backends import check_device, choose
+    from ferrum_mac.backends import check_device
+    from ferrum_mac.compose import choose_backend as choose
 
     if choose(backend) == "torch":  # beside transformers, with no MLX import on the way
         from ferrum_mac.bench.torch_side import run_torch_bench

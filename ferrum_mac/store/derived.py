@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ferrum_mac import settings
+from ferrum_mac.settings import dense_weights_dir
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.weights import Checkpoint
 from ferrum_mac.weights.safetensors import read_header, shard_files
@@ -19,7 +19,7 @@ SOURCE_KEY = "ferrum_source"
 
 
 def dense_dir() -> Path:
-    return settings.dense_weights_dir()
+    return dense_weights_dir()
 
 
 def checkpoint_files(checkpoint: Checkpoint) -> list[Path]:

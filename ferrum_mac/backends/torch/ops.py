@@ -22,19 +22,17 @@ import functools
 
 import torch
 
-from ferrum_mac import settings
+from ferrum_mac.backends.options import DEFAULTS, TORCH_GEMVS, BackendOptions
 from ferrum_mac.backends.torch import quant
 from ferrum_mac.backends.torch.layers import Linear, RmsNorm
 from ferrum_mac.backends.torch.pointwise import one_per_row, torch_swiglu
 
-TRITON = settings.value("FERRUM_TORCH_TRITON")
-# The fused GEMV kernels in use, by name: "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
+# The fused GEMV kernels in use, by name (`BackendOptions.torch_gemv`, FERRUM_TORCH_GEMV): "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
 # "matmul_residual" (o_proj and down plus the residual), "norm_qkv_rope" (RMSNorm + qkv + q/k
 # norm + RoPE + KV write: `triton_qkv`, or for one row or a verify's, a `triton_gemv` GEMV and
 # then `triton_ops.norm_rope_write`: `TritonOps.row_qkv`), "norm_matmul" (RMSNorm + qkv projection,
 # where norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS,
 # docs/BENCHMARKS.md, torch session 3).
-GEMV = settings.value("FERRUM_TORCH_GEMV")
 GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
 GEMV_MOST_ROWS = 16  # (triton_ops.MIN_DOT_ROWS: x padded to a tl.dot operand)
 # At most this many token-expert pairs take the Triton MoE kernels (a pair is a GEMV there; a
@@ -89,7 +87,7 @@ class TritonOps(Ops):
 
     triton = True
 
-    def __init__(self, gemv: frozenset[str] = GEMV, gemv_max_rows: int = GEMV_MAX_ROWS, rowwise: bool = False):
+    def __init__(self, gemv: frozenset[str] = TORCH_GEMVS, gemv_max_rows: int = GEMV_MAX_ROWS, rowwise: bool = False):
         """`rowwise`: a verify's rows, each a sequence's decode step: a packed linear takes them
         one at a time, as the GEMV that multiplies in registers sums a row differently among
         more rows; a bf16 GEMV is told to sum each row as alone (`triton_gemv`'s `rows_alike`)."""
@@ -104,7 +102,7 @@ class TritonOps(Ops):
         return linear(x)
 
     def gemv(self, kernel: str, x: torch.Tensor) -> bool:
-        """Whether the Triton GEMV `kernel` (named as in GEMV) takes x `(rows, K)`: a few rows."""
+        """Whether the Triton GEMV `kernel` (named as in `TORCH_GEMVS`) takes x `(rows, K)`: a few rows."""
         return kernel in self.gemvs and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows
 
     def rms_norm(self, x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
@@ -216,10 +214,8 @@ class TritonOps(Ops):
     def sparse_moe(self, moe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Gate projection with the router, gate_up with SwiGLU, down with the sum over k and
         the residual add: three `triton_moe` kernels, at decode sizes and unless a torch
-        route is forced (`qwen3_moe.ROUTE`)."""
-        from ferrum_mac.backends.torch.models import qwen3_moe
-
-        if qwen3_moe.ROUTE or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
+        route is forced (`qwen3_moe.Experts.forced_route`)."""
+        if moe.experts.forced_route or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
             return super().sparse_moe(moe, x, residual)
         from ferrum_mac.backends.torch.kernels import triton_moe
 
@@ -235,13 +231,16 @@ class TritonOps(Ops):
 TORCH_OPS = Ops()
 
 
-def decode_ops(device: torch.device, verify: bool = False) -> Ops:
-    """A decode step's ops on `device`: Triton's on CUDA where triton imports (unless turned off).
-    `verify`: the step's rows are verified tokens, computed as each one's decode step would be:
-    the GEMVs take every row they can, not handing many rows to cuBLAS (whose sums differ)."""
-    if not (TRITON and device.type == "cuda" and triton_imports()):
+def decode_ops(device: torch.device, options: BackendOptions = DEFAULTS, verify: bool = False) -> Ops:
+    """A decode step's ops on `device`: Triton's on CUDA where triton imports (unless `options`
+    turn them off), with the GEMVs they name. `verify`: the step's rows are verified tokens,
+    computed as each one's decode step would be: the GEMVs take every row they can, not handing
+    many rows to cuBLAS (whose sums differ)."""
+    if not (options.torch_triton and device.type == "cuda" and triton_imports()):
         return TORCH_OPS
-    return TritonOps(gemv_max_rows=GEMV_MOST_ROWS, rowwise=True) if verify else TritonOps()
+    if verify:
+        return TritonOps(options.torch_gemv, gemv_max_rows=GEMV_MOST_ROWS, rowwise=True)
+    return TritonOps(options.torch_gemv)
 
 
 @functools.cache

@@ -22,7 +22,9 @@ from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
 from ferrum_mac.backends.torch.models import FAMILIES
-from ferrum_mac.backends.torch.steps import USE_GRAPHS, DecodeSteps
+from ferrum_mac.backends.options import DEFAULTS, BackendOptions
+from ferrum_mac.backends.torch.kernels import switches
+from ferrum_mac.backends.torch.steps import DecodeSteps
 from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
 from ferrum_mac.llm import DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
@@ -64,15 +66,20 @@ class TorchLLM(PooledLLM):
         kv_capacity: int | None = None,
         quant: str | None = None,
         packed: bool | None = None,
+        options: BackendOptions = DEFAULTS,
     ):
         """`quant` ("4bit", "8bit"): a dense checkpoint's linear layers quantized as they load;
-        `packed`: whether quantized weights stay packed (default: on CUDA; dequantized on the CPU)."""
+        `packed`: whether quantized weights stay packed (default: on CUDA; dequantized on the CPU);
+        `options`: the backends' switches (the torch_* ones)."""
         c = checkpoint.config
         family = model_family(FAMILIES, c.model_type, "torch")
         self.device = resolve_device(device)
+        switches.use(options)
         self.dtype = compute_dtype(checkpoint, dtype)
         with torch.inference_mode():
-            source = TensorSource(checkpoint.tensors, c, self.dtype, self.device, str(checkpoint.path), packed, quant)
+            source = TensorSource(
+                checkpoint.tensors, c, self.dtype, self.device, str(checkpoint.path), packed, quant, options
+            )
             self.model = family(source, c)
         checkpoint.tensors.clear()  # the model holds what it needs (fused copies included)
         self.model_config = c
@@ -96,8 +103,8 @@ class TorchLLM(PooledLLM):
             if cache_blocks
             else None,
         )
-        self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
-        self.captured_prefill = self.device.type == "cuda" and USE_GRAPHS  # off once a capture fails
+        self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device, options)
+        self.captured_prefill = self.steps.captured  # off once a capture fails
         self.verify_rows = VERIFY_ROWS if self.device.type == "cuda" else 0
 
     # -- contract -------------------------------------------------------------------

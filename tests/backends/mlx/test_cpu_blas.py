@@ -72,7 +72,7 @@ def run_python(code: str, **env) -> dict:
 
 
 PROBE = """
-import json, ferrum_mac.backends; ferrum_mac.backends.route_cpu_blas(); import mlx.core as mx, numpy as np
+import json, ferrum_mac.compose; ferrum_mac.compose.choose_backend("mlx"); import mlx.core as mx, numpy as np
 from ferrum_mac.backends.mlx.cpu import blas as cpu_blas
 a = np.arange(12, dtype=np.float32).reshape(3, 4); b = np.ones((4, 2), dtype=np.float32)
 ok = bool(np.allclose(np.array(mx.array(a) @ mx.array(b)), a @ b))
@@ -147,9 +147,9 @@ def test_the_shim_computes_sgemm_for_every_layout(order, trans_a, trans_b):
 def test_importing_ferrum_alone_leaves_mlx_alone_and_opening_a_model_routes_it():
     """No import hook: `import ferrum_mac` changes nothing; the composition root routes the
     BLAS when it opens a model (here: `choose`, which every MLX path goes through)."""
-    probe = PROBE.replace("ferrum_mac.backends.route_cpu_blas()", "import ferrum_mac")
+    probe = PROBE.replace('ferrum_mac.compose.choose_backend("mlx")', "import ferrum_mac")
     plain = run_python(probe)
     assert plain["calls"] == 0 and plain["status"].startswith("reference: not activated")
     if expected_active() and sys.platform.startswith("linux") and mx.default_device() == mx.cpu:
-        chosen = run_python(PROBE.replace("ferrum_mac.backends.route_cpu_blas()", "ferrum_mac.backends.choose('mlx')"))
+        chosen = run_python(PROBE.replace('ferrum_mac.compose.choose_backend("mlx")', "ferrum_mac.backends.choose('mlx')"))
         assert chosen["status"].startswith("openblas") and chosen["calls"] >= 1

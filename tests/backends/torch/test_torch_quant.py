@@ -124,6 +124,7 @@ def test_an_unknown_quantization_is_a_one_line_error():
 
 from ferrum_mac.backends.torch import ops  # noqa: E402
 from ferrum_mac.backends.torch.kernels import (  # noqa: E402
+    switches,
     triton_dequant,
     triton_dp4a_gemv,
     triton_fma_gemv,
@@ -346,13 +347,13 @@ def test_large_weights_take_their_shapes_dp4a_tile_and_small_ones_the_default():
 @kernels
 def test_one_row_takes_the_dp4a_gemv_and_more_rows_the_fma_one(gpu_like, monkeypatch):
     calls = []
-    monkeypatch.setattr(triton_quant, "DP4A", True)
+    monkeypatch.setattr(switches, "dp4a", True)  # (FERRUM_TORCH_DP4A)
     monkeypatch.setattr(triton_quant, "dp4a_gemv", lambda *a, **kw: calls.append("dp4a"))
     monkeypatch.setattr(triton_quant, "fma_gemv", lambda *a, **kw: calls.append("fma"))
     w = packed_random(16, 64, 4, 32, torch.float32, seed=1)
     for rows in (1, 2):
         triton_quant.gemv(torch.randn(rows, 64, device=DEVICE), w)
-    monkeypatch.setattr(triton_quant, "DP4A", False)
+    monkeypatch.setattr(switches, "dp4a", False)
     triton_quant.gemv(torch.randn(1, 64, device=DEVICE), w)
     assert calls == ["dp4a", "fma", "fma"]  # (the last: with DP4A off)
 
@@ -684,10 +685,10 @@ def test_a_packed_moes_greedy_decode_on_the_fma_experts_gives_torchs_tokens(quan
     c = quantized_moe
     llm = TorchLLM(Checkpoint(c.config, dict(c.tensors), c.path, c.format), dtype="float32", device="cpu", packed=True)
     prompt, runs = [1, 40, 26, 35, 4], []
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
     want = ferrum_greedy(llm, "torch", prompt, 6), llm.decode("torch", 3, len(prompt) + 5)
     llm.reset()  # drops the decode steps: the next run makes its own
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: _MoeOnTriton())
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: _MoeOnTriton())
     fma = triton_fma_gemv.fma_expert_gemv
     wide = triton_fma_gemv.FmaTile(columns=256, per_sm=0)  # (fewer programs: the interpreter runs one at a time)
     monkeypatch.setattr(

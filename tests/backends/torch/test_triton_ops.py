@@ -18,6 +18,7 @@ from triton_interpreter import DEVICE, gemv_inputs, like_a_gpu, ulps  # noqa: E4
 
 triton = pytest.importorskip("triton")
 
+from ferrum_mac.backends.options import BackendOptions  # noqa: E402
 from ferrum_mac.backends.torch import attention, ops, pointwise, steps  # noqa: E402
 from ferrum_mac.backends.torch.kernels import triton_gemv, triton_ops, triton_qkv, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
@@ -253,7 +254,6 @@ def test_gemv_runs_for_a_few_rows_and_the_kernels_named():
 def test_triton_ops_only_in_a_cuda_decode_step(monkeypatch):
     """Eager steps (prefill, verify, mixed batches) run torch's ops; a decode step Triton's,
     on CUDA where triton imports, unless FERRUM_TORCH_TRITON=0."""
-    monkeypatch.setattr(ops, "TRITON", True)
     monkeypatch.setattr(ops, "triton_imports", lambda: True)
     assert isinstance(ops.decode_ops(torch.device("cuda")), ops.TritonOps)
     assert ops.decode_ops(torch.device("cpu")) is ops.TORCH_OPS
@@ -261,8 +261,9 @@ def test_triton_ops_only_in_a_cuda_decode_step(monkeypatch):
     monkeypatch.setattr(ops, "triton_imports", lambda: False)
     assert ops.decode_ops(torch.device("cuda")) is ops.TORCH_OPS
     monkeypatch.setattr(ops, "triton_imports", lambda: True)
-    monkeypatch.setattr(ops, "TRITON", False)
-    assert ops.decode_ops(torch.device("cuda")) is ops.TORCH_OPS
+    assert ops.decode_ops(torch.device("cuda"), BackendOptions(torch_triton=False)) is ops.TORCH_OPS
+    named = ops.decode_ops(torch.device("cuda"), BackendOptions(torch_gemv=frozenset({"norm_matmul"})))
+    assert named.gemvs == {"norm_matmul"}
 
 
 # -- a whole decode step ------------------------------------------------------------------------
@@ -292,10 +293,10 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv
         return decode_batch_steps(model, prompts, tag)
 
     gemvs = frozenset({qkv, "norm_swiglu", "matmul_residual"})
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
     expected = decode_twice("torch")
     model.reset()  # drops the decode steps (and on a GPU their CUDA graphs): the next run makes its own
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TritonOps(gemv=gemvs))
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TritonOps(gemv=gemvs))
     calls = {name: 0 for name in gemvs | {"rms_norm"}}
     for name in calls:
         module, function = KERNELS[name]
@@ -314,11 +315,11 @@ def test_one_rows_qkv_takes_the_row_gemv_then_norm_rope_write(zoo, monkeypatch):
 
     model = zoo.ferrum("qwen3", "torch")
     prompts = {"a": random_tokens(7, seed=4)}
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
     expected = decode_batch_steps(model, prompts, "torch")
     model.reset()
     gemvs = frozenset({"norm_qkv_rope", "norm_swiglu", "matmul_residual"})
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TritonOps(gemv=gemvs))
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TritonOps(gemv=gemvs))
     calls = {"row": 0, "fused": 0, "rope": 0}
     monkeypatch.setattr(triton_gemv, "_row_gemv", counted(triton_gemv._row_gemv, "row", calls))
     monkeypatch.setattr(triton_qkv, "norm_qkv_rope_write", counted(triton_qkv.norm_qkv_rope_write, "fused", calls))
@@ -359,9 +360,9 @@ def test_decode_batch_through_triton_over_shared_blocks_matches_torch(zoo, monke
         model.reset()
         return logits
 
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
     expected = decode_shared("torch")
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TritonOps())
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TritonOps())
     for got, want in zip(decode_shared("triton"), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ferrum_mac import settings
+from ferrum_mac.backends.torch.kernels import switches
 from ferrum_mac.backends.torch.quant import ExpertStack, Packed
 from ferrum_mac.backends.torch.kernels.triton_dp4a_gemv import X_BLOCK, dp4a_gemv
 from ferrum_mac.backends.torch.kernels.triton_fma_gemv import FMA_MAX_ROWS, FMA_TILE, FmaTile, fma_expert_gemv, fma_gemv
@@ -56,9 +56,6 @@ UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H10
 # expert once but dequantize it far slower than it streams (so the FMA route's rereading
 # costs less up to `ops.MOE_MAX_PAIRS`, all a decode step hands these kernels).
 EXPERT_FMA_MAX_PAIRS = 256
-# One row (a decode step's, or a verify's a row at a time) takes the dp4a GEMV: x as 16-bit
-# integers per 32 values (`triton_dp4a_gemv`); False: the FMA GEMV, x in floats
-DP4A = settings.value("FERRUM_TORCH_DP4A")
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -71,10 +68,10 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
     `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
     `(M, width)`. `fma` (by default up to FMA_MAX_ROWS rows): the kernel that multiplies in
     registers (`triton_fma_gemv.fma_gemv`, its `tile`), else the tl.dot one (its `blocks`,
-    `unpack`); `dp4a` (by default DP4A for one row): x as integers by dp4a
+    `unpack`); `dp4a` (by default `switches.dp4a` for one row): x as integers by dp4a
     (`triton_dp4a_gemv.dp4a_gemv`, its `tile`). `splits` of K: by default as the kernel's rule chooses."""
     if dp4a is None:
-        dp4a = DP4A and fma is None and takes_dp4a(x, weight)
+        dp4a = switches.dp4a and fma is None and takes_dp4a(x, weight)
     if dp4a:
         return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile)
     if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:

@@ -151,5 +151,7 @@ def test_importing_ferrum_alone_leaves_mlx_alone_and_opening_a_model_routes_it()
     plain = run_python(probe)
     assert plain["calls"] == 0 and plain["status"].startswith("reference: not activated")
     if expected_active() and sys.platform.startswith("linux") and mx.default_device() == mx.cpu:
-        chosen = run_python(PROBE.replace('ferrum_mac.compose.choose_backend("mlx")', "ferrum_mac.backends.choose('mlx')"))
+        chosen = run_python(
+            PROBE.replace('ferrum_mac.compose.choose_backend("mlx")', "ferrum_mac.backends.choose('mlx')")
+        )
         assert chosen["status"].startswith("openblas") and chosen["calls"] >= 1

@@ -66,7 +66,7 @@ def test_attention_takes_the_heads_kernel_where_it_runs(zoo):
         def attend_segment(self, attn, q, k, v, seg):
             return attn.attend_segment(q, k, v, seg)
 
-        def fused_heads(self, attn) -> bool:
+        def heads_kernel_takes(self, attn) -> bool:
             return self.options.cuda_heads  # (the tiny model's heads are smaller than the kernel's)
 
     def batch_steps(model, tag: str) -> list:

@@ -44,7 +44,7 @@ class KernelOnTheCpu(CudaOps):
     def __init__(self):
         super().__init__(BackendOptions(cuda_heads=False))
 
-    def by_length(self, attn) -> bool:
+    def decode_kernel_takes(self, attn) -> bool:
         return True
 
 

@@ -142,16 +142,17 @@ class CudaOps(Ops):
     def kernels(self, attn: Attention) -> LayerKernels:
         found = self._layers.get(attn)
         if found is None:
-            fused = attn.qkv.fused is not None and self.fused_heads(attn)
-            found = LayerKernels(self.by_length(attn), cuda_heads.RopeSpec(attn.rope, attn.eps) if fused else None)
+            fused = attn.qkv.fused is not None and self.heads_kernel_takes(attn)
+            heads = cuda_heads.RopeSpec(attn.rope, attn.eps) if fused else None
+            found = LayerKernels(self.decode_kernel_takes(attn), heads)
             self._layers[attn] = found
         return found
 
-    def fused_heads(self, attn: Attention) -> bool:
+    def heads_kernel_takes(self, attn: Attention) -> bool:
         """Whether the heads kernel takes this layer's heads (`cuda.heads.runs`)."""
         return self.options.cuda_heads and cuda_heads.runs(attn.head_dim)
 
-    def by_length(self, attn: Attention) -> bool:
+    def decode_kernel_takes(self, attn: Attention) -> bool:
         """Whether the decode kernel takes this layer's heads (`cuda.attention.supports`)."""
         return self.options.cuda_attention and cuda_attention.supports(attn.head_dim, attn.heads // attn.kv_heads)
 

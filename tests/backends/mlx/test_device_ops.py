@@ -49,3 +49,17 @@ def test_the_runtime_picks_the_devices_ops_once(zoo):
     assert isinstance(model.ops, CpuOps) and model.segment_type is CpuOps.segment_type
     block = model.model.layers[0]
     assert block.ops is model.ops and block.attn.ops is model.ops
+
+
+def test_the_settings_reach_the_ops_through_the_composition_root(zoo, monkeypatch):
+    """A switch set in the environment is read once, by `compose.backend_options`, and the
+    model's ops and layers carry it."""
+    import ferrum_mac
+
+    monkeypatch.setenv("FERRUM_MLX_COMPILE_MAX_TOKENS", "0")
+    monkeypatch.setenv("FERRUM_MLX_NUMPY_ATTENTION", "0")
+    model = ferrum_mac.open_model(zoo.path("llama"), backend="mlx", dtype="float32")
+    assert model.ops.options.compile_max_tokens == 0 and not model.ops.options.numpy_attention
+    assert model.model.layers[0].compile_max_tokens == 0
+    monkeypatch.delenv("FERRUM_MLX_COMPILE_MAX_TOKENS")
+    assert ferrum_mac.open_model(zoo.path("llama"), backend="mlx").model.layers[0].compile_max_tokens == 16

@@ -1,5 +1,5 @@
-"""The one compiled part: on Linux, ferrum_mac/backends/mlx/_cpu_blas.c (MLX's CPU matmuls on
-numpy's OpenBLAS; see ferrum_mac/backends/mlx/cpu_blas.py). Optional: without a C compiler
+"""The one compiled part: on Linux, ferrum_mac/backends/mlx/cpu/_cpu_blas.c (MLX's CPU matmuls on
+numpy's OpenBLAS; see ferrum_mac/backends/mlx/cpu/blas.py). Optional: without a C compiler
 the install still succeeds and MLX keeps the BLAS its wheel bundles. Everything else is in
 pyproject.toml."""
 
@@ -11,8 +11,8 @@ ext_modules = []
 if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
-            "ferrum_mac.backends.mlx._cpu_blas",
-            ["ferrum_mac/backends/mlx/_cpu_blas.c"],
+            "ferrum_mac.backends.mlx.cpu._cpu_blas",
+            ["ferrum_mac/backends/mlx/cpu/_cpu_blas.c"],
             libraries=["dl"],
             optional=True,
         )

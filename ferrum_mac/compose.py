@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ferrum_mac import settings
 from ferrum_mac.backends import choose, describe_device, open_path, recommended_dtype
+from ferrum_mac.backends.options import SETTING_OF, BackendOptions
 from ferrum_mac.llm import DecoderOnlyLLM
 
 if TYPE_CHECKING:
@@ -41,14 +42,21 @@ def open_model(
     ("4bit", "8bit"; torch backend) quantizes a bf16 or fp16 checkpoint as it loads (affine,
     group 64), for those who only have the full model.
     """
-    chosen = choose(backend)  # first: on MLX, `route_cpu_blas` runs before anything imports it
+    chosen = choose_backend(backend)  # first: on MLX, `route_cpu_blas` runs before anything imports it
+    device = device_or_setting(chosen, device)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         from ferrum_mac.store import resolve_model
 
         path = resolve_model(str(name_or_path), backend=chosen, pull=pull)
     return open_path(
-        path, backend=chosen, dtype=dtype, device=device, kv_capacity=kv_capacity_or_setting(kv_capacity), quant=quant
+        path,
+        backend=chosen,
+        dtype=dtype,
+        device=device,
+        kv_capacity=kv_capacity_or_setting(kv_capacity),
+        quant=quant,
+        options=backend_options(),
     )
 
 
@@ -66,9 +74,10 @@ def open_engine(
     FERRUM_MODEL, else the bundled smollm2:135m), downloaded first if needed and `pull`
     allows; its tokenizer, chat template, sampling defaults and answer limit from the model's
     files. `kv_capacity` as for `open_model`."""
-    chosen = choose(backend)  # first: on MLX, `route_cpu_blas` runs before anything imports it
+    chosen = choose_backend(backend)  # first: on MLX, `route_cpu_blas` runs before anything imports it
+    device = device_or_setting(chosen, device)
     from ferrum_mac.engine import Engine
-    from ferrum_mac.engine.defaults import default_model_name, max_tokens_default, sampling_defaults
+    from ferrum_mac.engine.defaults import max_tokens_default, sampling_defaults
     from ferrum_mac.store import resolve_model
     from ferrum_mac.store.bundled import bundled_sampling
     from ferrum_mac.text import load_chat_template, load_tokenizer
@@ -81,6 +90,7 @@ def open_engine(
         dtype=dtype or recommended_dtype(chosen, device),
         device=device,
         kv_capacity=kv_capacity_or_setting(kv_capacity),
+        options=backend_options(),
     )
     tokenizer = load_tokenizer(path)
     return Engine(
@@ -95,6 +105,40 @@ def open_engine(
     )
 
 
+def choose_backend(backend: str) -> str:
+    """`backends.choose` with MLX's CPU BLAS routed as FERRUM_CPU_BLAS says: the interfaces
+    choose through here, so that the first choice in a process honours it."""
+    return choose(backend, settings.value("FERRUM_CPU_BLAS"))
+
+
+def default_model_name() -> str:
+    """The model opened when none is named: FERRUM_MODEL, else the bundled model."""
+    return settings.value("FERRUM_MODEL")
+
+
+def hub_offline() -> bool:
+    """Whether the hub is off (HF_HUB_OFFLINE): no pull can work, so none is suggested."""
+    return settings.value("HF_HUB_OFFLINE")
+
+
+def ollama_host() -> str | None:
+    """OLLAMA_HOST, as Ollama reads it: where `ferrum serve --ollama` listens (None: its default)."""
+    return settings.value("OLLAMA_HOST")
+
+
+def device_or_setting(backend: str, device: str | None) -> str | None:
+    """The device asked for, else on torch FERRUM_DEVICE's (None: the backend's default)."""
+    if device is None and backend == "torch":
+        return settings.value("FERRUM_DEVICE") or None
+    return device
+
+
+def backend_options() -> BackendOptions:
+    """The backends' switches as the settings (FERRUM_MLX_*, FERRUM_TORCH_*, ...) say now."""
+    switches = {option: settings.value(name) for option, name in SETTING_OF.items()}
+    return BackendOptions(**switches, prefix_dir=settings.prefix_cache_dir())
+
+
 def kv_capacity_or_setting(kv_capacity: int | None) -> int | None:
     """The KV capacity asked for, else FERRUM_KV_CAPACITY's (None: the model's maximum)."""
     return kv_capacity if kv_capacity is not None else settings.value("FERRUM_KV_CAPACITY")
@@ -104,7 +148,7 @@ def free_memory_bytes(backend: str = "auto", device: str | None = None) -> int:
     """Memory a model about to be opened on `backend` (and `device`) may still take. On a CPU
     that is Linux's MemAvailable where it can be read: free pages alone leave out the page
     cache, which gives way to a model's weights."""
-    if choose(backend) == "mlx":
+    if choose_backend(backend) == "mlx":
         from ferrum_mac.backends.mlx.memory import free_memory_bytes as mlx_free
         from ferrum_mac.backends.mlx.memory import on_cpu
 
@@ -112,7 +156,7 @@ def free_memory_bytes(backend: str = "auto", device: str | None = None) -> int:
     from ferrum_mac.backends.torch.memory import free_memory_bytes as torch_free
     from ferrum_mac.backends.torch.memory import resolve_device
 
-    chosen = resolve_device(device)
+    chosen = resolve_device(device_or_setting("torch", device))
     free = torch_free(chosen)
     return max(free, available_memory_bytes()) if chosen.type == "cpu" else free
 

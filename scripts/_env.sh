@@ -10,7 +10,7 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 stamp="$venv/.ferrum-install-${FERRUM_EXTRAS:-base}"
-want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root"/ferrum_mac/backends/mlx/_cpu_blas.c | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root"/ferrum_mac/backends/mlx/cpu/_cpu_blas.c | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "ferrum: installing dependencies (first run takes a few minutes)" >&2
     spec="$root"

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ferrum_mac.backends.torch import quant, triton_dp4a_gemv  # noqa: E402
+from ferrum_mac.backends.torch import quant  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_dp4a_gemv  # noqa: E402
 
 
 def main() -> int:

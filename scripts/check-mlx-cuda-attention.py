@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks and times the CUDA decode-attention kernel (`ferrum_mac/backends/mlx/cuda_attention.py`)
+"""Checks and times the CUDA decode-attention kernel (`ferrum_mac/backends/mlx/cuda/attention.py`)
 on MLX's CUDA build: its output against the fused attention over each sequence's own keys
 (read through a shuffled block table),
 for several head layouts, dtypes and batch sizes; then its time against the masked path it
@@ -15,7 +15,7 @@ import time
 import mlx.core as mx
 
 from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS
-from ferrum_mac.backends.mlx.cuda_attention import decode_attention
+from ferrum_mac.backends.mlx.cuda.attention import decode_attention
 
 LAYOUTS = {"qwen3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "qwen3-30b-a3b": (32, 4, 128), "smollm2": (9, 3, 64)}
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks the heads kernel (`ferrum_mac/backends/mlx/cuda_heads.py`) against MLX's own ops
+"""Checks the heads kernel (`ferrum_mac/backends/mlx/cuda/heads.py`) against MLX's own ops
 on MLX's CUDA build: q/k/v heads with q/k RMSNorm and RoPE (Qwen3-8B's and Qwen3-0.6B's
 heads, a Llama-3 frequency schedule, the traditional rotation, no norms; one token at a
 position, and four at their own). Prints each one's relative error and the share of values
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 
 from _mlx_check import close
-from ferrum_mac.backends.mlx import cuda_heads
+from ferrum_mac.backends.mlx.cuda import heads as cuda_heads
 from ferrum_mac.backends.mlx.layers import Rope
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks and times the MoE decode kernels (`ferrum_mac/backends/mlx/cuda_moe.py`) on MLX's
+"""Checks and times the MoE decode kernels (`ferrum_mac/backends/mlx/cuda/moe.py`) on MLX's
 CUDA build, on one Qwen3-30B-A3B MoE layer (128 experts, top 8, hidden 2048, expert width
 768) with random weights quantized as mlx-community converts them (4-bit, group 64; also
 8-bit): router, gate/up + SwiGLU and down + sum, each against MLX's own ops. Then the whole
@@ -16,8 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from _mlx_check import close
-from ferrum_mac.backends.mlx import cuda_moe
+from ferrum_mac.backends.mlx.cuda import moe as cuda_moe
 from ferrum_mac.backends.mlx.models.qwen3_moe import ExpertLinear, Router, stack_outputs
+from ferrum_mac.backends.mlx.ops import Ops
 
 E, K, H, I = 128, 8, 2048, 768
 
@@ -30,9 +31,7 @@ def quantized(shape, bits, seed):
 
 
 def mlx_route(logits, renormalise):
-    router = Router(lambda x: x, K, renormalise, E)
-    router.by_kernel = False
-    return router(logits)
+    return Router(lambda x: x, K, renormalise, Ops()).route(logits, logits.dtype)
 
 
 def mlx_experts(x, gate_up, down, experts, weights):

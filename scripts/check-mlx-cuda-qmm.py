@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks and times the one-row and few-row quantized matmuls (`ferrum_mac/backends/mlx/cuda_qmatmul.py`)
+"""Checks and times the one-row and few-row quantized matmuls (`ferrum_mac/backends/mlx/cuda/qmatmul.py`)
 against MLX's `quantized_matmul` on MLX's CUDA build: the projections of Qwen3-30B-A3B and
 Qwen3-8B as mlx-community quantizes them (4-bit, group 64; the MoE router's gate 8-bit), at
 1 to 8 rows, random weights. Exits 1 on a mismatch. On the GPU machine, after
@@ -13,7 +13,7 @@ import sys
 import mlx.core as mx
 
 from _mlx_check import chained_us, close
-from ferrum_mac.backends.mlx import cuda_qmatmul
+from ferrum_mac.backends.mlx.cuda import qmatmul as cuda_qmatmul
 
 SHAPES = [  # (what, N, K, bits)
     ("30b-a3b qkv", 5120, 2048, 4),

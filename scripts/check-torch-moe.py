@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks and times the torch backend's Triton MoE kernels (`ferrum_mac/backends/torch/triton_moe.py`)
+"""Checks and times the torch backend's Triton MoE kernels (`ferrum_mac/backends/torch/kernels/triton_moe.py`)
 on a CUDA GPU at Qwen3-30B-A3B's MoE layer shape (128 experts, top 8, hidden 2048, expert
 intermediate 768) in bf16 with random weights, for 1, 8 and 32 tokens:
 
@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_check import can_check, compare, cycling, failures, graph_us, verdict  # noqa: E402  (this folder)
 
-from ferrum_mac.backends.torch import pointwise, triton_moe  # noqa: E402
+from ferrum_mac.backends.torch import pointwise  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import SparseMoe  # noqa: E402
 from ferrum_mac.backends.torch.ops import TORCH_OPS, TritonOps  # noqa: E402
 from ferrum_mac.backends.torch.weights import TensorSource  # noqa: E402

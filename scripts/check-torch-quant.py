@@ -53,8 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_check import can_check, compare, cycling, failures, graph_us, verdict  # noqa: E402  (this folder)
 
-from ferrum_mac.backends.torch import pointwise, quant, triton_moe  # noqa: E402
-from ferrum_mac.backends.torch import triton_dequant, triton_fma_gemv, triton_quant  # noqa: E402  (packed weights)
+from ferrum_mac.backends.torch import pointwise, quant  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_moe  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_dequant, triton_fma_gemv, triton_quant  # noqa: E402  (packed weights)
 from ferrum_mac.backends.torch.layers import RmsNorm  # noqa: E402
 
 DTYPE = torch.bfloat16

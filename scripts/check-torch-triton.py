@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks and times the torch backend's Triton decode kernels (`ferrum_mac/backends/torch/triton_ops.py`
+"""Checks and times the torch backend's Triton decode kernels (`ferrum_mac/backends/torch/kernels/triton_ops.py`
 and `triton_gemv.py`) on a CUDA GPU, against the torch code they replace, at Qwen3-0.6B's and Qwen3-8B's shapes in
 bf16 (and one Llama-like layout: no q/k norm, interleaved RoPE, head_dim 64, checked only):
 
@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _gpu_check import can_check, compare, cycling, graph_us, verdict  # noqa: E402  (this folder)
 
-from ferrum_mac.backends.torch import pointwise, triton_gemv, triton_ops, triton_qkv  # noqa: E402
+from ferrum_mac.backends.torch import pointwise  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_gemv, triton_ops, triton_qkv  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import Linear, RmsNorm, Rope  # noqa: E402

@@ -1,5 +1,5 @@
 """One layer's attention of a long chunk on this machine's CPU: MLX's own against numpy's
-(`attention.numpy_causal_attention`, what MLX on the CPU takes for a long segment), and the
+(`cpu.attention.numpy_causal_attention`, what MLX on the CPU takes for a long segment), and the
 `exp` under each, side by side, best of N. The default shape is SmolLM2-135M's (9 heads, 3 KV
 heads of 64) at the agent replay's last step: 300 new tokens over 6,300 keys.
 
@@ -11,7 +11,10 @@ import time
 
 import numpy as np
 
-from ferrum_mac.backends.mlx.attention import numpy_causal_attention  # (first: routes MLX's BLAS)
+from ferrum_mac.backends import route_cpu_blas
+
+route_cpu_blas()  # before MLX is imported, as the product does
+from ferrum_mac.backends.mlx.cpu.attention import numpy_causal_attention  # noqa: E402
 
 import mlx.core as mx  # noqa: E402  (after ferrum_mac, as the product imports it)
 

@@ -12,7 +12,7 @@ wall time shows the gaps between kernels), then eagerly (FERRUM_TORCH_CUDA_GRAPH
 `--time-only`: the graph's step time alone (best of 3 rounds of `--steps`), for A/B runs of
 two trees (each tree's own copy of this script: it puts its tree first on the path, whatever
 PYTHONPATH says) or of a module constant changed with `--set` (a Python literal), e.g.
-`--set ferrum_mac.backends.torch.triton_pdl.PDL_MAX_BYTES=1099511627776`.
+`--set ferrum_mac.backends.torch.kernels.triton_pdl.PDL_MAX_BYTES=1099511627776`.
 """
 
 import argparse
@@ -37,7 +37,6 @@ def run(shape: str, quant: str | None, batch: int, steps: int, prompt_tokens: in
     import torch
 
     from _kernel_profile import profile_steps
-    from ferrum_mac.backends.torch import steps as step_module
     from ferrum_mac.bench.torch_side import random_pair
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -72,7 +71,7 @@ def run(shape: str, quant: str | None, batch: int, steps: int, prompt_tokens: in
             f"  as `ferrum bench` streams it (each token read one step behind): {bench_ms(llm, prompt):.3f} ms a token"
         )
     profile_steps(step, steps, sync)
-    step_module.USE_GRAPHS = False
+    llm.steps.captured = False  # (FERRUM_TORCH_CUDA_GRAPHS=0)
     llm.steps.clear()
     print(f"  eager: step {timed_steps():.3f} ms")
     profile_steps(step, steps, sync)

@@ -400,3 +400,12 @@ def decode_batch_steps(model, prompts: dict[str, list[int]], tag: str, steps: in
     for name in prompts:
         model.release(f"{tag}-{name}")
     return logits
+
+
+def open_mlx(path, ops, dtype: str = "float32"):
+    """A model opened on MLX with the given dispatch object (`backends/mlx/ops.py`), as a test
+    routes it: e.g. CUDA's routes on this CPU, with MLX ops standing in for the kernels."""
+    from ferrum_mac.backends.mlx.runtime import MlxLLM
+    from ferrum_mac.weights import load_checkpoint
+
+    return MlxLLM(load_checkpoint(path), dtype=dtype, ops=ops)

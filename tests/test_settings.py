@@ -50,7 +50,7 @@ def test_no_module_reads_a_ferrum_variable_but_the_settings_module():
 
 def test_every_ferrum_variable_named_in_the_code_and_scripts_is_declared():
     named = set()
-    for path in [*python_files(), *(ROOT / "scripts").iterdir(), PACKAGE / "backends/mlx/_cpu_blas.c"]:
+    for path in [*python_files(), *(ROOT / "scripts").iterdir(), PACKAGE / "backends/mlx/cpu/_cpu_blas.c"]:
         if path.is_file():
             named |= set(
                 re.findall(r"\bFERRUM_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(encoding="utf-8", errors="replace"))
@@ -90,3 +90,42 @@ def test_user_folders_follow_the_cache_setting(monkeypatch, tmp_path):
     monkeypatch.setenv("FERRUM_CACHE_DIR", str(tmp_path))
     assert dense_dir() == settings.dense_weights_dir() == tmp_path / "dense-weights"
     assert default_path() == settings.history_db_path() and default_path().parent == settings.data_dir()
+
+
+READERS = {"value", "raw", "setting", "BY_NAME", "SETTINGS"}
+
+
+def test_only_the_settings_module_and_the_composition_root_read_settings():
+    """Everything else gets its settings as parameters (the backends: `BackendOptions`). The
+    folder functions (`settings.history_db_path()` and kin) may be imported where the files live."""
+    for path in python_files():
+        name = path.relative_to(PACKAGE).as_posix()
+        if name == "compose.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import) and any(a.name == "ferrum_mac.settings" for a in node.names):
+                pytest.fail(f"ferrum_mac/{name} imports ferrum_mac.settings; take the value as a parameter")
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module == "ferrum_mac"
+                and any(a.name == "settings" for a in node.names)
+            ):
+                pytest.fail(f"ferrum_mac/{name} imports ferrum_mac.settings; take the value as a parameter")
+            if isinstance(node, ast.ImportFrom) and node.module == "ferrum_mac.settings":
+                read = READERS & {a.name for a in node.names}
+                assert not read, f"ferrum_mac/{name} reads settings ({', '.join(sorted(read))})"
+
+
+def test_backend_options_default_to_the_table_and_follow_the_environment(monkeypatch):
+    from ferrum_mac.backends.options import SETTING_OF, BackendOptions
+    from ferrum_mac.compose import backend_options
+
+    for option, name in SETTING_OF.items():
+        monkeypatch.delenv(name, raising=False)
+        assert getattr(BackendOptions(), option) == settings.setting(name).default, name
+    assert set(SETTING_OF) == set(BackendOptions.__dataclass_fields__) - {"prefix_dir"}  # a folder, not a setting
+    assert backend_options() == BackendOptions(prefix_dir=settings.prefix_cache_dir())
+    monkeypatch.setenv("FERRUM_MLX_CUDA_HEADS", "0")
+    monkeypatch.setenv("FERRUM_TORCH_GEMV", "norm_matmul")
+    options = backend_options()
+    assert not options.cuda_heads and options.torch_gemv == {"norm_matmul"} and options.cuda_qmm

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from ferrum_mac.backends.options import DEFAULTS, BackendOptions
 from ferrum_mac.errors import FerrumError, UnsupportedError
 from ferrum_mac.llm import DecoderOnlyLLM
 
@@ -21,12 +22,12 @@ def available(backend: str) -> bool:
         return False
 
 
-def choose(backend: str) -> str:
+def choose(backend: str, cpu_blas: str = "openblas") -> str:
     """The backend to use for `backend` (auto, mlx, torch); for MLX, with its CPU BLAS routed
-    (`route_cpu_blas`) before anything imports it."""
+    (`route_cpu_blas`, `cpu_blas` its mode: FERRUM_CPU_BLAS) before anything imports it."""
     chosen = automatic() if backend == "auto" else checked(backend)
     if chosen == "mlx":
-        route_cpu_blas()
+        route_cpu_blas(cpu_blas)
     return chosen
 
 
@@ -41,7 +42,7 @@ def checked(backend: str) -> str:
 
 def automatic() -> str:
     """torch where it is installed and an NVIDIA GPU is present; else MLX (Metal on a Mac; on
-    a Linux CPU its matmuls go to OpenBLAS, see cpu_blas); else torch on the CPU.
+    a Linux CPU its matmuls go to OpenBLAS, see mlx/cpu/blas.py); else torch on the CPU.
 
     Decided without importing either library (torch's import alone takes seconds), so that
     `ferrum run` starts fast."""
@@ -91,11 +92,13 @@ def open_path(
     device: str | None = None,
     kv_capacity: int | None = None,
     quant: str | None = None,
+    options: BackendOptions = DEFAULTS,
 ) -> DecoderOnlyLLM:
     """Open a checkpoint with `backend` on `device` (cpu, gpu, cuda[:N], metal; None: the
     backend's default: its GPU where it has one), holding at most `kv_capacity` tokens per
     sequence (None: the model's maximum, as memory allows); `quant` ("4bit", "8bit", torch
-    only) quantizes a dense checkpoint's linear layers as they load."""
+    only) quantizes a dense checkpoint's linear layers as they load. `options`: the backends'
+    switches (`compose.backend_options` makes them from the settings)."""
     chosen, device = choose(backend), check_device(device)
     if chosen == "mlx" and quant is not None:
         raise FerrumError(
@@ -108,13 +111,15 @@ def open_path(
         from ferrum_mac.weights import load_checkpoint
 
         use_device(device)
-        return MlxLLM(load_checkpoint(path), dtype=dtype, kv_capacity=kv_capacity)
+        return MlxLLM(load_checkpoint(path), dtype=dtype, kv_capacity=kv_capacity, options=options)
     from ferrum_mac.backends.torch.memory import resolve_device
     from ferrum_mac.backends.torch.runtime import TorchLLM
     from ferrum_mac.backends.torch.weights import load_onto
 
     place = resolve_device(device)
-    return TorchLLM(load_onto(path, place), dtype=dtype, device=place, kv_capacity=kv_capacity, quant=quant)
+    return TorchLLM(
+        load_onto(path, place), dtype=dtype, device=place, kv_capacity=kv_capacity, quant=quant, options=options
+    )
 
 
 def describe_device(backend: str, model: DecoderOnlyLLM) -> str:
@@ -129,13 +134,13 @@ def describe_device(backend: str, model: DecoderOnlyLLM) -> str:
     return f"torch · {device_name(model.device)}"
 
 
-def route_cpu_blas() -> None:
+def route_cpu_blas(mode: str = "openblas") -> None:
     """Route the float32 matmuls of MLX's Linux CPU build to numpy's OpenBLAS (see
-    backends/mlx/cpu_blas.py). It works only before the process first imports MLX, so `choose`
+    backends/mlx/cpu/blas.py). It works only before the process first imports MLX, so `choose`
     calls it before handing out MLX (the composition root, `ferrum bench` and `open_path` all
     choose first), and tests/conftest.py before the tests import MLX; once MLX is loaded it
-    does nothing."""
+    does nothing. `mode`: "openblas", or FERRUM_CPU_BLAS's other values (leave MLX's BLAS)."""
     if sys.platform.startswith("linux"):
-        from ferrum_mac.backends.mlx.cpu_blas import activate
+        from ferrum_mac.backends.mlx.cpu.blas import activate
 
-        activate()
+        activate(mode)

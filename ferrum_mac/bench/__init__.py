@@ -13,6 +13,7 @@ from ferrum_mac.errors import FerrumError
 def _ferrum_from_random(shape: str, quant: str):
     from ferrum_mac.backends.mlx.runtime import MlxLLM
     from ferrum_mac.bench.shapes import build_random
+    from ferrum_mac.compose import backend_options
     from ferrum_mac.weights import Checkpoint, config_from_dict
     from ferrum_mac.weights.safetensors import canonical_name
 
@@ -20,7 +21,7 @@ def _ferrum_from_random(shape: str, quant: str):
     tensors = {canonical_name(k): v for k, v in rm.weights.items()}
     fmt = "mlx-quantized" if quant == "4bit" else "safetensors"
     checkpoint = Checkpoint(config_from_dict(rm.config), tensors, Path(f"random-{shape}-{quant}"), fmt)
-    return MlxLLM(checkpoint), rm.peer, f"{shape} {quant} (random weights)"
+    return MlxLLM(checkpoint, options=backend_options()), rm.peer, f"{shape} {quant} (random weights)"
 
 
 def _ferrum_from_path(model: str, with_peer: bool):
@@ -71,7 +72,8 @@ def fit_to_context(prompt_tokens: int, new_tokens: int, capacity: int) -> tuple[
 def run_bench(
     *, model, shape, quant, prompt_tokens, new_tokens, runs, peer, json_out, batch=0, backend="mlx", device=None
 ) -> dict:
-    from ferrum_mac.backends import check_device, choose
+    from ferrum_mac.backends import check_device
+    from ferrum_mac.compose import choose_backend as choose
 
     if choose(backend) == "torch":  # beside transformers, with no MLX import on the way
         from ferrum_mac.bench.torch_side import run_torch_bench

@@ -309,7 +309,8 @@ def report_lines(r: dict) -> list[str]:
 
 def model_opener(model: str | None, shape: str | None, quant: str, backend: str, device: str | None):
     """(a function opening the model on the calling thread, its label): the scheduler opens it on its own."""
-    from ferrum_mac.backends import check_device, choose
+    from ferrum_mac.backends import check_device
+    from ferrum_mac.compose import choose_backend as choose
 
     if model is not None and shape is not None:
         raise FerrumError("give a MODEL or --shape, not both")
@@ -317,7 +318,7 @@ def model_opener(model: str | None, shape: str | None, quant: str, backend: str,
     device = check_device(device)
     if shape is None:
         from ferrum_mac.compose import open_model
-        from ferrum_mac.engine import default_model_name
+        from ferrum_mac.compose import default_model_name
 
         name = model or default_model_name()
         return (lambda: open_model(name, backend=chosen, device=device)), str(name)
@@ -329,7 +330,9 @@ def model_opener(model: str | None, shape: str | None, quant: str, backend: str,
             from ferrum_mac.backends.torch.memory import resolve_device
             from ferrum_mac.bench.torch_side import random_pair
 
-            return random_pair(shape, resolve_device(device))[0]
+            from ferrum_mac.compose import device_or_setting
+
+            return random_pair(shape, resolve_device(device_or_setting("torch", device)))[0]
 
         return open_torch, f"{shape} bf16 (random weights, torch)"
 

@@ -46,7 +46,9 @@ def run_torch_bench(
     if quant != "bf16" and quant not in ON_THE_FLY:
         raise FerrumError(f"unknown --quant {quant!r}; the torch bench takes bf16, {', '.join(ON_THE_FLY)}")
     on_the_fly = None if quant == "bf16" else quant  # the bf16 weights quantized as they load
-    device = resolve_device(check_device(device))
+    from ferrum_mac.compose import device_or_setting
+
+    device = resolve_device(check_device(device_or_setting("torch", device)))
     log = (lambda msg: print(msg, file=sys.stderr)) if json_out else print
     log("ferrum bench: measuring the copy bandwidth ...")
     bandwidth = copy_bandwidth(device)
@@ -121,7 +123,13 @@ def random_pair(shape: str, device: torch.device, quant: str | None = None):
     reference.to(device).eval()
     tensors = {canonical_name(k): v for k, v in reference.state_dict().items()}
     checkpoint = Checkpoint(config_from_dict(raw), tensors, Path(f"random-{shape}-bf16"), "safetensors")
-    return TorchLLM(checkpoint, device=device, quant=quant), reference, f"{shape} {quant or 'bf16'} (random weights)"
+    from ferrum_mac.compose import backend_options
+
+    return (
+        TorchLLM(checkpoint, device=device, quant=quant, options=backend_options()),
+        reference,
+        f"{shape} {quant or 'bf16'} (random weights)",
+    )
 
 
 def pair_from_path(model: str, device: torch.device, quant: str | None = None):
@@ -134,7 +142,9 @@ def pair_from_path(model: str, device: torch.device, quant: str | None = None):
     if not path.exists():
         llm = ferrum_mac.open_model(model, backend="torch", quant=quant)
     else:
-        llm = TorchLLM(load_checkpoint(path), device=device, quant=quant)
+        from ferrum_mac.compose import backend_options
+
+        llm = TorchLLM(load_checkpoint(path), device=device, quant=quant, options=backend_options())
     reference = None
     source = llm.source.path
     if source.is_dir() and llm.source.format == "safetensors":
@@ -235,9 +245,15 @@ def time_transformers(reference, prompt: list[int], new_tokens: int, device: tor
     start = time.perf_counter()
     with torch.no_grad():
         reference.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, streamer=clock, pad_token_id=0, eos_token_id=None,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=clock,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     first, last = clock.times[1], clock.times[-1]
     decoded = len(clock.times) - 2  # tokens after the first
     return Timing(first - start, len(prompt) / (first - start), decoded / (last - first), peak_memory_gb(device))

@@ -185,14 +185,13 @@ def speculate_setting(engine: ChatEngine, options: RunOptions) -> Speculate:
 def open_draft(engine: ChatEngine, name: str, *, backend: str = "auto", device=None, pull: bool = True) -> Speculate:
     """The draft model `name` (an alias, repo id, folder or .gguf) as a `Speculate` for
     `engine`'s model, or a FerrumError when its vocabulary is not the same."""
-    from ferrum_mac.backends import choose
-    from ferrum_mac.compose import open_model
+    from ferrum_mac.compose import choose_backend, open_model
     from ferrum_mac.store import resolve_model
     from ferrum_mac.text import load_tokenizer
 
     path = Path(name).expanduser()
     if not path.exists():
-        path = resolve_model(name, backend=choose(backend), pull=pull)
+        path = resolve_model(name, backend=choose_backend(backend), pull=pull)
     if not same_vocabulary(load_tokenizer(path), engine.tokenizer):
         raise FerrumError(
             f"the draft model {name!r} has another vocabulary than {engine.name or 'the model'}; "

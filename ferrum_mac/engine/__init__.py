@@ -24,13 +24,7 @@ The engine never imports MLX or torch: it asks the model for a sampler (`model.s
 from ferrum_mac.engine.answer_text import AnswerText
 from ferrum_mac.engine.context import ContextLimitError
 from ferrum_mac.engine.conversation import CONTEXT_POLICIES, ERROR, TRUNCATE_OLDEST, ChatSettings, Conversation
-from ferrum_mac.engine.defaults import (
-    DEFAULT_MODEL,
-    FALLBACK_SAMPLING,
-    MODEL_ENV,
-    default_model_name,
-    sampling_defaults,
-)
+from ferrum_mac.engine.defaults import FALLBACK_SAMPLING, sampling_defaults
 from ferrum_mac.engine.engine import Engine
 from ferrum_mac.engine.events import (
     CANCELLED,
@@ -55,12 +49,10 @@ __all__ = [
     "CANCELLED",
     "CONTEXT",
     "CONTEXT_POLICIES",
-    "DEFAULT_MODEL",
     "EOS",
     "ERROR",
     "FALLBACK_SAMPLING",
     "MAX_TOKENS",
-    "MODEL_ENV",
     "SEED_LIMIT",
     "STOP_STRING",
     "TOOL_CALLS",
@@ -84,7 +76,6 @@ __all__ = [
     "TextDelta",
     "ToolCallRequested",
     "Timing",
-    "default_model_name",
     "done_event",
     "sampling_defaults",
 ]

@@ -1,4 +1,4 @@
-"""What the engine uses when nobody says otherwise: the model, the longest answer, and
+"""What the engine uses when nobody says otherwise: the longest answer, and
 sampling settings from the model's generation_config.json (or, for the bundled GGUF, which
 carries none, what its authors recommend).
 
@@ -12,11 +12,8 @@ import json
 from pathlib import Path
 from typing import Mapping
 
-from ferrum_mac import settings
 from ferrum_mac.engine.sampling import SamplingError, SamplingParams
 
-MODEL_ENV = "FERRUM_MODEL"
-DEFAULT_MODEL = settings.setting(MODEL_ENV).default  # the bundled SmolLM2-135M-Instruct, fetched on first use
 FALLBACK_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, repetition_penalty=1.1, penalty_window=64)
 DEFAULT_MAX_TOKENS = 4096  # an answer's default limit, where the model's generation_config sets none
 
@@ -28,11 +25,6 @@ _GENERATION_KEYS = {
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
 }
-
-
-def default_model_name() -> str:
-    """$FERRUM_MODEL, else the bundled model."""
-    return settings.value(MODEL_ENV)
 
 
 def sampling_defaults(model_path: str | Path, recommended: Mapping[str, float] | None = None) -> SamplingParams:

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ferrum_mac import settings
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.serve.app import MAX_BODY
 from ferrum_mac.serve.guards import is_loopback_host
@@ -45,9 +44,10 @@ def serve_command(
 ) -> None:
     import uvicorn
 
+    from ferrum_mac.compose import ollama_host
     from ferrum_mac.serve.app import build_app
 
-    host, port = listen_address(host, port, ollama, settings.value("OLLAMA_HOST"))
+    host, port = listen_address(host, port, ollama, ollama_host())
     speculate = speculate_option(speculate)
     if not is_loopback_host(host) and not api_key:
         print(
@@ -122,12 +122,12 @@ def open_models(
 def stored_path(name: str, backend: str) -> Path | None:
     """Where the store holds the model an alias or repo id names, if it does (never a path a
     client typed: those are not model names here)."""
-    from ferrum_mac.backends import choose
+    from ferrum_mac.compose import choose_backend
     from ferrum_mac.store.aliases import BundledRef, parse_name
     from ferrum_mac.store.local import bundled_model, cached_model
 
     try:
-        ref = parse_name(name, choose(backend))
+        ref = parse_name(name, choose_backend(backend))
     except FerrumError:
         return None
     return bundled_model() if isinstance(ref, BundledRef) else cached_model(ref)

@@ -1,5 +1,5 @@
 """Files ferrum derives from a model and keeps in the user cache: the dense copies of
-quantized checkpoints that MLX's CPU build loads (`backends/mlx/dense_cache.py` writes them).
+quantized checkpoints that MLX's CPU build loads (`backends/mlx/cpu/dense_cache.py` writes them).
 
 Each copy records the model file it was made from (safetensors metadata `ferrum_source`), so
 copies whose model is gone, removed by `ferrum rm` or by hand, can be swept. The folder is
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ferrum_mac import settings
+from ferrum_mac.settings import dense_weights_dir
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.weights import Checkpoint
 from ferrum_mac.weights.safetensors import read_header, shard_files
@@ -19,7 +19,7 @@ SOURCE_KEY = "ferrum_source"
 
 
 def dense_dir() -> Path:
-    return settings.dense_weights_dir()
+    return dense_weights_dir()
 
 
 def checkpoint_files(checkpoint: Checkpoint) -> list[Path]:

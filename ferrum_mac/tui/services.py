@@ -29,7 +29,7 @@ class Services:
         self.opened_on = ""  # the last engine's description of its device
 
     def default_model(self) -> str:
-        from ferrum_mac.engine import default_model_name
+        from ferrum_mac.compose import default_model_name
 
         return default_model_name()
 
@@ -73,7 +73,7 @@ class Services:
     def draft_models(self, engine: ChatEngine) -> list[str]:
         """The local models that can draft for `engine`'s model: the same vocabulary, another
         file. Reads every model's tokenizer: call it off the UI thread."""
-        from ferrum_mac.backends import choose
+        from ferrum_mac.compose import choose_backend
         from ferrum_mac.engine.speculation import same_vocabulary
         from ferrum_mac.errors import FerrumError
         from ferrum_mac.store import resolve_model
@@ -82,7 +82,7 @@ class Services:
         tokenizer = getattr(engine, "tokenizer", None)  # a remote or scripted engine has none
         if tokenizer is None:
             return []
-        own, backend = getattr(engine, "path", None), choose(self.backend)
+        own, backend = getattr(engine, "path", None), choose_backend(self.backend)
         names = []
         for entry in self.local_models():
             try:
@@ -101,10 +101,10 @@ class Services:
         return open_draft(engine, name, backend=self.backend, device=self.device, pull=False)
 
     def pull(self, name: str, progress) -> None:
-        from ferrum_mac.backends import choose
+        from ferrum_mac.compose import choose_backend
         from ferrum_mac.store import pull_model
 
-        pull_model(name, backend=choose(self.backend), progress=progress)
+        pull_model(name, backend=choose_backend(self.backend), progress=progress)
 
     def backend_and_device(self) -> str:
         return self.opened_on

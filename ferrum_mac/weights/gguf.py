@@ -139,9 +139,12 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
         if canonical is not None:
             names[f"{canonical}.{suffix}"] = name
     config = config_from_gguf(
-        path, info.metadata, quantization, has_output="lm_head.weight" in names,
+        path,
+        info.metadata,
+        quantization,
+        has_output="lm_head.weight" in names,
         token_count=info.array_lengths.get("tokenizer.ggml.tokens", 0),
-    )  # fmt: skip
+    )
     tensors = LazyTensors(lambda: _read_tensors(path) if read is None else read(path, info))
     if "rope_freqs.weight" in info.offsets:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
         config.rope_scaling = {"rope_type": "freq_factors", "factors": _rope_freqs(path, info)}

@@ -118,7 +118,7 @@ def test_not_downloaded(hf_home, args):
 def test_rm_counts_and_removes_the_dense_copy(hub):
     """The dense copy MLX's CPU build keeps of a model is shown in `list`, asked about and freed by `rm`."""
     mx = pytest.importorskip("mlx.core")
-    from ferrum_mac.backends.mlx import dense_cache
+    from ferrum_mac.backends.mlx.cpu import dense_cache
 
     from ferrum_mac.store.resolve import resolve_model
 

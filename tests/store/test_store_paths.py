@@ -193,7 +193,7 @@ def test_a_ref_that_is_not_a_commit_names_no_snapshot(hub, hf_home):
 
 def test_the_dense_copy_is_not_written_through_a_planted_link(tmp_path):
     mx = pytest.importorskip("mlx.core")
-    from ferrum_mac.backends.mlx import dense_cache
+    from ferrum_mac.backends.mlx.cpu import dense_cache
 
     folder = tmp_path / "dense-weights"
     folder.mkdir()

@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ferrum_mac.backends.mlx import cuda_qmatmul
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.weights import ModelConfig
 
+if TYPE_CHECKING:
+    from ferrum_mac.backends.mlx.ops import Ops
+
 
 class TensorSource:
-    """Hands out a checkpoint's tensors by canonical name, checking presence and shape."""
+    """Hands out a checkpoint's tensors by canonical name, checking presence and shape, as the
+    layers of the device's `ops` (which the layers keep: the routes of their steps)."""
 
-    def __init__(self, tensors: dict, config: ModelConfig, dtype: mx.Dtype, where: str, fuse: bool = True):
+    def __init__(self, tensors: dict, config: ModelConfig, dtype: mx.Dtype, where: str, ops: "Ops"):
         self.tensors, self.config, self.dtype, self.where = tensors, config, dtype, where
-        self.fuse = fuse  # run linears that read one input as one matmul (`Projections`)
+        self.ops = ops
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -44,18 +48,18 @@ class TensorSource:
         # mlx-lm records only per-layer dicts in config.json: a module its predicate kept dense
         # (or whose width the group size does not divide) is known by its missing `.scales`.
         if quant is None or not self.has(f"{module}.scales"):
-            return Linear(self.take(f"{module}.weight", (out_dim, in_dim)), b)
+            return self.ops.linear_type(self.take(f"{module}.weight", (out_dim, in_dim)), b)
         group, bits = quant["group_size"], quant["bits"]
         weight = self.take(f"{module}.weight", (out_dim, in_dim * bits // 32), cast=False)
         scales = self.take(f"{module}.scales", (out_dim, in_dim // group))
         biases = self.take(f"{module}.biases", (out_dim, in_dim // group))
-        return Linear(weight, b, scales, biases, group, bits)
+        return self.ops.linear_type(weight, b, scales, biases, group, bits)
 
     def norm(self, module: str, dim: int) -> mx.array:
         return self.take(f"{module}.weight", (dim,))
 
     def projections(self, linears: list["Linear"]) -> "Projections":
-        return Projections(linears, fuse=self.fuse)
+        return Projections(linears, fuse=self.ops.fuse_projections)
 
 
 def dequantized(tensors, config: ModelConfig, dtype: mx.Dtype) -> dict:
@@ -93,9 +97,7 @@ class Linear:
         return self.scales is not None
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.on_cuda_kernel(x):
-            y = cuda_qmatmul.quantized_matmul(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
-        elif self.quantized:
+        if self.quantized:
             y = mx.quantized_matmul(
                 x, self.weight, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
             )
@@ -105,17 +107,7 @@ class Linear:
 
     def swiglu(self, x: mx.array) -> mx.array:
         """silu(gate) * up, this linear's rows being a gate projection's over an up projection's."""
-        if self.bias is None and self.on_cuda_kernel(x):
-            return cuda_qmatmul.quantized_matmul(
-                x, self.weight, self.scales, self.biases, self.group_size, self.bits, swiglu=True
-            )  # fmt: skip
         return swiglu(*mx.split(self(x), 2, axis=-1))
-
-    def on_cuda_kernel(self, x: mx.array) -> bool:
-        """Whether `cuda_qmatmul` takes x's rows of this linear."""
-        return self.quantized and cuda_qmatmul.runs(
-            x.size // x.shape[-1], self.weight.shape[0], x.shape[-1], self.group_size, self.bits, x.dtype
-        )
 
     def dense(self) -> "Linear":
         """This linear with its weight dequantized (itself when already dense)."""
@@ -134,7 +126,8 @@ class Linear:
 
 
 def fuse_linears(linears: list[Linear]) -> Linear | None:
-    """Stack linears that read the same input into one matmul, or None if their formats differ."""
+    """Stack linears that read the same input into one matmul (of their kind), or None if
+    their formats differ."""
     first = linears[0]
     same = all(
         (l.quantized, l.group_size, l.bits, l.bias is None)
@@ -148,13 +141,12 @@ def fuse_linears(linears: list[Linear]) -> Linear | None:
         parts = [getattr(l, attr) for l in linears]
         return None if parts[0] is None else mx.concatenate(parts, axis=0)
 
-    return Linear(cat("weight"), cat("bias"), cat("scales"), cat("biases"), first.group_size, first.bits)
+    return type(first)(cat("weight"), cat("bias"), cat("scales"), cat("biases"), first.group_size, first.bits)
 
 
 class Projections:
     """Several linears over one input, run as one fused matmul when their formats allow and
-    `fuse` asks (on MLX's CPU build the fused matmul is no faster, and concatenating the
-    weights costs ~0.25 s of a 135M model's load)."""
+    `fuse` asks (the device's ops say: `Ops.fuse_projections`)."""
 
     def __init__(self, linears: list[Linear], fuse: bool = True):
         self.sizes = [l.weight.shape[0] for l in linears]

@@ -14,16 +14,15 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ferrum_mac import settings
-from ferrum_mac.backends.mlx.attention import Plan, Segment
-from ferrum_mac.backends.mlx.dense_cache import dense_tensors
+from ferrum_mac.backends.mlx.attention import Segment
 from ferrum_mac.backends.mlx.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
-from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, on_cuda_gpu, wire_model_memory
+from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
 from ferrum_mac.backends.mlx.models import FAMILIES
+from ferrum_mac.backends.mlx.ops import Ops, device_ops
+from ferrum_mac.backends.options import DEFAULTS, BackendOptions
 from ferrum_mac.backends.state.manager import PooledState
 from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
-from ferrum_mac.backends.state.prefix_disk import for_checkpoint
 from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
@@ -42,40 +41,25 @@ def compute_dtype(checkpoint: Checkpoint, override: str | None) -> mx.Dtype:
     return DTYPES.get(checkpoint.config.dtype, mx.float16)
 
 
-def dequantize_on_cpu(checkpoint: Checkpoint, dtype: mx.Dtype) -> bool:
-    """On MLX's CPU build quantized matmuls are slow (SmolLM2-135M Q4_1 prefills a 31-token
-    prompt in 5.5 s quantized, 0.26 s dense with float32 matmuls on OpenBLAS, see
-    cpu_blas.py): load them dense when that fits. The dense copy is kept on disk
-    (dense_cache.py), so only the first open pays for dequantizing (~1 s for that model on
-    2 cores). FERRUM_DEQUANTIZE_ON_CPU=0 keeps them quantized (the tests use it to run the
-    quantized kernels)."""
-    if not on_cpu() or not checkpoint.config.quantization or not settings.value("FERRUM_DEQUANTIZE_ON_CPU"):
-        return False
-    weights = checkpoint.quantized_weights
-    if weights is None:  # at most 8 weights per uint32 (4-bit)
-        weights = 8 * sum(
-            t.size for n, t in checkpoint.tensors.items() if n.endswith(".weight") and t.dtype == mx.uint32
-        )
-    return weights * dtype.size < free_memory_bytes() // 3
-
-
-def mlx_device() -> str:
-    """Where MLX computes: "cpu", "cuda" (its CUDA build) or "gpu" (Metal)."""
-    return "cpu" if on_cpu() else "cuda" if on_cuda_gpu() else "gpu"
-
-
 class MlxLLM(PooledLLM):
     device_array_types = (mx.array,)
-    segment_type = Segment
 
-    def __init__(self, checkpoint: Checkpoint, dtype: str | None = None, kv_capacity: int | None = None):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        dtype: str | None = None,
+        kv_capacity: int | None = None,
+        options: BackendOptions = DEFAULTS,
+        ops: Ops | None = None,
+    ):
+        """`ops`: the routes of the model's steps (default: those of MLX's device now, `device_ops`)."""
         c = checkpoint.config
         family = model_family(FAMILIES, c.model_type, "MLX")
+        self.ops = ops or device_ops(options)
+        self.segment_type = self.ops.segment_type
         self.dtype = compute_dtype(checkpoint, dtype)
-        tensors = checkpoint.tensors
-        if dequantize_on_cpu(checkpoint, self.dtype):
-            tensors = dense_tensors(checkpoint, self.dtype)
-        source = TensorSource(tensors, c, self.dtype, str(checkpoint.path), fuse=not on_cpu())
+        tensors = self.ops.load_tensors(checkpoint, self.dtype)
+        source = TensorSource(tensors, c, self.dtype, str(checkpoint.path), self.ops)
         self.model = family(source, c)
         checkpoint.tensors.clear()  # the model holds what it needs (fused copies included)
         del tensors, source
@@ -88,16 +72,18 @@ class MlxLLM(PooledLLM):
         self._config = LlmRuntimeConfig.of_model(c, str(self.dtype).split(".")[-1])
         free = free_memory_bytes()
         self._capacity = kv_capacity_within(self._config, free, self.dtype.size, kv_capacity)
-        cache_mb = settings.value("FERRUM_PREFIX_CACHE_MB")
-        max_blocks, cache_blocks = pool_limits(self._config, free, self.dtype.size, BLOCK_TOKENS, cache_mb)
-        disk = None
-        if cache_blocks:
-            disk = for_checkpoint(
-                checkpoint, self._config.dtype, f"mlx-{mlx_device()}", BLOCK_TOKENS,
-                settings.prefix_cache_dir(), settings.value("FERRUM_PREFIX_DISK_MB"),
-            )  # fmt: skip
+        max_blocks, cache_blocks = pool_limits(
+            self._config, free, self.dtype.size, BLOCK_TOKENS, options.prefix_cache_mb
+        )
         self.kv = KvManager(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, cache_blocks, disk
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self._capacity,
+            max_blocks,
+            cache_blocks,
+            self._prefix_disk(checkpoint, f"mlx-{self.ops.device}", options) if cache_blocks else None,
         )
         self._state = PooledState(self.kv, self._config, self.device_array_types, free_tokens=self._free_tokens)
 
@@ -115,7 +101,7 @@ class MlxLLM(PooledLLM):
             logits = self.decode(WARMUP_ID, mx.argmax(logits), warm)
             mx.eval(logits)
         self.release(WARMUP_ID)
-        self.model.layers[0].attn.warm_up_kernels(self.dtype)  # the batched decode's, on CUDA
+        self.ops.warm_up(self.model.layers[0].attn, self.dtype)  # the batched decode's, on CUDA
 
     def reset(self) -> None:
         self.state.reset()
@@ -133,7 +119,7 @@ class MlxLLM(PooledLLM):
 
     def _hidden(self, token_parts: list[mx.array], segments: list[Segment]) -> mx.array:
         tokens = token_parts[0] if len(token_parts) == 1 else mx.concatenate(token_parts)
-        return self.model.hidden(tokens, Plan(segments))
+        return self.model.hidden(tokens, self.ops.plan(segments))
 
     def _logits_at(self, h: mx.array, rows) -> mx.array:
         if rows == slice(None):

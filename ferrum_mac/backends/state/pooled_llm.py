@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Sequence
 
-from ferrum_mac.backends.state.block_pool import BlockPool
+from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS, BlockPool
+from ferrum_mac.backends.state.prefix_disk import PrefixDisk, for_checkpoint
 from ferrum_mac.errors import UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import (
     KV_MEMORY_SHARE,
@@ -106,6 +107,12 @@ class PooledLLM(DecoderOnlyLLM):
 
     def _after_chunk(self) -> None:
         """Between two chunks of a long prefill (MLX runs the queued work there)."""
+
+    def _prefix_disk(self, checkpoint, backend: str, options) -> PrefixDisk | None:
+        """The disk tier of this model's prefix cache, as `options` (the backend's) size it; None: none."""
+        return for_checkpoint(
+            checkpoint, self._config.dtype, backend, BLOCK_TOKENS, options.prefix_dir, options.prefix_disk_mb
+        )
 
     # -- the contract ---------------------------------------------------------------
 

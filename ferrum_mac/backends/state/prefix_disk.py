@@ -75,11 +75,11 @@ DTYPES: dict[str, tuple[str, np.dtype]] = {
 
 
 def for_checkpoint(
-    checkpoint: Checkpoint, dtype: str, backend: str, block_tokens: int, root: Path, budget_mb: int
+    checkpoint: Checkpoint, dtype: str, backend: str, block_tokens: int, root: Path | None, budget_mb: int
 ) -> "PrefixDisk | None":
     """The disk tier for a model loaded from `checkpoint` in `dtype` (float32, float16, bfloat16)
     by `backend` (its name and device, e.g. "torch-cpu"), in the folder `root` (shared by every
-    model) holding at most `budget_mb` MiB; None when it keeps nothing on disk (a budget of 0,
+    model) holding at most `budget_mb` MiB; None when it keeps nothing on disk (no folder, a budget of 0,
     a CUDA device, a checkpoint without files, an unusable cache folder)."""
     budget = budget_mb << 20
     if backend.endswith("-cuda"):
@@ -88,7 +88,7 @@ def for_checkpoint(
         # host copies for writing would hold up the server: the tier pays only on CPUs and Macs.
         return None
     key = model_key(checkpoint_files(checkpoint), dtype, backend, block_tokens)
-    if not budget or key is None or dtype not in DTYPES:
+    if root is None or not budget or key is None or dtype not in DTYPES:
         return None
     try:
         return PrefixDisk(root, key, dtype, budget)

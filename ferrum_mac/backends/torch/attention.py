@@ -132,9 +132,14 @@ class Plan:
 
             mask = causal_lower_right(seg.length, end)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], kv[0][None], kv[1][None],
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-        )  # fmt: skip
+            q.transpose(0, 1)[None],
+            kv[0][None],
+            kv[1][None],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
         return out[0].transpose(0, 1).reshape(seg.length, -1)
 
 
@@ -153,8 +158,15 @@ class DecodePlan:
     share one). Attention spreads each row's keys over programs as for a batch of that many,
     so a verify's rows are summed exactly as that sequence's decode steps would be."""
 
-    def __init__(self, pool: KvManager, table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
-                 ops: Ops = TORCH_OPS, sequences: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        pool: KvManager,
+        table: torch.Tensor,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        ops: Ops = TORCH_OPS,
+        sequences: int | None = None,
+    ):
         self.pool, self.table, self.positions, self.ops = pool, table, positions, ops
         self.total = rows = positions.shape[0]
         self.sequences = sequences or rows
@@ -206,9 +218,13 @@ class FreshPlan:
         dim = k.shape[2]
         self.pool.kv[layer].view(2, -1, dim)[:, self.places] = torch.stack((k, v)).view(2, -1, dim)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=True,
-        )  # fmt: skip
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
         return out[0].transpose(0, 1).reshape(self.total, -1)
 
 

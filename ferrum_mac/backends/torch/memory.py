@@ -7,14 +7,11 @@ import os
 import torch
 
 from ferrum_mac.errors import UnsupportedError
-from ferrum_mac import settings
 
 
 def default_device() -> torch.device:
-    """`FERRUM_DEVICE` (cuda, cuda:1, cpu) when set, else CUDA when present, else the CPU."""
-    named = settings.value("FERRUM_DEVICE")
-    if named:
-        return torch.device(named)
+    """CUDA when present, else the CPU (FERRUM_DEVICE, which names another, reaches
+    `resolve_device` through the composition root)."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

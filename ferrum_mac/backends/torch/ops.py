@@ -22,18 +22,16 @@ import functools
 
 import torch
 
-from ferrum_mac import settings
+from ferrum_mac.backends.options import DEFAULTS, TORCH_GEMVS, BackendOptions
 from ferrum_mac.backends.torch import quant
 from ferrum_mac.backends.torch.layers import Linear, RmsNorm
 from ferrum_mac.backends.torch.pointwise import one_per_row, torch_swiglu
 
-TRITON = settings.value("FERRUM_TORCH_TRITON")
-# The fused GEMV kernels in use, by name: "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
+# The fused GEMV kernels in use, by name (`BackendOptions.torch_gemv`, FERRUM_TORCH_GEMV): "norm_swiglu" (RMSNorm + gate_up + SwiGLU),
 # "matmul_residual" (o_proj and down plus the residual), "norm_qkv_rope" (RMSNorm + qkv + q/k
 # norm + RoPE + KV write: `triton_qkv`, or for one row or a verify's, a `triton_gemv` GEMV and
 # then `triton_ops.norm_rope_write`: `TritonOps.row_qkv`), "norm_matmul" (RMSNorm + qkv projection,
 # where norm_qkv_rope is off; off unless named: it lost to F.rms_norm + cuBLAS).
-GEMV = settings.value("FERRUM_TORCH_GEMV")
 GEMV_MAX_ROWS = 4  # the GEMVs take up to 16 rows; past a few, cuBLAS reads a weight once as well
 GEMV_MOST_ROWS = 16  # (triton_ops.MIN_DOT_ROWS: x padded to a tl.dot operand)
 # At most this many token-expert pairs take the Triton MoE kernels (a pair is a GEMV there; a
@@ -88,7 +86,7 @@ class TritonOps(Ops):
 
     triton = True
 
-    def __init__(self, gemv: frozenset[str] = GEMV, gemv_max_rows: int = GEMV_MAX_ROWS, rowwise: bool = False):
+    def __init__(self, gemv: frozenset[str] = TORCH_GEMVS, gemv_max_rows: int = GEMV_MAX_ROWS, rowwise: bool = False):
         """`rowwise`: a verify's rows, each a sequence's decode step: a packed linear takes them
         one at a time, as the GEMV that multiplies in registers sums a row differently among
         more rows; a bf16 GEMV is told to sum each row as alone (`triton_gemv`'s `rows_alike`)."""
@@ -103,14 +101,14 @@ class TritonOps(Ops):
         return linear(x)
 
     def gemv(self, kernel: str, x: torch.Tensor) -> bool:
-        """Whether the Triton GEMV `kernel` (named as in GEMV) takes x `(rows, K)`: a few rows."""
+        """Whether the Triton GEMV `kernel` (named as in `TORCH_GEMVS`) takes x `(rows, K)`: a few rows."""
         return kernel in self.gemvs and x.dim() == 2 and x.shape[0] <= self.gemv_max_rows
 
     def rms_norm(self, x: torch.Tensor, norm: RmsNorm) -> torch.Tensor:
         # one kernel of torch's rounding: F.rms_norm takes several microseconds on a row
         if norm.weight is None:
             return super().rms_norm(x, norm)
-        from ferrum_mac.backends.torch import triton_ops
+        from ferrum_mac.backends.torch.kernels import triton_ops
 
         return triton_ops.rms_norm(x, norm.weight, norm.eps)
 
@@ -123,12 +121,12 @@ class TritonOps(Ops):
         if self._by_row(x, linear):
             return torch.cat([self.norm_matmul(x[i : i + 1], norm, linear) for i in range(x.shape[0])])
         if self.quant_gemv(x, linear, norm):
-            from ferrum_mac.backends.torch import triton_quant
+            from ferrum_mac.backends.torch.kernels import triton_quant
 
             return triton_quant.gemv(x, linear.weight, linear.bias, norm_weight=norm.weight, eps=norm.eps)
         if linear.quantized or not (self.gemv("norm_matmul", x) or self.row_qkv(x, linear)):
             return super().norm_matmul(x, norm, linear)
-        from ferrum_mac.backends.torch import triton_gemv
+        from ferrum_mac.backends.torch.kernels import triton_gemv
 
         return triton_gemv.norm_matmul(x, norm.weight, norm.eps, linear.weight, linear.bias, rows_alike=self.rowwise)
 
@@ -138,14 +136,14 @@ class TritonOps(Ops):
             return torch.cat([linear.plus(x[i : i + 1], residual[i : i + 1]) for i in range(x.shape[0])])
         if linear.quantized or linear.bias is not None or not self.gemv("matmul_residual", x):
             return super().matmul_plus(x, linear, residual)
-        from ferrum_mac.backends.torch import triton_gemv
+        from ferrum_mac.backends.torch.kernels import triton_gemv
 
         return triton_gemv.matmul_residual(x, linear.weight, residual, rows_alike=self.rowwise)
 
     def swiglu(self, gate_up: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         if not one_per_row(weights, gate_up):
             return super().swiglu(gate_up, weights)
-        from ferrum_mac.backends.torch import triton_ops
+        from ferrum_mac.backends.torch.kernels import triton_ops
 
         return triton_ops.swiglu(gate_up, weights)
 
@@ -153,14 +151,14 @@ class TritonOps(Ops):
         if self._by_row(x, gate_up):
             return torch.cat([self.norm_swiglu(x[i : i + 1], norm, gate_up) for i in range(x.shape[0])])
         if self.quant_gemv(x, gate_up, norm):
-            from ferrum_mac.backends.torch import triton_quant
+            from ferrum_mac.backends.torch.kernels import triton_quant
 
             return triton_quant.gemv(
                 x, gate_up.weight, gate_up.bias, norm_weight=norm.weight, eps=norm.eps, swiglu=True
             )
         if gate_up.quantized or not self.gemv("norm_swiglu", x):
             return super().norm_swiglu(x, norm, gate_up)
-        from ferrum_mac.backends.torch import triton_gemv
+        from ferrum_mac.backends.torch.kernels import triton_gemv
 
         return triton_gemv.norm_swiglu(x, norm.weight, norm.eps, gate_up.weight, gate_up.bias, rows_alike=self.rowwise)
 
@@ -182,16 +180,27 @@ class TritonOps(Ops):
         (`triton_qkv`), else (and for one row or a verify's: `row_qkv`) the projection, then
         those in one (`triton_ops.norm_rope_write`);
         then attention reading each row's keys up to its position (`plan`: a `DecodePlan`)."""
-        from ferrum_mac.backends.torch import triton_ops, triton_qkv
-        from ferrum_mac.backends.torch.triton_pdl import pdl_for
+        from ferrum_mac.backends.torch.kernels import triton_ops, triton_qkv
+        from ferrum_mac.backends.torch.kernels.triton_pdl import pdl_for
 
         kv = plan.pool.kv[attn.layer]  # (2, kv_heads, token rows, dim)
         interleaved, places = attn.rope.interleaved, plan.places
         if self.fused_qkv(h, attn) and triton_qkv.fits(attn.head_dim, h.shape[0]):
             q = triton_qkv.norm_qkv_rope_write(
-                h, norm.weight, norm.eps, attn.qkv.weight, attn.qkv.bias, attn.heads, attn.qk_norm, attn.eps,
-                cos, sin, interleaved, kv, places,
-            )  # fmt: skip
+                h,
+                norm.weight,
+                norm.eps,
+                attn.qkv.weight,
+                attn.qkv.bias,
+                attn.heads,
+                attn.qk_norm,
+                attn.eps,
+                cos,
+                sin,
+                interleaved,
+                kv,
+                places,
+            )
             early = pdl_for(h.device, attn.qkv.weight)  # (a large weight's kernel lets none start early)
         else:
             qkv = self.norm_matmul(h, norm, attn.qkv)
@@ -204,17 +213,15 @@ class TritonOps(Ops):
     def sparse_moe(self, moe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Gate projection with the router, gate_up with SwiGLU, down with the sum over k and
         the residual add: three `triton_moe` kernels, at decode sizes and unless a torch
-        route is forced (`qwen3_moe.ROUTE`)."""
-        from ferrum_mac.backends.torch.models import qwen3_moe
-
-        if qwen3_moe.ROUTE or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
+        route is forced (`qwen3_moe.Experts.forced_route`)."""
+        if moe.experts.forced_route or x.shape[0] * moe.router.top_k > MOE_MAX_PAIRS:
             return super().sparse_moe(moe, x, residual)
-        from ferrum_mac.backends.torch import triton_moe
+        from ferrum_mac.backends.torch.kernels import triton_moe
 
         router, experts = moe.router, moe.experts  # (the gate has no bias)
         ids, weights = triton_moe.gate_route(x, router.gate.weight, router.top_k, router.renormalise)
         if experts.packed:  # the same two kernels over packed experts
-            from ferrum_mac.backends.torch import triton_quant
+            from ferrum_mac.backends.torch.kernels import triton_quant
 
             return triton_quant.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
         return triton_moe.experts_plus(x, ids, weights, experts.gate_up, experts.down, residual)
@@ -223,19 +230,22 @@ class TritonOps(Ops):
 TORCH_OPS = Ops()
 
 
-def decode_ops(device: torch.device, verify: bool = False) -> Ops:
-    """A decode step's ops on `device`: Triton's on CUDA where triton imports (unless turned off).
-    `verify`: the step's rows are verified tokens, computed as each one's decode step would be:
-    the GEMVs take every row they can, not handing many rows to cuBLAS (whose sums differ)."""
-    if not (TRITON and device.type == "cuda" and triton_imports()):
+def decode_ops(device: torch.device, options: BackendOptions = DEFAULTS, verify: bool = False) -> Ops:
+    """A decode step's ops on `device`: Triton's on CUDA where triton imports (unless `options`
+    turn them off), with the GEMVs they name. `verify`: the step's rows are verified tokens,
+    computed as each one's decode step would be: the GEMVs take every row they can, not handing
+    many rows to cuBLAS (whose sums differ)."""
+    if not (options.torch_triton and device.type == "cuda" and triton_imports()):
         return TORCH_OPS
-    return TritonOps(gemv_max_rows=GEMV_MOST_ROWS, rowwise=True) if verify else TritonOps()
+    if verify:
+        return TritonOps(options.torch_gemv, gemv_max_rows=GEMV_MOST_ROWS, rowwise=True)
+    return TritonOps(options.torch_gemv)
 
 
 @functools.cache
 def triton_imports() -> bool:
     try:  # imported only here, and only for CUDA: the CPU path never pays for it
-        from ferrum_mac.backends.torch import triton_ops
+        from ferrum_mac.backends.torch.kernels import triton_ops
     except ImportError:
         return False
     return triton_ops.triton is not None

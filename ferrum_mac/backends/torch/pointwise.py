@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 
-def norm_and_rope(qk: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                  eps: float, interleaved: bool) -> torch.Tensor:  # fmt: skip
+def norm_and_rope(
+    qk: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float, interleaved: bool
+) -> torch.Tensor:
     """q and k heads `(T, heads, dim)`: RMSNorm with per-head weights (when given), then each
     pair of dims (i, partner(i)) turned by its row's angle: x * cos + partner(x) * signed sin.
 

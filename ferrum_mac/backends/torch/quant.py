@@ -249,7 +249,7 @@ class ExpertStack:
         no float32 copy on the way (the same values)."""
         if not runs_triton(packed.words):
             return packed.dequantize(self.dtype)
-        from ferrum_mac.backends.torch import triton_dequant
+        from ferrum_mac.backends.torch.kernels import triton_dequant
 
         out = torch.empty(packed.shape, dtype=self.dtype, device=packed.words.device)
         return triton_dequant.dequantize(packed, out)
@@ -265,8 +265,13 @@ class QuantLinear:
 
     quantized = True
 
-    def __init__(self, weight: Packed, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
-                 sizes_scratch: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        weight: Packed,
+        bias: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        sizes_scratch: bool = True,
+    ):
         self.weight, self.bias, self.dtype = weight, bias, dtype
         if sizes_scratch:
             reserve_scratch(weight.shape[0] * weight.shape[1])
@@ -274,7 +279,7 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not runs_triton(x):
             return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
-        from ferrum_mac.backends.torch import triton_quant
+        from ferrum_mac.backends.torch.kernels import triton_quant
 
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= GEMV_MAX_ROWS:
@@ -292,7 +297,7 @@ class QuantLinear:
             return residual + self(x)
         if not runs_triton(x):
             return torch.addmm(residual, x, self.weight.dequantize(x.dtype).t())
-        from ferrum_mac.backends.torch import triton_quant
+        from ferrum_mac.backends.torch.kernels import triton_quant
 
         if x.shape[0] <= GEMV_MAX_ROWS:
             return triton_quant.gemv(x, self.weight, residual=residual)
@@ -301,8 +306,13 @@ class QuantLinear:
         return residual + triton_quant.matmul(x, self.weight)
 
 
-def dense_matmul(x: torch.Tensor, weight: Packed, scratch: torch.Tensor, bias: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def dense_matmul(
+    x: torch.Tensor,
+    weight: Packed,
+    scratch: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x `(M, K)` times the packed W `(N, K)` transposed (+ bias, + residual) -> `(M, N)` by
     cuBLAS, over W dequantized into `scratch` (`triton_dequant.dequantize`, x's dtype): whole
     where it fits, else a slice of W's rows at a time. The residual is cuBLAS's accumulator."""
@@ -311,7 +321,7 @@ def dense_matmul(x: torch.Tensor, weight: Packed, scratch: torch.Tensor, bias: t
 
 
 def _dense_matmul(x, weight: Packed, scratch: torch.Tensor, bias, residual) -> torch.Tensor:
-    from ferrum_mac.backends.torch import triton_dequant
+    from ferrum_mac.backends.torch.kernels import triton_dequant
 
     n, k = weight.shape
     step = scratch.numel() // k
@@ -367,7 +377,7 @@ def runs_triton(x: torch.Tensor) -> bool:
 @functools.cache
 def triton_imports() -> bool:
     try:
-        from ferrum_mac.backends.torch import triton_quant
+        from ferrum_mac.backends.torch.kernels import triton_quant
     except ImportError:
         return False
     return triton_quant.triton is not None

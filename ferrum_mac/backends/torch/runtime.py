@@ -15,16 +15,16 @@ from typing import Sequence
 
 import torch
 
-from ferrum_mac import settings
-from ferrum_mac.backends.state.manager import PooledState
 from ferrum_mac.backends.state.padding import power_of_two_above, quarter_octave_above
+from ferrum_mac.backends.state.manager import PooledState
 from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
-from ferrum_mac.backends.state.prefix_disk import for_checkpoint
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
 from ferrum_mac.backends.torch.models import FAMILIES
-from ferrum_mac.backends.torch.steps import USE_GRAPHS, DecodeSteps
+from ferrum_mac.backends.options import DEFAULTS, BackendOptions
+from ferrum_mac.backends.torch.kernels import switches
+from ferrum_mac.backends.torch.steps import DecodeSteps
 from ferrum_mac.backends.torch.weights import DTYPES, TensorSource, dtype_name
 from ferrum_mac.llm import DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
@@ -66,15 +66,20 @@ class TorchLLM(PooledLLM):
         kv_capacity: int | None = None,
         quant: str | None = None,
         packed: bool | None = None,
+        options: BackendOptions = DEFAULTS,
     ):
         """`quant` ("4bit", "8bit"): a dense checkpoint's linear layers quantized as they load;
-        `packed`: whether quantized weights stay packed (default: on CUDA; dequantized on the CPU)."""
+        `packed`: whether quantized weights stay packed (default: on CUDA; dequantized on the CPU);
+        `options`: the backends' switches (the torch_* ones)."""
         c = checkpoint.config
         family = model_family(FAMILIES, c.model_type, "torch")
         self.device = resolve_device(device)
+        switches.use(options)
         self.dtype = compute_dtype(checkpoint, dtype)
         with torch.inference_mode():
-            source = TensorSource(checkpoint.tensors, c, self.dtype, self.device, str(checkpoint.path), packed, quant)
+            source = TensorSource(
+                checkpoint.tensors, c, self.dtype, self.device, str(checkpoint.path), packed, quant, options
+            )
             self.model = family(source, c)
         checkpoint.tensors.clear()  # the model holds what it needs (fused copies included)
         self.model_config = c
@@ -84,23 +89,23 @@ class TorchLLM(PooledLLM):
         self._capacity = kv_capacity_within(self._config, free_memory_bytes(self.device), element, kv_capacity)
         with torch.inference_mode():
             self.model.rope.build(self._capacity)
-        cache_mb = settings.value("FERRUM_PREFIX_CACHE_MB")
         max_blocks, cache_blocks = pool_limits(
-            self._config, free_memory_bytes(self.device), element, BLOCK_TOKENS, cache_mb
+            self._config, free_memory_bytes(self.device), element, BLOCK_TOKENS, options.prefix_cache_mb
         )
-        disk = None
-        if cache_blocks:
-            disk = for_checkpoint(
-                checkpoint, self._config.dtype, f"torch-{self.device.type}", BLOCK_TOKENS,
-                settings.prefix_cache_dir(), settings.value("FERRUM_PREFIX_DISK_MB"),
-            )  # fmt: skip
         self.kv = KvManager(
-            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device, self._capacity,
-            max_blocks, cache_blocks, disk,
-        )  # fmt: skip
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            self._capacity,
+            max_blocks,
+            cache_blocks,
+            self._prefix_disk(checkpoint, f"torch-{self.device.type}", options) if cache_blocks else None,
+        )
         self._state = PooledState(self.kv, self._config, self.device_array_types, self._computing)
-        self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device)
-        self.captured_prefill = self.device.type == "cuda" and USE_GRAPHS  # off once a capture fails
+        self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device, options)
+        self.captured_prefill = self.steps.captured  # off once a capture fails
         self.verify_rows = VERIFY_ROWS if self.device.type == "cuda" else 0
 
     # -- contract -------------------------------------------------------------------
@@ -186,7 +191,7 @@ class TorchLLM(PooledLLM):
             (token, offset + i, cache.blocks)
             for cache, (_, tokens, offset) in zip(caches, segments)
             for i, token in enumerate(tokens)
-        ]  # fmt: skip
+        ]
         logits = self._step_over(batch, max(len(cache.blocks) for cache in caches), len(segments))
         for cache, (_, tokens, offset) in zip(caches, segments):
             cache.length = offset + len(tokens)

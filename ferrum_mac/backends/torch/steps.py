@@ -29,21 +29,19 @@ from ferrum_mac.backends.torch.attention import DecodePlan, FreshPlan
 from ferrum_mac.backends.torch import quant
 from ferrum_mac.backends.torch.kv import KvManager, host_ids
 from ferrum_mac.backends.torch.ops import decode_ops
-from ferrum_mac import settings
+from ferrum_mac.backends.options import DEFAULTS, BackendOptions
 
-# FERRUM_TORCH_CUDA_GRAPHS=0 runs CUDA decode steps eagerly (for debugging and A/B timing).
-USE_GRAPHS = settings.value("FERRUM_TORCH_CUDA_GRAPHS")
 MAX_STEPS = 24  # captured graphs kept (least recently used dropped first)
 
 
 class CapturedStep:
-    """A forward over static input buffers: on CUDA captured once as a CUDA graph and replayed
-    (`run`), elsewhere run eagerly. Subclasses own the buffers and the forward."""
+    """A forward over static input buffers: captured once as a CUDA graph and replayed (`run`)
+    where `graphs` is a CUDA graph pool, else run eagerly. Subclasses own the buffers and the forward."""
 
     def __init__(self, device: torch.device, graphs):
         self.device, self.graphs = device, graphs
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.captured = device.type == "cuda" and USE_GRAPHS
+        self.captured = graphs is not None
         self.out: torch.Tensor | None = None
 
     def forward(self) -> torch.Tensor:
@@ -79,8 +77,18 @@ class CapturedStep:
 
 
 class DecodeStep(CapturedStep):
-    def __init__(self, model, pool: KvManager, rows: int, width: int, dtype: torch.dtype, device: torch.device, graphs,
-                 sequences: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        pool: KvManager,
+        rows: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        graphs,
+        sequences: int | None = None,
+        options: BackendOptions = DEFAULTS,
+    ):
         super().__init__(device, graphs)
         self.model, self.pool, self.rows, self.width, self.dtype = model, pool, rows, width, dtype
         self.sequences = sequences or rows  # (`DecodePlan`'s: a verify's rows are one sequence's)
@@ -89,7 +97,7 @@ class DecodeStep(CapturedStep):
         self.table = torch.zeros((rows, width), dtype=torch.int64, device=device)  # all scratch
         self.uploaded: list[list[int]] = [[] for _ in range(rows)]  # each row's blocks in `table`
         # Triton's kernels on CUDA: captured once, so their launches cost nothing
-        self.ops = decode_ops(device, verify=self.sequences < rows)
+        self.ops = decode_ops(device, options, verify=self.sequences < rows)
 
     def load(self, batch: list[tuple]) -> None:
         """Copy this step's inputs to its buffers without waiting on the device. `batch`: row i's
@@ -158,17 +166,25 @@ class DecodeSteps:
     """Captured steps by their shapes, least recently used dropped first: decode steps by
     `(rows, width, sequences)`, prefill steps by `(rows, width)`."""
 
-    def __init__(self, model, pool: KvManager, dtype: torch.dtype, device: torch.device):
-        self.model, self.pool, self.dtype, self.device = model, pool, dtype, device
-        self.graphs = torch.cuda.graph_pool_handle() if device.type == "cuda" else None  # shared by all graphs
+    def __init__(
+        self, model, pool: KvManager, dtype: torch.dtype, device: torch.device, options: BackendOptions = DEFAULTS
+    ):
+        """On CUDA the steps are captured as CUDA graphs unless `options` say not
+        (FERRUM_TORCH_CUDA_GRAPHS=0: eagerly, for debugging and A/B timing)."""
+        self.model, self.pool, self.dtype, self.device, self.options = model, pool, dtype, device, options
+        self.captured = device.type == "cuda" and options.torch_cuda_graphs
+        self.graphs = torch.cuda.graph_pool_handle() if self.captured else None  # shared by all graphs
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.version = pool.version
 
     def get(self, rows: int, width: int, sequences: int | None = None) -> DecodeStep:
         key = (rows, width, sequences or rows)
-        return self._kept(key, lambda: DecodeStep(
-            self.model, self.pool, rows, width, self.dtype, self.device, self.graphs, sequences
-        ))  # fmt: skip
+        return self._kept(
+            key,
+            lambda: DecodeStep(
+                self.model, self.pool, rows, width, self.dtype, self.device, self.graphs, sequences, self.options
+            ),
+        )
 
     def prefill(self, rows: int, width: int) -> PrefillStep:
         key = ("prefill", rows, width)
@@ -190,5 +206,4 @@ class DecodeSteps:
         self.steps.clear()
         # The memory pool dies with its last graph; capturing into its handle again fails an
         # internal assert in PyTorch's allocator, so later graphs get a new pool.
-        if self.device.type == "cuda":
-            self.graphs = torch.cuda.graph_pool_handle()
+        self.graphs = torch.cuda.graph_pool_handle() if self.captured else None

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ferrum_mac.backends.options import DEFAULTS, BackendOptions
 from ferrum_mac.backends.torch import quant
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
 from ferrum_mac.weights import Checkpoint, ModelConfig, find_gguf, load_checkpoint
@@ -72,10 +73,18 @@ class TensorSource:
     """Hands out a checkpoint's tensors by canonical name, checking presence and shape."""
 
     def __init__(
-        self, tensors: dict, config: ModelConfig, dtype: torch.dtype, device: torch.device, where: str,
-        packed: bool | None = None, on_the_fly: str | None = None,
-    ):  # fmt: skip
+        self,
+        tensors: dict,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        where: str,
+        packed: bool | None = None,
+        on_the_fly: str | None = None,
+        options: BackendOptions = DEFAULTS,
+    ):
         self.tensors, self.config, self.dtype, self.device, self.where = tensors, config, dtype, device, where
+        self.options = options  # the backends' switches a layer reads as it is built
         self.keep_packed = device.type == "cuda" if packed is None else packed
         self.on_the_fly = quant.checked_quant(on_the_fly)  # "4bit", "8bit": dense linears quantized at load
 

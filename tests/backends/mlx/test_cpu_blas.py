@@ -1,4 +1,4 @@
-"""MLX's CPU matmuls routed to numpy's OpenBLAS (ferrum_mac/backends/mlx/cpu_blas.py)."""
+"""MLX's CPU matmuls routed to numpy's OpenBLAS (ferrum_mac/backends/mlx/cpu/blas.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ferrum_mac.backends.mlx import cpu_blas
+from ferrum_mac.backends.mlx.cpu import blas as cpu_blas
 
 linux_cpu = pytest.mark.skipif(
     not sys.platform.startswith("linux") or mx.default_device() != mx.cpu, reason="routes MLX's CPU build on Linux only"
@@ -72,8 +72,8 @@ def run_python(code: str, **env) -> dict:
 
 
 PROBE = """
-import json, ferrum_mac.backends; ferrum_mac.backends.route_cpu_blas(); import mlx.core as mx, numpy as np
-from ferrum_mac.backends.mlx import cpu_blas
+import json, ferrum_mac.compose; ferrum_mac.compose.choose_backend("mlx"); import mlx.core as mx, numpy as np
+from ferrum_mac.backends.mlx.cpu import blas as cpu_blas
 a = np.arange(12, dtype=np.float32).reshape(3, 4); b = np.ones((4, 2), dtype=np.float32)
 ok = bool(np.allclose(np.array(mx.array(a) @ mx.array(b)), a @ b))
 print(json.dumps({"status": cpu_blas.status(), "calls": cpu_blas.routed_calls(), "ok": ok}))
@@ -147,9 +147,11 @@ def test_the_shim_computes_sgemm_for_every_layout(order, trans_a, trans_b):
 def test_importing_ferrum_alone_leaves_mlx_alone_and_opening_a_model_routes_it():
     """No import hook: `import ferrum_mac` changes nothing; the composition root routes the
     BLAS when it opens a model (here: `choose`, which every MLX path goes through)."""
-    probe = PROBE.replace("ferrum_mac.backends.route_cpu_blas()", "import ferrum_mac")
+    probe = PROBE.replace('ferrum_mac.compose.choose_backend("mlx")', "import ferrum_mac")
     plain = run_python(probe)
     assert plain["calls"] == 0 and plain["status"].startswith("reference: not activated")
     if expected_active() and sys.platform.startswith("linux") and mx.default_device() == mx.cpu:
-        chosen = run_python(PROBE.replace("ferrum_mac.backends.route_cpu_blas()", "ferrum_mac.backends.choose('mlx')"))
+        chosen = run_python(
+            PROBE.replace('ferrum_mac.compose.choose_backend("mlx")', "ferrum_mac.backends.choose('mlx')")
+        )
         assert chosen["status"].startswith("openblas") and chosen["calls"] >= 1

@@ -1,4 +1,4 @@
-"""The heads kernel's Python edge (`ferrum_mac/backends/mlx/cuda_heads.py`): where it runs, the
+"""The heads kernel's Python edge (`ferrum_mac/backends/mlx/cuda/heads.py`): where it runs, the
 RoPE constants it is given, and the calls it refuses. The kernel itself runs only on MLX's
 CUDA build: `scripts/check-mlx-cuda-heads.py` checks it there against MLX's ops, bit for bit."""
 
@@ -10,8 +10,11 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from ferrum_mac.backends.mlx import cuda_heads
-from ferrum_mac.backends.mlx.layers import Projections, Rope
+from ferrum_mac.backends.mlx.cuda import heads as cuda_heads
+from ferrum_mac.backends.mlx.cuda.ops import CudaOps
+from ferrum_mac.backends.mlx.layers import Rope
+from ferrum_mac.backends.mlx.ops import Ops
+from ferrum_mac.backends.options import BackendOptions
 
 
 def rope(scaling=None, traditional=False):
@@ -19,13 +22,9 @@ def rope(scaling=None, traditional=False):
     return Rope(config)
 
 
-def test_runs_on_cuda_only_for_heads_of_whole_warps(monkeypatch):
-    assert not cuda_heads.runs(128)  # this machine: MLX's CPU build
-    monkeypatch.setattr(cuda_heads, "on_cuda_gpu", lambda: True)
+def test_runs_for_heads_of_whole_warps():
     assert cuda_heads.runs(64) and cuda_heads.runs(128) and cuda_heads.runs(256)
     assert not cuda_heads.runs(96)  # 48 threads a head: a warp's shuffle would read idle lanes
-    monkeypatch.setattr(cuda_heads, "ENABLED", False)  # FERRUM_MLX_CUDA_HEADS=0
-    assert not cuda_heads.runs(128)
 
 
 def test_rope_constants_are_those_mlx_rope_uses():
@@ -45,16 +44,32 @@ def test_several_tokens_need_a_position_each():
         cuda_heads.heads(mx.zeros((1, 2, 8 * 64)), mx.array(5), 4, 2, 64, None, None, cuda_heads.RopeSpec(rope(), 1e-6))
 
 
-def test_attention_takes_the_heads_kernel_where_it_runs(zoo, monkeypatch):
+def test_attention_takes_the_heads_kernel_where_it_runs(zoo):
     """With the kernel standing in as MLX's ops, a model routed through it decodes (one
-    sequence, a batch) exactly as the plain path: its arguments and layouts are the right ones."""
+    sequence, a batch) exactly as the plain path: its arguments and layouts are the right ones.
+    FERRUM_MLX_CUDA_HEADS=0 keeps MLX's ops."""
     import numpy as np
 
-    import ferrum_mac
     from ferrum_mac.llm import DecodeItem
-    from helpers import ferrum_greedy, random_tokens
+    from helpers import ferrum_greedy, open_mlx, random_tokens
 
-    def batch_steps(tag: str) -> list:
+    calls = []
+
+    class HeadsOnTheCpu(CudaOps):
+        """CUDA's projection route, MLX's attention; the kernel stands in as MLX's ops."""
+
+        def heads(self, attn, qkv, positions, spec):
+            calls.append(positions.ndim)
+            args = (attn.heads, attn.kv_heads, attn.head_dim, attn.q_norm, attn.k_norm, attn.rope, attn.eps)
+            return cuda_heads.reference(qkv, positions, *args)
+
+        def attend_segment(self, attn, q, k, v, seg):
+            return attn.attend_segment(q, k, v, seg)
+
+        def heads_kernel_takes(self, attn) -> bool:
+            return self.options.cuda_heads  # (the tiny model's heads are smaller than the kernel's)
+
+    def batch_steps(model, tag: str) -> list:
         for name, tokens in prompts.items():
             model.prefill(f"{tag}-{name}", tokens)
         steps = [
@@ -65,34 +80,22 @@ def test_attention_takes_the_heads_kernel_where_it_runs(zoo, monkeypatch):
             model.release(f"{tag}-{name}")
         return steps
 
-    model = ferrum_mac.open_model(zoo.path("qwen3"), backend="mlx", dtype="float32")
-    layers = model.model.layers
-    for block in layers:  # q/k/v as one matmul, as on a GPU (the kernel reads its output)
-        block.attn.qkv = Projections(block.attn.qkv.parts, fuse=True)
-        block.compiled_pre = mx.compile(block.pre)
     prompt = random_tokens(7, seed=5)
     prompts = {"a": random_tokens(5, seed=1), "b": random_tokens(9, seed=2)}
-    want_tokens = ferrum_greedy(model, "plain", prompt, 6)
-    want_batch = batch_steps("plain")
+    plain = open_mlx(zoo.path("qwen3"), Ops())  # q/k/v as one matmul, as on a GPU (the kernel reads its output)
+    want_tokens = ferrum_greedy(plain, "plain", prompt, 6)
+    want_batch = batch_steps(plain, "plain")
 
-    calls = []
-    eps = layers[0].attn.eps
-
-    def fake_heads(qkv, positions, *rest):
-        calls.append(positions.ndim)
-        heads, kv_heads, dim, q_norm, k_norm, _ = rest
-        return cuda_heads.reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, layers[0].attn.rope, eps)
-
-    monkeypatch.setattr(cuda_heads, "heads", fake_heads)
-    for block in layers:
-        block.attn.fused_heads = True
-        block.attn.rope_spec = cuda_heads.RopeSpec(block.attn.rope, block.attn.eps)
-        block.compiled_pre = mx.compile(block.pre)
+    ops = HeadsOnTheCpu(BackendOptions(cuda_attention=False))
+    model = open_mlx(zoo.path("qwen3"), ops)
     assert ferrum_greedy(model, "fused", prompt, 6) == want_tokens
-    for got, want in zip(batch_steps("fused"), want_batch):
+    for got, want in zip(batch_steps(model, "fused"), want_batch):
         np.testing.assert_array_equal(got, want)
     assert 0 in calls and 1 in calls  # one token at its offset; a batch's rows at their own positions
     calls.clear()
-    layers[0].attn.warm_up_kernels(mx.float32)
-    layers[0].attn.warm_up_kernels(mx.float32)
+    attn = model.model.layers[0].attn
+    ops.warm_up(attn, mx.float32)
+    ops.warm_up(attn, mx.float32)
     assert calls == [1]  # the batch's build, once
+    off = HeadsOnTheCpu(BackendOptions(cuda_attention=False, cuda_heads=False))
+    assert off.kernels(open_mlx(zoo.path("qwen3"), off).model.layers[0].attn).heads is None

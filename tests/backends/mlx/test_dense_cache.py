@@ -1,4 +1,4 @@
-"""The dense copies of quantized checkpoints MLX's CPU build loads (backends/mlx/dense_cache.py)."""
+"""The dense copies of quantized checkpoints MLX's CPU build loads (backends/mlx/cpu/dense_cache.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,21 @@ import numpy as np
 import pytest
 
 import ferrum_mac
-from ferrum_mac.backends.mlx import dense_cache
+from ferrum_mac.backends.mlx.cpu import dense_cache
 
 pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu, reason="quantized checkpoints load dense on MLX's CPU build only"
 )
 
-TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "ffn_gate": "Q8_0", "ffn_up": "Q4_0", "ffn_down": "Q4_1",
-         "token_embd": "Q8_0"}  # fmt: skip
+TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "ffn_gate": "Q8_0",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q4_1",
+    "token_embd": "Q8_0",
+}
 PROMPT = [1, 5, 9, 42, 7]
 
 
@@ -59,7 +66,7 @@ def test_a_changed_file_replaces_its_copy_and_the_switch_turns_it_off(gguf_file,
     logits(gguf_file)
     now = set(entries())
     assert len(now - old) == 1 and len(old - now) == 1  # the stale copy went
-    monkeypatch.setenv(dense_cache.ENABLE_ENV, "0")
+    monkeypatch.setenv("FERRUM_DENSE_CACHE", "0")
     os.utime(gguf_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
     logits(gguf_file)
     assert set(entries()) == now
@@ -77,7 +84,7 @@ def test_a_damaged_copy_is_dropped_and_rebuilt(gguf_file):
 def test_quantized_modes_agree(gguf_file, monkeypatch):
     """Dense from the copy, dense just dequantized and the quantized kernels: the same model."""
     cached = logits(gguf_file)
-    monkeypatch.setenv(dense_cache.ENABLE_ENV, "0")
+    monkeypatch.setenv("FERRUM_DENSE_CACHE", "0")
     np.testing.assert_allclose(logits(gguf_file), cached, rtol=1e-5, atol=1e-5)
     monkeypatch.setenv("FERRUM_DEQUANTIZE_ON_CPU", "0")
     np.testing.assert_allclose(logits(gguf_file), cached, rtol=1e-3, atol=1e-3)

@@ -10,8 +10,12 @@ import pytest
 
 import ferrum_mac
 from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
+from ferrum_mac.backends.mlx.cpu.ops import CpuOps
+from ferrum_mac.backends.mlx.cuda.ops import CudaOps
+from ferrum_mac.backends.mlx.ops import Ops
+from ferrum_mac.backends.options import BackendOptions
 from ferrum_mac.llm import DecodeItem
-from helpers import assert_close, random_tokens
+from helpers import assert_close, open_mlx, random_tokens
 from prefix_support import REL, reference_logits
 
 
@@ -33,24 +37,41 @@ def kernel_on_the_cpu(q, keys, values, tables, positions, scale, longest=None, b
     return mx.stack(out)
 
 
+class KernelOnTheCpu(CudaOps):
+    """CUDA's routes, the decode-attention kernel taking the tiny model's heads (the heads
+    kernel off: it has no stand-in here)."""
+
+    def __init__(self):
+        super().__init__(BackendOptions(cuda_heads=False))
+
+    def decode_kernel_takes(self, attn) -> bool:
+        return True
+
+
+def cuda_on_the_cpu(monkeypatch) -> CudaOps:
+    """CUDA's routes with the decode-attention kernel computed by MLX ops on the CPU."""
+    from ferrum_mac.backends.mlx.cuda import attention as cuda_attention
+
+    monkeypatch.setattr(cuda_attention, "decode_attention", kernel_on_the_cpu)
+    kernel_on_the_cpu.calls = 0
+    return KernelOnTheCpu()
+
+
 @pytest.fixture(params=["gather", "kernel"])
 def attention_route(request, monkeypatch):
     """How decode rows attend: keys gathered under a mask (Metal, CPU), or the CUDA kernel's
     route through block tables (here with the kernel computed by MLX ops on the CPU)."""
-    from ferrum_mac.backends.mlx import cuda_attention
-
-    monkeypatch.setattr(cuda_attention, "decode_attention", kernel_on_the_cpu)
     kernel_on_the_cpu.calls = 0
-    return request.param
+    ops = cuda_on_the_cpu(monkeypatch) if request.param == "kernel" else Ops()
+    return request.param, ops
 
 
 def test_batched_decode_over_scattered_blocks_equals_each_alone(zoo, attention_route):
     """Sequences that grow together take turns at the free blocks, so their tables interleave
     (and two share a prefix): the batched write and read, a lone decode and a prefill that
     continue such a table all give the logits of a fresh forward."""
-    model = ferrum_mac.open_model(zoo.path("llama"), backend="mlx", dtype="float32")
-    for block in model.model.layers:
-        block.attn.by_length = attention_route == "kernel"
+    attention_route, ops = attention_route
+    model = open_mlx(zoo.path("llama"), ops)
     history = {f"s{i}": random_tokens(B - 2 + i, seed=40 + i) for i in range(3)}
     for cid, prompt in history.items():
         model.prefill(cid, prompt)
@@ -111,19 +132,14 @@ def test_a_single_sequence_decode_reads_a_slice_of_the_pool(fresh_model):
     mx.eval(model.decode("a", 3, seq.length))
 
 
-def test_a_lone_sequence_on_cuda_reads_its_keys_in_place(fresh_model, monkeypatch):
+def test_a_lone_sequence_on_cuda_reads_its_keys_in_place(zoo, monkeypatch):
     """On CUDA a lone sequence's one-token step hands MLX's attention its keys as a slice of
     the pool, up to the table kernel's length. MLX 0.32 would read such a slice from its
     buffer's row 0 were the buffer's token axis a multiple of 256 (`kv.SPARE_ROWS`), so no
-    buffer's is; scattered rows take the table kernel from `GATHER_KEYS` keys."""
-    from ferrum_mac.backends.mlx import attention, cuda_attention
-
-    monkeypatch.setattr(cuda_attention, "decode_attention", kernel_on_the_cpu)
-    kernel_on_the_cpu.calls = 0
-    model = fresh_model
-    for block in model.model.layers:
-        block.attn.on_cuda = block.attn.by_length = True
-    monkeypatch.setattr(attention, "TABLE_KERNEL_KEYS", 300)
+    buffer's is; scattered rows take the table kernel from `cuda.ops.GATHER_KEYS` keys."""
+    ops = cuda_on_the_cpu(monkeypatch)
+    ops.table_kernel_keys = 300
+    model = open_mlx(zoo.path("llama"), ops)
     history = random_tokens(290, seed=62)
     model.prefill("a", history)
     for step in range(12):  # 291 .. 302 keys: in place, then through the table from 300
@@ -143,21 +159,16 @@ def test_padded_attention_of_cuda_equals_the_causal_one(zoo, monkeypatch):
     builds few cuDNN graphs): the logits of a fresh prompt, of a chunk after consecutive
     blocks, of one after scattered blocks and of a verify equal the causal attention's,
     whether the padded keys are a longer slice of the pool or gathered past its end."""
-    from ferrum_mac.backends.mlx.attention import Attention
-
     routes = []
-    attend_padded = Attention._attend_padded
 
-    def recording(self, q, k, v, seg):
-        routes.append(type(seg.padded_read_rows).__name__)
-        return attend_padded(self, q, k, v, seg)
-
-    monkeypatch.setattr(Attention, "_attend_padded", recording)
+    class Recording(CudaOps):
+        def attend_padded(self, attn, q, k, v, seg):
+            routes.append(type(seg.padded_read_rows).__name__)
+            return super().attend_padded(attn, q, k, v, seg)
 
     def run(padded: bool) -> list[np.ndarray]:
-        model = ferrum_mac.open_model(zoo.path("llama"), backend="mlx", dtype="float32")
-        for block in model.model.layers:
-            block.attn.on_cuda = padded
+        ops = Recording(BackendOptions(cuda_attention=False, cuda_heads=False)) if padded else Ops()
+        model = open_mlx(zoo.path("llama"), ops)
         model.prefill("long", random_tokens(300, seed=70))  # the pool grows past 256 rows
         model.release("long")
         out = [model.prefill("a", random_tokens(37, seed=71))]
@@ -177,7 +188,7 @@ def test_padded_attention_of_cuda_equals_the_causal_one(zoo, monkeypatch):
 def test_numpy_attention_equals_mlxs_causal_attention():
     """The CPU's attention by numpy: GQA, a chunk after cached keys and a whole prompt, the
     queries in blocks or all at once."""
-    from ferrum_mac.backends.mlx.attention import numpy_causal_attention
+    from ferrum_mac.backends.mlx.cpu.attention import numpy_causal_attention
 
     rng = np.random.default_rng(5)
     for n, total in ((5, 37), (20, 20)):
@@ -192,16 +203,15 @@ def test_numpy_attention_equals_mlxs_causal_attention():
 def test_a_models_logits_by_numpy_attention_equal_mlxs(zoo, monkeypatch):
     """Every several-token segment by numpy (a fresh prompt, a chunk after consecutive blocks,
     one after scattered blocks, a verify): the logits of MLX's own attention."""
-    from ferrum_mac.backends.mlx import attention
+    from ferrum_mac.backends.mlx.cpu import attention as cpu_attention
 
-    monkeypatch.setattr(attention, "NUMPY_MIN_SCORES", 0)
     calls = []
-    monkeypatch.setattr(attention, "numpy_causal_attention", counted(attention.numpy_causal_attention, calls))
+    monkeypatch.setattr(cpu_attention, "numpy_causal_attention", counted(cpu_attention.numpy_causal_attention, calls))
 
     def run(by_numpy: bool) -> list[np.ndarray]:
-        model = ferrum_mac.open_model(zoo.path("llama"), backend="mlx", dtype="float32")
-        for block in model.model.layers:
-            block.attn.by_numpy = by_numpy
+        ops = CpuOps(BackendOptions(numpy_attention=by_numpy))
+        ops.numpy_min_scores = 0
+        model = open_mlx(zoo.path("llama"), ops)
         out = [model.prefill("a", random_tokens(37, seed=81))]
         out.append(model.prefill("b", random_tokens(5, seed=82)))
         out.append(model.prefill("a", random_tokens(2 * B + 3, seed=83)))  # after b's block: scattered

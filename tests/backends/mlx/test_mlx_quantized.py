@@ -194,9 +194,8 @@ def test_one_row_of_a_4bit_weight_takes_the_one_row_kernel_where_it_fits(monkeyp
     16,384 and its groups of 32 values or more, takes the one-row kernel whatever the weight's
     shape; its launch covers every output row. Without it, a large widening weight takes the
     few-row kernel and the rest MLX's vector kernel."""
-    from ferrum_mac.backends.mlx import cuda_qmatmul
+    from ferrum_mac.backends.mlx.cuda import qmatmul as cuda_qmatmul
 
-    monkeypatch.setattr(cuda_qmatmul, "on_cuda_gpu", lambda: True)
     shapes = [(4096, 4096), (4096, 12288), (5120, 2048), (24576, 4096), (151936, 2048), (300, 1024)]
     for out_dim, in_dim in shapes:
         assert cuda_qmatmul.runs(1, out_dim, in_dim, 64, 4, mx.bfloat16)
@@ -236,40 +235,34 @@ def test_swiglu_goes_into_the_few_row_kernel(converted, monkeypatch):
     """Where the few-row kernel runs a stacked gate/up weight, it writes the SwiGLU too. With
     the kernel standing in as MLX's ops (`cuda_qmatmul.reference`), a model routed through it
     decodes (one sequence, a batch) exactly as the plain path."""
-    from ferrum_mac.backends.mlx import cuda_qmatmul
-    from ferrum_mac.backends.mlx.layers import Projections
+    from ferrum_mac.backends.mlx.cuda import qmatmul as cuda_qmatmul
+    from ferrum_mac.backends.mlx.cuda.ops import CudaLinear
+    from ferrum_mac.backends.mlx.ops import Ops
     from ferrum_mac.llm import DecodeItem
+    from helpers import open_mlx
 
-    monkeypatch.setenv("FERRUM_DEQUANTIZE_ON_CPU", "0")
-    model = ferrum_mac.open_model(converted("qwen2-q4g32-fp32"), dtype="float32")
-    layers = model.model.layers
-    for block in layers:  # one matmul each, as on a GPU (where the kernel reads the stacked weight)
-        block.attn.qkv = Projections(block.attn.qkv.parts, fuse=True)
-        block.mlp.gate_up = Projections(block.mlp.gate_up.parts, fuse=True)
+    class QmmOnTheCpu(Ops):
+        linear_type = CudaLinear  # CUDA's linears, MLX's attention
 
-    def recompile():
-        for block in layers:
-            block.compiled_pre, block.compiled_post = mx.compile(block.pre), mx.compile(block.post)
-
-    def run(tag: str) -> tuple[list[int], np.ndarray]:
-        recompile()
+    def run(tag: str, ops) -> tuple[list[int], np.ndarray]:
+        # one matmul for q/k/v and for gate/up, as on a GPU (where the kernel reads the stacked weight)
+        model = open_mlx(converted("qwen2-q4g32-fp32"), ops)
         tokens = ferrum_greedy(model, tag, PROMPT[:6], 5)
         for i, prompt in enumerate((PROMPT[:5], PROMPT[3:12])):
             model.prefill(f"{tag}-{i}", prompt)
         batch = model.decode_batch([DecodeItem(f"{tag}-0", 3, 5), DecodeItem(f"{tag}-1", 4, 9)])
         return tokens, np.array(batch)
 
-    want_tokens, want_batch = run("plain")
+    want_tokens, want_batch = run("plain", Ops())
     calls = []
 
     def stand_in(x, *args, swiglu=False, **_):
         calls.append((x.size // x.shape[-1], swiglu))
         return cuda_qmatmul.reference(x, *args, swiglu=swiglu)
 
-    monkeypatch.setattr(cuda_qmatmul, "on_cuda_gpu", lambda: True)
     monkeypatch.setattr(cuda_qmatmul, "ONE_ROW_MIN_WEIGHTS", 0)
     monkeypatch.setattr(cuda_qmatmul, "quantized_matmul", stand_in)
-    tokens, batch = run("fused")
+    tokens, batch = run("fused", QmmOnTheCpu())
     assert tokens == want_tokens
     np.testing.assert_array_equal(batch, want_batch)
     assert (1, False) in calls and (1, True) in calls  # one token: qkv, gate_up + SwiGLU

@@ -80,7 +80,9 @@ def test_moe_routes_agree(zoo, monkeypatch, route):
 
     model = zoo.ferrum("qwen3_moe", "torch")
     want = hf_logits(zoo.hf("qwen3_moe"), PROMPT)
-    monkeypatch.setattr(qwen3_moe, "ROUTE", route)
+    for layer in model.model.layers:  # (as FERRUM_TORCH_MOE_ROUTE forces it at load)
+        if isinstance(layer.mlp, qwen3_moe.SparseMoe):
+            monkeypatch.setattr(layer.mlp.experts, "forced_route", route)
     assert_close(model.forward_verify(f"route-{route}", PROMPT), want, FP32_REL, f"{route} prefill")
     assert_same_tokens(ferrum_greedy(model, f"g-{route}", PROMPT[:5], 8), hf_greedy(zoo.hf("qwen3_moe"), PROMPT[:5], 8))
     model.release(f"route-{route}")
@@ -114,9 +116,14 @@ def mlx_lm_converted(tmp_path_factory):
         build_hf_folder(v, root / f"{name}-hf")
         folders[name] = root / name
         convert(
-            str(root / f"{name}-hf"), str(folders[name]), quantize=True, q_group_size=v.group_size,
-            q_bits=v.bits, dtype=v.dtype, quant_predicate=v.predicate,
-        )  # fmt: skip
+            str(root / f"{name}-hf"),
+            str(folders[name]),
+            quantize=True,
+            q_group_size=v.group_size,
+            q_bits=v.bits,
+            dtype=v.dtype,
+            quant_predicate=v.predicate,
+        )
     return folders
 
 

@@ -66,7 +66,10 @@ def test_stacked_experts_read_without_mlx_dequantize_as_mlx_does():
     w = mx.random.normal((3, 40, 128), key=mx.random.key(3))
     words, scales, biases = mx.quantize(w, group_size=64, bits=4)
     module = "layers.0.mlp.switch_mlp.up_proj"
-    tensors = {f"{module}.{part}": torch.from_numpy(np.array(t)) for part, t in zip(("weight", "scales", "biases"), (words, scales, biases))}  # fmt: skip
+    tensors = {
+        f"{module}.{part}": torch.from_numpy(np.array(t))
+        for part, t in zip(("weight", "scales", "biases"), (words, scales, biases))
+    }
     config = ModelConfig("qwen3_moe", 64, 128, 40, 1, 2, 2, 64, quantization={"group_size": 64, "bits": 4})
     got = TensorSource(tensors, config, torch.float32, CPU, "test").take(f"{module}.weight", (3, 40, 128))
     want = np.array(mx.dequantize(words, scales, biases, group_size=64, bits=4))
@@ -90,8 +93,11 @@ def test_gguf_files_read_without_mlx_bit_for_bit_and_pack_without_changing_a_val
     for module in ("layers.0.mlp.down_proj", "layers.0.self_attn.k_proj", "embed_tokens"):  # Q4_1, Q4_1, Q8_0
         spec = by_mlx.config.quant_for(module)
         words, scales, biases = (by_mlx.tensors[f"{module}.{part}"] for part in ("weight", "scales", "biases"))
-        packed = quant.from_mlx(*(by_torch.tensors[f"{module}.{part}"] for part in ("weight", "scales", "biases")),
-                                spec["bits"], spec["group_size"])  # fmt: skip
+        packed = quant.from_mlx(
+            *(by_torch.tensors[f"{module}.{part}"] for part in ("weight", "scales", "biases")),
+            spec["bits"],
+            spec["group_size"],
+        )
         wide = (scales.astype(mx.float32), biases.astype(mx.float32))
         want = np.array(mx.dequantize(words, *wide, group_size=spec["group_size"], bits=spec["bits"]))
         assert torch.equal(packed.dequantize(), torch.from_numpy(want)), module
@@ -116,8 +122,9 @@ def test_an_unknown_quantization_is_a_one_line_error():
 
 # -- the kernels --------------------------------------------------------------------------------
 
-from ferrum_mac.backends.torch import (  # noqa: E402
-    ops,
+from ferrum_mac.backends.torch import ops  # noqa: E402
+from ferrum_mac.backends.torch.kernels import (  # noqa: E402
+    switches,
     triton_dequant,
     triton_dp4a_gemv,
     triton_fma_gemv,
@@ -208,8 +215,9 @@ def test_fma_gemv_equals_the_dequantized_matmul_with_its_fusions(gpu_like, bits,
         assert_near(got, want, dtype)
         y = F.linear(norm(x).float(), y_all)
         want = F.silu(y[:, :width]) * y[:, width:]
-        got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=splits,
-                                tile=SMALL_FMA_TILE, dp4a=False)  # fmt: skip
+        got = triton_quant.gemv(
+            x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=splits, tile=SMALL_FMA_TILE, dp4a=False
+        )
         assert_near(got, want, dtype)
 
 
@@ -298,8 +306,9 @@ def test_dp4a_gemv_fuses_what_the_fma_gemv_fuses(gpu_like, bits, group):
         got = triton_quant.gemv(x, w, bias, residual=residual, splits=splits, tile=SMALL_FMA_TILE, dp4a=True)
         assert_near(got, F.linear(x.float(), y_all, bias.float()) + residual.float(), dtype)
         y = F.linear(norm(x).float(), y_all)
-        got = triton_quant.gemv(x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=splits,
-                                tile=SMALL_FMA_TILE, dp4a=True)  # fmt: skip
+        got = triton_quant.gemv(
+            x, w, norm_weight=norm.weight, eps=norm.eps, swiglu=True, splits=splits, tile=SMALL_FMA_TILE, dp4a=True
+        )
         assert_near(got, F.silu(y[:, :width]) * y[:, width:], dtype)
     plain = triton_quant.gemv(x, w, tile=SMALL_FMA_TILE, dp4a=True)
     assert_near(plain, triton_dp4a_gemv.reference(x, w), dtype)
@@ -338,13 +347,13 @@ def test_large_weights_take_their_shapes_dp4a_tile_and_small_ones_the_default():
 @kernels
 def test_one_row_takes_the_dp4a_gemv_and_more_rows_the_fma_one(gpu_like, monkeypatch):
     calls = []
-    monkeypatch.setattr(triton_quant, "DP4A", True)
+    monkeypatch.setattr(switches, "dp4a", True)  # (FERRUM_TORCH_DP4A)
     monkeypatch.setattr(triton_quant, "dp4a_gemv", lambda *a, **kw: calls.append("dp4a"))
     monkeypatch.setattr(triton_quant, "fma_gemv", lambda *a, **kw: calls.append("fma"))
     w = packed_random(16, 64, 4, 32, torch.float32, seed=1)
     for rows in (1, 2):
         triton_quant.gemv(torch.randn(rows, 64, device=DEVICE), w)
-    monkeypatch.setattr(triton_quant, "DP4A", False)
+    monkeypatch.setattr(switches, "dp4a", False)
     triton_quant.gemv(torch.randn(1, 64, device=DEVICE), w)
     assert calls == ["dp4a", "fma", "fma"]  # (the last: with DP4A off)
 
@@ -676,10 +685,10 @@ def test_a_packed_moes_greedy_decode_on_the_fma_experts_gives_torchs_tokens(quan
     c = quantized_moe
     llm = TorchLLM(Checkpoint(c.config, dict(c.tensors), c.path, c.format), dtype="float32", device="cpu", packed=True)
     prompt, runs = [1, 40, 26, 35, 4], []
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
     want = ferrum_greedy(llm, "torch", prompt, 6), llm.decode("torch", 3, len(prompt) + 5)
     llm.reset()  # drops the decode steps: the next run makes its own
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: _MoeOnTriton())
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: _MoeOnTriton())
     fma = triton_fma_gemv.fma_expert_gemv
     wide = triton_fma_gemv.FmaTile(columns=256, per_sm=0)  # (fewer programs: the interpreter runs one at a time)
     monkeypatch.setattr(

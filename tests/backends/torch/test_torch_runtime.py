@@ -30,12 +30,14 @@ def torch_model(zoo, family: str):
 def test_decode_step_never_reads_the_device(zoo, monkeypatch, family, route):
     """On the meta device tensors have shapes but no values, so `.item()`, `.tolist()` or an op
     whose output shape depends on values fails: a step that runs there can be a CUDA graph."""
-    from ferrum_mac.backends.torch.models import qwen3_moe
+    from ferrum_mac.backends.options import BackendOptions
     from ferrum_mac.backends.torch.runtime import TorchLLM
     from ferrum_mac.weights import load_checkpoint
 
-    monkeypatch.setattr(qwen3_moe, "ROUTE", route)
-    model = TorchLLM(load_checkpoint(zoo.path(family)), dtype="bfloat16", device="meta")  # grouped_mm: bf16 as on CUDA
+    options = BackendOptions(torch_moe_route=route)
+    model = TorchLLM(
+        load_checkpoint(zoo.path(family)), dtype="bfloat16", device="meta", options=options
+    )  # grouped_mm: bf16 as on CUDA
     model.prefill("a", PROMPT)
     out = model.decode_batch([DecodeItem("a", 5, len(PROMPT)), DecodeItem("b", torch.tensor(7, device="meta"), 0)])
     assert out.shape == (2, model.config.vocab_size) and out.device.type == "meta"

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from triton_interpreter import DEVICE, gemv_inputs, like_a_gpu, ulps  # noqa: E402  (before triton: sets the interpreter up)
 
-from ferrum_mac.backends.torch import ops, triton_gemv, triton_splits  # noqa: E402
+from ferrum_mac.backends.torch import ops  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_gemv, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.pointwise import torch_swiglu  # noqa: E402
 
 

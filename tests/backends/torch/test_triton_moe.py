@@ -16,9 +16,9 @@ from triton_interpreter import DEVICE, INTERPRET, like_a_gpu, ulps  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import steps, triton_moe, triton_splits  # noqa: E402
+from ferrum_mac.backends.torch import steps  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_moe, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.layers import Linear  # noqa: E402
-from ferrum_mac.backends.torch.models import qwen3_moe  # noqa: E402
 from ferrum_mac.backends.torch.models.qwen3_moe import Router, SparseMoe  # noqa: E402
 from ferrum_mac.backends.torch.ops import TORCH_OPS, Ops, TritonOps  # noqa: E402
 from ferrum_mac.backends.torch.pointwise import torch_swiglu  # noqa: E402
@@ -165,10 +165,15 @@ def test_down_sum_plus_is_one_rounding_of_the_exact_sum(dtype, experts, top_k, h
     assert not triton_splits.split_counters(DEVICE).any()
 
 
-@pytest.mark.parametrize("dtype, route, renormalise", [
-    (torch.float32, "grouped", True), (torch.bfloat16, "grouped", False),
-    (torch.float32, "gathered", False), (torch.bfloat16, "gathered", True),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, route, renormalise",
+    [
+        (torch.float32, "grouped", True),
+        (torch.bfloat16, "grouped", False),
+        (torch.float32, "gathered", False),
+        (torch.bfloat16, "gathered", True),
+    ],
+)
 def test_moe_block_matches_the_torch_routes(dtype, route, renormalise):
     torch.manual_seed(4)
     moe = random_moe(8, 4, 64, 48, renormalise, dtype)
@@ -193,7 +198,7 @@ def test_triton_block_only_for_decode_sizes(monkeypatch):
     x = torch.randn(64, 64)
     assert TritonOps().sparse_moe(moe, x, x) == "triton"
     assert TritonOps().sparse_moe(moe, torch.randn(65, 64), x) == "torch"  # 256 pairs at most
-    monkeypatch.setattr(qwen3_moe, "ROUTE", "grouped")  # a forced torch route
+    moe.experts.forced_route = "grouped"  # a forced torch route (FERRUM_TORCH_MOE_ROUTE)
     assert TritonOps().sparse_moe(moe, x, x) == "torch"
 
 
@@ -222,10 +227,10 @@ def test_decode_batch_through_triton_moe_matches_torch(zoo, monkeypatch):
         return decode_batch_steps(model, prompts, tag)
 
     launches = []
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: TORCH_OPS)
     expected = decode_twice("torch")
     model.reset()  # drops the decode steps: the next run makes its own
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: MoeOnTriton())
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: MoeOnTriton())
     gate_route = triton_moe.gate_route
     monkeypatch.setattr(triton_moe, "gate_route", lambda *args: launches.append(1) or gate_route(*args))
     on_triton = decode_twice("triton")

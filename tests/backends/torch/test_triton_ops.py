@@ -18,16 +18,9 @@ from triton_interpreter import DEVICE, gemv_inputs, like_a_gpu, ulps  # noqa: E4
 
 triton = pytest.importorskip("triton")
 
-from ferrum_mac.backends.torch import (  # noqa: E402
-    attention,
-    ops,
-    pointwise,
-    steps,
-    triton_gemv,
-    triton_ops,
-    triton_qkv,
-    triton_splits,
-)
+from ferrum_mac.backends.options import BackendOptions  # noqa: E402
+from ferrum_mac.backends.torch import attention, ops, pointwise, steps  # noqa: E402
+from ferrum_mac.backends.torch.kernels import triton_gemv, triton_ops, triton_qkv, triton_splits  # noqa: E402
 from ferrum_mac.backends.torch.attention import DecodePlan  # noqa: E402
 from ferrum_mac.backends.torch.kv import KvManager  # noqa: E402
 from ferrum_mac.backends.torch.layers import Rope  # noqa: E402
@@ -115,9 +108,22 @@ def test_norm_qkv_rope_write_matches_torch(dtype, heads, kv_heads, dim, interlea
     cos, sin = rope_tables(dim, interleaved, positions, dtype)
 
     q = triton_qkv.norm_qkv_rope_write(
-        x, norm.weight, norm.eps, weight, b, heads, qk_weight, 1e-6, cos, sin, interleaved, pool.kv[0], plan.places,
-        splits=splits, block_k=16,
-    )  # fmt: skip
+        x,
+        norm.weight,
+        norm.eps,
+        weight,
+        b,
+        heads,
+        qk_weight,
+        1e-6,
+        cos,
+        sin,
+        interleaved,
+        pool.kv[0],
+        plan.places,
+        splits=splits,
+        block_k=16,
+    )
 
     qkv = F.linear(norm(x), weight, b)
     want_q = triton_ops.norm_rope_write(qkv, heads, qk_weight, cos, sin, 1e-6, interleaved, expected.kv[0], plan.places)
@@ -144,8 +150,9 @@ def attention_by_row(q, kv, table, positions, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, dim", SHAPES)
 @pytest.mark.parametrize("splits, merge_tile", [(1, 8192), (4, 8192), (16, 1)])
-def test_decode_attention_reads_each_row_up_to_its_position(dtype, heads, kv_heads, dim, splits, merge_tile,
-                                                            monkeypatch):  # fmt: skip
+def test_decode_attention_reads_each_row_up_to_its_position(
+    dtype, heads, kv_heads, dim, splits, merge_tile, monkeypatch
+):
     """Each row reads its keys through its own scattered, out-of-order blocks, and nothing past
     its position (NaN there, and in the scratch block its table ends with, would spread).
     Split, the last program of each (row, kv head) to finish merges the splits that hold keys
@@ -247,7 +254,6 @@ def test_gemv_runs_for_a_few_rows_and_the_kernels_named():
 def test_triton_ops_only_in_a_cuda_decode_step(monkeypatch):
     """Eager steps (prefill, verify, mixed batches) run torch's ops; a decode step Triton's,
     on CUDA where triton imports, unless FERRUM_TORCH_TRITON=0."""
-    monkeypatch.setattr(ops, "TRITON", True)
     monkeypatch.setattr(ops, "triton_imports", lambda: True)
     assert isinstance(ops.decode_ops(torch.device("cuda")), ops.TritonOps)
     assert ops.decode_ops(torch.device("cpu")) is ops.TORCH_OPS
@@ -255,8 +261,9 @@ def test_triton_ops_only_in_a_cuda_decode_step(monkeypatch):
     monkeypatch.setattr(ops, "triton_imports", lambda: False)
     assert ops.decode_ops(torch.device("cuda")) is ops.TORCH_OPS
     monkeypatch.setattr(ops, "triton_imports", lambda: True)
-    monkeypatch.setattr(ops, "TRITON", False)
-    assert ops.decode_ops(torch.device("cuda")) is ops.TORCH_OPS
+    assert ops.decode_ops(torch.device("cuda"), BackendOptions(torch_triton=False)) is ops.TORCH_OPS
+    named = ops.decode_ops(torch.device("cuda"), BackendOptions(torch_gemv=frozenset({"norm_matmul"})))
+    assert named.gemvs == {"norm_matmul"}
 
 
 # -- a whole decode step ------------------------------------------------------------------------
@@ -286,10 +293,10 @@ def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv
         return decode_batch_steps(model, prompts, tag)
 
     gemvs = frozenset({qkv, "norm_swiglu", "matmul_residual"})
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
     expected = decode_twice("torch")
     model.reset()  # drops the decode steps (and on a GPU their CUDA graphs): the next run makes its own
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TritonOps(gemv=gemvs))
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TritonOps(gemv=gemvs))
     calls = {name: 0 for name in gemvs | {"rms_norm"}}
     for name in calls:
         module, function = KERNELS[name]
@@ -308,11 +315,11 @@ def test_one_rows_qkv_takes_the_row_gemv_then_norm_rope_write(zoo, monkeypatch):
 
     model = zoo.ferrum("qwen3", "torch")
     prompts = {"a": random_tokens(7, seed=4)}
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
     expected = decode_batch_steps(model, prompts, "torch")
     model.reset()
     gemvs = frozenset({"norm_qkv_rope", "norm_swiglu", "matmul_residual"})
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TritonOps(gemv=gemvs))
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TritonOps(gemv=gemvs))
     calls = {"row": 0, "fused": 0, "rope": 0}
     monkeypatch.setattr(triton_gemv, "_row_gemv", counted(triton_gemv._row_gemv, "row", calls))
     monkeypatch.setattr(triton_qkv, "norm_qkv_rope_write", counted(triton_qkv.norm_qkv_rope_write, "fused", calls))
@@ -353,9 +360,9 @@ def test_decode_batch_through_triton_over_shared_blocks_matches_torch(zoo, monke
         model.reset()
         return logits
 
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TORCH_OPS)
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
     expected = decode_shared("torch")
-    monkeypatch.setattr(steps, "decode_ops", lambda device, verify=False: ops.TritonOps())
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TritonOps())
     for got, want in zip(decode_shared("triton"), expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

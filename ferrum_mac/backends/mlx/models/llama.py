@@ -3,18 +3,11 @@ Qwen3 (q/k RMSNorm). Embedding, blocks of attention + SwiGLU MLP, final norm, he
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 
-from ferrum_mac import settings
 from ferrum_mac.backends.mlx.attention import Attention, Plan
 from ferrum_mac.backends.mlx.layers import Linear, TensorSource
 from ferrum_mac.weights import ModelConfig
-
-# Steps of at most this many tokens (decode, small decode batches) run compiled; each
-# distinct count is traced once. Longer prefills run eagerly (their kernels dominate).
-# FERRUM_MLX_COMPILE_MAX_TOKENS=0 turns compiled steps off (for debugging and A/B timing).
-COMPILE_MAX_TOKENS = settings.value("FERRUM_MLX_COMPILE_MAX_TOKENS")
 
 
 class Mlp:
@@ -37,12 +30,16 @@ class Block:
 
     Everything but the cache write and attention is pure, so for the few-token steps of
     decoding it runs as two compiled graphs: Python then builds ~3 calls per layer instead
-    of ~25 ops, which is most of a small model's decode time on a GPU.
+    of ~25 ops, which is most of a small model's decode time on a GPU. Steps of at most
+    `compile_max_tokens` tokens (FERRUM_MLX_COMPILE_MAX_TOKENS; 0: none) run compiled, each
+    distinct count traced once; longer prefills run eagerly (their kernels dominate).
     """
 
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int, mlp):
         p = f"layers.{layer}"
         self.attn = Attention(src, config, layer)
+        self.ops = src.ops
+        self.compile_max_tokens = src.ops.options.compile_max_tokens
         self.mlp = mlp
         self.attn_norm = src.norm(f"{p}.input_layernorm", config.hidden_size)
         self.mlp_norm = src.norm(f"{p}.post_attention_layernorm", config.hidden_size)
@@ -51,14 +48,14 @@ class Block:
         self.compiled_post = mx.compile(self.post)
 
     def pre(self, x: mx.array, positions: mx.array):
-        return self.attn.project(mx.fast.rms_norm(x, self.attn_norm, self.eps), positions)
+        return self.ops.project(self.attn, mx.fast.rms_norm(x, self.attn_norm, self.eps), positions)
 
     def post(self, x: mx.array, attn_out: mx.array) -> mx.array:
         h = x + self.attn.o_proj(attn_out)
         return h + self.mlp(mx.fast.rms_norm(h, self.mlp_norm, self.eps))
 
     def __call__(self, x: mx.array, plan: Plan) -> mx.array:
-        small = plan.total <= COMPILE_MAX_TOKENS
+        small = plan.total <= self.compile_max_tokens
         q, k, v = (self.compiled_pre if small else self.pre)(x, plan.positions)
         out = self.attn.attend(q, k, v, plan)
         return (self.compiled_post if small else self.post)(x, out)

@@ -12,26 +12,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ferrum_mac import settings
-from ferrum_mac.backends.mlx import cuda_moe
 from ferrum_mac.backends.mlx.layers import Linear, TensorSource
-from ferrum_mac.backends.mlx.memory import on_cuda_gpu
 from ferrum_mac.backends.mlx.models import llama
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.weights import ModelConfig
 from ferrum_mac.weights.moe import MoeConfig, moe_config  # noqa: F401  (the MoE keys of any checkpoint)
 
+if TYPE_CHECKING:
+    from ferrum_mac.backends.mlx.ops import Ops
+
 # From this many token-expert pairs on (prefill, large batches), sort the pairs by expert
 # so each expert's weights are read once for all of its tokens.
 SORT_MIN_PAIRS = 64
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# On MLX's CUDA build, decode-sized steps route and run quantized experts with our own
-# kernels (cuda_moe.py); FERRUM_MLX_CUDA_MOE=0 keeps MLX's ops (A/B timing).
-USE_CUDA_KERNELS = settings.value("FERRUM_MLX_CUDA_MOE")
 
 
 # -- loading: every checkpoint layout -> mlp.switch_mlp.{gate,up,down}_proj (E, out, in) ----
@@ -71,9 +69,16 @@ class ExpertLinear:
         """x `(..., 1, in)` times the weight of `experts[...]` -> `(..., 1, out)`."""
         if self.scales is not None:
             return mx.gather_qmm(
-                x, self.weight, self.scales, self.biases, rhs_indices=experts, transpose=True,
-                group_size=self.group_size, bits=self.bits, sorted_indices=sorted_indices,
-            )  # fmt: skip
+                x,
+                self.weight,
+                self.scales,
+                self.biases,
+                rhs_indices=experts,
+                transpose=True,
+                group_size=self.group_size,
+                bits=self.bits,
+                sorted_indices=sorted_indices,
+            )
         w = self.weight.swapaxes(-1, -2)
         if w.dtype == x.dtype:
             return mx.gather_mm(x, w, rhs_indices=experts, sorted_indices=sorted_indices)
@@ -87,10 +92,7 @@ class ExpertLinear:
 def expert_linear(src: TensorSource, module: str, experts: int, out_dim: int, in_dim: int) -> ExpertLinear:
     quant = src.config.quant_for(module)
     if quant is None:
-        weight = src.take(f"{module}.weight", (experts, out_dim, in_dim))
-        if mx.default_device() == mx.cpu:  # MLX's CPU gather_mm runs in float32 only
-            weight = weight.astype(mx.float32)
-        return ExpertLinear(weight)
+        return ExpertLinear(src.ops.expert_weights(src.take(f"{module}.weight", (experts, out_dim, in_dim))))
     group, bits = quant["group_size"], quant["bits"]
     grouped = (experts, out_dim, in_dim // group)
     return ExpertLinear(
@@ -124,25 +126,23 @@ def weighted_swiglu(gate: mx.array, up: mx.array, weights: mx.array) -> mx.array
 class Router:
     """Softmax over the experts' gate logits, then the top k, optionally renormalised."""
 
-    def __init__(self, gate: Linear, top_k: int, renormalise: bool, num_experts: int):
-        self.gate, self.top_k, self.renormalise = gate, top_k, renormalise
-        self.by_kernel = USE_CUDA_KERNELS and on_cuda_gpu() and num_experts <= 512 and top_k <= 32
+    def __init__(self, gate: Linear, top_k: int, renormalise: bool, ops: "Ops"):
+        self.gate, self.top_k, self.renormalise, self.ops = gate, top_k, renormalise, ops
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        """x `(T, hidden)` -> expert ids `(T, k)` and their weights `(T, k)`.
+        """x `(T, hidden)` -> expert ids `(T, k)` and their weights `(T, k)`."""
+        return self.ops.route(self, self.gate(x), x.dtype)
 
-        Softmax is monotonic, so the top k of the logits are the top k of the probabilities,
+    def route(self, logits: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Softmax is monotonic, so the top k of the logits are the top k of the probabilities,
         and renormalised top-k probabilities are the softmax of the top-k logits: four
         kernels, and no ties from rounding probabilities to bf16."""
-        logits = self.gate(x)
-        if self.by_kernel and x.shape[0] * self.top_k <= cuda_moe.MAX_PAIRS:
-            return cuda_moe.route(logits, self.top_k, self.renormalise, x.dtype)
         experts = mx.argpartition(logits, kth=-self.top_k, axis=-1)[:, -self.top_k :]
         top = mx.take_along_axis(logits, experts, axis=-1)
         if self.renormalise:
             return experts, mx.softmax(top, axis=-1, precise=True)
         log_z = mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
-        return experts, mx.exp(top.astype(mx.float32) - log_z).astype(x.dtype)
+        return experts, mx.exp(top.astype(mx.float32) - log_z).astype(dtype)
 
 
 class Experts:
@@ -157,18 +157,15 @@ class Experts:
         self.gate_up = stack_outputs(gate, up) if fusable else None
         self.gate, self.up = (None, None) if fusable else (gate, up)
         self.inter, self.hidden = inter, hidden
-        quantized = fusable and gate.scales is not None and self.down.format() == gate.format()
-        self.by_kernel = (
-            USE_CUDA_KERNELS and on_cuda_gpu() and quantized
-            and cuda_moe.supports(hidden, inter, moe.top_k, gate.group_size, gate.bits)
-        )  # fmt: skip
+        self.ops = src.ops
 
     def __call__(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
         """x `(T, hidden)`, experts/weights `(T, k)` -> sum over k of weight * expert(x), `(T, hidden)`."""
+        return self.ops.mix_experts(self, x, experts, weights)
+
+    def mix(self, x: mx.array, experts: mx.array, weights: mx.array) -> mx.array:
+        """`__call__` by MLX's gathered matmuls."""
         T, k = experts.shape
-        if self.by_kernel and experts.size <= cuda_moe.MAX_PAIRS:
-            a = cuda_moe.gate_up_swiglu(x, self.gate_up, experts, weights, self.inter)
-            return cuda_moe.down_sum(a, self.down, experts, self.hidden)
         if experts.size < SORT_MIN_PAIRS:
             # Every token row meets each of its k experts: (T, 1, 1, H) x (T, k) -> (T, k, 1, H)
             y = self.gathered_mlp(x[:, None, None, :], experts, weights[..., None, None], sorted_indices=False)
@@ -192,10 +189,8 @@ class Experts:
 class SparseMoe:
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int, moe: MoeConfig):
         p = f"layers.{layer}.mlp"
-        gate = src.linear(f"{p}.gate", moe.num_experts, config.hidden_size)
-        if on_cuda_gpu():  # a dense matmul beats MLX's quantized ones on this small (E, hidden) weight
-            gate = gate.dense()
-        self.router = Router(gate, moe.top_k, moe.norm_topk_prob, moe.num_experts)
+        gate = src.ops.router_gate(src.linear(f"{p}.gate", moe.num_experts, config.hidden_size))
+        self.router = Router(gate, moe.top_k, moe.norm_topk_prob, src.ops)
         self.experts = Experts(src, f"{p}.switch_mlp", moe, config.hidden_size)
 
     def __call__(self, x: mx.array) -> mx.array:

@@ -35,12 +35,9 @@ from ferrum_mac.backends.torch.ops import Ops
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
 from ferrum_mac.weights.moe import MoeConfig, moe_config
-from ferrum_mac import settings
 
 # At most this many token-expert pairs use gathered weights when grouped_mm is unavailable.
 GATHER_MAX_PAIRS = 64
-# Force a route ("grouped", "gathered" or "dense") for A/B timing and tests; "" chooses.
-ROUTE = settings.value("FERRUM_TORCH_MOE_ROUTE")
 
 
 def grouped_mm_runs(weight: torch.Tensor) -> bool:
@@ -127,6 +124,9 @@ class Experts:
         self.gate_up, self.down = self.packed or expert_weights(src, prefix, moe, hidden)
         self.num_experts, self.inter = moe.num_experts, moe.intermediate_size
         self.grouped_ok = grouped_mm_runs(torch.empty(0, dtype=src.dtype, device=src.device))
+        # A route forced ("grouped", "gathered" or "dense": FERRUM_TORCH_MOE_ROUTE) for A/B timing
+        # and tests; "" chooses per step.
+        self.forced_route = src.options.torch_moe_route
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every expert's gate_up and down, dense."""
@@ -141,8 +141,8 @@ class Experts:
         return self.gate_up[experts], self.down[experts]
 
     def route(self, pairs: int) -> str:
-        if ROUTE:
-            return ROUTE
+        if self.forced_route:
+            return self.forced_route
         if self.packed and pairs <= GATHER_MAX_PAIRS:  # dequantizes only the chosen experts
             return "gathered"
         if self.grouped_ok:

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from ferrum_mac.backends.torch.quant import Packed
-from ferrum_mac.backends.torch.triton_gemv import gemv_splits
-from ferrum_mac.backends.torch.triton_ops import multiprocessors
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, PDL_MAX_BYTES, launch_options, pdl_for, prefetch_lines
-from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_buffers, split_counters
+from ferrum_mac.backends.torch.kernels.triton_gemv import gemv_splits
+from ferrum_mac.backends.torch.kernels.triton_ops import multiprocessors
+from ferrum_mac.backends.torch.kernels.triton_pdl import LINE_BYTES, PDL_MAX_BYTES, launch_options, pdl_for, prefetch_lines
+from ferrum_mac.backends.torch.kernels.triton_splits import SPLIT_COUNTERS, split_buffers, split_counters
 
 try:
     import triton
@@ -81,7 +81,7 @@ class FmaTile:
         return self._blocks(n, k, rows, swiglu, bits, group, sms, False)
 
     def _blocks(self, n: int, k: int, rows: int, swiglu: bool, bits: int, group: int, sms: int,
-                longer_rows: bool) -> tuple[int, int]:  # fmt: skip
+                longer_rows: bool) -> tuple[int, int]:
         weights = triton.next_power_of_2(rows) * (2 if swiglu else 1)
         block_n, block_k = max(FMA_MIN_COLUMNS, self.columns // weights), max(group, self.row_bytes * 8 // bits)
         steps, row_k = min(FMA_MAX_SPLITS, triton.cdiv(k, block_k)), block_k
@@ -100,7 +100,7 @@ FMA_TILE = FmaTile()
 
 def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-             swiglu: bool = False, splits: int | None = None, tile: FmaTile = FMA_TILE) -> torch.Tensor:  # fmt: skip
+             swiglu: bool = False, splits: int | None = None, tile: FmaTile = FMA_TILE) -> torch.Tensor:
     """`triton_quant.gemv` for up to FMA_MAX_ROWS rows, multiplied in registers
     (`_qgemv_fma_kernel`), a program taking `tile`; `splits` of K: by default as many as
     `tile.per_sm` asks."""
@@ -124,13 +124,13 @@ def fma_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=tile.prefetch, NORM_BLOCK=FMA_NORM_BLOCK,
         PDL=pdl, PREFETCH_LINES=prefetch_lines(block_n, words_per_split, 4) if pdl else 0, LINE_ELEMENTS=LINE_BYTES // 4,
         IDS=False, SUM_PAIRS=False, num_warps=tile.warps, num_stages=1, **launch_options(pdl),
-    )  # fmt: skip
+    )
     return out
 
 
 def fma_expert_gemv(x: torch.Tensor, ids: torch.Tensor, weight: Packed, experts: int,
                     pair_weights: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                    splits: int | None = None, tile: FmaTile = FMA_TILE) -> torch.Tensor:  # fmt: skip
+                    splits: int | None = None, tile: FmaTile = FMA_TILE) -> torch.Tensor:
     """`fma_gemv` of each token-expert pair over its expert's rows of a stack of `experts`
     packed experts (`weight`: `(experts * out, in)`), the expert read on the device from `ids`
     `(T, k)` (no host sync). Either gate_up with SwiGLU (`pair_weights` `(T, k)` given): x
@@ -175,12 +175,12 @@ def fma_expert_gemv(x: torch.Tensor, ids: torch.Tensor, weight: Packed, experts:
         SWIGLU=swiglu, SPLIT=splits > 1, BLOCK_N=block_n, BLOCK_W=block_w, PREFETCH=tile.prefetch,
         NORM_BLOCK=FMA_NORM_BLOCK, PDL=pdl, PREFETCH_LINES=0, LINE_ELEMENTS=LINE_BYTES // 4,
         IDS=True, SUM_PAIRS=not swiglu, num_warps=tile.warps, num_stages=1, **launch_options(pdl),
-    )  # fmt: skip
+    )
     return out
 
 
 def fma_plan(n: int, k: int, rows: int, swiglu: bool, bits: int, group: int, device: torch.device,
-             tile: FmaTile = FMA_TILE, splits: int | None = None) -> tuple[int, int, int, int, int]:  # fmt: skip
+             tile: FmaTile = FMA_TILE, splits: int | None = None) -> tuple[int, int, int, int, int]:
     """How `fma_gemv` runs `rows` rows over a weight of `n` columns (each of gate and up with
     `swiglu`) and `k` values: (columns a program, words per step, column blocks, splits of
     K, words per split). `splits`: by default enough to give each SM `tile.per_sm` programs
@@ -198,10 +198,10 @@ def fma_plan(n: int, k: int, rows: int, swiglu: bool, bits: int, group: int, dev
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_gemv import finish_split_gemv
-    from ferrum_mac.backends.torch.triton_moe import _swiglu_as_torch
-    from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
-    from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
+    from ferrum_mac.backends.torch.kernels.triton_gemv import finish_split_gemv
+    from ferrum_mac.backends.torch.kernels.triton_moe import _swiglu_as_torch
+    from ferrum_mac.backends.torch.kernels.triton_pdl import prefetch_rows, wait_for_previous
+    from ferrum_mac.backends.torch.kernels.triton_splits import arrived_last, sum_of_splits
 
     # `rows` stays a runtime value: Triton would make a 1 a constant, which `finish_split_gemv`
     # then multiplies with the runtime `n` as if both were
@@ -214,7 +214,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
         PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr, IDS: tl.constexpr, SUM_PAIRS: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (block of BLOCK_N output columns, split of K), as `triton_quant`'s
         # _qgemv_kernel, but no tl.dot: per step a (BLOCK_N, BLOCK_W) tile of words (a
         # column's words contiguous, so each thread loads a few neighbouring words of one
@@ -233,7 +233,7 @@ if triton is not None:
         block, split = tl.program_id(0), tl.program_id(1)
         columns, inside, w_begin, w_end = columns_and_words(n, word_stride, words_per_split, BLOCK_N, SPLIT)
         prefetch_then_wait(words_ptr, columns, inside, w_begin, w_end, word_stride, n, SWIGLU, PDL, PREFETCH_LINES,
-                           LINE_ELEMENTS)  # fmt: skip
+                           LINE_ELEMENTS)
         if IDS:  # (after the wait: the ids are the kernel before's)
             pair = tl.program_id(2)
             first_row = tl.load(ids_ptr + pair).to(tl.int64) * expert_rows
@@ -253,12 +253,12 @@ if triton is not None:
         up0, up1, up2, up3 = zeros, zeros, zeros, zeros
         if PREFETCH:  # the first step's words, scales and biases (gate's, and up's with SWIGLU)
             next_words, next_s, next_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w_begin,
-                                                      w_end, word_stride, group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+                                                      w_end, word_stride, group_stride, BLOCK_W, GROUP // per_word)
             if SWIGLU:
                 next_up_words, next_up_s, next_up_b = packed_words(
                     words_ptr, scales_ptr, biases_ptr, columns + n, inside, w_begin, w_end, word_stride, group_stride,
                     BLOCK_W, GROUP // per_word,
-                )  # fmt: skip
+                )
         for w0 in range(w_begin, w_end, BLOCK_W):
             wi = w0 + tl.arange(0, BLOCK_W)
             w_in = wi < w_end
@@ -266,21 +266,21 @@ if triton is not None:
                 words, s, b = next_words, next_s, next_b
                 next_words, next_s, next_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside,
                                                           w0 + BLOCK_W, w_end, word_stride, group_stride, BLOCK_W,
-                                                          GROUP // per_word)  # fmt: skip
+                                                          GROUP // per_word)
                 if SWIGLU:
                     up_words, up_s, up_b = next_up_words, next_up_s, next_up_b
                     next_up_words, next_up_s, next_up_b = packed_words(
                         words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0 + BLOCK_W, w_end, word_stride,
                         group_stride, BLOCK_W, GROUP // per_word,
-                    )  # fmt: skip
+                    )
                 else:
                     up_words, up_s, up_b = words, s, b
             else:
                 words, s, b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, w_end, word_stride,
-                                           group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+                                           group_stride, BLOCK_W, GROUP // per_word)
                 if SWIGLU:
                     up_words, up_s, up_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0,
-                                                        w_end, word_stride, group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+                                                        w_end, word_stride, group_stride, BLOCK_W, GROUP // per_word)
                 else:
                     up_words, up_s, up_b = words, s, b
             high, up_high = high_half(words), high_half(up_words)
@@ -317,7 +317,7 @@ if triton is not None:
 
         if IDS:
             finish_pair(acc0, up0, partials_ptr, counters_ptr, pair_weights_ptr, residual_ptr, out_ptr, block,
-                        split, splits, pair, top_k, columns, inside, n, SWIGLU, SPLIT, SUM_PAIRS)  # fmt: skip
+                        split, splits, pair, top_k, columns, inside, n, SWIGLU, SPLIT, SUM_PAIRS)
         else:
             row_ids = tl.arange(0, ROWS)
             live = row_ids < rows
@@ -327,7 +327,7 @@ if triton is not None:
                 acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
                 bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
                 n, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
-            )  # fmt: skip
+            )
 
     @triton.jit
     def columns_and_words(n, word_stride, words_per_split, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
@@ -343,7 +343,7 @@ if triton is not None:
 
     @triton.jit
     def prefetch_then_wait(words_ptr, columns, inside, w_begin, w_end, word_stride, n, SWIGLU: tl.constexpr,
-                           PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr):  # fmt: skip
+                           PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr):
         """With PDL, the program's first lines of its weight rows (and up's with SWIGLU)
         prefetched, then the wait for the kernel before: no kernel writes the weight, so it
         may be read before the wait (see triton_pdl)."""
@@ -357,7 +357,7 @@ if triton is not None:
     @triton.jit
     def finish_pair(acc, up_acc, partials_ptr, counters_ptr, pair_weights_ptr, residual_ptr, out_ptr, block, split,
                     splits, pair, top_k, columns, inside, n, SWIGLU: tl.constexpr, SPLIT: tl.constexpr,
-                    SUM_PAIRS: tl.constexpr):  # fmt: skip
+                    SUM_PAIRS: tl.constexpr):
         """A pair's float32 sums of its columns (one split's) -> the output. SWIGLU: the
         pair's activation, silu(gate) * up * its router weight (the last of its splits to
         arrive adds them up first). SUM_PAIRS: the last of the token's pairs and splits to
@@ -386,7 +386,7 @@ if triton is not None:
                 total = tl.zeros_like(acc)
                 for slot in range(top_k):
                     product = sum_of_splits(partials_ptr, (token * top_k + slot) * width + columns, inside, splits,
-                                            split_stride)  # fmt: skip
+                                            split_stride)
                     total += product.to(dtype).to(tl.float32)
                 residual = tl.load(residual_ptr + token * n + columns, mask=inside, other=0.0).to(tl.float32)
                 out = total.to(dtype).to(tl.float32) + residual
@@ -400,7 +400,7 @@ if triton is not None:
 
     @triton.jit
     def packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, w_end, word_stride, group_stride,
-                     BLOCK_W: tl.constexpr, WORDS_PER_GROUP: tl.constexpr):  # fmt: skip
+                     BLOCK_W: tl.constexpr, WORDS_PER_GROUP: tl.constexpr):
         """The weight's words (columns, BLOCK_W words from w0) (0 outside `inside` and past
         w_end), and the scales and biases (columns, groups) of their groups, in float32."""
         rows = columns[:, None].to(tl.int64)

@@ -14,10 +14,10 @@ The module loads without triton; it launches on CUDA tensors, or CPU ones under
 
 import torch
 
-from ferrum_mac.backends.torch.triton_gemv import gemv_splits
-from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
-from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
+from ferrum_mac.backends.torch.kernels.triton_gemv import gemv_splits
+from ferrum_mac.backends.torch.kernels.triton_ops import MIN_DOT_ROWS
+from ferrum_mac.backends.torch.kernels.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
+from ferrum_mac.backends.torch.kernels.triton_splits import SPLIT_COUNTERS, split_counters
 
 try:
     import triton
@@ -42,7 +42,7 @@ def norm_qkv_rope_write(
     x: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
     heads: int, qk_weight: torch.Tensor | None, qk_eps: float, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
     kv: torch.Tensor, places: torch.Tensor, splits: int | None = None, block_k: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """x `(T, hidden)` -> roped q `(T, heads, dim)`; roped k and v go into the pool layer `kv`
     `(2, kv_heads, token rows, dim)` at `places` (as `triton_ops.norm_rope_write`).
 
@@ -74,15 +74,15 @@ def norm_qkv_rope_write(
         HAS_QK_WEIGHT=has_qk_weight, INTERLEAVED=interleaved,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl, PREFETCH_LINES=lines,
         LINE_ELEMENTS=LINE_BYTES // weight.element_size(), num_warps=4, num_stages=STAGES, **launch_options(pdl),
-    )  # fmt: skip
+    )
     return q
 
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_gemv import inverse_rms, matmul_columns
-    from ferrum_mac.backends.torch.triton_ops import qk_norm_rope
-    from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
-    from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
+    from ferrum_mac.backends.torch.kernels.triton_gemv import inverse_rms, matmul_columns
+    from ferrum_mac.backends.torch.kernels.triton_ops import qk_norm_rope
+    from ferrum_mac.backends.torch.kernels.triton_pdl import prefetch_rows, wait_for_previous
+    from ferrum_mac.backends.torch.kernels.triton_splits import arrived_last, sum_of_splits
 
     @triton.jit
     def _norm_qkv_rope_write_kernel(
@@ -92,7 +92,7 @@ if triton is not None:
         K_PER_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_QK_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
         PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (head, split of K); heads run q heads, then k heads, then v heads.
         # Each stores its float32 sums in `partials` (splits, rows, all heads' columns); the
         # last of a head's programs to finish sums them and finishes the head.
@@ -103,7 +103,7 @@ if triton is not None:
         k_begin = split * K_PER_SPLIT
         if PDL and PREFETCH_LINES > 0:  # the weight: no kernel writes it, so before the wait
             prefetch_rows(weight_ptr + columns[:, None].to(tl.int64) * K, columns < N, k_begin,
-                          tl.minimum(k_begin + K_PER_SPLIT, K), PREFETCH_LINES, LINE_ELEMENTS)  # fmt: skip
+                          tl.minimum(k_begin + K_PER_SPLIT, K), PREFETCH_LINES, LINE_ELEMENTS)
         wait_for_previous(PDL)
         row_ids = tl.arange(0, ROWS_PAD)
         live = row_ids < rows
@@ -111,7 +111,7 @@ if triton is not None:
         acc, _ = matmul_columns(
             x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, live, columns, columns < N, k_begin,
             tl.minimum(k_begin + K_PER_SPLIT, K), N, K, True, False, BLOCK_K, PRECISION,
-        )  # fmt: skip
+        )
         here = row_ids[:, None] * N + columns[None, :]
         mine = live[:, None] & (columns < N)[None, :]
         split_stride = rows * N
@@ -124,14 +124,14 @@ if triton is not None:
             _rope_and_write(
                 raw, head, row_ids, live, dims, qk_weight_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, places_ptr, kv_half_stride,
                 qk_eps, HEADS, KV_HEADS, DIM, HAS_QK_WEIGHT, INTERLEAVED,
-            )  # fmt: skip
+            )
 
     @triton.jit
     def _rope_and_write(
         raw, head, row_ids, live, dims, qk_weight_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, places_ptr, kv_half_stride,
         eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HAS_QK_WEIGHT: tl.constexpr,
         INTERLEAVED: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """A head's projection `(rows, DIM)`: a q head normed, roped and stored in q; a k head
         normed, roped and written to the pool; a v head written as it is."""
         if head >= HEADS + KV_HEADS:

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
-from ferrum_mac.backends.torch.triton_splits import SPLIT_K, split_buffers
+from ferrum_mac.backends.torch.kernels.triton_ops import MIN_DOT_ROWS, multiprocessors
+from ferrum_mac.backends.torch.kernels.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
+from ferrum_mac.backends.torch.kernels.triton_splits import SPLIT_K, split_buffers
 
 try:
     import triton
@@ -77,7 +77,7 @@ class GemvTile:
 
 
 def gemv_tile(n: int, k: int, device: torch.device, element_size: int, tile_bytes: int | None = None,
-              widest: int | None = None, weights: int = 1, **rest) -> GemvTile:  # fmt: skip
+              widest: int | None = None, weights: int = 1, **rest) -> GemvTile:
     """The widest column block (up to `widest`, by default GEMV_WIDEST) that still fills the
     machine (`fills_the_machine`), a chunk of the weight `tile_bytes` (GEMV_TILE_BYTES) in
     size, a warp per 16 columns (at least GEMV_WARPS), and as many stages (up to GEMV_STAGES)
@@ -142,7 +142,7 @@ def takes_rows(x: torch.Tensor, weight: torch.Tensor, rows_alike: bool) -> bool:
 
 def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                 bias: torch.Tensor | None = None, splits: int | None = None, tile: GemvTile | RowTile | None = None,
-                rows_alike: bool = False) -> torch.Tensor:  # fmt: skip
+                rows_alike: bool = False) -> torch.Tensor:
     """rms_norm(x) W^T (+ bias) for a few rows: x `(M, K)`, W `(N, K)` -> `(M, N)`. (`splits`
     of K and the `tile`, here and below: by default `dot_splits`' and `gemv_tile`'s, or
     `row_tile`'s; `rows_alike`: each row summed as it would be alone, see above.)"""
@@ -151,7 +151,7 @@ def norm_matmul(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
 
 def norm_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: torch.Tensor,
                 bias: torch.Tensor | None = None, splits: int | None = None, tile: GemvTile | RowTile | None = None,
-                rows_alike: bool = False) -> torch.Tensor:  # fmt: skip
+                rows_alike: bool = False) -> torch.Tensor:
     """silu(gate) * up from rms_norm(x) times the fused `gate_up` `(2 * width, K)` (gate rows
     first) (+ bias) for a few rows -> `(M, width)`: gate_up's output is never stored."""
     return _gemv(
@@ -197,7 +197,7 @@ def _gemv(
         NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PDL=pdl, PREFETCH_LINES=lines, LINE_ELEMENTS=LINE_BYTES // weight.element_size(),
         num_warps=tile.warps, num_stages=tile.stages, **launch_options(pdl),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -212,7 +212,7 @@ def _row_gemv(x, weight, bias, norm_weight, eps, swiglu, residual, out, tile: Ro
         N=n, K=k, HAS_NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         SWIGLU=swiglu, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NORM_BLOCK=min(4096, triton.next_power_of_2(k)),
         PDL=pdl, EARLY=pdl if early is None else early, num_warps=tile.warps, **launch_options(pdl),
-    )  # fmt: skip
+    )
 
 
 def dot_splits(blocks: int, k: int, tile: GemvTile, device: torch.device, wanted: int | None = None) -> tuple[int, int]:
@@ -224,7 +224,7 @@ def dot_splits(blocks: int, k: int, tile: GemvTile, device: torch.device, wanted
 
 
 def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted: int | None = None,
-                per_sm: int = MIN_PROGRAMS_PER_SM) -> tuple[int, int]:  # fmt: skip
+                per_sm: int = MIN_PROGRAMS_PER_SM) -> tuple[int, int]:
     """How many programs share each column block's K, and the K each takes (whole chunks):
     `wanted`, by default none unless the blocks are fewer than the SMs, then as few as give
     every SM `per_sm` programs (at most SPLIT_K), and no more than K has chunks."""
@@ -239,8 +239,8 @@ def gemv_splits(blocks: int, k: int, block_k: int, device: torch.device, wanted:
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
-    from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
+    from ferrum_mac.backends.torch.kernels.triton_pdl import prefetch_rows, wait_for_previous
+    from ferrum_mac.backends.torch.kernels.triton_splits import arrived_last, sum_of_splits
 
     @triton.jit
     def _gemv_kernel(
@@ -249,7 +249,7 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
         PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (block of BLOCK_N output columns, split of K) (with SWIGLU: of gate,
         # and the same columns of up, N rows further down the weight). x's few rows are padded
         # to ROWS_PAD for tl.dot; the padding is masked, so never read or written. Every
@@ -276,13 +276,13 @@ if triton is not None:
         acc, up_acc = matmul_columns(
             x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, live, columns, inside, k_begin, k_end,
             N, K, HAS_NORM, SWIGLU, BLOCK_K, PRECISION,
-        )  # fmt: skip
+        )
 
         finish_split_gemv(
             acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
             bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
             N, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
-        )  # fmt: skip
+        )
 
     @triton.jit
     def _row_gemv_kernel(
@@ -290,7 +290,7 @@ if triton is not None:
         N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per BLOCK_N weight rows (with SWIGLU: of gate, and the same rows of up,
         # N rows further down) and row of x: every row runs the same code, so sums as it alone
         # would. The programs of one block of weight rows are launched side by side, so that
@@ -327,7 +327,7 @@ if triton is not None:
         _finish_gemv(
             tl.where(live[:, None], sums[None, :], 0.0), tl.where(live[:, None], up_sums[None, :], 0.0),
             bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside, N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
-        )  # fmt: skip
+        )
 
     @triton.jit
     def chunk_sums(w, up_w, x_ptr, norm_ptr, scale, ks, K: tl.constexpr, HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr):
@@ -357,7 +357,7 @@ if triton is not None:
         x_ptr, weight_ptr, norm_ptr, inv_rms, row_ids, live, columns, inside, k_begin, k_end,
         N: tl.constexpr, K: tl.constexpr, HAS_NORM: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """x `(rows, K)` (rows `row_ids` where `live`, padded for tl.dot) times the weight's
         `columns` (where `inside`), summed over k_begin .. k_end in float32: `(rows, columns)`;
         with SWIGLU, also up's (the same columns, N rows further down the weight), else zeros.
@@ -390,7 +390,7 @@ if triton is not None:
         bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
         N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
         SPLIT: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """A program's float32 sums of its columns -> the output (`_finish_gemv`); with K split
         over programs, each stores its partial sums and the last to arrive adds them up first."""
         if SPLIT:
@@ -408,18 +408,18 @@ if triton is not None:
                 _finish_gemv(
                     acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
                     N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
-                )  # fmt: skip
+                )
         else:
             _finish_gemv(
                 acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
                 N, HAS_BIAS, HAS_RESIDUAL, SWIGLU,
-            )  # fmt: skip
+            )
 
     @triton.jit
     def _finish_gemv(
         acc, up_acc, bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
         N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """The GEMV's float32 sums of a block of columns -> its output: bias, residual, SwiGLU."""
         dtype = out_ptr.dtype.element_ty
         if HAS_BIAS:

@@ -33,8 +33,8 @@ without triton; `triton` is then None.
 
 import torch
 
-from ferrum_mac.backends.torch import triton_splits
-from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS  # the tokens are padded to it
+from ferrum_mac.backends.torch.kernels import triton_splits
+from ferrum_mac.backends.torch.kernels.triton_ops import MIN_DOT_ROWS  # the tokens are padded to it
 
 try:
     import triton
@@ -66,12 +66,12 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtyp
         logits, logits.stride(0), ids, weights, EXPERTS=experts, K=top_k,
         EXPERTS_PAD=triton.next_power_of_2(experts), K_PAD=triton.next_power_of_2(top_k),
         RENORMALISE=renormalise, num_warps=1,
-    )  # fmt: skip
+    )
     return ids, weights
 
 
 def gate_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalise: bool,
-               block_e: int | None = None, block_h: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+               block_e: int | None = None, block_h: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`route(F.linear(x, gate), ...)` in one launch: x `(T, H)`, gate `(E, H)` -> expert ids
     `(T, top_k)` int32 and their weights `(T, top_k)` in x's dtype."""
     block_e, block_h = block_e or GATE_BLOCK_E, block_h or GATE_BLOCK_H
@@ -86,12 +86,12 @@ def gate_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalise: boo
         HIDDEN=hidden, EXPERTS=experts, K=top_k, EXPERTS_PAD=triton.next_power_of_2(experts),
         K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block_e, BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
         RENORMALISE=renormalise, num_warps=4,
-    )  # fmt: skip
+    )
     return ids, weights
 
 
 def gate_up_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                   block_i: int | None = None, block_h: int | None = None) -> torch.Tensor:  # fmt: skip
+                   block_i: int | None = None, block_h: int | None = None) -> torch.Tensor:
     """x `(T, H)`, ids/weights `(T, k)`, gate_up `(E, 2I, H)` (gate rows first) -> the pairs'
     activations `(T * k, I)` in (token, slot) order: silu(x Wg^T) * (x Wu^T) * weight."""
     block_i, block_h = block_i or GATE_UP_BLOCK_I, block_h or GATE_UP_BLOCK_H
@@ -107,12 +107,12 @@ def gate_up_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ga
         PAIRS_PAD=triton.next_power_of_2(pairs), K_PAD=triton.next_power_of_2(top_k),
         BLOCK_I=block_i, BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3,
-    )  # fmt: skip
+    )
     return out
 
 
 def down_sum_plus(activations: torch.Tensor, ids: torch.Tensor, down: torch.Tensor, residual: torch.Tensor,
-                  block_h: int | None = None, block_i: int | None = None, split: bool | None = None) -> torch.Tensor:  # fmt: skip
+                  block_h: int | None = None, block_i: int | None = None, split: bool | None = None) -> torch.Tensor:
     """The pairs' activations `(T * k, I)`, ids `(T, k)`, down `(E, H, I)`, residual `(T, H)` ->
     residual + the sum over each token's k pairs of activation Wd^T, `(T, H)`. `split`: a
     program per pair (by default, unless `triton_splits.SPLIT_K` turns splitting off) or per token."""
@@ -128,19 +128,19 @@ def down_sum_plus(activations: torch.Tensor, ids: torch.Tensor, down: torch.Tens
         _down_sum_plus_kernel[(tokens, blocks)](
             activations, ids, down, residual, residual.stride(0), out,
             K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=4, num_stages=3,
-        )  # fmt: skip
+        )
         return out
     assert tokens * blocks <= triton_splits.SPLIT_COUNTERS
     products = torch.empty((tokens * top_k, hidden), dtype=torch.float32, device=residual.device)
     _down_split_sum_plus_kernel[(tokens * top_k, blocks)](
         activations, ids, down, residual, residual.stride(0), products, triton_splits.split_counters(residual.device), out,
         K=top_k, HIDDEN=hidden, INTER=inter, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=4, num_stages=3,
-    )  # fmt: skip
+    )
     return out
 
 
 def experts_plus(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                 down: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + the router-weighted sum of each token's chosen experts' SwiGLU MLPs."""
     return down_sum_plus(gate_up_swiglu(x, ids, weights, gate_up), ids, down, residual)
 
@@ -148,7 +148,7 @@ def experts_plus(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
+    from ferrum_mac.backends.torch.kernels.triton_splits import arrived_last, sum_of_splits
 
     @triton.jit
     def _swiglu_as_torch(gate, up, weight, dtype: tl.constexpr):
@@ -163,7 +163,7 @@ if triton is not None:
         logits_ptr, row_stride, ids_ptr, weights_ptr,
         EXPERTS: tl.constexpr, K: tl.constexpr, EXPERTS_PAD: tl.constexpr, K_PAD: tl.constexpr,
         RENORMALISE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         token = tl.program_id(0)
         experts = tl.arange(0, EXPERTS_PAD)
         logits = tl.load(logits_ptr + token * row_stride + experts, mask=experts < EXPERTS, other=-float("inf"))
@@ -174,7 +174,7 @@ if triton is not None:
         x_ptr, x_row_stride, gate_ptr, logits_ptr, counters_ptr, ids_ptr, weights_ptr,
         HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, K: tl.constexpr, EXPERTS_PAD: tl.constexpr,
         K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, RENORMALISE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (token, block of BLOCK_E experts): their logits, rounded to x's dtype,
         # to `logits` (T, E) in float32. The last of a token's programs to finish routes it.
         token, block = tl.program_id(0), tl.program_id(1)
@@ -202,7 +202,7 @@ if triton is not None:
     def _route_token(
         logits, token, ids_ptr, weights_ptr,
         EXPERTS: tl.constexpr, K: tl.constexpr, EXPERTS_PAD: tl.constexpr, K_PAD: tl.constexpr, RENORMALISE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         """A token's float32 logits `(EXPERTS_PAD,)` (-inf past EXPERTS) -> its k expert ids and weights."""
         experts = tl.arange(0, EXPERTS_PAD)
         real = experts < EXPERTS
@@ -229,7 +229,7 @@ if triton is not None:
         K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOKENS_PAD: tl.constexpr,
         PAIRS_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
         PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (pair, block of BLOCK_I intermediate columns); only the expert's
         # first pair works, for all the tokens that chose the expert.
         pair, block = tl.program_id(0), tl.program_id(1)
@@ -240,14 +240,14 @@ if triton is not None:
             _gate_up_swiglu_of_expert(
                 x_ptr, x_row_stride, ids_ptr, weights_ptr, gate_up_ptr, out_ptr, tokens, expert, block,
                 K, HIDDEN, INTER, TOKENS_PAD, K_PAD, BLOCK_I, BLOCK_H, PRECISION,
-            )  # fmt: skip
+            )
 
     @triton.jit
     def _gate_up_swiglu_of_expert(
         x_ptr, x_row_stride, ids_ptr, weights_ptr, gate_up_ptr, out_ptr, tokens, expert, block,
         K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, TOKENS_PAD: tl.constexpr,
         K_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # Which tokens chose `expert`, and in which of their slots (a token chooses it at most once).
         rows = tl.arange(0, TOKENS_PAD)
         slots = tl.arange(0, K_PAD)
@@ -285,7 +285,7 @@ if triton is not None:
     def _down_sum_plus_kernel(
         activations_ptr, ids_ptr, down_ptr, residual_ptr, residual_row_stride, out_ptr,
         K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (token, block of BLOCK_H hidden columns): its k experts' rows for
         # those columns, concatenated, dotted with its k pairs' activations (one loop, so the
         # loads pipeline across experts). Partial products are summed once, after the loop.
@@ -311,7 +311,7 @@ if triton is not None:
     def _down_split_sum_plus_kernel(
         activations_ptr, ids_ptr, down_ptr, residual_ptr, residual_row_stride, products_ptr, counters_ptr, out_ptr,
         K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (pair, block of BLOCK_H hidden columns): its expert's rows for those
         # columns dotted with its activation, to `products` (T * k, H) in float32. The last of
         # a token's K programs for the block to finish sums their products, adds the residual.

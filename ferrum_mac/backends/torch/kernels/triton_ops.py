@@ -28,8 +28,8 @@ import math
 
 import torch
 
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for
-from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_counters
+from ferrum_mac.backends.torch.kernels.triton_pdl import LINE_BYTES, launch_options, pdl_for
+from ferrum_mac.backends.torch.kernels.triton_splits import SPLIT_COUNTERS, split_counters
 
 try:
     import triton
@@ -42,7 +42,7 @@ except ImportError:
 
 
 def norm_rope_write(qkv: torch.Tensor, heads: int, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                    eps: float, interleaved: bool, kv: torch.Tensor, places: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                    eps: float, interleaved: bool, kv: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
     """qkv `(T, (heads + 2 * kv_heads) * dim)` -> roped q `(T, heads, dim)`; roped k and v go
     into the pool layer `kv` `(2, kv_heads, token rows, dim)` at `places` `(T * kv_heads,)`,
     flat indices among its `kv_heads * token rows` rows (`DecodePlan.places`).
@@ -60,7 +60,7 @@ def norm_rope_write(qkv: torch.Tensor, heads: int, weight: torch.Tensor | None, 
         qkv, qkv.stride(0), weight, cos, sin, q, kv, places, kv.stride(0), eps,
         HEADS=heads, KV_HEADS=kv_heads, DIM=dim, BLOCK=triton.next_power_of_2(dim),
         HAS_WEIGHT=has_weight, INTERLEAVED=interleaved, PDL=pdl, num_warps=1, **launch_options(pdl),
-    )  # fmt: skip
+    )
     return q
 
 
@@ -71,7 +71,7 @@ MIN_DOT_ROWS = 16  # tl.dot's smallest operand side: a query group, or a GEMV's 
 
 
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, scale: float,
-                     block_tokens: int, splits: int | None = None, early: bool = True) -> torch.Tensor:  # fmt: skip
+                     block_tokens: int, splits: int | None = None, early: bool = True) -> torch.Tensor:
     """q `(T, heads, dim)`; row i attends over its keys `0 .. positions[i]` in the pool layer `kv`
     `(2, kv_heads, token rows, dim)`, key j at token row `table[i, j // block_tokens] *
     block_tokens + j % block_tokens` (`table` `(T, width)`: each row's blocks) -> `(T, heads * dim)`.
@@ -110,7 +110,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, pos
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl, PREFETCH=pdl and early,
         KEY_LINES=triton.next_power_of_2(triton.cdiv(dim * kv.element_size(), LINE_BYTES)), LINE_ELEMENTS=LINE_BYTES // kv.element_size(),
         num_warps=4, **launch_options(pdl),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -160,15 +160,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _rms_norm_kernel[(rows.shape[0],)](
         rows, rows.stride(0), weight.contiguous(), out, eps, WIDTH=width, BLOCK=block, PDL=pdl,
         num_warps=min(16, max(1, block // 256)), **launch_options(pdl),
-    )  # fmt: skip
+    )
     return out.view(x.shape)
 
 
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_pdl import prefetch_rows, wait_for_previous
-    from ferrum_mac.backends.torch.triton_splits import arrived_last
+    from ferrum_mac.backends.torch.kernels.triton_pdl import prefetch_rows, wait_for_previous
+    from ferrum_mac.backends.torch.kernels.triton_splits import arrived_last
 
     @triton.jit
     def _round(x, like):
@@ -180,7 +180,7 @@ if triton is not None:
         qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, places_ptr, kv_half_stride, eps,
         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK: tl.constexpr,
         HAS_WEIGHT: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (row, head); heads run q heads, then k heads, then v heads.
         wait_for_previous(PDL)
         row, head = tl.program_id(0), tl.program_id(1)
@@ -232,7 +232,7 @@ if triton is not None:
         DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, MERGE_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
         PDL: tl.constexpr, PREFETCH: tl.constexpr, KEY_LINES: tl.constexpr, LINE_ELEMENTS: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (row, kv head, split): the kv head's query heads (padded to GROUP_PAD
         # rows, the padding masked) against the split's share of the row's keys (at a short
         # length the splits past it stay empty), in blocks of
@@ -300,7 +300,7 @@ if triton is not None:
                 _merge_splits(
                     partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, first_head, tl.cdiv(length, share),
                     GROUP, GROUP_P2, DIM, SPLITS, MERGE_SPLITS, BLOCK_D,
-                )  # fmt: skip
+                )
 
     @triton.jit
     def _token_rows(row_table, block, end, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
@@ -314,7 +314,7 @@ if triton is not None:
     @triton.jit
     def _merge_splits(partial_acc_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, first_head, used,
                       GROUP: tl.constexpr, GROUP_P2: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr,
-                      MERGE_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+                      MERGE_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
         """A query group's attention (heads `first_head ..`, stored to `out_ptr`) from its first
         `used` splits' partial softmaxes (the splits after them are empty), each rescaled to
         the heads' top max. All splits' maxes load at once, their sums MERGE_SPLITS at a time:
@@ -326,7 +326,7 @@ if triton is not None:
         maxes = tl.load(
             partial_max_ptr + heads[:, None] * SPLITS + splits[None, :],
             mask=in_group[:, None] & (splits < used)[None, :], other=-float("inf"), cache_modifier=".cg",
-        )  # fmt: skip
+        )
         top = tl.where(in_group, tl.max(maxes, axis=1), 0.0)
         total = tl.zeros([GROUP_P2], dtype=tl.float32)
         acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
@@ -342,7 +342,7 @@ if triton is not None:
             part_acc = tl.load(
                 partial_acc_ptr + parts[:, :, None] * BLOCK_D + dims[None, None, :],
                 mask=live[:, :, None], other=0.0, cache_modifier=".cg",
-            )  # fmt: skip
+            )
             acc += tl.sum(part_acc * weight[:, :, None], axis=1)
         out = acc / tl.where(in_group, total, 1.0)[:, None]
         out_mask = in_group[:, None] & (dims < DIM)[None, :]

@@ -14,7 +14,7 @@ of its own was slower (SwiGLU now rides in the gate/up product's kernel, `cuda_q
 It rounds where MLX's ops round (the norm's product in the activations' dtype before its
 weight multiplies it; RoPE's angle as MLX computes it), and on the GPU its outputs equal
 MLX's bit for bit: `scripts/check-mlx-cuda-heads.py` checks that. Elsewhere the caller
-keeps MLX's ops.
+keeps MLX's ops (`CudaOps.project` routes here; FERRUM_MLX_CUDA_HEADS=0 never).
 """
 
 from __future__ import annotations
@@ -24,12 +24,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ferrum_mac import settings
-from ferrum_mac.backends.mlx.cuda_attention import int32
-from ferrum_mac.backends.mlx.memory import on_cuda_gpu
+from ferrum_mac.backends.mlx.cuda.attention import int32
 
-# FERRUM_MLX_CUDA_HEADS=0 keeps MLX's ops (A/B timing).
-ENABLED = settings.value("FERRUM_MLX_CUDA_HEADS")
 MAX_TOKENS = 65535  # a block row per token: CUDA's limit on a grid's second dimension
 
 _BLOCK_SUM = """
@@ -85,7 +81,7 @@ def _heads_kernel():
     return mx.fast.cuda_kernel(
         name="ferrum_qkv_heads", input_names=["qkv", "positions", "q_norm", "k_norm", "freqs", "consts"],
         output_names=["q", "k", "v"], source=_HEADS, header=_BLOCK_SUM,
-    )  # fmt: skip
+    )
 
 
 @lru_cache(maxsize=None)
@@ -94,8 +90,8 @@ def _floats(*values: float) -> mx.array:
 
 
 def runs(head_dim: int) -> bool:
-    """Whether `heads` runs here for heads of this size (a rotated pair a thread, whole warps)."""
-    return ENABLED and head_dim % 64 == 0 and head_dim <= 2048 and on_cuda_gpu()
+    """Whether `heads` takes heads of this size (a rotated pair a thread, whole warps)."""
+    return head_dim % 64 == 0 and head_dim <= 2048
 
 
 class RopeSpec:
@@ -109,7 +105,7 @@ class RopeSpec:
 
 
 def heads(qkv: mx.array, positions: mx.array, heads: int, kv_heads: int, head_dim: int,
-          q_norm: mx.array | None, k_norm: mx.array | None, spec: RopeSpec) -> tuple[mx.array, mx.array, mx.array]:  # fmt: skip
+          q_norm: mx.array | None, k_norm: mx.array | None, spec: RopeSpec) -> tuple[mx.array, mx.array, mx.array]:
     """qkv `(1, T, (heads + 2 kv_heads) * head_dim)`, positions a scalar (T = 1) or `(T,)` ->
     roped and normed q `(T, heads, dim)`, k `(T, kv_heads, dim)` and v likewise; for one token
     `(1, heads, 1, dim)` and so on (the layouts `Attention.project` returns)."""
@@ -132,7 +128,7 @@ def heads(qkv: mx.array, positions: mx.array, heads: int, kv_heads: int, head_di
             output_shapes=[shape(heads), shape(kv_heads), shape(kv_heads)],
             output_dtypes=[qkv.dtype] * 3,
         )
-    )  # fmt: skip
+    )
 
 
 def reference(qkv, positions, heads, kv_heads, dim, q_norm, k_norm, rope, eps):

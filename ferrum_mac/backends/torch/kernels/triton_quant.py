@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import torch
 
-from ferrum_mac import settings
+from ferrum_mac.backends.torch.kernels import switches
 from ferrum_mac.backends.torch.quant import ExpertStack, Packed
-from ferrum_mac.backends.torch.triton_dp4a_gemv import X_BLOCK, dp4a_gemv
-from ferrum_mac.backends.torch.triton_fma_gemv import FMA_MAX_ROWS, FMA_TILE, FmaTile, fma_expert_gemv, fma_gemv
-from ferrum_mac.backends.torch.triton_gemv import gemv_splits
-from ferrum_mac.backends.torch.triton_ops import MIN_DOT_ROWS, multiprocessors
-from ferrum_mac.backends.torch.triton_splits import SPLIT_COUNTERS, split_buffers, split_counters
+from ferrum_mac.backends.torch.kernels.triton_dp4a_gemv import X_BLOCK, dp4a_gemv
+from ferrum_mac.backends.torch.kernels.triton_fma_gemv import FMA_MAX_ROWS, FMA_TILE, FmaTile, fma_expert_gemv, fma_gemv
+from ferrum_mac.backends.torch.kernels.triton_gemv import gemv_splits
+from ferrum_mac.backends.torch.kernels.triton_ops import MIN_DOT_ROWS, multiprocessors
+from ferrum_mac.backends.torch.kernels.triton_splits import SPLIT_COUNTERS, split_buffers, split_counters
 
 try:
     import triton
@@ -56,25 +56,22 @@ UNPACK = "words"  # or "gather" (see above; "gather" ran 4-15x slower on the H10
 # expert once but dequantize it far slower than it streams (so the FMA route's rereading
 # costs less up to `ops.MOE_MAX_PAIRS`, all a decode step hands these kernels).
 EXPERT_FMA_MAX_PAIRS = 256
-# One row (a decode step's, or a verify's a row at a time) takes the dp4a GEMV: x as 16-bit
-# integers per 32 values (`triton_dp4a_gemv`); False: the FMA GEMV, x in floats
-DP4A = settings.value("FERRUM_TORCH_DP4A")
 
 
 def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, swiglu: bool = False,
          splits: int | None = None, blocks: tuple[int, int] | None = None,
          unpack: str = UNPACK, fma: bool | None = None, tile: FmaTile | None = None,
-         dp4a: bool | None = None) -> torch.Tensor:  # fmt: skip
+         dp4a: bool | None = None) -> torch.Tensor:
     """x `(M, K)` (M up to 16) times the packed W `(N, K)` transposed -> `(M, N)`, with x first
     RMS-normed by `norm_weight` (and `eps`) if given, plus `bias` and `residual` if given;
     `swiglu`: W is a fused gate_up `(2 * width, K)`, gate rows first -> silu(gate) * up
     `(M, width)`. `fma` (by default up to FMA_MAX_ROWS rows): the kernel that multiplies in
     registers (`triton_fma_gemv.fma_gemv`, its `tile`), else the tl.dot one (its `blocks`,
-    `unpack`); `dp4a` (by default DP4A for one row): x as integers by dp4a
+    `unpack`); `dp4a` (by default `switches.dp4a` for one row): x as integers by dp4a
     (`triton_dp4a_gemv.dp4a_gemv`, its `tile`). `splits` of K: by default as the kernel's rule chooses."""
     if dp4a is None:
-        dp4a = DP4A and fma is None and takes_dp4a(x, weight)
+        dp4a = switches.dp4a and fma is None and takes_dp4a(x, weight)
     if dp4a:
         return dp4a_gemv(x, weight, bias, residual, norm_weight, eps, swiglu, splits, tile)
     if fma if fma is not None else x.shape[0] <= FMA_MAX_ROWS:
@@ -99,7 +96,7 @@ def gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None, resi
         SWIGLU=swiglu, SPLIT=splits > 1, K_PER_SPLIT=k_per_split, BLOCK_N=block_n, BLOCK_K=block_k, WORDS=unpack == "words",
         NORM_BLOCK=min(4096, triton.next_power_of_2(k)), PRECISION=precision(x),
         num_warps=4, num_stages=GEMV_STAGES,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -112,7 +109,7 @@ def takes_dp4a(x: torch.Tensor, weight: Packed) -> bool:
 
 def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
            blocks: tuple[int, int, int] | None = None, warps: int | None = None, stages: int | None = None,
-           unpack: str = UNPACK) -> torch.Tensor:  # fmt: skip
+           unpack: str = UNPACK) -> torch.Tensor:
     """x `(M, K)` times the packed W `(N, K)` transposed (+ bias) -> `(M, N)`, for any M
     (`blocks`: rows, columns, K per step, and `warps`, `stages`: by default MATMUL_WIDE's or
     MATMUL_NARROW's, its rows capped to M's)."""
@@ -132,12 +129,12 @@ def matmul(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         N=n, K=k, BITS=weight.bits, GROUP=weight.group_size, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORDS=unpack == "words", PRECISION=precision(x),
         num_warps=warps or default_warps, num_stages=stages or default_stages,
-    )  # fmt: skip
+    )
     return out
 
 
 def experts_plus(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ExpertStack,
-                 down: ExpertStack, residual: torch.Tensor, fma: bool | None = None) -> torch.Tensor:  # fmt: skip
+                 down: ExpertStack, residual: torch.Tensor, fma: bool | None = None) -> torch.Tensor:
     """`triton_moe.experts_plus` over packed experts: residual + the router-weighted sum of
     each token's chosen experts' SwiGLU MLPs, x `(T, H)`, ids/weights `(T, k)` -> `(T, H)`.
     `fma` (by default up to EXPERT_FMA_MAX_PAIRS pairs): a pair at a time through the FMA
@@ -150,7 +147,7 @@ def experts_plus(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate
 
 
 def expert_gate_up_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ExpertStack,
-                          block_i: int = 16, block_h: int = 128) -> torch.Tensor:  # fmt: skip
+                          block_i: int = 16, block_h: int = 128) -> torch.Tensor:
     """As `triton_moe.gate_up_swiglu` over a packed gate_up `(E, 2I, H)`: the pairs'
     activations `(T * k, I)`, each chosen expert's weights read (and dequantized) once."""
     (tokens, hidden), (_, top_k), (_, double, _) = x.shape, ids.shape, gate_up.shape
@@ -164,12 +161,12 @@ def expert_gate_up_swiglu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
         TOKENS_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(tokens)), PAIRS_PAD=triton.next_power_of_2(pairs),
         K_PAD=triton.next_power_of_2(top_k), BLOCK_I=block_i, BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
         PRECISION=precision(x), num_warps=4, num_stages=3,
-    )  # fmt: skip
+    )
     return out
 
 
 def expert_down_sum_plus(activations: torch.Tensor, ids: torch.Tensor, down: ExpertStack, residual: torch.Tensor,
-                         block_h: int = 16, block_i: int = 512) -> torch.Tensor:  # fmt: skip
+                         block_h: int = 16, block_i: int = 512) -> torch.Tensor:
     """As `triton_moe.down_sum_plus` (split over the pairs) over a packed down `(E, H, I)`."""
     (tokens, top_k), (_, hidden, inter), packed = ids.shape, down.shape, down.packed
     assert activations.is_contiguous() and ids.is_contiguous() and residual.stride(1) == 1
@@ -183,7 +180,7 @@ def expert_down_sum_plus(activations: torch.Tensor, ids: torch.Tensor, down: Exp
         split_counters(residual.device), out,
         K=top_k, HIDDEN=hidden, INTER=inter, BITS=packed.bits, GROUP=packed.group_size,
         BLOCK_H=block_h, BLOCK_I=block_i, num_warps=4, num_stages=3,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -204,13 +201,13 @@ def gemv_blocks(n: int, k: int, device: torch.device, bits: int) -> tuple[int, i
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_gemv import finish_split_gemv, inverse_rms
-    from ferrum_mac.backends.torch.triton_moe import _swiglu_as_torch
-    from ferrum_mac.backends.torch.triton_splits import arrived_last, sum_of_splits
+    from ferrum_mac.backends.torch.kernels.triton_gemv import finish_split_gemv, inverse_rms
+    from ferrum_mac.backends.torch.kernels.triton_moe import _swiglu_as_torch
+    from ferrum_mac.backends.torch.kernels.triton_splits import arrived_last, sum_of_splits
 
     @triton.jit
     def dequantized_tile(words_ptr, scales_ptr, biases_ptr, columns, inside, ks, k_inside,
-                         K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+                         K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
         """The packed weight's `columns` (where `inside`) at `ks` (where `k_inside`) as a dense
         float32 `(columns, ks)` tile: scale * q + bias (the caller rounds it once, to x's dtype)."""
         per_word: tl.constexpr = 32 // BITS
@@ -226,7 +223,7 @@ if triton is not None:
 
     @triton.jit
     def words_tile(words_ptr, scales_ptr, biases_ptr, columns, inside, start, k_end,
-                   K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                   K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
         """As `dequantized_tile` for ks = start .. start + BLOCK_K (whole groups), reading each
         word and each group's scale and bias once and spreading them with reshapes."""
         per_word: tl.constexpr = 32 // BITS
@@ -251,7 +248,7 @@ if triton is not None:
     @triton.jit
     def weight_tile(words_ptr, scales_ptr, biases_ptr, columns, inside, start, k_end,
                     K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                    WORDS: tl.constexpr):  # fmt: skip
+                    WORDS: tl.constexpr):
         """The float32 tile of the weight's `columns` at start .. start + BLOCK_K (masked past
         k_end), unpacked as WORDS asks (`words_tile`, else `dequantized_tile`)."""
         if WORDS:
@@ -269,7 +266,7 @@ if triton is not None:
         HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
         SPLIT: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         WORDS: tl.constexpr, NORM_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # As triton_gemv._gemv_kernel, over a packed weight: one program per (block of BLOCK_N
         # output columns, split of K); with SWIGLU also up's columns, N rows further down. x's
         # few rows are padded to ROWS_PAD for tl.dot (the padding masked). SPLIT: each program
@@ -308,7 +305,7 @@ if triton is not None:
             acc, up_acc, partials_ptr, counters_ptr, block, split, splits, rows,
             bias_ptr, residual_ptr, out_ptr, row_ids, live, columns, inside,
             N, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
-        )  # fmt: skip
+        )
 
     @triton.jit
     def _qmatmul_kernel(
@@ -316,7 +313,7 @@ if triton is not None:
         N: tl.constexpr, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
         PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (BLOCK_M rows, BLOCK_N columns) tile of the output; per step of K a
         # tile of the weight dequantized in registers and multiplied with tl.dot.
         row_ids = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -344,7 +341,7 @@ if triton is not None:
         K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
         TOKENS_PAD: tl.constexpr, PAIRS_PAD: tl.constexpr, K_PAD: tl.constexpr, BLOCK_I: tl.constexpr,
         BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # As triton_moe._gate_up_swiglu_kernel: one program per (pair, block of BLOCK_I
         # intermediate columns); only the expert's first pair works, for every token that chose
         # it. The expert's gate rows are rows expert * 2I + columns of the packed stack, its up
@@ -403,7 +400,7 @@ if triton is not None:
         counters_ptr, out_ptr,
         K: tl.constexpr, HIDDEN: tl.constexpr, INTER: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # As triton_moe._down_split_sum_plus_kernel: one program per (pair, block of BLOCK_H
         # hidden columns), its expert's rows (expert * H + columns of the packed stack) dotted
         # with the pair's activation into `products`; the last of a token's K programs for the

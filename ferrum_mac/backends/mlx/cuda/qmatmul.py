@@ -26,8 +26,6 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
-from ferrum_mac.backends.mlx.memory import on_cuda_gpu
-from ferrum_mac import settings
 
 MAX_ROWS = 8  # the input rows of one call are held in registers: up to this many
 # One row the one-row kernel does not fit takes MLX's vector kernel but where the few-row one
@@ -40,8 +38,6 @@ BLOCKS_WANTED = 264  # two per SM of an H100: narrower outputs get smaller block
 # From this many input rows on, MLX's tiled kernel wins where the output is wide enough to
 # fill the GPU with its tiles (the lm_head at 8 rows).
 TILED_ROWS, TILED_MIN_OUT = 8, 16384
-# FERRUM_MLX_CUDA_QMM=0 keeps MLX's quantized_matmul for every row count (A/B timing).
-ENABLED = settings.value("FERRUM_MLX_CUDA_QMM")
 # One row of a 4-bit weight takes the one-row kernel (`_ONE_ROW_SOURCE`) where it fits: K a
 # multiple of 1,024 (a warp's 512-byte reads) and at most this (x in 32 KB of shared memory).
 ONE_ROW = True  # probes turn it off for A/B timing
@@ -250,7 +246,7 @@ def _one_row_kernel():
     return mx.fast.cuda_kernel(
         name="ferrum_qmv", input_names=["x", "w", "scales", "biases"], output_names=["out"],
         source=_ONE_ROW_SOURCE, header=WARP_SUM,
-    )  # fmt: skip
+    )
 
 
 @lru_cache(maxsize=None)
@@ -258,20 +254,20 @@ def _kernel():
     return mx.fast.cuda_kernel(
         name="ferrum_qmm_rows", input_names=["x", "w", "scales", "biases"], output_names=["out"],
         source=_SOURCE, header=WARP_SUM + _LOAD,
-    )  # fmt: skip
+    )
 
 
 def runs(rows: int, out_dim: int, in_dim: int, group_size: int, bits: int, dtype: mx.Dtype = mx.bfloat16) -> bool:
-    """Whether `quantized_matmul` takes `rows` rows of a linear of this format here."""
+    """Whether `quantized_matmul` takes `rows` rows of a linear of this format."""
     one_row = one_row_fits(in_dim, group_size, bits, dtype) or (
         out_dim > in_dim and out_dim * in_dim >= ONE_ROW_MIN_WEIGHTS
     )
     return (
-        ENABLED and 1 <= rows <= MAX_ROWS and bits in (4, 8)
+        1 <= rows <= MAX_ROWS and bits in (4, 8)
         and (rows > 1 or one_row)
         and not (rows >= TILED_ROWS and out_dim >= TILED_MIN_OUT)
-        and in_dim % group_size == 0 and in_dim % 32 == 0 and on_cuda_gpu()
-    )  # fmt: skip
+        and in_dim % group_size == 0 and in_dim % 32 == 0
+    )
 
 
 def one_row_fits(in_dim: int, group_size: int, bits: int, dtype: mx.Dtype) -> bool:
@@ -279,7 +275,7 @@ def one_row_fits(in_dim: int, group_size: int, bits: int, dtype: mx.Dtype) -> bo
     return (
         ONE_ROW and bits == 4 and in_dim % 1024 == 0 and in_dim <= ONE_ROW_MAX_K
         and group_size % 32 == 0 and dtype in (mx.bfloat16, mx.float16)
-    )  # fmt: skip
+    )
 
 
 def one_row_launch(out_dim: int) -> tuple[int, int]:
@@ -297,7 +293,7 @@ def launch_shape(out_dim: int, warps: int | None = None, rows_per_warp: int | No
 
 
 def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-                     swiglu: bool = False, warps: int | None = None, rows_per_warp: int | None = None) -> mx.array:  # fmt: skip
+                     swiglu: bool = False, warps: int | None = None, rows_per_warp: int | None = None) -> mx.array:
     """x `(..., K)` with a few rows in all, times the dequantized `weight` `(N, K)` transposed -> `(..., N)`.
     `swiglu`: the weight is a gate's rows over an up projection's, and the result
     `silu(gate) * up` `(..., N / 2)`. `warps` and `rows_per_warp` override the launch shape
@@ -325,7 +321,7 @@ def quantized_matmul(x: mx.array, weight: mx.array, scales: mx.array, biases: mx
 
 
 def reference(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-              swiglu: bool = False) -> mx.array:  # fmt: skip
+              swiglu: bool = False) -> mx.array:
     """What `quantized_matmul` computes, by MLX's own ops (the GPU check compares them; CPU
     tests route the model through it)."""
     y = mx.quantized_matmul(x, weight, scales, biases, transpose=True, group_size=group_size, bits=bits)

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ferrum_mac.backends.mlx.cuda_qmatmul import WARP_SUM
+from ferrum_mac.backends.mlx.cuda.qmatmul import WARP_SUM
 
 WARPS = 8  # output rows per block (one warp each)
 MAX_PAIRS = 128  # token-expert pairs up to which these kernels run (decode steps and batches)

@@ -29,9 +29,9 @@ import dataclasses
 import torch
 
 from ferrum_mac.backends.torch.quant import Packed
-from ferrum_mac.backends.torch.triton_fma_gemv import FMA_NORM_BLOCK, FmaTile, fma_plan
-from ferrum_mac.backends.torch.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
-from ferrum_mac.backends.torch.triton_splits import split_buffers
+from ferrum_mac.backends.torch.kernels.triton_fma_gemv import FMA_NORM_BLOCK, FmaTile, fma_plan
+from ferrum_mac.backends.torch.kernels.triton_pdl import LINE_BYTES, launch_options, pdl_for, prefetch_lines
+from ferrum_mac.backends.torch.kernels.triton_splits import split_buffers
 
 try:
     import triton
@@ -68,7 +68,7 @@ def dp4a_tile(weight: Packed, swiglu: bool) -> FmaTile:
 
 def dp4a_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-              swiglu: bool = False, splits: int | None = None, tile: FmaTile | None = None) -> torch.Tensor:  # fmt: skip
+              swiglu: bool = False, splits: int | None = None, tile: FmaTile | None = None) -> torch.Tensor:
     """`triton_quant.gemv` for one row, x as 16-bit integers (`_qgemv_dp4a_kernel`), a program
     taking `tile` (by default `dp4a_tile`'s); `splits` of K: by default as `fma_plan` chooses."""
     rows, k = x.shape
@@ -92,7 +92,7 @@ def dp4a_gemv(x: torch.Tensor, weight: Packed, bias: torch.Tensor | None = None,
         NORM_BLOCK=FMA_NORM_BLOCK, PDL=pdl, PREFETCH_LINES=prefetch_lines(block_n, words_per_split, 4) if pdl else 0,
         LINE_ELEMENTS=LINE_BYTES // 4, ASM=has_dp4a(x.device), num_warps=tile.warps, num_stages=1,
         **launch_options(pdl),
-    )  # fmt: skip
+    )
     return out
 
 
@@ -122,14 +122,14 @@ def reference(x: torch.Tensor, weight: Packed, levels: float = X_LEVELS) -> torc
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_fma_gemv import (
+    from ferrum_mac.backends.torch.kernels.triton_fma_gemv import (
         columns_and_words,
         packed_words,
         prefetch_then_wait,
         row_inverse_rms,
         x_at,
     )
-    from ferrum_mac.backends.torch.triton_gemv import finish_split_gemv
+    from ferrum_mac.backends.torch.kernels.triton_gemv import finish_split_gemv
 
     @triton.jit(do_not_specialize=["rows"])
     def _qgemv_dp4a_kernel(
@@ -139,7 +139,7 @@ if triton is not None:
         HAS_RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
         LINE_ELEMENTS: tl.constexpr, ASM: tl.constexpr,
-    ):  # fmt: skip
+    ):
         # One program per (block of BLOCK_N output columns, split of K), as the FMA GEMV's:
         # per step a (BLOCK_N, BLOCK_W) tile of words, a column's words contiguous (a thread
         # loads a few neighbouring words of one column at once). The step's x is loaded,
@@ -150,21 +150,21 @@ if triton is not None:
         per_word: tl.constexpr = 32 // BITS
         columns, inside, w_begin, w_end = columns_and_words(n, word_stride, words_per_split, BLOCK_N, SPLIT)
         prefetch_then_wait(words_ptr, columns, inside, w_begin, w_end, word_stride, n, SWIGLU, PDL, PREFETCH_LINES,
-                           LINE_ELEMENTS)  # fmt: skip
+                           LINE_ELEMENTS)
         inv_rms = row_inverse_rms(x_ptr, 0, rows, k, eps, HAS_NORM, NORM_BLOCK)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         up_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for w0 in range(w_begin, w_end, BLOCK_W):
             low_hi, low_lo, high_hi, high_lo, steps, x_sums = packed_x(
                 x_ptr, norm_ptr, rows, k, w0, w_end, inv_rms, HAS_NORM, BITS, GROUP, BLOCK_W
-            )  # fmt: skip
+            )
             words, s, b = packed_words(words_ptr, scales_ptr, biases_ptr, columns, inside, w0, w_end, word_stride,
-                                       group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+                                       group_stride, BLOCK_W, GROUP // per_word)
             dots = word_dots(words, low_hi, low_lo, high_hi, high_lo, BITS, ASM)
             acc += group_sums(dots, steps, x_sums, s, b, BITS)
             if SWIGLU:
                 up_words, up_s, up_b = packed_words(words_ptr, scales_ptr, biases_ptr, columns + n, inside, w0, w_end,
-                                                    word_stride, group_stride, BLOCK_W, GROUP // per_word)  # fmt: skip
+                                                    word_stride, group_stride, BLOCK_W, GROUP // per_word)
                 up_dots = word_dots(up_words, low_hi, low_lo, high_hi, high_lo, BITS, ASM)
                 up_acc += group_sums(up_dots, steps, x_sums, up_s, up_b, BITS)
         row_ids = tl.arange(0, 1)
@@ -172,11 +172,11 @@ if triton is not None:
             acc[None, :], up_acc[None, :], partials_ptr, counters_ptr, tl.program_id(0), tl.program_id(1), splits, rows,
             bias_ptr, residual_ptr, out_ptr, row_ids, row_ids < rows, columns, inside,
             n, HAS_BIAS, HAS_RESIDUAL, SWIGLU, SPLIT,
-        )  # fmt: skip
+        )
 
     @triton.jit
     def packed_x(x_ptr, norm_ptr, rows, k, w0, w_end, inv_rms, HAS_NORM: tl.constexpr, BITS: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+                 GROUP: tl.constexpr, BLOCK_W: tl.constexpr):
         """The row of x under words w0 .. w0 + BLOCK_W (0 past w_end), normed if HAS_NORM, as
         16-bit integers split into a signed high byte and an unsigned low one, each packed four
         a word in the order `word_dots` reads the weight's bytes: (low_hi, low_lo, high_hi,

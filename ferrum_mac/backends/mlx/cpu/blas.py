@@ -8,8 +8,8 @@ install) with RTLD_GLOBAL before libmlx is loaded, so the dynamic linker binds l
 `cblas_sgemm` to the extension's, which calls OpenBLAS's sgemm (or its sgemv for a product
 with one row or column: a decode step's).
 
-It has to run before the process first imports `mlx.core`: `ferrum_mac/__init__.py` calls it
-just before anything imports MLX. It does nothing (MLX keeps its own BLAS) on macOS (MLX
+It has to run before the process first imports `mlx.core`: `backends.choose` calls it
+before anything imports MLX. It does nothing (MLX keeps its own BLAS) on macOS (MLX
 uses Accelerate there), once MLX is loaded, with FERRUM_CPU_BLAS=reference, or when the
 extension was not built or numpy has no OpenBLAS of its own. It also gives OpenBLAS one
 thread less than the machine has cores (`_limit_threads`); numpy in the same process shares
@@ -24,10 +24,8 @@ import os
 import sys
 from typing import NamedTuple
 
-from ferrum_mac import settings
-
-ENV = "FERRUM_CPU_BLAS"  # "reference": leave MLX on the BLAS its wheel bundles
-EXTENSION = "ferrum_mac.backends.mlx._cpu_blas"
+ENV = "FERRUM_CPU_BLAS"  # its setting: "reference" leaves MLX on the BLAS its wheel bundles
+EXTENSION = "ferrum_mac.backends.mlx.cpu._cpu_blas"
 # Name patterns of the CBLAS entry points of numpy's OpenBLAS builds ({} is sgemm or sgemv),
 # with whether they take 64-bit sizes (ILP64)
 SYMBOLS = (
@@ -42,12 +40,12 @@ _module = None
 _libraries: list = []  # keep the loaded libraries referenced
 
 
-def activate() -> str:
-    """Route MLX's cblas_sgemm to numpy's OpenBLAS if this process can; idempotent.
-    Returns `status()`."""
+def activate(mode: str = "openblas") -> str:
+    """Route MLX's cblas_sgemm to numpy's OpenBLAS if this process can and `mode` (FERRUM_CPU_BLAS's
+    value) is "openblas"; idempotent (the first call decides). Returns `status()`."""
     global _state
     if _state is None:
-        _state = _activate()
+        _state = _activate(mode)
     return _state
 
 
@@ -61,12 +59,12 @@ def routed_calls() -> int:
     return _module.calls() if _module is not None else 0
 
 
-def _activate() -> str:
+def _activate(mode: str) -> str:
     global _module
     if not sys.platform.startswith("linux"):
         return "reference: only Linux MLX builds bundle the reference BLAS"
-    if settings.value(ENV) != "openblas":
-        return f"reference: {ENV}={settings.raw(ENV)}"
+    if mode != "openblas":
+        return f"reference: {ENV}={mode}"
     if "mlx.core" in sys.modules:
         return "reference: MLX was loaded before ferrum could route its BLAS"
     try:

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from ferrum_mac import settings
+from ferrum_mac.backends.torch.kernels import switches
 
 try:
     import triton
@@ -35,7 +35,6 @@ try:
 except ImportError:
     triton = None
 
-PDL = settings.value("FERRUM_TORCH_PDL")
 # 64 KB a program: the least that runs at full speed.
 PREFETCH_BYTES = 64 << 10
 PDL_MAX_BYTES = 16 << 20
@@ -44,14 +43,14 @@ LINE_BYTES = 128  # an L2 line: what one prefetch brings
 
 def pdl_for(device: torch.device, weight: torch.Tensor | None = None) -> bool:
     """Whether a kernel on `device` launches early, given the weight it streams (if any)."""
-    return pdl_runs(device) and (weight is None or weight.numel() * weight.element_size() <= PDL_MAX_BYTES)
+    return switches.pdl and pdl_runs(device) and (weight is None or weight.numel() * weight.element_size() <= PDL_MAX_BYTES)
 
 
 @functools.cache
 def pdl_runs(device: torch.device) -> bool:
     """Whether kernels on `device` can launch dependently: CUDA compute capability 9 or
-    later (griddepcontrol is Hopper's), compiled (not Triton's interpreter), unless turned off."""
-    if not PDL or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    later (griddepcontrol is Hopper's), compiled (not Triton's interpreter)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 

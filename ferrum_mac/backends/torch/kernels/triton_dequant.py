@@ -23,7 +23,7 @@ DEQUANT_BLOCK, DEQUANT_WARPS, DEQUANT_MANTISSA = (32, 256), 4, False
 
 
 def dequantize(weight: Packed, out: torch.Tensor, block: tuple[int, int] = DEQUANT_BLOCK,
-               warps: int = DEQUANT_WARPS, mantissa: bool = DEQUANT_MANTISSA) -> torch.Tensor:  # fmt: skip
+               warps: int = DEQUANT_WARPS, mantissa: bool = DEQUANT_MANTISSA) -> torch.Tensor:
     """The packed W `(N, K)` dense in `out` (contiguous, `(N, K)`, of the dtype wanted), as
     `Packed.dequantize(out.dtype)` computes it (scale * q + bias in float32, rounded once: the
     same bits wherever q * scale is exact, as it is for 16-bit scales); returns `out`. Prefill
@@ -37,19 +37,19 @@ def dequantize(weight: Packed, out: torch.Tensor, block: tuple[int, int] = DEQUA
         weight.words, weight.scales, weight.biases, out, n,
         K=k, BITS=weight.bits, GROUP=weight.group_size, BLOCK_N=block_n, BLOCK_K=block_k, MANTISSA=mantissa,
         num_warps=warps,
-    )  # fmt: skip
+    )
     return out
 
 
 # -- kernels ------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ferrum_mac.backends.torch.triton_quant import words_tile
+    from ferrum_mac.backends.torch.kernels.triton_quant import words_tile
 
     @triton.jit
     def _dequantize_kernel(words_ptr, scales_ptr, biases_ptr, out_ptr, n,
                            K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MANTISSA: tl.constexpr):  # fmt: skip
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MANTISSA: tl.constexpr):
         # One program per (BLOCK_N rows, BLOCK_K values) tile of the weight: its words, scales
         # and biases read once each (as `triton_quant.words_tile` reads them), the dense tile
         # written in out's dtype.
@@ -61,7 +61,7 @@ if triton is not None:
             rows_64 = rows[:, None].to(tl.int64)
             wi = start // per_word + tl.arange(0, BLOCK_K // per_word)
             words = tl.load(words_ptr + rows_64 * (K // per_word) + wi[None, :],
-                            mask=inside[:, None] & (wi * per_word < K)[None, :], other=0)  # fmt: skip
+                            mask=inside[:, None] & (wi * per_word < K)[None, :], other=0)
             q = (words[:, :, None] >> (tl.arange(0, per_word) * BITS)[None, None, :]) & ((1 << BITS) - 1)
             q = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # (2.0**23's bits: exact, q < 2^23)
             q = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP, GROUP))

@@ -254,11 +254,11 @@ def decode_attention(
     part_m, part_l, part_acc = _kernel("partial")(
         inputs=inputs, template=template, **launch,
         output_shapes=[(rows, S), (rows, S), (rows, S, dim)], output_dtypes=[mx.float32] * 3,
-    )  # fmt: skip
+    )
     (out,) = _kernel("merge")(
         inputs=[part_m, part_l, part_acc], template=[("T", q.dtype), ("D", dim)],
         grid=(dim, rows, 1), threadgroup=(dim, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype],
-    )  # fmt: skip
+    )
     return out
 
 

@@ -2,7 +2,7 @@
  *
  * The Linux mlx[cpu] wheel bundles the reference (netlib) BLAS, and libmlx takes every
  * float32 matmul from its cblas_sgemm: a 31-token prefill of a 135M model spends seconds
- * there. `cpu_blas.py` loads this module with RTLD_GLOBAL before libmlx is loaded, so the
+ * there. `blas.py` loads this module with RTLD_GLOBAL before libmlx is loaded, so the
  * dynamic linker binds libmlx's cblas_sgemm to the one below, which calls the OpenBLAS numpy
  * ships (ILP64 builds: 64-bit sizes, or LP64: int sizes; both take the same CBLAS enum
  * values). A product with one row or one column (every decode step) goes to sgemv, which
@@ -150,7 +150,7 @@ __attribute__((visibility("default"))) void cblas_sgemm(int order, int ta, int t
             ((sgemm32_fn)sgemm_target)(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;
     }
-    /* Not routed (cpu_blas.py routes before MLX loads, so this should not happen): the next
+    /* Not routed (blas.py routes before MLX loads, so this should not happen): the next
      * cblas_sgemm in the lookup order. */
     static sgemm32_fn next;
     if (!next) next = (sgemm32_fn)dlsym(RTLD_NEXT, "cblas_sgemm");

@@ -1,6 +1,6 @@
 """Dense copies of quantized checkpoints for MLX's CPU build, kept on disk.
 
-On the CPU, MlxLLM loads quantized checkpoints dense (`dequantize_on_cpu`), and dequantizing
+On the CPU, MlxLLM loads quantized checkpoints dense (`CpuOps.dequantize`), and dequantizing
 is slow there too: opening SmolLM2-135M's Q4_1 GGUF dense takes ~1.3 s on 2 cores (reading
 the file and dequantizing), against ~0.3 s from its 540 MB dense copy in the page cache (a
 GGUF whose copy is found is never read at all; writing the copy adds ~0.25 s once). So the first open writes the dense tensors (quantized linears dequantized to the
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ferrum_mac import settings
 from ferrum_mac.backends.mlx.layers import dequantized
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.store.derived import SOURCE_KEY, checkpoint_files, sweep_orphans
@@ -35,16 +34,15 @@ from ferrum_mac.store.paths import inside
 from ferrum_mac.weights import Checkpoint
 
 FORMAT = "1"  # bump when what an entry holds changes
-ENABLE_ENV = "FERRUM_DENSE_CACHE"
 MAX_BYTES = 8 << 30  # older entries go once the folder holds more
 MIN_FREE_BYTES = 2 << 30  # never fill the disk past this
 STALE_TEMP_SECONDS = 3600  # temporary files older than this are a crashed writer's
 
 
-def dense_tensors(checkpoint: Checkpoint, dtype: mx.Dtype) -> dict:
+def dense_tensors(checkpoint: Checkpoint, dtype: mx.Dtype, cached: bool = True) -> dict:
     """`checkpoint`'s tensors with its quantized linears dense in `dtype` (`layers.dequantized`):
-    the cached copy when there is one, else dequantized now and cached."""
-    entry = entry_path(checkpoint, dtype) if enabled() else None
+    the cached copy when there is one, else dequantized now and (if `cached`) cached."""
+    entry = entry_path(checkpoint, dtype) if cached else None
     cached = load(entry) if entry is not None else None
     if cached is not None:
         return cached
@@ -53,10 +51,6 @@ def dense_tensors(checkpoint: Checkpoint, dtype: mx.Dtype) -> dict:
     if entry is not None:
         store(entry, tensors, source=checkpoint_files(checkpoint)[0])
     return tensors
-
-
-def enabled() -> bool:
-    return settings.value(ENABLE_ENV)
 
 
 def entry_path(checkpoint: Checkpoint, dtype: mx.Dtype) -> Path | None:

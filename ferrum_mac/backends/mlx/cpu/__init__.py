@@ -1,0 +1,1 @@
+"""MLX's CPU build: OpenBLAS matmuls, numpy attention and dense copies of quantized checkpoints."""

@@ -1,0 +1,1 @@
+"""The torch backend's Triton kernels for CUDA decode steps (`torch/ops.py`'s `TritonOps` calls them)."""

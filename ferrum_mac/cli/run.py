@@ -121,11 +121,10 @@ def say_when_demo_model(model: str | None, options: RunOptions) -> None:
     """On stderr, one line when the bundled demo model answers: it is small, and what to pull instead."""
     if options.remote:
         return
-    from ferrum_mac.backends import choose
-    from ferrum_mac.engine import default_model_name
+    from ferrum_mac.compose import choose_backend, default_model_name
     from ferrum_mac.store.recommend import demo_model_notice
 
-    line = demo_model_notice(model or default_model_name(), choose(options.backend))
+    line = demo_model_notice(model or default_model_name(), choose_backend(options.backend))
     if line:
         print(f"ferrum: {line}", file=sys.stderr)
 

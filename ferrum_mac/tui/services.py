@@ -53,22 +53,22 @@ class Services:
 
     def recommended_model(self) -> str | None:
         """The catalog model sized to this machine's memory (see store/recommend.py)."""
-        from ferrum_mac.backends import choose
+        from ferrum_mac.compose import choose_backend
         from ferrum_mac.store.recommend import recommended_model
 
-        best = recommended_model(self.machine_memory_bytes(), choose(self.backend))
+        best = recommended_model(self.machine_memory_bytes(), choose_backend(self.backend))
         return best.name if best else None
 
     def demo_notice(self, name: str) -> str:
         """One line when `name` is the bundled demo model and no other model is here: it is
         small, and the model picker pulls one sized to this machine ('' otherwise)."""
-        from ferrum_mac.backends import choose
+        from ferrum_mac.compose import choose_backend
         from ferrum_mac.store.recommend import DEMO_MODEL, demo_model_line
 
         if name != DEMO_MODEL:
             return ""
         others = [m.name for m in self.local_models() if m.name != DEMO_MODEL]
-        return demo_model_line(name, others, self.machine_memory_bytes(), choose(self.backend), PICKER_PULL)
+        return demo_model_line(name, others, self.machine_memory_bytes(), choose_backend(self.backend), PICKER_PULL)
 
     def draft_models(self, engine: ChatEngine) -> list[str]:
         """The local models that can draft for `engine`'s model: the same vocabulary, another

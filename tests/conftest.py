@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
-from ferrum_mac.backends import route_cpu_blas
+_STARTED = time.time()  # before ferrum and torch load: the time --fast prints is the whole run's
+
+from ferrum_mac.backends import route_cpu_blas  # noqa: E402
 
 route_cpu_blas()  # before any test module imports MLX, as the composition root does
 
@@ -28,20 +31,30 @@ def _interpret_triton_without_a_gpu() -> None:
 _interpret_triton_without_a_gpu()
 
 import helpers  # noqa: E402
+import tiers  # noqa: E402
 
 # The tokenizers library forks worker threads and warns when the process forks later on.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# Test tiers (`scripts/test --fast` leaves out the slow ones; CI runs every tier).
+# Test tiers (`--fast` leaves out the heavy ones; CI runs every tier).
 TIERS = {
     "interpreter": "Triton kernels run under Triton's CPU interpreter (on a GPU: compiled)",
     "real_model": "runs the bundled SmolLM2-135M GGUF (fetched once into the user cache)",
-    "slow": "takes several seconds on this project's 2-core machines",
+    "slow": "takes several seconds on this project's 2-core machines, or its file does",
     "gpu": "needs a CUDA GPU; skips without one",
 }
+HEAVY_TIERS = ("interpreter", "real_model", "slow")
 INTERPRETER_FILES = ("test_triton_ops.py", "test_triton_gemv.py", "test_triton_moe.py")
 REAL_MODEL_FIXTURES = ("smollm2_gguf",)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help=f"the edit-test loop: leave out the {', '.join(HEAVY_TIERS)} tiers, and print the run's time",
+    )
 
 
 def pytest_configure(config):
@@ -50,24 +63,46 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tiers by where a test lives and what it uses, so a new test lands in the right tier
-    without remembering a decorator."""
+    """Tiers by where a test lives, what it uses and what its file costs, so a new test lands
+    in the right tier without remembering a decorator."""
+    costs = tiers.file_costs()
     for item in items:
         if item.path.name in INTERPRETER_FILES:
             item.add_marker(pytest.mark.interpreter)
         if any(name in REAL_MODEL_FIXTURES for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real_model)
-    heavy_first(items)
+        if not in_heavy_tier(item):  # before its file's cost has a say; scripts/test-costs.py reads it
+            item.user_properties.append(("tier", "fast"))
+        if tiers.is_slow(item.path, costs):
+            item.add_marker(pytest.mark.slow)
+    if config.getoption("fast"):
+        leave_out_heavy_tiers(config, items)
+    costliest_first(items, costs)
 
 
-HEAVY_TIERS = ("interpreter", "real_model", "slow")
+def in_heavy_tier(item) -> bool:
+    return any(item.get_closest_marker(tier) for tier in HEAVY_TIERS)
 
 
-def heavy_first(items) -> None:
-    """Files holding a test of a heavy tier first (in their order, as the rest): pytest-xdist
-    hands out whole files in this order, so the long ones start early instead of ending last."""
-    heavy = {item.path for item in items if any(item.get_closest_marker(t) for t in HEAVY_TIERS)}
-    items.sort(key=lambda item: item.path not in heavy)
+def leave_out_heavy_tiers(config, items) -> None:
+    config.hook.pytest_deselected(items=[item for item in items if in_heavy_tier(item)])
+    items[:] = [item for item in items if not in_heavy_tier(item)]
+
+
+def costliest_first(items, costs: dict[str, tiers.Cost]) -> None:
+    """The costliest files first (each in its own order): pytest-xdist hands out whole files in
+    this order (scripts/test asks it to), so the long ones start early instead of ending last."""
+    items.sort(key=lambda item: -tiers.cost_of(item.path, costs).every)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """How many tests the fast tier ran, and in how long (its goal: a few minutes)."""
+    if not config.getoption("fast"):
+        return
+    outcomes = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
+    ran = {report.nodeid for outcome in outcomes for report in terminalreporter.stats.get(outcome, ())}
+    minutes, seconds = divmod(round(time.time() - _STARTED), 60)
+    terminalreporter.write_line(f"fast tier: {len(ran):,} tests in {minutes}m{seconds:02d}s")
 
 
 @pytest.fixture(scope="session", autouse=True)

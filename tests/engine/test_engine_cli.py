@@ -279,10 +279,9 @@ def test_repl_on_a_terminal_ctrl_c_stops_the_answer_not_the_program(bundled_env)
         term.send("Write a long story about a dragon.\n")
         term.expect("dragon.")  # the terminal's echo of the line
         term.expect(" ", timeout=90)  # the answer has begun to stream
-        pressed = time.monotonic()
         term.send("\x03")
-        term.expect(">>> ", timeout=20)
-        assert time.monotonic() - pressed < 15  # 400 tokens would take far longer
+        stopped = term.expect(">>> ", timeout=60)
+        assert len(stopped.split()) < 100, stopped  # 400 tokens would be some 300 words
         term.send("/set num_predict 8\n")
         term.expect(">>> ")
         term.send('"""\nWhat is the capital\nof France?\n"""\n')

@@ -296,10 +296,9 @@ def test_a_body_declared_over_the_limit_is_a_413_before_it_is_sent(server):
         f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {20 * 1024 * 1024}\r\n\r\n"
     ).encode()
-    start = time.monotonic()
-    answer = raw_exchange(server.port, head + b'{"messages": ', timeout=10)
+    answer = raw_exchange(server.port, head + b'{"messages": ', timeout=10)  # the body is never sent
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
-    assert b"request_too_large" in answer and time.monotonic() - start < 5
+    assert b"request_too_large" in answer
 
 
 def test_a_chunked_body_over_the_limit_is_a_413(server):
@@ -326,23 +325,31 @@ def test_health_answers_while_a_long_prompt_is_tokenized(small_server, monkeypat
 
     thread = threading.Thread(target=big)
     thread.start()
-    slowest = 0.0
+    healthy = 0
     while thread.is_alive():
-        start = time.monotonic()
-        assert httpx.get(small_server.url + "/health", timeout=10).status_code == 200
-        slowest = max(slowest, time.monotonic() - start)
+        assert httpx.get(small_server.url + "/health", timeout=60).status_code == 200
+        healthy += 1
         time.sleep(0.02)
     thread.join()
     assert error_of(answers["big"], 400)["code"] == "context_length_exceeded"
-    assert answers["big"].elapsed.total_seconds() > 1.0 and slowest < 0.5
+    # Health answered all along, not once or twice around a tokenizing that held the event loop.
+    assert healthy >= 10, healthy
 
 
-def test_a_prompt_far_past_the_context_is_refused_without_tokenizing_all_of_it(small_server):
-    start = time.monotonic()
+def test_a_prompt_far_past_the_context_is_refused_without_tokenizing_all_of_it(small_server, monkeypatch):
+    from ferrum_mac.text.hf_tokenizer import HfTokenizer
+
+    encode, encoded = HfTokenizer.encode, []
+
+    def measured_encode(self, text, *args, **kwargs):
+        encoded.append(len(text))
+        return encode(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(HfTokenizer, "encode", measured_encode)  # stories260K's tokenizer
     prompt = "Once upon a time there was a little girl named Lily. " * 70_000
     response = httpx.post(small_server.url + COMPLETIONS, json={"prompt": prompt}, timeout=120)
     assert error_of(response, 400)["code"] == "context_length_exceeded"
-    assert time.monotonic() - start < 2.0
+    assert encoded and max(encoded) < len(prompt) // 100, encoded  # its head only
 
 
 # -- 7. smaller points --------------------------------------------------------------------------

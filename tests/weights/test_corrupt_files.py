@@ -15,7 +15,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import helpers
@@ -326,15 +325,14 @@ def test_a_gguf_cut_inside_its_header(tiny_gguf, tmp_path, fraction):
     assert "truncated" in refused(CorruptModelError, cut)
 
 
+@pytest.mark.timeout(60)  # a hang guard: counting to 2**64 would never end
 @pytest.mark.parametrize("field, offset, size", [("tensor count", 8, 8), ("metadata count", 16, 8)])
 def test_a_gguf_with_an_impossible_count_fails_at_once(tiny_gguf, tmp_path, field, offset, size):
     data = bytearray(tiny_gguf.read_bytes())
     data[offset : offset + size] = b"\xff" * size
     path = tmp_path / "count.gguf"
     path.write_bytes(bytes(data))
-    started = time.monotonic()
     refused(CorruptModelError, path)
-    assert time.monotonic() - started < 2
 
 
 # -- fuzzing both header parsers ------------------------------------------------------------------
@@ -397,6 +395,7 @@ def mutate_safetensors(data: bytes, rng: random.Random) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
 
 
+@pytest.mark.timeout(120)  # a hang guard: no case may read or allocate what the header claims
 def test_fuzzed_safetensors_headers_load_or_fail_in_one_line(tmp_path):
     from safetensors.numpy import save_file
 
@@ -414,7 +413,6 @@ def test_fuzzed_safetensors_headers_load_or_fail_in_one_line(tmp_path):
     real = weights.read_bytes()
     rng = random.Random(1234)
     outcomes = {"loaded": 0, "refused": 0}
-    started = time.monotonic()
     for case in range(300):
         weights.write_bytes(mutate_safetensors(real, rng))
         assert isinstance(safetensors_is_whole(weights), bool)
@@ -432,7 +430,6 @@ def test_fuzzed_safetensors_headers_load_or_fail_in_one_line(tmp_path):
         }, f"case {case}"
         outcomes["loaded"] += 1
     assert outcomes["loaded"] > 10 and outcomes["refused"] > 100, outcomes
-    assert time.monotonic() - started < 10
 
 
 def mutate_gguf(data: bytes, header_end: int, rng: random.Random) -> bytes:
@@ -448,13 +445,13 @@ def mutate_gguf(data: bytes, header_end: int, rng: random.Random) -> bytes:
     return data[:at] + value.to_bytes(width, "little") + data[at + width :]
 
 
+@pytest.mark.timeout(120)  # a hang guard: no case may read or allocate what the header claims
 def test_fuzzed_gguf_headers_load_or_fail_in_one_line(tiny_gguf, tmp_path):
     real = tiny_gguf.read_bytes()
     header_end = header_length(tiny_gguf)
     path = tmp_path / "fuzz.gguf"
     rng = random.Random(7)
     outcomes = {"loaded": 0, "refused": 0}
-    started = time.monotonic()
     for case in range(600):
         path.write_bytes(mutate_gguf(real, header_end, rng))
         _cached_info.cache_clear()  # same name, same size: the cache would answer for the last case
@@ -473,7 +470,6 @@ def test_fuzzed_gguf_headers_load_or_fail_in_one_line(tiny_gguf, tmp_path):
         assert config.num_layers >= 1 and config.vocab_size >= 1, f"case {case}"
         outcomes["loaded"] += 1
     assert outcomes["loaded"] > 10 and outcomes["refused"] > 100, outcomes
-    assert time.monotonic() - started < 10
 
 
 # -- what the CLI prints --------------------------------------------------------------------------

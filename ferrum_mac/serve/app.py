@@ -29,19 +29,19 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ferrum_mac.engine import Done, LocalEngine, ReasoningDelta, ResponseFormat, TextDelta
+from ferrum_mac.engine import CallSplitter, Done, LocalEngine, ReasoningDelta, ResponseFormat, TextDelta
+from ferrum_mac.engine.prompt import AnswerGrammar, AnswerStart, with_call_opener
 from ferrum_mac.errors import FerrumError, KvCapacityError
 from ferrum_mac.grammar import GrammarError, GrammarMatcher, UnsupportedSchemaError
 from ferrum_mac.serve import openai_schema as api
 from ferrum_mac.serve.call import ChatCall, Limits, call_from_openai
 from ferrum_mac.serve.error_shapes import error_response, error_shapes
-from ferrum_mac.serve.events import AnswerEvent, Finished, ToolCallDelta, ToolCalls, calls_of
+from ferrum_mac.serve.events import AnswerEvent, Finished, ToolCallDelta, calls_of
 from ferrum_mac.serve.guards import ApiKeyCheck, HostCheck, OriginCheck, loopback_host_names
 from ferrum_mac.serve.metrics import prometheus_text
 from ferrum_mac.serve.models import FOREVER, LoadedModel, Models
 from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
 from ferrum_mac.serve.scheduler import Scheduler
-from ferrum_mac.text import prompt_opens_reasoning
 from ferrum_mac.text.tool_calls import ToolCall
 
 __all__ = ["Answer", "ClientGone", "Server", "build_app", "error_shapes"]
@@ -113,7 +113,7 @@ class Answer:
         queue: asyncio.Queue,
         model_name: str,
         prompt_tokens: int,
-        calls: ToolCalls,
+        calls: CallSplitter,
         on_end=None,
     ):
         self.http = http
@@ -136,7 +136,7 @@ class Answer:
             while True:
                 event = await self.queue.get()
                 if isinstance(event, TextDelta):
-                    for piece in self.calls.feed(event.text):
+                    for piece in streamed(self.calls.feed(event.text)):
                         yield piece
                 elif isinstance(event, ReasoningDelta):
                     yield event
@@ -144,7 +144,7 @@ class Answer:
                     yield event
                     return
                 elif isinstance(event, Done):
-                    for piece in self.calls.finish():
+                    for piece in streamed(self.calls.finish()):
                         yield piece
                     yield Finished.of(event, bool(self.calls.calls))
                     return
@@ -177,6 +177,11 @@ class Answer:
             elif isinstance(event, Finished):
                 return Whole("".join(text), "".join(reasoning), calls_of(calls), event)
         raise api.ApiError(500, "the answer ended without a last event", kind="server_error", code="internal_error")
+
+
+def streamed(pieces: list[TextDelta | ToolCall | ToolCallDelta]) -> list[TextDelta | ToolCallDelta]:
+    """The pieces of a splitter that streams its calls' arguments (it makes no whole `ToolCall`)."""
+    return [p for p in pieces if not isinstance(p, ToolCall)]
 
 
 class Server:
@@ -280,7 +285,7 @@ class Server:
             sampling=options.sampling,
             max_tokens=options.max_tokens,
             stop=options.stop,
-            opens_reasoning=prepared.opens_reasoning,
+            opens_reasoning=prepared.start.opens_reasoning,
             raw=call.messages is None,
             ignore_eos=options.ignore_eos,
             matcher=prepared.matcher,
@@ -290,7 +295,7 @@ class Server:
         handle = _submit(model.scheduler, request, "messages" if call.messages is not None else "prompt")
         tools = call.tools
         fmt = prompting.engine.template.tool_format if tools is not None else None
-        calls = ToolCalls(fmt, tools is None or tools.parallel, prepared.call_prefix)
+        calls = CallSplitter(fmt, tools is None or tools.parallel, prepared.start.call_prefix, stream_arguments=True)
         return Answer(http, handle, queue, model.name, len(prepared.ids), calls, done)
 
     async def count_tokens(self, call: ChatCall) -> int:
@@ -304,7 +309,7 @@ class Server:
     # -- kept for callers of the single-model server ----------------------------------------
 
     def _tool_matcher(self, tools: api.ToolRequest, prompt_text: str, prefilled: bool) -> GrammarMatcher | None:
-        return self.prompting.tool_matcher(tools, prompt_text, prefilled)
+        return self.prompting.answer_matcher(None, tools, prompt_text, AnswerStart(prefilled=prefilled))
 
     # -- routes every protocol shares --------------------------------------------------------
 
@@ -374,16 +379,12 @@ class Prompting:
 
     def prepare(self, call: ChatCall) -> "Prepared":
         if call.messages is None:
-            return Prepared(self._completion_ids(call), self.matcher(call.options.response_format, None))
+            ids = self._completion_ids(call)
+            return Prepared(ids, self.answer_matcher(call.options.response_format, None, None, AnswerStart()))
         tools = call.tools
         text, ids = self.chat_prompt(call.messages, call.options.template_kwargs, tools)
-        fmt = self.engine.template.tool_format
-        prefilled = tools is not None and bool(tools.forced) and text.endswith(fmt.forced_prefix)
-        if tools is not None and (tools.forced or call.options.response_format is None):
-            matcher = self.tool_matcher(tools, text, prefilled)
-        else:
-            matcher = self.matcher(call.options.response_format, text)
-        return Prepared(ids, matcher, prompt_opens_reasoning(text), fmt.forced_prefix if prefilled else "")
+        start = AnswerStart.of(text, tools, self.engine.template.tool_format)
+        return Prepared(ids, self.answer_matcher(call.options.response_format, tools, text, start), start)
 
     def count_tokens(self, call: ChatCall) -> int:
         if call.messages is None:
@@ -408,8 +409,7 @@ class Prompting:
                 tools=tools.template_tools() if tools else None,
                 **template_kwargs,
             )
-            if tools is not None and tools.forced and not self._reasons_before_calling(text):
-                text += template.tool_format.forced_prefix
+            text = with_call_opener(self.engine.constraints, template.tool_format, tools, text)
         except FerrumError as e:
             raise api.ApiError(400, str(e), param="messages") from None
         except Exception as e:  # templates index and compare what clients send: a dict where a string goes...
@@ -420,36 +420,23 @@ class Prompting:
             ) from None
         return text, self.encode(text, False, "messages")
 
-    def matcher(self, fmt: ResponseFormat | None, prompt_text: str | None) -> GrammarMatcher | None:
-        """The answer's grammar state for `fmt` (compiling a schema, and the first time the
-        model's grammar vocabulary, take a while); a schema it cannot compile is a 400.
-        `prompt_text`: the chat prompt, so a thinking model's grammar starts after its reasoning."""
-        if fmt is None:
-            return None
-        constraints = self.engine.constraints
+    def answer_matcher(
+        self, fmt: ResponseFormat | None, tools: api.ToolRequest | None, prompt_text: str | None, start: AnswerStart
+    ) -> GrammarMatcher | None:
+        """The answer's grammar state (`engine.prompt.AnswerGrammar`: compiling a schema, and the
+        first time the model's grammar vocabulary, take a while); a schema it cannot compile is a
+        400 naming `response_format` or `tools`. `prompt_text`: the chat prompt (None: a
+        completion), so a thinking model's grammar starts after its reasoning."""
         try:
-            return constraints.matcher(constraints.compile(fmt), prompt_text)
-        except UnsupportedSchemaError as e:
-            raise api.ApiError(400, str(e), param="response_format", code="unsupported_schema") from None
+            grammar = AnswerGrammar(self.engine.constraints, self.engine.template.tool_format, fmt, tools)
         except GrammarError as e:
-            raise api.ApiError(400, str(e), param="response_format", code="invalid_schema") from None
-
-    def _reasons_before_calling(self, prompt_text: str) -> bool:
-        """Whether a required call should wait for the model's reasoning: a thinking prompt, and
-        call markers the grammar can write as text (Hermes' tags; not special tokens)."""
-        closer = self.engine.template.tool_format.closer
-        return closer is not None and bool(self.engine.constraints.start_after(prompt_text))
-
-    def tool_matcher(self, tools: api.ToolRequest, prompt_text: str, prefilled: bool) -> GrammarMatcher | None:
-        """The call's grammar, so its arguments always validate against the function's parameters.
-        A required call's JSON comes right after the opener the prompt ends with (`prefilled`), or
-        with its markers after the model's reasoning; with "auto" the answer is free until the
-        model writes its family's opener, then the one call is constrained (None for Llama's bare
-        JSON, whose opener is the call itself)."""
-        try:  # the engine's conversations build theirs the same way (parallel calls included)
-            return self.engine.constraints.tool_matcher(tools, self.engine.template.tool_format, prompt_text, prefilled)
+            raise format_error(e) from None
+        try:
+            return grammar.matcher(prompt_text, start)
         except GrammarError as e:
-            raise api.ApiError(400, str(e), param="tools", code="invalid_schema") from None
+            if grammar.for_calls:
+                raise api.ApiError(400, str(e), param="tools", code="invalid_schema") from None
+            raise format_error(e) from None
 
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of `text`, or a 400 as soon as it is clear they cannot fit the context."""
@@ -472,8 +459,13 @@ class Prepared(NamedTuple):
 
     ids: list[int]
     matcher: GrammarMatcher | None
-    opens_reasoning: bool = False  # the prompt leaves a <think> open
-    call_prefix: str = ""  # what the prompt already opened the answer with (a forced call's opener)
+    start: AnswerStart = AnswerStart()  # what the answer starts inside (a <think>, a call's opener)
+
+
+def format_error(e: GrammarError) -> api.ApiError:
+    """A `response_format` the model's grammar cannot take, as a 400."""
+    code = "unsupported_schema" if isinstance(e, UnsupportedSchemaError) else "invalid_schema"
+    return api.ApiError(400, str(e), param="response_format", code=code)
 
 
 def _put_threadsafe(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, event) -> None:

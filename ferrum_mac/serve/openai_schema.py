@@ -18,13 +18,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, SEED_LIMIT, Done, SamplingParams, TextDelta
+from ferrum_mac.engine import CANCELLED, SEED_LIMIT, Done, SamplingParams
 from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import GrammarError, UnsupportedSchemaError, json_schema_grammar
-from ferrum_mac.serve.events import ToolCallDelta, ToolCalls, calls_of
-from ferrum_mac.text.tool_calls import ToolCall, ToolFormat
+from ferrum_mac.text.tool_calls import ToolCall, ToolCallDelta
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit
@@ -374,46 +373,6 @@ def completion_prompt(body: dict) -> str | list[int]:
 # -- responses -------------------------------------------------------------------------------
 
 
-class ToolAnswer:
-    """An answer's text split into content and tool calls as it arrives, in OpenAI's shapes (the
-    splitting itself is the core's `ToolCalls`). Without tools it passes the text through
-    untouched. `prefix`: what the prompt already opened the answer with (a forced call's opener)."""
-
-    def __init__(self, tools: ToolRequest | None, fmt: ToolFormat | None, prefix: str = ""):
-        parallel = tools is None or tools.parallel
-        self.split = ToolCalls(fmt if tools is not None else None, parallel, prefix)
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        return self.split.calls
-
-    def deltas(self, text: str) -> list[dict]:
-        """The stream's `delta`s for the next piece of answer text."""
-        return self._deltas(self.split.feed(text))
-
-    def finish_deltas(self) -> list[dict]:
-        return self._deltas(self.split.finish())
-
-    def message(self, text: str) -> dict:
-        """The whole answer's `message` (no role, no reasoning)."""
-        events = self.split.feed(text) + self.split.finish()
-        content = "".join(e.text for e in events if isinstance(e, TextDelta))
-        return message_of(content, calls_of([e for e in events if isinstance(e, ToolCallDelta)]))
-
-    def finish_reason(self, done: Done) -> str:
-        return "tool_calls" if self.calls else finish_reason(done)
-
-    @staticmethod
-    def _deltas(events: list) -> list[dict]:
-        out: list[dict] = []
-        for event in events:
-            if isinstance(event, TextDelta):
-                out.append({"content": event.text})
-            else:
-                out.extend(tool_call_deltas(event))
-        return out
-
-
 def message_of(content: str, calls: list[ToolCall]) -> dict:
     """A whole answer's `message` (no role, no reasoning): its text, and its calls if it made any."""
     if not calls:
@@ -434,10 +393,6 @@ def tool_call_deltas(piece: ToolCallDelta) -> list[dict]:
         out.append({"tool_calls": [head]})
     out.append({"tool_calls": [{"index": piece.index, "function": {"arguments": piece.arguments}}]})
     return out
-
-
-def finish_reason(done: Done) -> str:
-    return "length" if done.stop_reason in (MAX_TOKENS, CONTEXT) else "stop"
 
 
 def usage(done: Done) -> dict:

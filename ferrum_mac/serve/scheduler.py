@@ -36,17 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from ferrum_mac.engine import (
-    CANCELLED,
-    CONTEXT,
-    EOS,
-    MAX_TOKENS,
-    STOP_STRING,
-    AnswerText,
-    LocalEngine,
-    Timing,
-    done_event,
-)
+from ferrum_mac.engine import CANCELLED, CONTEXT, AnswerState, AnswerText, LocalEngine, Timing
 from ferrum_mac.engine.speculation import SpeculationStats
 from ferrum_mac.engine.speculation.proposers import Proposal
 from ferrum_mac.engine.speculation.setting import OFF
@@ -111,25 +101,27 @@ class SchedulerStats:
 class Sequence:
     """One admitted request's state; touched only on the scheduler thread."""
 
-    def __init__(self, handle: RequestHandle, sampler, text: AnswerText, need: int, timing: Timing):
+    def __init__(self, handle: RequestHandle, sampler, answer: AnswerState, need: int):
         self.handle = handle
         self.request = handle.request
         self.cache_id = handle.cache_id
         self.sampler = sampler
-        self.text = text
+        self.answer = answer  # the answer's rules: its text, and whether a token ends it
         self.need = need  # KV tokens reserved for it at admission
-        self.timing = timing
         self.unprefilled = list(self.request.prompt_ids)
         self.pos = 0  # tokens in its cache
         self.next_token: int | None = None  # sampled, to go into the cache next step
-        self.generated = 0
-        self.answer: list[int] = []  # the tokens generated so far
+        self.answer_ids: list[int] = []  # the tokens generated so far
         self.cached = 0  # prompt tokens taken from the prefix cache
         self.miss: str | None = None  # why the prefix cache gave no more (`PrefixReuse.miss`)
         self.leader: Sequence | None = None  # an earlier sequence prefilling a prefix this one shares
         self.shared = 0  # prompt tokens in common with `leader`: this one waits until it holds them
         self.speculator: Speculator | None = None  # set when it may guess its next tokens
         self.history: list[int] = []  # while it may: the prompt and the answer, which guesses are looked up in
+
+    @property
+    def generated(self) -> int:
+        return self.answer.generated
 
     @property
     def speculation(self) -> SpeculationStats | None:
@@ -143,7 +135,7 @@ class Sequence:
 
     def held_tokens(self, held: int) -> list[int]:
         """The ids of the first `held` positions of its cache: the prompt, then the answer."""
-        return (list(self.request.prompt_ids) + self.answer)[:held]
+        return (list(self.request.prompt_ids) + self.answer_ids)[:held]
 
     def emit(self, event) -> None:
         if self.request.emit is None:
@@ -429,8 +421,7 @@ class Scheduler:
             request = handle.request
             try:
                 sampler = self.model.sampler(request.sampling, request.prompt_ids)
-                text = AnswerText(self.tokenizer, request.stop, request.opens_reasoning, raw=request.raw)
-                seq = Sequence(handle, sampler, text, need, timing)
+                seq = Sequence(handle, sampler, self._answer_state(request, timing), need)
                 if self._speculates(request):
                     seq.speculator, seq.history = stream_speculator(self.model), list(request.prompt_ids)
                 self._attach_prefix(seq)
@@ -442,6 +433,17 @@ class Scheduler:
                 continue
             self._running.append(seq)
             self.stats.prompt_tokens += len(request.prompt_ids)
+
+    def _answer_state(self, request: GenerationRequest, timing: Timing) -> AnswerState:
+        text = AnswerText(self.tokenizer, request.stop, request.opens_reasoning, raw=request.raw)
+        return AnswerState(
+            text,
+            self.eos_ids,
+            matcher=request.matcher,
+            max_tokens=request.max_tokens,
+            ignore_eos=request.ignore_eos,
+            timing=timing,
+        )
 
     def _speculates(self, request: GenerationRequest) -> bool:
         """Whether a request may guess: not under a grammar (each row would need its mask)."""
@@ -732,38 +734,24 @@ class Scheduler:
         if seq.generated == 0:  # its prompt is in the cache: requests that start alike share it now
             self.model.kv_remember(seq.cache_id, seq.request.prompt_ids)
             log.info("%s", prefix_line(seq))
-        seq.timing.token()
-        seq.generated += 1
-        seq.answer.append(token)
+        seq.answer_ids.append(token)
         if seq.speculator is not None:
             seq.history.append(token)
         self.stats.generated_tokens += 1
-        matcher = seq.request.matcher
-        if matcher is not None:
-            matcher.accept(token)
-        finished = matcher is not None and matcher.is_finished()  # the grammar allows nothing more
-        if token in self.eos_ids and (finished or not seq.request.ignore_eos):
-            return self._finish(seq, EOS)
-        for event in seq.text.add(token):
+        for event in seq.answer.add(token):
             seq.emit(event)
-        if finished:
-            self._finish(seq, EOS)
-        elif seq.text.stopped:
-            self._finish(seq, STOP_STRING)
-        elif seq.generated == seq.request.max_tokens:
-            self._finish(seq, MAX_TOKENS)
-        elif seq.pos + 1 > self.capacity:
-            self._finish(seq, CONTEXT)
-        else:
+        reason = seq.answer.reason
+        if reason is None and seq.pos + 1 > self.capacity:
+            reason = CONTEXT
+        if reason is None:
             seq.next_token = token
+        else:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        for event in seq.text.finish():
+        for event in seq.answer.finish():
             seq.emit(event)
-        prompt = len(seq.request.prompt_ids)
-        seq.emit(
-            done_event(reason, prompt, seq.cached, seq.generated, seq.timing, seq.text.stop_string, seq.speculation)
-        )
+        seq.emit(seq.answer.done(reason, len(seq.request.prompt_ids), seq.cached, seq.speculation))
         if seq.speculation is not None and seq.speculation.steps:
             log.info("%s", speculation_line(seq))
         self._remember_answer(seq)

@@ -132,6 +132,17 @@ class PrefixStats:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a model runs in one forward, so a scheduler plans for it instead of trying:
+    `unified_forward` (decode steps and prefill chunks mixed), `batched_decode` (`decode_batch`)
+    and `batched_verify` (`verify_batch` over several sequences at once, not per item)."""
+
+    unified_forward: bool
+    batched_decode: bool
+    batched_verify: bool
+
+
+@dataclass(frozen=True)
 class DecodeItem:
     """One sequence's next token in a batched decode: `token` sits at position `pos`."""
 
@@ -315,6 +326,16 @@ class DecoderOnlyLLM(abc.ABC):
 
     def reset(self) -> None:
         """Drop all cached state."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this model runs batched: by default, the batched methods its class overrides."""
+        cls = type(self)
+        return Capabilities(
+            unified_forward=cls.unified_forward is not DecoderOnlyLLM.unified_forward,
+            batched_decode=cls.decode_batch is not DecoderOnlyLLM.decode_batch,
+            batched_verify=cls.verify_batch is not DecoderOnlyLLM.verify_batch,
+        )
 
     def sampler(self, params: Any, context: Sequence[int] = ()) -> Any:
         """A sampler for one answer (see `ferrum_mac.engine.sampling.Sampler`): `sample(logits)`

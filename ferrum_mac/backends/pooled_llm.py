@@ -28,6 +28,7 @@ from ferrum_mac.backends.block_pool import BlockPool
 from ferrum_mac.errors import CacheStateError, UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import (
     KV_MEMORY_SHARE,
+    Capabilities,
     DecodeItem,
     DecoderOnlyLLM,
     ForwardItem,
@@ -114,6 +115,10 @@ class PooledLLM(DecoderOnlyLLM):
 
     def kv_capacity(self) -> int:
         return self._capacity
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(unified_forward=True, batched_decode=True, batched_verify=True)
 
     def kv_len(self, cache_id: str) -> int:
         return self.kv.length(cache_id)

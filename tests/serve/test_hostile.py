@@ -135,7 +135,7 @@ def test_a_dead_loop_answers_503_on_health_and_requests_and_says_so_in_metrics(s
         take_new = scheduler._take_new
 
         def explode_while_generating(block):
-            if scheduler._running:
+            if scheduler.batch.running:
                 raise Fatal("the loop broke")
             return take_new(block)
 

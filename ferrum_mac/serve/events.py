@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDelta, TextDelta
-from ferrum_mac.serve.request import Failed
+from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.text.tool_calls import ToolCallDelta, calls_of
 
 __all__ = ["LENGTH", "STOP", "TOOL_CALLS", "AnswerEvent", "Finished", "ToolCallDelta", "calls_of", "finish_of"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ferrum_mac.engine.speculation.proposers import Proposal
 from ferrum_mac.llm import Capabilities
-from ferrum_mac.serve.planner import (
+from ferrum_mac.serve.batching.planner import (
     DECODE,
     SINGLE,
     SPLIT,
@@ -21,7 +21,7 @@ from ferrum_mac.serve.planner import (
     mode_of,
     plan_step,
 )
-from ferrum_mac.serve.speculation import MAX_ROWS, ROW_COUNTS, Offer, RowCosts
+from ferrum_mac.serve.batching.speculation import MAX_ROWS, ROW_COUNTS, Offer, RowCosts
 
 
 @dataclass(eq=False)

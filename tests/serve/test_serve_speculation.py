@@ -20,7 +20,7 @@ from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_cu
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.serve.command import ServeOptionError, speculate_option
-from ferrum_mac.serve.speculation import (
+from ferrum_mac.serve.batching.speculation import (
     FIRST_PAUSE,
     PACE_SAMPLES,
     PLAIN_EVERY,
@@ -224,7 +224,7 @@ def test_torch_verify_rows_give_the_answers_without_speculation(stories_path):
     from ferrum_mac.compose import open_engine
     from ferrum_mac.engine import SamplingParams, TextDelta
     from ferrum_mac.serve import Scheduler
-    from ferrum_mac.serve.request import EventQueue, GenerationRequest
+    from ferrum_mac.serve.batching.request import EventQueue, GenerationRequest
 
     scheduler = Scheduler(lambda: open_engine(stories_path, backend="torch"), max_batch=4).start()
     scheduler.costs.use(FLAT)

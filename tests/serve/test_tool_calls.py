@@ -343,8 +343,8 @@ def _allowed(matcher, token: int) -> bool:
 
 
 def test_auto_answer_is_free_until_the_model_opens_a_call_then_constrained(smollm2_scheduler):
-    from ferrum_mac.serve import openai_schema as api
-    from ferrum_mac.serve.app import Server
+    from ferrum_mac.serve import checks as api
+    from ferrum_mac.serve.core import Server
 
     server = Server(smollm2_scheduler, "smollm2")
     matcher = server._tool_matcher(api.tool_request({"tools": TWENTY_TOOLS[:3]}), "", False)
@@ -376,22 +376,22 @@ TWO_CALLS = (
 @pytest.mark.parametrize("parallel", [True, False])
 def test_answers_keep_one_call_when_parallel_calls_are_off(parallel):
     from ferrum_mac.engine import CallSplitter, Done, TextDelta
-    from ferrum_mac.serve import openai_schema as api
+    from ferrum_mac.serve import checks as api
     from ferrum_mac.serve.events import Finished
-    from ferrum_mac.serve.openai_api import finish_reason
+    from ferrum_mac.serve.protocols.openai import finish_reason, message_of, tool_call_deltas
     from ferrum_mac.text.tool_calls import FORMATS, HERMES
 
     tools = api.tool_request({"tools": TWENTY_TOOLS[:2], "parallel_tool_calls": parallel})
     whole = CallSplitter(FORMATS[HERMES], tools.parallel, stream_arguments=True)
     whole.feed(TWO_CALLS)
     whole.finish()
-    message = api.message_of(whole.text, whole.calls)
+    message = message_of(whole.text, whole.calls)
     assert message["content"] is None
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"][: 2 if parallel else 1]
     stream = CallSplitter(FORMATS[HERMES], tools.parallel, stream_arguments=True)
     events = [e for ch in TWO_CALLS for e in stream.feed(ch)] + stream.finish()
     assert not any(isinstance(e, TextDelta) for e in events)
-    deltas = [d for e in events for d in api.tool_call_deltas(e)]
+    deltas = [d for e in events for d in tool_call_deltas(e)]
     heads = [d["tool_calls"][0] for d in deltas if "id" in d["tool_calls"][0]]
     assert [h["index"] for h in heads] == list(range(2 if parallel else 1))
     assert all(h["function"]["arguments"] == "" and h["type"] == "function" for h in heads)
@@ -538,7 +538,7 @@ def test_remote_engine_calls_tools_and_answers_with_the_result(smollm2_server):
 
 def test_allowed_tools_narrow_what_an_answer_may_call():
     """OpenAI's `allowed_tools` choice (pydantic-ai sends it): its mode, and only its tools."""
-    from ferrum_mac.serve import openai_schema as api
+    from ferrum_mac.serve import checks as api
 
     allowed = {
         "mode": "required",

@@ -37,7 +37,7 @@ from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.setting import AUTO, DRAFT, NGRAM, OFF
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem
-from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve import checks as api
 
 SERVE_MODES = (AUTO, NGRAM, OFF)
 MAX_ROWS = 64  # rows of one speculating step (torch runs up to this many as a captured decode step)

@@ -23,9 +23,9 @@ from ferrum_mac.engine.context import common_prefix
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import DecoderOnlyLLM, PrefixStats
-from ferrum_mac.serve.planner import may_admit
-from ferrum_mac.serve.request import Failed, GenerationRequest, RequestHandle
-from ferrum_mac.serve.sequence import Sequence, prefix_line, speculation_line
+from ferrum_mac.serve.batching.planner import may_admit
+from ferrum_mac.serve.batching.request import Failed, GenerationRequest, RequestHandle
+from ferrum_mac.serve.batching.sequence import Sequence, prefix_line, speculation_line
 from ferrum_mac.text import Tokenizer
 
 log = logging.getLogger("ferrum.serve")

@@ -27,11 +27,11 @@ from ferrum_mac.engine.speculation.setting import OFF
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import KV_CAPACITY_ENV, DecodeItem, DecoderOnlyLLM, KvCapacityError
-from ferrum_mac.serve.batch import Batch, SchedulerStats, one_line
-from ferrum_mac.serve.planner import UNIFIED, mode_of, plan_step
-from ferrum_mac.serve.request import GenerationRequest, RequestHandle
-from ferrum_mac.serve.runner import StepRunner
-from ferrum_mac.serve.speculation import Pace, StepCosts, check_mode
+from ferrum_mac.serve.batching.batch import Batch, SchedulerStats, one_line
+from ferrum_mac.serve.batching.planner import UNIFIED, mode_of, plan_step
+from ferrum_mac.serve.batching.request import GenerationRequest, RequestHandle
+from ferrum_mac.serve.batching.runner import StepRunner
+from ferrum_mac.serve.batching.speculation import Pace, StepCosts, check_mode
 
 __all__ = ["MAX_BATCH", "STEP_TOKENS", "Scheduler", "SchedulerStats"]
 

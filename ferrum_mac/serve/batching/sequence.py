@@ -6,7 +6,7 @@ from ferrum_mac.engine import AnswerState
 from ferrum_mac.engine.speculation import SpeculationStats
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.llm import PrefixReuse
-from ferrum_mac.serve.request import RequestHandle
+from ferrum_mac.serve.batching.request import RequestHandle
 
 
 class Sequence:

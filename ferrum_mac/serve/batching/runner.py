@@ -4,7 +4,7 @@ A `StepPlan` (`planner.plan_step`) runs as one `unified_forward` of every decodi
 token and the prefill chunks, or as whole prefills then one `decode_batch` (one `decode` per
 sequence where the model has no batched decode). A decode step, nothing to prefill, is the
 backends' fastest path (a replayed CUDA graph on torch) or, when some sequences' guesses of
-their next tokens are worth their rows (`serve.speculation`), one `verify_batch` of every
+their next tokens are worth their rows (`batching.speculation`), one `verify_batch` of every
 sequence's token and those guesses; the guesses the sampler would itself have drawn are kept,
 the rest cut from the cache (`truncate_kv`). Decode steps are timed, so that guessing stops for
 a while where it turns out slower than plain steps (`Pace`).
@@ -22,10 +22,10 @@ from ferrum_mac.engine.speculation.verify import Speculator, accepted_ids
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import fill_masks
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, KvCapacityError, Logits
-from ferrum_mac.serve.batch import Batch, one_line
-from ferrum_mac.serve.planner import DECODE, SINGLE, UNIFIED, StepPlan, choose_guesses
-from ferrum_mac.serve.sequence import Sequence, fed_token
-from ferrum_mac.serve.speculation import INDEX_STEP_TOKENS, MAX_ROWS, Offer, Pace, StepCosts, indexed
+from ferrum_mac.serve.batching.batch import Batch, one_line
+from ferrum_mac.serve.batching.planner import DECODE, SINGLE, UNIFIED, StepPlan, choose_guesses
+from ferrum_mac.serve.batching.sequence import Sequence, fed_token
+from ferrum_mac.serve.batching.speculation import INDEX_STEP_TOKENS, MAX_ROWS, Offer, Pace, StepCosts, indexed
 
 log = logging.getLogger("ferrum.serve")
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generic, Hashable, Protocol, Sequence, TypeVar
 
 from ferrum_mac.llm import Capabilities
-from ferrum_mac.serve.speculation import MAX_ROWS, Offer, RowCosts, plan
+from ferrum_mac.serve.batching.speculation import MAX_ROWS, Offer, RowCosts, plan
 
 # How a step runs, by what the model can do.
 UNIFIED, SPLIT, SINGLE = "unified_forward", "decode_batch", "decode"

@@ -1,6 +1,6 @@
 """How an answer starts from its rendered prompt: a required call's opener, the grammar it keeps, open reasoning.
 
-The chat engine (`turn.run_turn`) and the server (`serve.core.Prompting`) render prompts their
+The chat engine (`turn.run_turn`) and the server (`serve.prompting.Prompting`) render prompts their
 own ways (a conversation's settings, a request's template arguments); what they do with the
 rendered text is decided here once:
 

@@ -12,7 +12,8 @@ message and its ledger equals what the cache holds.
 With tools, the answer's text is split as it streams: call markup never reaches a `TextDelta`;
 the calls go into the assistant message's `tool_calls` and a `ToolCallRequested` event. A
 required call is constrained from the start (its opener ends the prompt), an "auto" one once the
-model writes its family's opener, exactly as the server does it: the rules are `engine.prompt`'s and `engine.answer`'s.
+model writes its family's opener. The server's scheduler keeps the same rules: they are written
+once, in `engine.prompt` (how an answer starts) and `engine.answer` (token by token).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ import dataclasses
 import itertools
 import json
 import threading
-import time
 from typing import Iterator
 
 from ferrum_mac.engine import (
@@ -36,6 +35,8 @@ from ferrum_mac.engine import (
     TextDelta,
     Timing,
     ToolCallRequested,
+    done_event,
+    with_calls,
 )
 from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.errors import FerrumError
@@ -262,10 +263,8 @@ class RemoteTurn:
         return message
 
     def done(self) -> Done:
-        done = self._done()
-        if self.calls and done.stop_reason == EOS:  # ferrum's own stats say how the text ended
-            done = dataclasses.replace(done, stop_reason=TOOL_CALLS)
-        return done
+        done = self._done()  # ferrum's own stats say how the text ended
+        return dataclasses.replace(done, stop_reason=with_calls(done.stop_reason, bool(self.calls)))
 
     def _done(self) -> Done:
         if self.stats and not self.cancelled:
@@ -276,18 +275,8 @@ class RemoteTurn:
                 pass  # not ferrum's stats after all
         generated = self.usage.get("completion_tokens") or self.chunks
         prompt = self.usage.get("prompt_tokens") or 0
-        first = self.timing.first or time.perf_counter()
-        ttft, decode_time = first - self.timing.start, (self.timing.last or first) - first
         reason = CANCELLED if self.cancelled else FINISH_REASONS.get(self.finish or "", EOS)
-        return Done(
-            stop_reason=reason,
-            prompt_tokens=prompt,
-            cached_tokens=0,
-            generated_tokens=generated,
-            ttft_s=ttft,
-            prefill_tps=prompt / ttft if ttft > 0 else 0.0,
-            decode_tps=(generated - 1) / decode_time if generated > 1 and decode_time > 0 else 0.0,
-        )
+        return done_event(reason, prompt, 0, generated, self.timing, None)
 
 
 def _api_message(message: dict) -> dict:

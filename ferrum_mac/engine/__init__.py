@@ -17,10 +17,13 @@ answer with their results. A turn that does not fit under "error" raises
 The engine never imports MLX or torch: it asks the model for a sampler (`model.sampler`).
 
 `ChatEngine` declares the surface the chat interfaces use (a local `Engine`, a `RemoteEngine`);
-`LocalEngine` adds the model, tokenizer and template the server batches on. `AnswerText`,
-`Timing` and `done_event` are the pieces of a turn that the server and the remote client reuse.
+`LocalEngine` adds the model, tokenizer and template the server batches on. The rules of one
+answer are written once, for the engine's turns and the server's batches alike: how it starts
+from its prompt (`engine.prompt`), and token by token (`AnswerState`, `CallSplitter`), to its
+`Done` (`done_event`, which the remote client uses too).
 """
 
+from ferrum_mac.engine.answer import AnswerState, CallSplitter, Timing, done_event, with_calls
 from ferrum_mac.engine.answer_text import AnswerText
 from ferrum_mac.engine.context import ContextLimitError
 from ferrum_mac.engine.conversation import CONTEXT_POLICIES, ERROR, TRUNCATE_OLDEST, ChatSettings, Conversation
@@ -43,7 +46,6 @@ from ferrum_mac.engine.events import (
 from ferrum_mac.engine.sampling import SEED_LIMIT, Sampler, SamplingError, SamplingParams
 from ferrum_mac.engine.structured import Constraints, ResponseFormat
 from ferrum_mac.engine.surface import ChatEngine, LocalEngine
-from ferrum_mac.engine.turn import Timing, done_event
 
 __all__ = [
     "CANCELLED",
@@ -57,7 +59,9 @@ __all__ = [
     "STOP_STRING",
     "TOOL_CALLS",
     "TRUNCATE_OLDEST",
+    "AnswerState",
     "AnswerText",
+    "CallSplitter",
     "ChatEngine",
     "ChatSettings",
     "Constraints",
@@ -78,4 +82,5 @@ __all__ = [
     "Timing",
     "done_event",
     "sampling_defaults",
+    "with_calls",
 ]

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ferrum_mac.engine import SamplingParams
-from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.events import Finished, ToolCallDelta
-from ferrum_mac.serve.speculation import speculate_field
+from ferrum_mac.serve.batching.speculation import speculate_field
 
 __all__ = ["ChatCall", "Finished", "Limits", "ToolCallDelta", "call_from_openai", "renamed"]
 

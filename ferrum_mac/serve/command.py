@@ -1,7 +1,7 @@
 """`ferrum serve`: bind the port, open the default model on its scheduler's thread, then serve
 the APIs with uvicorn on the bound socket (so "serving ... on" is printed only once the port is
 ours). Other models of the store are opened when a request names them, and every model unloads
-after `--keep-alive` idle (`ferrum_mac.serve.models`)."""
+after `--keep-alive` idle (`ferrum_mac.serve.batching.models`)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.serve.app import MAX_BODY
+from ferrum_mac.serve.body import MAX_BODY
 from ferrum_mac.serve.guards import is_loopback_host
 from ferrum_mac.serve.listener import MAX_CONNECTIONS, bind_socket, uvicorn_config
-from ferrum_mac.serve.models import DEFAULT_KEEP_ALIVE_S
+from ferrum_mac.serve.batching.models import DEFAULT_KEEP_ALIVE_S
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -93,8 +93,8 @@ def open_models(
     the store's others are opened from their files, never pulled, when a request names them.
     `speculate`: what requests that do not choose get (auto, ngram or off)."""
     from ferrum_mac.compose import free_memory_bytes, open_engine, release_cached_memory
-    from ferrum_mac.serve.models import LoadedModel, Models, size_of
-    from ferrum_mac.serve.scheduler import Scheduler
+    from ferrum_mac.serve.batching.models import LoadedModel, Models, size_of
+    from ferrum_mac.serve.batching.scheduler import Scheduler
     from ferrum_mac.store import list_models
 
     def open_scheduler(source: Path | str) -> Scheduler:
@@ -135,8 +135,8 @@ def stored_path(name: str, backend: str) -> Path | None:
 
 def keep_alive_option(value: str) -> float:
     """`--keep-alive` in seconds (FOREVER for a negative one), read as Ollama reads keep_alive."""
-    from ferrum_mac.serve import openai_schema as api
-    from ferrum_mac.serve.models import keep_alive_seconds
+    from ferrum_mac.serve import checks as api
+    from ferrum_mac.serve.batching.models import keep_alive_seconds
 
     try:
         seconds = keep_alive_seconds(value)
@@ -152,7 +152,7 @@ def keep_alive_option(value: str) -> float:
 
 def speculate_option(value: str) -> str:
     """`--speculate`: auto, ngram or off (a draft model is `ferrum run`'s only)."""
-    from ferrum_mac.serve.speculation import check_mode
+    from ferrum_mac.serve.batching.speculation import check_mode
 
     try:
         return check_mode(value)

@@ -10,8 +10,8 @@ import socket
 
 from starlette.responses import Response
 
-from ferrum_mac.serve import openai_schema as api
-from ferrum_mac.serve.error_shapes import error_response
+from ferrum_mac.serve import checks as api
+from ferrum_mac.serve.api_errors import error_response
 
 OPEN_PATHS = ("/health",)  # answered without the API key
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ferrum_mac.llm import PrefixStats
-from ferrum_mac.serve.scheduler import SchedulerStats
+from ferrum_mac.serve.batching.scheduler import SchedulerStats
 
 
 def prometheus_text(stats: SchedulerStats, up: bool = True) -> str:

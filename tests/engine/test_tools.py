@@ -11,7 +11,7 @@ import pytest
 
 from ferrum_mac.engine.tools import Tool, ToolError, Toolbox, schema_of, tool
 from ferrum_mac.grammar import tool_call_grammar
-from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve import checks as api
 
 
 @tool

@@ -90,7 +90,7 @@ def open_models(
     `max_batch`: a small batch makes the schedulers' warm-up, and so each load, quick."""
     from ferrum_mac.compose import release_cached_memory
     from ferrum_mac.serve import Scheduler
-    from ferrum_mac.serve.models import LoadedModel, Models, size_of
+    from ferrum_mac.serve.batching.models import LoadedModel, Models, size_of
     from ferrum_mac.store.catalog import LocalModel
 
     def open_scheduler(path):

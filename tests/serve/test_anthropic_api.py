@@ -12,8 +12,8 @@ import pytest
 from serve_support import API_KEY, CHAT, LiveServer, open_models, open_stories
 
 from ferrum_mac.engine import Done, ReasoningDelta, TextDelta
-from ferrum_mac.serve import anthropic_api as anthropic_api
-from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve.protocols import anthropic as anthropic_api
+from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.events import ToolCallDelta
 from ferrum_mac.text.tool_calls import ToolCall
 

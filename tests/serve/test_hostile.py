@@ -135,7 +135,7 @@ def test_a_dead_loop_answers_503_on_health_and_requests_and_says_so_in_metrics(s
         take_new = scheduler._take_new
 
         def explode_while_generating(block):
-            if scheduler._running:
+            if scheduler.batch.running:
                 raise Fatal("the loop broke")
             return take_new(block)
 
@@ -314,9 +314,9 @@ def test_a_chunked_body_over_the_limit_is_a_413(server):
 
 
 def test_health_answers_while_a_long_prompt_is_tokenized(small_server, monkeypatch):
-    from ferrum_mac.serve import app
+    from ferrum_mac.serve import prompting
 
-    monkeypatch.setattr(app, "CHARS_PER_TOKEN_CHECKED", 10**9)  # tokenize all of it, not just its head
+    monkeypatch.setattr(prompting, "CHARS_PER_TOKEN_CHECKED", 10**9)  # tokenize all of it, not just its head
     prompt = "Once upon a time there was a little girl named Lily. " * 50_000  # 2.7 MB, under the limit
     answers = {}
 

@@ -19,10 +19,10 @@ import httpx
 import pytest
 from serve_support import CHAT, MESSAGES, LiveServer, error_of, open_models
 
-from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.app import build_app
 from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address
-from ferrum_mac.serve.models import FOREVER
+from ferrum_mac.serve.batching.models import FOREVER
 
 SMOLLM2 = "smollm2:135m"
 STORIES = "stories260K"

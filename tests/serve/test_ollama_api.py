@@ -16,9 +16,9 @@ import pytest
 from serve_support import API_KEY, LiveServer, open_stories
 
 from ferrum_mac.engine import ReasoningDelta
-from ferrum_mac.serve import ollama_api as oa
-from ferrum_mac.serve import openai_schema as api
-from ferrum_mac.serve.models import FOREVER, keep_alive_seconds
+from ferrum_mac.serve.protocols import ollama as oa
+from ferrum_mac.serve import checks as api
+from ferrum_mac.serve.batching.models import FOREVER, keep_alive_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
 from fake_hub import FakeHub, FakeRepo  # noqa: E402  (the store tests' Hub look-alike)
@@ -311,7 +311,7 @@ def store_server(stories_path):
     store's models (`ferrum list`) opened when a request names them."""
     from ferrum_mac.serve import Scheduler
     from ferrum_mac.serve.app import build_app
-    from ferrum_mac.serve.models import LoadedModel, Models, size_of
+    from ferrum_mac.serve.batching.models import LoadedModel, Models, size_of
     from ferrum_mac.store import list_models
 
     def open_scheduler(path):

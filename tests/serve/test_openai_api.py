@@ -188,7 +188,7 @@ def test_api_key(keyed_server):
 
 def test_another_protocol_hears_its_own_field_names():
     from ferrum_mac.engine import SamplingParams
-    from ferrum_mac.serve import openai_schema as api
+    from ferrum_mac.serve import checks as api
     from ferrum_mac.serve.call import Limits, call_from_openai
 
     limits = Limits(SamplingParams(), vocab_size=512)
@@ -205,8 +205,8 @@ def test_another_protocol_hears_its_own_field_names():
 
 
 def test_errors_take_the_shape_of_the_longest_registered_prefix(monkeypatch):
-    from ferrum_mac.serve import error_shapes as shapes
-    from ferrum_mac.serve import openai_schema as api
+    from ferrum_mac.serve import api_errors as shapes
+    from ferrum_mac.serve import checks as api
 
     monkeypatch.setattr(shapes, "error_shapes", {"/x/": lambda e: {"x": e.message}, "/x/y": lambda e: {"y": e.status}})
     error = api.ApiError(400, "bad")

@@ -2,7 +2,7 @@
 exactly the answers they get with it off (streamed and whole, greedy and seeded), end for the
 same reasons, and the guesses kept show in the answer's stats and in /metrics.
 
-The step times are set per model (`use_row_costs`: every step as fast as one row), and the
+The step times are set per model (`scheduler.costs.use`: every step as fast as one row), and the
 whole steps' pace is not judged, so that guessing runs whatever this machine measures:
 correctness must not depend on the plan.
 """
@@ -20,7 +20,7 @@ from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_cu
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.serve.command import ServeOptionError, speculate_option
-from ferrum_mac.serve.speculation import (
+from ferrum_mac.serve.batching.speculation import (
     FIRST_PAUSE,
     PACE_SAMPLES,
     PLAIN_EVERY,
@@ -30,7 +30,6 @@ from ferrum_mac.serve.speculation import (
     RowCosts,
     indexed,
     plan,
-    use_row_costs,
 )
 
 FLAT = [1.0] * len(ROW_COUNTS)  # a step of many rows as fast as one: guessing always pays
@@ -52,7 +51,7 @@ def server(stories_path):
     from ferrum_mac.serve.app import build_app
 
     scheduler = Scheduler(open_stories(stories_path), max_batch=4).start()
-    use_row_costs(scheduler.model, FLAT)
+    scheduler.costs.use(FLAT)
     scheduler.pace = Pace(judged=False)
     live = LiveServer(build_app(scheduler, "stories260K"))
     yield live
@@ -197,7 +196,7 @@ def test_smollm2_edit_answers_are_plain_and_keep_guesses(smollm2_gguf):
     from ferrum_mac.serve.app import build_app
 
     scheduler = Scheduler(open_stories(smollm2_gguf, kv_capacity=512), max_batch=2).start()
-    use_row_costs(scheduler.model, FLAT)
+    scheduler.costs.use(FLAT)
     scheduler.pace = Pace(judged=False)
     live = LiveServer(build_app(scheduler, "smollm2"))
     try:
@@ -225,10 +224,10 @@ def test_torch_verify_rows_give_the_answers_without_speculation(stories_path):
     from ferrum_mac.compose import open_engine
     from ferrum_mac.engine import SamplingParams, TextDelta
     from ferrum_mac.serve import Scheduler
-    from ferrum_mac.serve.request import EventQueue, GenerationRequest
+    from ferrum_mac.serve.batching.request import EventQueue, GenerationRequest
 
     scheduler = Scheduler(lambda: open_engine(stories_path, backend="torch"), max_batch=4).start()
-    use_row_costs(scheduler.model, FLAT)
+    scheduler.costs.use(FLAT)
     scheduler.pace = Pace(judged=False)
     try:
 

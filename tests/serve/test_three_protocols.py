@@ -33,7 +33,7 @@ def openai_answers(url: str) -> list[str]:
 
 def anthropic_answers(url: str) -> list[str]:
     anthropic = pytest.importorskip("anthropic")
-    pytest.importorskip("ferrum_mac.serve.anthropic_api", reason="the Anthropic API is not built yet")
+    pytest.importorskip("ferrum_mac.serve.protocols.anthropic", reason="the Anthropic API is not built yet")
     client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
     # the current SDK has no temperature argument: it goes through extra_body
     kwargs = dict(model=MODEL, system=SYSTEM, messages=TURNS, max_tokens=MAX_TOKENS, extra_body={"temperature": 0})

@@ -343,8 +343,8 @@ def _allowed(matcher, token: int) -> bool:
 
 
 def test_auto_answer_is_free_until_the_model_opens_a_call_then_constrained(smollm2_scheduler):
-    from ferrum_mac.serve import openai_schema as api
-    from ferrum_mac.serve.app import Server
+    from ferrum_mac.serve import checks as api
+    from ferrum_mac.serve.core import Server
 
     server = Server(smollm2_scheduler, "smollm2")
     matcher = server._tool_matcher(api.tool_request({"tools": TWENTY_TOOLS[:3]}), "", False)
@@ -375,21 +375,28 @@ TWO_CALLS = (
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_answers_keep_one_call_when_parallel_calls_are_off(parallel):
-    from ferrum_mac.engine import Done
-    from ferrum_mac.serve import openai_schema as api
+    from ferrum_mac.engine import CallSplitter, Done, TextDelta
+    from ferrum_mac.serve import checks as api
+    from ferrum_mac.serve.events import Finished
+    from ferrum_mac.serve.protocols.openai import finish_reason, message_of, tool_call_deltas
     from ferrum_mac.text.tool_calls import FORMATS, HERMES
 
     tools = api.tool_request({"tools": TWENTY_TOOLS[:2], "parallel_tool_calls": parallel})
-    message = api.ToolAnswer(tools, FORMATS[HERMES]).message(TWO_CALLS)
+    whole = CallSplitter(FORMATS[HERMES], tools.parallel, stream_arguments=True)
+    whole.feed(TWO_CALLS)
+    whole.finish()
+    message = message_of(whole.text, whole.calls)
     assert message["content"] is None
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"][: 2 if parallel else 1]
-    stream = api.ToolAnswer(tools, FORMATS[HERMES])
-    deltas = [d for ch in TWO_CALLS for d in stream.deltas(ch)] + stream.finish_deltas()
+    stream = CallSplitter(FORMATS[HERMES], tools.parallel, stream_arguments=True)
+    events = [e for ch in TWO_CALLS for e in stream.feed(ch)] + stream.finish()
+    assert not any(isinstance(e, TextDelta) for e in events)
+    deltas = [d for e in events for d in tool_call_deltas(e)]
     heads = [d["tool_calls"][0] for d in deltas if "id" in d["tool_calls"][0]]
     assert [h["index"] for h in heads] == list(range(2 if parallel else 1))
     assert all(h["function"]["arguments"] == "" and h["type"] == "function" for h in heads)
-    assert not any("content" in d for d in deltas)
-    assert stream.finish_reason(Done("eos", 1, 0, 1, 0.1, 10.0, 10.0)) == "tool_calls"
+    done = Finished.of(Done("eos", 1, 0, 1, 0.1, 10.0, 10.0), bool(stream.calls))
+    assert finish_reason(done) == "tool_calls"
 
 
 STREAMED = [
@@ -412,10 +419,10 @@ STREAMED = [
 def test_arguments_stream_as_they_are_written(family, text, names):
     """Fed a character at a time, each call's id and name come once its head is read, then its
     arguments in pieces; together they are the call, and no markup is text."""
-    from ferrum_mac.serve.events import ToolCalls
+    from ferrum_mac.engine import CallSplitter
     from ferrum_mac.text.tool_calls import FORMATS, ToolCallDelta, calls_of
 
-    split = ToolCalls(FORMATS[family])
+    split = CallSplitter(FORMATS[family], stream_arguments=True)
     events = [e for ch in text for e in split.feed(ch)] + split.finish()
     pieces = [e for e in events if isinstance(e, ToolCallDelta)]
     text_out = "".join(e.text for e in events if not isinstance(e, ToolCallDelta))
@@ -429,13 +436,13 @@ def test_arguments_stream_as_they_are_written(family, text, names):
 
 
 def test_a_call_that_never_parses_is_text_and_a_cut_one_keeps_its_pieces():
-    from ferrum_mac.serve.events import ToolCalls
+    from ferrum_mac.engine import CallSplitter
     from ferrum_mac.text.tool_calls import FORMATS, HERMES, ToolCallDelta
 
-    split = ToolCalls(FORMATS[HERMES])
+    split = CallSplitter(FORMATS[HERMES], stream_arguments=True)
     events = split.feed("<tool_call>\nnot a call\n</tool_call> ok") + split.finish()
     assert "".join(e.text for e in events) == "\nnot a call\n ok" and not split.calls
-    cut = ToolCalls(FORMATS[HERMES])
+    cut = CallSplitter(FORMATS[HERMES], stream_arguments=True)
     events = cut.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U') + cut.finish()
     assert all(isinstance(e, ToolCallDelta) for e in events)  # cut by the limit: the pieces stand
     assert [(c.name, c.arguments) for c in cut.calls] == [("get_time", '{"zone": "U')]
@@ -531,7 +538,7 @@ def test_remote_engine_calls_tools_and_answers_with_the_result(smollm2_server):
 
 def test_allowed_tools_narrow_what_an_answer_may_call():
     """OpenAI's `allowed_tools` choice (pydantic-ai sends it): its mode, and only its tools."""
-    from ferrum_mac.serve import openai_schema as api
+    from ferrum_mac.serve import checks as api
 
     allowed = {
         "mode": "required",

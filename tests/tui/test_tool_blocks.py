@@ -13,7 +13,7 @@ from tui_fakes import FakeEngine
 from tui_pilot import SIZE, ready, send, wait_for
 from ferrum_mac.engine import Done, TextDelta, ToolCallRequested
 from ferrum_mac.engine.tools import Toolbox, tool
-from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve import checks as api
 from ferrum_mac.text import load_chat_template, load_tokenizer
 from ferrum_mac.text.tool_calls import FORMATS, HERMES, ToolCall
 from ferrum_mac.tui import tool_turn

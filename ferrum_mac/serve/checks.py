@@ -1,6 +1,8 @@
-"""OpenAI request bodies -> checked options, and engine events -> OpenAI response bodies.
+"""Every request body checked at the edge, whatever its protocol: OpenAI-shaped bodies -> checked options.
 
-Checks follow the OpenAI API: a wrong field answers 400 with `{"error": {message, type,
+The Anthropic and Ollama modules translate their bodies into OpenAI's shape first, so this is
+the one validation layer (`call.call_from_openai` builds a call from its answers). Checks follow
+the OpenAI API: a wrong field answers 400 with `{"error": {message, type,
 param, code}}`. Everything a client sends is checked here, at the edge: JSON nested at most
 `MAX_DEPTH` deep, no NaN or infinities, strings that are valid Unicode (no lone surrogates),
 every number finite and in its range. Fields ferrum cannot honour (n > 1, functions, logprobs,
@@ -14,17 +16,14 @@ import json
 import math
 import numbers
 import re
-import time
-import uuid
 from dataclasses import dataclass, field
 
-from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, SEED_LIMIT, Done, SamplingParams, TextDelta
+from ferrum_mac.engine import SEED_LIMIT, SamplingParams
 from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import GrammarError, UnsupportedSchemaError, json_schema_grammar
-from ferrum_mac.serve.events import ToolCallDelta, ToolCalls, calls_of
-from ferrum_mac.text.tool_calls import ToolCall, ToolFormat
+from ferrum_mac.serve.api_errors import ApiError
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit
@@ -49,22 +48,6 @@ UNSUPPORTED = {
     "echo": False,
     "suffix": None,
 }
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -369,97 +352,6 @@ def completion_prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise ApiError(400, "'prompt' must be a string or an array of token ids (one prompt per request)", param="prompt")
-
-
-# -- responses -------------------------------------------------------------------------------
-
-
-class ToolAnswer:
-    """An answer's text split into content and tool calls as it arrives, in OpenAI's shapes (the
-    splitting itself is the core's `ToolCalls`). Without tools it passes the text through
-    untouched. `prefix`: what the prompt already opened the answer with (a forced call's opener)."""
-
-    def __init__(self, tools: ToolRequest | None, fmt: ToolFormat | None, prefix: str = ""):
-        parallel = tools is None or tools.parallel
-        self.split = ToolCalls(fmt if tools is not None else None, parallel, prefix)
-
-    @property
-    def calls(self) -> list[ToolCall]:
-        return self.split.calls
-
-    def deltas(self, text: str) -> list[dict]:
-        """The stream's `delta`s for the next piece of answer text."""
-        return self._deltas(self.split.feed(text))
-
-    def finish_deltas(self) -> list[dict]:
-        return self._deltas(self.split.finish())
-
-    def message(self, text: str) -> dict:
-        """The whole answer's `message` (no role, no reasoning)."""
-        events = self.split.feed(text) + self.split.finish()
-        content = "".join(e.text for e in events if isinstance(e, TextDelta))
-        return message_of(content, calls_of([e for e in events if isinstance(e, ToolCallDelta)]))
-
-    def finish_reason(self, done: Done) -> str:
-        return "tool_calls" if self.calls else finish_reason(done)
-
-    @staticmethod
-    def _deltas(events: list) -> list[dict]:
-        out: list[dict] = []
-        for event in events:
-            if isinstance(event, TextDelta):
-                out.append({"content": event.text})
-            else:
-                out.extend(tool_call_deltas(event))
-        return out
-
-
-def message_of(content: str, calls: list[ToolCall]) -> dict:
-    """A whole answer's `message` (no role, no reasoning): its text, and its calls if it made any."""
-    if not calls:
-        return {"content": content}
-    return {"content": content if content.strip() else None, "tool_calls": [c.as_openai() for c in calls]}
-
-
-def tool_call_deltas(piece: ToolCallDelta) -> list[dict]:
-    """A call's piece as stream `delta`s: its head (id, name) first when it has one, then its arguments."""
-    out: list[dict] = []
-    if piece.id is not None or piece.name is not None:
-        head = {
-            "index": piece.index,
-            "id": piece.id,
-            "type": "function",
-            "function": {"name": piece.name, "arguments": ""},
-        }
-        out.append({"tool_calls": [head]})
-    out.append({"tool_calls": [{"index": piece.index, "function": {"arguments": piece.arguments}}]})
-    return out
-
-
-def finish_reason(done: Done) -> str:
-    return "length" if done.stop_reason in (MAX_TOKENS, CONTEXT) else "stop"
-
-
-def usage(done: Done) -> dict:
-    return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.generated_tokens,
-        "total_tokens": done.prompt_tokens + done.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
-    }
-
-
-def stats(done: Done) -> dict:
-    """ferrum's own figures (time to first token, tok/s); OpenAI clients ignore the field."""
-    return {**done.as_dict(), "cancelled": done.stop_reason == CANCELLED}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def envelope(kind: str, request_id: str, model: str) -> dict:
-    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
 
 
 # -- field checks ----------------------------------------------------------------------------

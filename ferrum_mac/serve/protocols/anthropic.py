@@ -25,14 +25,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ferrum_mac.engine import CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, ReasoningDelta, TextDelta
-from ferrum_mac.serve import openai_schema as api
-from ferrum_mac.serve.error_shapes import error_shapes
+from ferrum_mac.serve import checks as api
+from ferrum_mac.serve.api_errors import error_shapes
 from ferrum_mac.serve.events import ToolCallDelta
-from ferrum_mac.serve.request import Failed
+from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.text.tool_calls import ToolCall
 
 if TYPE_CHECKING:
-    from ferrum_mac.serve.app import Answer, Server
+    from ferrum_mac.serve.core import Answer, Server
 
 MESSAGES_PATH = "/v1/messages"
 # Fields passed on as they are: the same name and meaning in OpenAI's body (top_k and the others

@@ -4,7 +4,7 @@ A step with nothing to prefill is one `verify_batch`: each decoding sequence fee
 token, and a speculating one also its guesses (prompt lookup, `PromptLookup`), a row each.
 The time of a step grows with its rows, so a guess is worth a row only when the step's
 expected tokens per second rise with it. The time of a step of R rows is measured once per
-model, at the first step that has a guess worth it (`row_costs`: R in powers of two up to
+model, at the first step that has a guess worth it (`StepCosts`: R in powers of two up to
 MAX_ROWS, a few forwards on throw-away caches, the rows spread over sequences as guesses
 spread over streams: a backend may attend each sequence of a verify apart, as MLX does, and
 its cost grows with them), and read as the time of the next power of two at or above R (a torch step rounds its rows up so; elsewhere the estimate is on the safe
@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import heapq
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,9 +36,8 @@ from ferrum_mac.engine.speculation.controller import MARGIN, MAX_K, CostCurve, w
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.setting import AUTO, DRAFT, NGRAM, OFF
 from ferrum_mac.engine.speculation.verify import Speculator
-from ferrum_mac.errors import UnsupportedError
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem
-from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve import checks as api
 
 SERVE_MODES = (AUTO, NGRAM, OFF)
 MAX_ROWS = 64  # rows of one speculating step (torch runs up to this many as a captured decode step)
@@ -114,20 +112,32 @@ class RowCosts:
         return CostCurve(tuple(self.time(k + 1) / self.plain_time(1) for k in range(MAX_K + 1)))
 
 
-_costs: "weakref.WeakKeyDictionary[DecoderOnlyLLM, RowCosts]" = weakref.WeakKeyDictionary()
+class StepCosts:
+    """One model's step times, measured at the first use (`get`) or set (`use`); the model's
+    scheduler keeps them, so they go when it unloads."""
 
+    def __init__(self, model: DecoderOnlyLLM):
+        self.model = model
+        self._costs: RowCosts | None = None
 
-def row_costs(model: DecoderOnlyLLM) -> RowCosts:
-    """The model's step times (measured at the first call, then kept)."""
-    if model not in _costs:
-        _costs[model] = _measure(model)
-    return _costs[model]
+    @property
+    def measured(self) -> bool:
+        """Whether the step times are known (set or measured)."""
+        return self._costs is not None
 
+    def get(self) -> RowCosts:
+        if self._costs is None:
+            self._costs = _measure(self.model)
+        return self._costs
 
-def use_row_costs(model: DecoderOnlyLLM, seconds: Sequence[float], plain: float = 1.0) -> None:
-    """Take `seconds` (a step of each of ROW_COUNTS rows) as `model`'s instead of measuring:
-    tests that need speculation to run, or never to run, on any machine."""
-    _costs[model] = RowCosts(tuple(seconds), plain)
+    def use(self, seconds: Sequence[float], plain: float = 1.0) -> None:
+        """Take `seconds` (a step of each of ROW_COUNTS rows) as the model's instead of measuring:
+        tests that need speculation to run, or never to run, on any machine."""
+        self._costs = RowCosts(tuple(seconds), plain)
+
+    def speculator(self) -> Speculator:
+        """One sequence's proposer, controller (its acceptance figures, its stretches aside) and counts."""
+        return Speculator(PromptLookup(), lambda: self.get().curve(), self.measured)
 
 
 def _measure(model: DecoderOnlyLLM) -> RowCosts:
@@ -167,11 +177,10 @@ def _measure(model: DecoderOnlyLLM) -> RowCosts:
         for rows in ROW_COUNTS:  # first use: kernels compiled, graphs captured
             seconds(rows)
         times = [min(seconds(rows) for _ in range(CALIBRATION_RUNS)) for rows in ROW_COUNTS]
-        try:
+        plain = 1.0  # without a batched decode the scheduler decodes one by one
+        if model.capabilities.batched_decode:
             decode_seconds()
             plain = min(decode_seconds() for _ in range(CALIBRATION_RUNS)) / times[0]
-        except UnsupportedError:  # no batched decode: the scheduler decodes one by one
-            plain = 1.0
     finally:
         for cache_id in caches:
             model.release(cache_id)
@@ -191,16 +200,6 @@ def indexed(speculator: Speculator, history: Sequence[int], budget: int) -> tupl
     spent = min(behind, budget)
     lookup.index_some(history, spent)
     return spent == behind, spent
-
-
-def measured(model: DecoderOnlyLLM) -> bool:
-    """Whether the model's step times are known (set or measured)."""
-    return model in _costs
-
-
-def stream_speculator(model: DecoderOnlyLLM) -> Speculator:
-    """One sequence's proposer, controller (its acceptance figures, its stretches aside) and counts."""
-    return Speculator(PromptLookup(), lambda: row_costs(model).curve(), measured(model))
 
 
 class Pace:

@@ -1,10 +1,13 @@
-"""OpenAI's API on the core: /v1/chat/completions, /v1/completions and /v1/models. Bodies are
-checked by the core (`Server.call_from_openai`); this module only renders the answer's neutral
-events as OpenAI's JSON and server-sent events."""
+"""OpenAI's API on the core: /v1/chat/completions, /v1/completions and /v1/models.
+
+Bodies are checked by the core (`Server.call_from_openai`, with `serve.checks`); this module
+only renders the answer's neutral events as OpenAI's JSON and server-sent events."""
 
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
@@ -12,13 +15,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ferrum_mac.engine import ReasoningDelta, TextDelta
-from ferrum_mac.serve import openai_schema as api
-from ferrum_mac.serve.events import LENGTH, TOOL_CALLS, Finished, ToolCallDelta
-from ferrum_mac.serve.request import Failed
+from ferrum_mac.engine import CANCELLED, Done, ReasoningDelta, TextDelta
+from ferrum_mac.serve import checks as api
+from ferrum_mac.serve.batching.request import Failed
+from ferrum_mac.serve.events import LENGTH, TOOL_CALLS, Finished
+from ferrum_mac.text.tool_calls import ToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
-    from ferrum_mac.serve.app import Answer, Server, Whole
+    from ferrum_mac.serve.core import Answer, Server, Whole
 
 
 def routes(server: "Server") -> list[Route]:
@@ -72,7 +76,7 @@ class OpenAiRoutes:
         call = await self.server.call_from_openai(body, chat=chat)
         answer = await self.server.start(request, call)
         kind = "chat.completion" if chat else "text_completion"
-        envelope = api.envelope(kind, api.new_id("chatcmpl" if chat else "cmpl"), answer.model_name)
+        envelope = envelope_of(kind, new_id("chatcmpl" if chat else "cmpl"), answer.model_name)
         if call.options.stream:
             chunks = stream_chunks(answer, envelope, chat, call.options.include_usage)
             return StreamingResponse(chunks, media_type="text/event-stream")
@@ -90,13 +94,13 @@ def finish_reason(done: Finished) -> str:
 def whole_body(whole: "Whole", envelope: dict, chat: bool) -> dict:
     done = whole.done
     if chat:
-        message = {"role": "assistant", **api.message_of(whole.text, whole.calls)}
+        message = {"role": "assistant", **message_of(whole.text, whole.calls)}
         if whole.reasoning:
             message["reasoning_content"] = whole.reasoning
         choice = {"index": 0, "message": message, "finish_reason": finish_reason(done)}
     else:
         choice = {"index": 0, "text": whole.text, "logprobs": None, "finish_reason": finish_reason(done)}
-    return {**envelope, "choices": [choice], "usage": api.usage(done), "stats": api.stats(done)}
+    return {**envelope, "choices": [choice], "usage": usage(done), "stats": stats(done)}
 
 
 async def stream_chunks(answer: "Answer", envelope: dict, chat: bool, include_usage: bool) -> AsyncIterator[str]:
@@ -119,19 +123,63 @@ async def stream_chunks(answer: "Answer", envelope: dict, chat: bool, include_us
             if isinstance(event, TextDelta):
                 yield chunk({"content": event.text})
             elif isinstance(event, ToolCallDelta):
-                for delta in api.tool_call_deltas(event):
+                for delta in tool_call_deltas(event):
                     yield chunk(delta)
             elif isinstance(event, ReasoningDelta):
                 yield chunk({"reasoning_content": event.text} if chat else {})
             elif isinstance(event, Failed):
                 yield sse(api.ApiError(500, event.message, kind="server_error", code="generation_failed").body())
             elif isinstance(event, Finished):
-                yield chunk({}, finish_reason(event), stats=api.stats(event))
+                yield chunk({}, finish_reason(event), stats=stats(event))
                 if include_usage:
-                    yield sse({**envelope, "choices": [], "usage": api.usage(event)})
+                    yield sse({**envelope, "choices": [], "usage": usage(event)})
         yield "data: [DONE]\n\n"
     finally:
         answer.cancel()
+
+
+def message_of(content: str, calls: list[ToolCall]) -> dict:
+    """A whole answer's `message` (no role, no reasoning): its text, and its calls if it made any."""
+    if not calls:
+        return {"content": content}
+    return {"content": content if content.strip() else None, "tool_calls": [c.as_openai() for c in calls]}
+
+
+def tool_call_deltas(piece: ToolCallDelta) -> list[dict]:
+    """A call's piece as stream `delta`s: its head (id, name) first when it has one, then its arguments."""
+    out: list[dict] = []
+    if piece.id is not None or piece.name is not None:
+        head = {
+            "index": piece.index,
+            "id": piece.id,
+            "type": "function",
+            "function": {"name": piece.name, "arguments": ""},
+        }
+        out.append({"tool_calls": [head]})
+    out.append({"tool_calls": [{"index": piece.index, "function": {"arguments": piece.arguments}}]})
+    return out
+
+
+def usage(done: Done) -> dict:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.generated_tokens,
+        "total_tokens": done.prompt_tokens + done.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
+
+
+def stats(done: Done) -> dict:
+    """ferrum's own figures (time to first token, tok/s); OpenAI clients ignore the field."""
+    return {**done.as_dict(), "cancelled": done.stop_reason == CANCELLED}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def envelope_of(kind: str, request_id: str, model: str) -> dict:
+    return {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
 
 
 def sse(data: dict) -> str:

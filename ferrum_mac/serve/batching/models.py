@@ -31,8 +31,8 @@ from typing import Any, Callable
 from starlette.concurrency import run_in_threadpool
 
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.serve import openai_schema as api
-from ferrum_mac.serve.scheduler import Scheduler, SchedulerStats
+from ferrum_mac.serve import checks as api
+from ferrum_mac.serve.batching.scheduler import Scheduler, SchedulerStats
 from ferrum_mac.store.catalog import LocalModel
 
 log = logging.getLogger("ferrum.serve")

@@ -32,14 +32,21 @@ from starlette.routing import Route
 from ferrum_mac.engine import ReasoningDelta, TextDelta
 from ferrum_mac.engine.defaults import sampling_defaults
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
-from ferrum_mac.serve import openai_schema as api
-from ferrum_mac.serve.app import BODY_TIMEOUT_S, body_too_large, read_at_most
-from ferrum_mac.serve.error_shapes import error_shapes
-from ferrum_mac.serve.events import Finished, ToolCallDelta, calls_of
-from ferrum_mac.serve.models import keep_alive_seconds
-from ferrum_mac.serve.ollama_models import PULL_DONE, QueueProgress, iso_time, local_entry, pull_error, pull_updates
-from ferrum_mac.serve.ollama_models import show_body, tag_entry
-from ferrum_mac.serve.request import Failed
+from ferrum_mac.serve import checks as api
+from ferrum_mac.serve.body import BODY_TIMEOUT_S, body_too_large, read_at_most
+from ferrum_mac.serve.api_errors import error_shapes
+from ferrum_mac.serve.events import Finished, ToolCallDelta, calls_of, finish_of
+from ferrum_mac.serve.batching.models import keep_alive_seconds
+from ferrum_mac.serve.protocols.ollama_models import (
+    PULL_DONE,
+    QueueProgress,
+    iso_time,
+    local_entry,
+    pull_error,
+    pull_updates,
+)
+from ferrum_mac.serve.protocols.ollama_models import show_body, tag_entry
+from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.store import LocalModel, parse_name, plan_removal, pull_model
 from ferrum_mac.store.bundled import bundled_sampling
 
@@ -347,7 +354,7 @@ def final_fields(done, total_s: float, load_s: float = 0.0) -> dict:
 
 def done_reason(done) -> str:
     """Ollama says "length" for a cut answer and "stop" for the rest, tool calls included."""
-    finish = getattr(done, "finish", None) or api.finish_reason(done)
+    finish = getattr(done, "finish", None) or finish_of(done)
     return "length" if finish == "length" else "stop"
 
 

@@ -1,6 +1,6 @@
 """The store's models as Ollama describes them (/api/tags, /api/show, /api/ps entries: details,
 digests, Modelfile parameters, capabilities) and a pull's progress as Ollama's /api/pull objects.
-`ollama_api` answers those routes with these."""
+`protocols.ollama` answers those routes with these."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable
 
 from ferrum_mac.engine import SamplingParams
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
-from ferrum_mac.serve import openai_schema as api
+from ferrum_mac.serve import checks as api
 from ferrum_mac.store import LocalModel, ModelFacts, PullProgress, describe_model
 from ferrum_mac.store.describe import read_config
 from ferrum_mac.text import chat_templates

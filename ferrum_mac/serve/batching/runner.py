@@ -1,0 +1,237 @@
+"""Runs the planner's steps on the model: the forwards, the draws, the tokens handed to the batch.
+
+A `StepPlan` (`planner.plan_step`) runs as one `unified_forward` of every decoding sequence's
+token and the prefill chunks, or as whole prefills then one `decode_batch` (one `decode` per
+sequence where the model has no batched decode). A decode step, nothing to prefill, is the
+backends' fastest path (a replayed CUDA graph on torch) or, when some sequences' guesses of
+their next tokens are worth their rows (`batching.speculation`), one `verify_batch` of every
+sequence's token and those guesses; the guesses the sampler would itself have drawn are kept,
+the rest cut from the cache (`truncate_kv`). Decode steps are timed, so that guessing stops for
+a while where it turns out slower than plain steps (`Pace`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from ferrum_mac.engine.speculation.proposers import Proposal
+from ferrum_mac.engine.speculation.verify import Speculator, accepted_ids
+from ferrum_mac.errors import FerrumError
+from ferrum_mac.grammar import fill_masks
+from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, KvCapacityError, Logits
+from ferrum_mac.serve.batching.batch import Batch, one_line
+from ferrum_mac.serve.batching.planner import DECODE, SINGLE, UNIFIED, StepPlan, choose_guesses
+from ferrum_mac.serve.batching.sequence import Sequence, fed_token
+from ferrum_mac.serve.batching.speculation import INDEX_STEP_TOKENS, MAX_ROWS, Offer, Pace, StepCosts, indexed
+
+log = logging.getLogger("ferrum.serve")
+
+
+class StepRunner:
+    """Executes step plans for one batch on its model (on the scheduler's thread)."""
+
+    def __init__(self, batch: Batch, model: DecoderOnlyLLM, costs: StepCosts):
+        self.batch = batch
+        self.model = model
+        self.costs = costs
+        self.batched_decode = model.capabilities.batched_decode
+
+    def run_or_fail(self, plan: StepPlan[Sequence], pace: Pace) -> None:
+        """Run `plan`; one bad step fails the sequences in it, not the server."""
+        try:
+            self.run(plan, pace)
+        except Exception as e:
+            log.exception("a forward step failed")
+            message = one_line(e)
+            for seq in list(self.batch.running):
+                self.batch.fail(seq, message)
+
+    def run(self, plan: StepPlan[Sequence], pace: Pace) -> None:
+        self.batch.stats.steps += 1
+        if plan.kind == DECODE:
+            self._decode_step(plan.decoding, pace)
+        elif plan.kind == UNIFIED:
+            self._accept_all(self._unified(plan))
+        else:
+            self._accept_all(self._prefills(plan) + self._decode(plan.decoding, plan.kind != SINGLE))
+
+    # -- prefill and plain decode ----------------------------------------------------------------
+
+    def _unified(self, plan: StepPlan[Sequence]) -> list[tuple[Sequence, Logits]]:
+        """One unified_forward: every decoding sequence's token, then the plan's prefill chunks."""
+        parts = [(seq, [fed_token(seq)], True) for seq in plan.decoding]
+        parts += [(c.seq, c.seq.unprefilled[: c.tokens], c.final) for c in plan.chunks]
+        items = [ForwardItem(seq.cache_id, tokens, seq.pos, final) for seq, tokens, final in parts]
+        logits = self.model.unified_forward(items)
+        for seq, tokens, _ in parts:
+            advance(seq, len(tokens))
+        return [(seq, row) for (seq, _, final), row in zip(parts, logits) if final and row is not None]
+
+    def _prefills(self, plan: StepPlan[Sequence]) -> list[tuple[Sequence, Logits]]:
+        """Whole prefills of the plan's new sequences."""
+        finals: list[tuple[Sequence, Logits]] = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            logits = self.model.prefill(seq.cache_id, seq.unprefilled)
+            advance(seq, len(seq.unprefilled))
+            finals.append((seq, logits))
+        return finals
+
+    def _decode(self, decoding: list[Sequence], batched: bool) -> list[tuple[Sequence, Logits]]:
+        """One batched decode of `decoding` (one decode each where the model has none)."""
+        if not decoding:
+            return []
+        if batched and self.batched_decode:
+            block = self.model.decode_batch([DecodeItem(s.cache_id, fed_token(s), s.pos) for s in decoding])
+            rows = [block[i] for i in range(len(decoding))]
+        else:
+            rows = [self.model.decode(s.cache_id, fed_token(s), s.pos) for s in decoding]
+        for seq in decoding:
+            advance(seq, 1)
+        return list(zip(decoding, rows))
+
+    def _accept_all(self, finals: list[tuple[Sequence, Logits]]) -> None:
+        for (seq, _), token in zip(finals, sample_all(finals)):
+            self.batch.accept_or_fail(seq, token)
+
+    # -- decode steps, with guesses --------------------------------------------------------------
+
+    def _decode_step(self, decoding: list[Sequence], pace: Pace) -> None:
+        """Every decoding sequence's token, with the guesses worth their rows (one `verify_batch`),
+        else one plain batched decode. Timed for `pace`."""
+        stats = self.batch.stats
+        start, generated, timed = time.perf_counter(), stats.generated_tokens, self.costs.measured
+        guesses = self._guesses(decoding) if pace.allows(len(decoding)) else {}
+        if not (guesses and self._verify(decoding, guesses)):
+            for seq in decoding:
+                if seq.speculator is not None:
+                    seq.speculator.plain_token()
+            self._accept_all(self._decode(decoding, True))
+            guesses = {}
+        if timed or not self.costs.measured:  # the step that timed the model's steps is no measure
+            tokens = stats.generated_tokens - generated
+            pace.record(len(decoding), tokens, time.perf_counter() - start, bool(guesses))
+
+    def _guesses(self, decoding: list[Sequence]) -> dict[Sequence, Proposal]:
+        """The proposals (cut to what the planner keeps of them) of the sequences that guess this step."""
+        if len(decoding) >= MAX_ROWS:
+            return {}
+        candidates: list[tuple[Sequence, Speculator, Proposal]] = []
+        budget = INDEX_STEP_TOKENS
+        for seq in decoding:
+            if seq.speculator is None:
+                continue
+            ready, spent = indexed(seq.speculator, seq.history, budget)
+            budget -= spent
+            proposal = seq.speculator.candidate(seq.history, self._guess_room(seq)) if ready else None
+            if proposal is not None:
+                candidates.append((seq, seq.speculator, proposal))
+        if not candidates:
+            return {}
+        try:
+            costs = self.costs.get()
+        except FerrumError as e:  # no room to time steps now (a full KV pool): guess later
+            log.debug("speculation waits: %s", one_line(e))
+            return {}
+        offers = [(seq, Offer(p, speculator.controller.acceptance(p.kind))) for seq, speculator, p in candidates]
+        counts = choose_guesses(offers, len(decoding), costs)
+        return {seq: Proposal(p.tokens[: counts[seq]], p.kind) for seq, _, p in candidates if seq in counts}
+
+    def _guess_room(self, seq: Sequence) -> int:
+        """Guesses the sequence may verify after its token: the cache must hold them, and the
+        answer's limit leaves room for them and the token drawn after them (the KV it was
+        admitted with covers exactly that)."""
+        room = self.batch.capacity - seq.pos - 1
+        if seq.request.max_tokens is not None:
+            room = min(room, seq.request.max_tokens - seq.generated - 1)
+        return room
+
+    def _verify(self, decoding: list[Sequence], guesses: dict[Sequence, Proposal]) -> bool:
+        """One `verify_batch` of every decoding sequence's token and `guesses`; False, having run
+        nothing, when the cache has no room for the guesses' rows now."""
+        items = [
+            ForwardItem(s.cache_id, [fed_token(s), *guesses[s].tokens] if s in guesses else [fed_token(s)], s.pos)
+            for s in decoding
+        ]
+        try:
+            blocks = self.model.verify_batch(items)
+        except KvCapacityError:  # raised before any cache changed: a plain step
+            return False
+        plain: list[tuple[Sequence, Logits]] = []
+        for seq, rows in zip(decoding, blocks):
+            if seq in guesses:
+                continue
+            if seq.speculator is not None:
+                seq.speculator.plain_token()
+            advance(seq, 1)
+            plain.append((seq, rows[0]))
+        self._accept_all(plain)
+        for seq, rows in zip(decoding, blocks):
+            proposal = guesses.get(seq)
+            if proposal is not None:
+                self._accept_guessed(seq, rows, proposal)
+        return True
+
+    def _accept_guessed(self, seq: Sequence, rows: Logits, proposal: Proposal) -> None:
+        """Keep the guesses the sampler draws too, cut the others from the cache, and hand the
+        kept ones and the draw after them to the batch one by one, as plain steps would."""
+        assert seq.speculator is not None
+        stats = self.batch.stats
+        try:
+            kept, drawn = accepted_ids(seq.sampler, rows, proposal.tokens)
+            start = seq.pos
+            if kept < len(proposal.tokens):
+                self.model.truncate_kv(seq.cache_id, start + 1 + kept)
+            seq.speculator.record(proposal, kept)
+            stats.proposed_tokens += len(proposal.tokens)
+            stats.accepted_tokens += kept
+            for i, token_id in enumerate([*proposal.tokens[:kept], drawn]):
+                seq.pos, seq.next_token = start + 1 + i, None  # its cache holds what plain steps would have fed
+                self.batch.accept(seq, token_id)
+                if seq.next_token is None:  # finished
+                    return
+        except Exception as e:  # this sequence's draws or detokenizer: fail it, not the others
+            log.exception("accepting guessed tokens failed")
+            if seq in self.batch.running:
+                self.batch.fail(seq, one_line(e))
+
+
+def advance(seq: Sequence, n: int) -> None:
+    """`n` more of the sequence's tokens are in its cache: prompt tokens, else its fed token."""
+    seq.pos += n
+    if seq.unprefilled:
+        seq.unprefilled = seq.unprefilled[n:]
+    else:
+        seq.next_token = None
+
+
+def sample_all(finals: list[tuple[Sequence, Logits]]) -> list[int]:
+    """One token id per row. Rows under a grammar are sampled with their masks (filled
+    together, on the grammar engine's threads); the others exactly as without them."""
+    matchers = {i: seq.request.matcher for i, (seq, _) in enumerate(finals) if seq.request.matcher is not None}
+    if not matchers:
+        return sample_free(finals)
+    constrained = list(matchers)
+    masks = np.empty((len(constrained), matchers[constrained[0]].vocab.words), dtype=np.int32)
+    fill_masks([(matchers[i], row) for row, i in enumerate(constrained)], masks)
+    lazy = {i: finals[i][0].sampler.sample(finals[i][1], masks[row]) for row, i in enumerate(constrained)}
+    free = [i for i in range(len(finals)) if i not in lazy]
+    ids = dict(zip(free, sample_free([finals[i] for i in free])))
+    ids.update({i: finals[i][0].sampler.read(token) for i, token in lazy.items()})
+    return [ids[i] for i in range(len(finals))]
+
+
+def sample_free(finals: list[tuple[Sequence, Logits]]) -> list[int]:
+    """One token id per row without a grammar: in one call where the backend's sampler offers
+    `sample_rows`, else every row sampled before any is read, so the device works on them together."""
+    samplers = [seq.sampler for seq, _ in finals]
+    if not samplers:
+        return []
+    batched = getattr(type(samplers[0]), "sample_rows", None)
+    if batched is not None and len(samplers) > 1 and all(type(s) is type(samplers[0]) for s in samplers):
+        return batched(samplers, [logits for _, logits in finals])
+    lazy = [s.sample(logits) for s, (_, logits) in zip(samplers, finals)]
+    return [s.read(token) for s, token in zip(samplers, lazy)]

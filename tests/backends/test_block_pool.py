@@ -1,5 +1,5 @@
-"""The shared KV block bookkeeping (`block_pool`, `prefix_index`) on a host-array pool that
-records which token id each row holds, so every read checks what attention would see."""
+"""The shared KV block bookkeeping (`block_pool`, `prefix_cache`, `prefix_index`) on a host-array
+pool that records which token id each row holds, so every read checks what attention would see."""
 
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ class RowPool(BlockPool):
 
     def start(self, cid, prompt):
         """A request: reuse what is cached, compute the rest, remember it."""
-        found = self.reuse(cid, prompt)
+        found = self.prefix.reuse(cid, prompt)
         assert self.read(cid) == list(prompt[: found.tokens])
         self.write(cid, prompt[found.tokens :])
-        self.remember(cid, prompt)
+        self.prefix.remember(cid, prompt)
         return found
 
 
@@ -58,11 +58,11 @@ def check_counts(pool: BlockPool) -> None:
     for seq in pool.caches.values():
         for b in seq.blocks:
             refs[b] += 1
-    for b in pool.index.nodes_by_block:
+    for b in pool.prefix.index.nodes_by_block:
         refs[b] += 1
     assert refs == pool.refs
     assert sorted(pool.free) == [b for b in range(pool.blocks) if refs[b] == 0]
-    assert pool.cached_unused == sum(1 for b in pool.index.nodes_by_block if refs[b] == 1)
+    assert pool.prefix.unused == sum(1 for b in pool.prefix.index.nodes_by_block if refs[b] == 1)
 
 
 def ids(n, seed):
@@ -109,16 +109,16 @@ def test_miss_reasons():
     first = ids(4 * B, 6)
     pool.start("a", first)
     pool.release("a")
-    assert pool.reuse("b", ids(50, 7)).miss == MISS_NO_PREFIX
+    assert pool.prefix.reuse("b", ids(50, 7)).miss == MISS_NO_PREFIX
     changed = first[:B] + ids(3 * B, 8)
-    found = pool.reuse("c", changed)
+    found = pool.prefix.reuse("c", changed)
     assert (found.tokens, found.miss) == (B, MISS_CHANGED)
     pool.start("d", ids(6 * B, 9))
     pool.release("d")  # over the cache budget of 4 blocks: the oldest go
     pool.release("c")
     pool.release("b")
-    assert pool.reuse("e", first).miss == MISS_EVICTED
-    stats = pool.prefix_stats()
+    assert pool.prefix.reuse("e", first).miss == MISS_EVICTED
+    stats = pool.prefix.read_stats()
     assert stats.evicted_blocks > 0 and stats.misses[MISS_EVICTED] == 1
 
 
@@ -180,13 +180,13 @@ def test_random_workload_keeps_every_sequence_and_count_exact(seed):
             pool.write(cid, [3, 4, 5])
         if op >= 0.8 or len(live) > 6:
             cid = rng.choice(list(live))
-            pool.remember(cid, live[cid])
+            pool.prefix.remember(cid, live[cid])
             pool.release(cid)
             del live[cid]
         check_counts(pool)
         for cid, tokens in live.items():
             assert pool.read(cid) == tokens
-    assert pool.prefix_stats().hits > 0
+    assert pool.prefix.read_stats().hits > 0
 
 
 def test_eviction_takes_the_oldest_blocks_not_a_conversation_just_remembered():
@@ -203,7 +203,7 @@ def test_eviction_takes_the_oldest_blocks_not_a_conversation_just_remembered():
             assert found.tokens == len(prompt) - 300 - 1  # all the previous turn held (its last token never fed)
         answer = ids(16, 50 + step)
         pool.write(f"s{step}", answer[:15])
-        pool.remember(f"s{step}", prompt + answer[:15])
+        pool.prefix.remember(f"s{step}", prompt + answer[:15])
         pool.release(f"s{step}")
         check_counts(pool)
         prompt = prompt + answer + ids(300, 200 + step)

@@ -66,13 +66,13 @@ class KvPool(BlockPool):
 
     def start(self, cid, prompt):
         """A request: reuse what is cached, compute the rest, remember it."""
-        found = self.reuse(cid, prompt)
+        found = self.prefix.reuse(cid, prompt)
         seq = self.acquire(cid)
         assert np.array_equal(self.held(cid), self.computed(prompt[: found.tokens], 0))
         self.reserve(seq, found.tokens, len(prompt))
         self.kv[:, :, :, seq.places(found.tokens, len(prompt))] = self.computed(prompt[found.tokens :], found.tokens)
         seq.length = len(prompt)
-        self.remember(cid, prompt)
+        self.prefix.remember(cid, prompt)
         return found
 
     def held(self, cid):
@@ -104,12 +104,13 @@ def test_a_long_prompt_comes_back_from_disk_bit_exact_after_a_restart(tmp_path, 
     first, found = serve(tmp_path, prompt, dtype)
     assert found.tokens == 0
     assert len(block_files(tmp_path / "model")) == 40
-    assert first.prefix_stats().disk_bytes_written == sum(p.stat().st_size for p in block_files(tmp_path / "model"))
+    written = sum(p.stat().st_size for p in block_files(tmp_path / "model"))
+    assert first.prefix.read_stats().disk_bytes_written == written
 
     second = KvPool(8192, cache_blocks=1000, disk=open_disk(tmp_path, dtype=dtype), dtype=dtype)
     found = second.start("b", prompt)  # (start checks every reused row against the computed one)
     assert (found.tokens, found.cached, found.miss) == (40 * B, 40 * B, None)
-    stats = second.prefix_stats()
+    stats = second.prefix.read_stats()
     assert stats.disk_tokens_loaded == 40 * B and stats.disk_bytes_read > 0 and stats.disk_bytes_written == 0
     assert np.array_equal(second.held("b"), first.computed(prompt, 0))
     check_counts(second)
@@ -145,7 +146,7 @@ def test_the_budget_keeps_the_most_recently_used_blocks(tmp_path):
     kept = block_files(tmp_path / "model")
     assert len(kept) == 50 and old not in kept
     assert sum(p.stat().st_size for p in kept) <= 50 * size
-    assert pool.disk.wait_for_writes(1) and len(pool.disk.files) == 50
+    assert pool.prefix.disk.wait_for_writes(1) and len(pool.prefix.disk.files) == 50
 
 
 def test_a_torn_file_is_a_miss_and_is_removed(tmp_path):
@@ -192,7 +193,7 @@ def test_another_model_or_dtype_never_matches_and_the_miss_says_so(tmp_path):
     other = KvPool(8192, cache_blocks=1000, disk=open_disk(tmp_path, key="other"))
     found = other.start("a", prompt)
     assert (found.tokens, found.miss) == (0, MISS_OTHER_MODEL)
-    assert other.prefix_stats().misses == {MISS_OTHER_MODEL: 1}
+    assert other.prefix.read_stats().misses == {MISS_OTHER_MODEL: 1}
     fresh = KvPool(8192, cache_blocks=1000, disk=open_disk(tmp_path, key="third"))
     assert fresh.start("a", ids(40 * B, 7)).miss == MISS_NO_PREFIX
 
@@ -216,13 +217,13 @@ def test_the_model_key_changes_with_files_dtype_backend_and_block_size(tmp_path)
 def test_a_full_disk_or_a_full_queue_drops_writes_without_error(tmp_path):
     prompt = ids(40 * B, 8)
     pool, _ = serve(tmp_path, prompt, min_free_bytes=1 << 60)
-    assert pool.disk.bytes_written == 0 and not block_files(tmp_path / "model")
+    assert pool.prefix.disk.bytes_written == 0 and not block_files(tmp_path / "model")
     block_bytes = LAYERS * 2 * KV_HEADS * B * HEAD_DIM * 4
     pool, _ = serve(tmp_path / "q", prompt, queue_bytes=3 * block_bytes)
     assert 0 < len(block_files(tmp_path / "q" / "model")) < 40  # the rest dropped, offered again later
     pool.start("a2", prompt)  # a reuse offers the dropped blocks again
     pool.release("a2")
-    assert pool.disk.wait_for_writes(10)
+    assert pool.prefix.disk.wait_for_writes(10)
     assert len(block_files(tmp_path / "q" / "model")) > 3
 
 
@@ -243,10 +244,10 @@ def test_the_writer_thread_ends_when_idle_and_comes_back_for_new_work(tmp_path, 
     monkeypatch.setattr(prefix_disk, "WRITER_IDLE_SECONDS", 0.05)
     pool, _ = serve(tmp_path, ids(40 * B, 9))
     deadline = time.monotonic() + 10
-    while pool.disk.writer is not None and time.monotonic() < deadline:
+    while pool.prefix.disk.writer is not None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert pool.disk.writer is None  # a model reloaded many times leaves no thread per load behind
+    assert pool.prefix.disk.writer is None  # a model reloaded many times leaves no thread per load behind
     pool.start("b", ids(40 * B, 10))
     pool.release("b")
-    assert pool.disk.wait_for_writes(10)
+    assert pool.prefix.disk.wait_for_writes(10)
     assert len(block_files(tmp_path / "model")) == 80

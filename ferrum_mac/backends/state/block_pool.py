@@ -7,19 +7,14 @@ values); a backend lays them out so that block `b`'s positions are the token row
 lives in block `blocks[p // block_tokens]`, row `p % block_tokens`. Block 0 is scratch: never
 handed out, so a decode step may send the rows it does not serve there.
 
-Blocks are counted: every sequence holding a block and the prefix index (`prefix_index`)
-holding it count one reference each. Two sequences that start with the same token ids share
-their common full blocks; a sequence writes only into blocks it alone references, copying a
-shared block first (copy on write: `reserve`). A released sequence's blocks stay cached for
-as long as the index holds them, which is until memory is needed or the cache passes its
-budget (`cache_blocks`): then the least recently used go first.
-
-`reuse(cache_id, tokens)` gives a new sequence the longest cached prefix of a prompt (the
-disk tier's blocks too, when there is one: `prefix_disk`), `remember(cache_id, tokens)`
-indexes what a sequence holds. What the disk tier should write is handed to it when a
-sequence is released, so reading the blocks back to the host never delays a first token. Memory follows the blocks held: the buffers grow when a block
-is needed and none is free, and shrink (moving the blocks in use down, `_renumber`) when a
-release leaves more than half of them free.
+Blocks are counted: every sequence holding a block and the prefix cache (`prefix`, a
+`PrefixCache`: `prefix_cache`) holding it count one reference each. Two sequences that start
+with the same token ids share their common full blocks; a sequence writes only into blocks it
+alone references, copying a shared block first (copy on write: `reserve`). Memory follows the
+blocks held: when a block is needed and none is free, the prefix cache gives up its least
+recently used blocks if it is over its budget or memory is full, else the buffers grow; they
+shrink (moving the blocks in use down, `_renumber`) when a release leaves more than half of
+them free.
 
 A backend's pool subclasses `BlockPool` and owns the buffers:
 - `_resize(blocks, keep)`: reallocate for `blocks` blocks; new block `i` takes old block
@@ -36,15 +31,11 @@ import heapq
 import math
 from typing import Sequence
 
-import numpy as np
-
-from ferrum_mac.backends.state.prefix_index import Match, PrefixIndex
+from ferrum_mac.backends.state.prefix_cache import PrefixCache
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.llm import MISS_NO_PREFIX, MISS_OTHER_MODEL, PrefixReuse, PrefixStats
 
 BLOCK_TOKENS = 32  # token positions per block: the prefix cache's unit of sharing
 GROW_BLOCKS = 8  # the buffers grow by at least this many blocks, and by half their size
-DISK_WRITE_AT_ONCE = 16  # blocks read from disk copied to the device in one call (bounds the host copy)
 EVICT_AT_ONCE = 32  # blocks evicted together when memory is full (each eviction sorts the leaves)
 SCRATCH = 0
 
@@ -73,6 +64,8 @@ class SequenceBlocks:
 
 
 class BlockPool:
+    """Sequences' block tables over buffers of counted blocks, and the prefix cache over them (`prefix`)."""
+
     block_tokens = BLOCK_TOKENS
     sequence_type = SequenceBlocks
 
@@ -83,19 +76,12 @@ class BlockPool:
         tier (`prefix_disk.PrefixDisk`) or None."""
         self.capacity = capacity
         self.max_blocks = max_blocks
-        self.cache_blocks = cache_blocks
-        self.disk = disk
-        # Prefixes to offer the disk tier, when a sequence is released: its host copies are
-        # read then, off the path of a request's first token.
-        self.disk_offers: list[tuple[list, bool]] = []
         self.blocks = 0  # blocks the buffers hold, scratch included
         self.refs: list[int] = []  # references per block
         self.free: list[int] = []  # unreferenced blocks, a heap: the lowest is taken first
-        self.cached_unused = 0  # indexed blocks only the index references: what may be evicted
         self.idle_blocks = 0  # kept when no sequence is live: set by `prepare`
         self.caches: dict[str, SequenceBlocks] = {}
-        self.index = PrefixIndex(self.block_tokens)
-        self.stats = PrefixStats()
+        self.prefix = PrefixCache(self, cache_blocks, disk)
 
     # -- accounting -------------------------------------------------------------------
 
@@ -108,11 +94,6 @@ class BlockPool:
     def used_tokens(self) -> int:
         """Tokens the live sequences have cached (each counted, shared or not)."""
         return sum(seq.length for seq in self.caches.values())
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens the prefix index can hand out."""
-        return self.index.tokens
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
@@ -177,158 +158,25 @@ class BlockPool:
     def release(self, cache_id: str) -> None:
         seq = self.caches.pop(cache_id, None)
         if seq is not None:
-            self._offer_to_disk()
+            self.prefix.offer_to_disk()
             for block in seq.blocks:
                 self._unref(block)
-            self._trim_cache()
+            self.prefix.trim()
             self._shrink_to_fit()
 
     def reset(self) -> None:
         self.caches.clear()
-        self.index.clear()
-        self.blocks, self.refs, self.free, self.cached_unused = 0, [], [], 0
+        self.prefix.clear()
+        self.blocks, self.refs, self.free = 0, [], []
         self._drop()
-
-    # -- the prefix cache -------------------------------------------------------------
-
-    def reuse(self, cache_id: str, tokens: Sequence[int]) -> PrefixReuse:
-        """`StateManager.reuse`."""
-        seq = self.acquire(cache_id)
-        held, limit = seq.length, len(tokens) - 1
-        self.stats.lookups += 1
-        if not self.cache_blocks or limit <= held:
-            self.stats.missed_tokens += max(0, len(tokens) - held)
-            return PrefixReuse(held, 0, None)
-        match = self.index.match(tokens, limit)
-        pinned = self._pin(match)  # nothing taken below may evict what was found
-        self._make_room(self.blocks_for(len(tokens)) - len(match.nodes))  # loaded or computed: one growth
-        self._load_from_disk(match, tokens, limit, pinned)
-        found = match.tokens(self.block_tokens)
-        if match.miss:
-            self.stats.misses[match.miss] = self.stats.misses.get(match.miss, 0) + 1
-        if found <= held:
-            for block in pinned:
-                self._unref(block)
-            self.stats.missed_tokens += len(tokens) - held
-            return PrefixReuse(held, 0, match.miss)
-        self._adopt(seq, match)
-        for block in pinned:
-            self._unref(block)
-        self.stats.hits += 1
-        self.stats.reused_tokens += found - held
-        self.stats.missed_tokens += len(tokens) - found
-        if self.disk is not None:
-            self.disk_offers.append((match.nodes, True))
-        return PrefixReuse(found, found - held, match.miss)
-
-    def remember(self, cache_id: str, tokens: Sequence[int]) -> None:
-        """`StateManager.remember`."""
-        seq = self.caches.get(cache_id)
-        if seq is None or not self.cache_blocks:
-            return
-        n = min(len(tokens), seq.length)
-        added, dropped = self.index.insert(tokens[:n], seq.blocks[: self.blocks_for(n)])
-        for block in added:  # (the sequence holds each too: not evictable while it runs)
-            self.refs[block] += 1
-        for block in dropped:  # a partial node a longer one replaced: no longer indexed
-            self.cached_unused -= self.refs[block] == 1
-            self._unref(block)
-        if self.disk is not None:
-            self.disk_offers.append((self.index.match(tokens[:n], n).nodes, False))
-        self._trim_cache()
-
-    def _offer_to_disk(self) -> None:
-        """Hand the disk tier the prefixes kept for it (`disk_offers`), those of their nodes
-        still indexed (an evicted node's block may hold another sequence's keys by now)."""
-        offers, self.disk_offers = self.disk_offers, []
-        for nodes, reused in offers:
-            alive = []
-            for node in nodes:
-                if self.index.nodes_by_block.get(node.block) is not node:
-                    break
-                alive.append(node)
-            if alive:
-                self.disk.offer(self, alive, reused=reused)
-
-    def prefix_stats(self) -> PrefixStats:
-        self.stats.cached_tokens = self.cached_tokens
-        if self.disk is not None:
-            self.disk.count(self.stats)
-        return self.stats
-
-    def _pin(self, match: Match) -> list[int]:
-        """Hold one more reference on every block of `match` while it is being adopted."""
-        pinned = match.blocks + ([match.partial.block] if match.partial is not None else [])
-        for block in pinned:
-            self._ref(block)
-        return pinned
-
-    def _adopt(self, seq: SequenceBlocks, match: Match) -> None:
-        """Make `seq` hold `match` (pinned): its full blocks shared, its partial block copied."""
-        for block in match.blocks:
-            self._ref(block)
-        for block in seq.blocks:
-            self._unref(block)
-        seq.blocks = match.blocks
-        if match.partial is not None:
-            fresh = self._take_block()
-            self._copy_block(match.partial.block, fresh, match.partial_tokens)
-            seq.blocks.append(fresh)
-        seq.length = match.tokens(self.block_tokens)
-
-    def _load_from_disk(self, match: Match, tokens: Sequence[int], limit: int, pinned: list[int]) -> None:
-        """Extend `match` with full blocks the disk tier holds, read into new blocks, indexed and pinned."""
-        if self.disk is None:
-            return
-        loaded: list[tuple[int, object]] = []  # (block, its keys and values): written together, fewer device calls
-        for digest in list(self.index.digests_after(match.nodes, tokens, limit)):
-            array = self.disk.load(digest)
-            if array is None:
-                break
-            try:
-                block = self._take_block()  # the index's reference
-            except FerrumError:
-                break  # memory is full: what is loaded so far is used, the rest computed (or refused) later
-            loaded.append((block, array))
-            if len(loaded) == DISK_WRITE_AT_ONCE:
-                self._write_loaded(loaded)
-            start = len(match.nodes) * self.block_tokens
-            parent = match.nodes[-1] if match.nodes else self.index.root
-            key = tuple(tokens[start : start + self.block_tokens])
-            if match.partial is not None:  # a partial match ended where the disk's blocks go on
-                pinned.remove(match.partial.block)
-                self._unref(match.partial.block)
-                match.partial, match.partial_tokens = None, 0
-            for old in self.index.drop_partials_within(parent, key):  # the full block holds what they hold
-                self.cached_unused -= self.refs[old] == 1
-                self._unref(old)
-            node = self.index.add(parent, key, block)
-            self.cached_unused += 1  # only the index holds it, until the pin below
-            self._ref(block)
-            pinned.append(block)
-            match.nodes.append(node)
-            self.stats.disk_tokens_loaded += self.block_tokens
-            match.miss = None
-        self._write_loaded(loaded)
-        if match.miss == MISS_NO_PREFIX and not match.nodes:
-            first = next(self.index.digests_after([], tokens, limit), None)
-            if first is not None and self.disk.other_model_has(first):
-                match.miss = MISS_OTHER_MODEL  # the prompt was seen, by another model, dtype or backend
-
-    def _write_loaded(self, loaded: list) -> None:
-        """Copy blocks read from disk into the buffers (and forget them: `loaded` is emptied)."""
-        if loaded:
-            self._write_blocks([block for block, _ in loaded], np.concatenate([a for _, a in loaded], axis=3))
-            loaded.clear()
 
     # -- blocks -----------------------------------------------------------------------
 
     def _take_block(self) -> int:
         """A block for one reference: a free one, else a cached one evicted or the buffers grown."""
         if not self.free:
-            over_budget = self.cached_unused > self.cache_blocks
             at_limit = self.max_blocks is not None and self.blocks >= self.max_blocks
-            if not ((over_budget or at_limit) and self._evict(EVICT_AT_ONCE)):
+            if not ((self.prefix.over_budget or at_limit) and self.prefix.evict(EVICT_AT_ONCE)):
                 self._grow(self.blocks + 1)
         block = heapq.heappop(self.free)
         self.refs[block] = 1
@@ -338,50 +186,22 @@ class BlockPool:
         """Grow once for `wanted` more blocks where they will be needed (rather than once per
         block taken), when memory and the cache's budget leave growing as `_take_block`'s choice."""
         short = wanted - len(self.free)
-        if short <= 0 or self.cached_unused > self.cache_blocks:
+        if short <= 0 or self.prefix.over_budget:
             return
         if self.max_blocks is None or self.blocks + short <= self.max_blocks:
             self._grow(self.blocks + short)
 
     def _ref(self, block: int) -> None:
         self.refs[block] += 1
-        if self.refs[block] == 2 and block in self.index.nodes_by_block:
-            self.cached_unused -= 1
+        if self.refs[block] == 2:
+            self.prefix.block_held(block)
 
     def _unref(self, block: int) -> None:
         self.refs[block] -= 1
         if self.refs[block] == 0:
             heapq.heappush(self.free, block)
-        elif self.refs[block] == 1 and block in self.index.nodes_by_block:
-            self.cached_unused += 1
-
-    def _evict(self, wanted: int) -> int:
-        """Evict up to `wanted` least recently used blocks only the index holds; how many went."""
-
-        def unused(node) -> bool:
-            return self.refs[node.block] == 1
-
-        # Least recently used first, by a heap of the evictable leaves: a parent whose last
-        # child goes joins it (a match marks a path at once, so a parent is never older).
-        heap = [(node.used, id(node), node) for node in self.index.evictable(lambda block: self.refs[block] == 1)]
-        heapq.heapify(heap)
-        gone = 0
-        while gone < wanted and heap:
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            self.index.remove(node)
-            self.cached_unused -= 1
-            self._unref(node.block)
-            gone += 1
-            if parent is not self.index.root and parent.is_leaf and unused(parent):
-                heapq.heappush(heap, (parent.used, id(parent), parent))
-        self.stats.evicted_blocks += gone
-        return gone
-
-    def _trim_cache(self) -> None:
-        excess = self.cached_unused - self.cache_blocks
-        if excess > 0:
-            self._evict(excess)
+        elif self.refs[block] == 1:
+            self.prefix.block_let_go(block)
 
     def _grow(self, wanted: int) -> None:
         blocks = max(wanted, self.blocks + max(GROW_BLOCKS, self.blocks // 2), 2)
@@ -426,7 +246,7 @@ class BlockPool:
             return
         for seq in self.caches.values():
             seq.blocks = [new_id.get(b, b) for b in seq.blocks]
-        self.index.renumber(new_id)
+        self.prefix.index.renumber(new_id)
 
     # -- what a backend provides -------------------------------------------------------
 

@@ -12,7 +12,7 @@ from ferrum_mac.sequence_state import PrefixReuse, PrefixStats, StateManager, re
 
 class PooledState(StateManager):
     """Every full-attention layer's keys and values of every sequence, in the blocks of `pool`
-    (shared by prefix, cached after a release, spilled to the pool's disk tier).
+    (shared by prefix, cached after a release and spilled to disk by the pool's `prefix` cache).
 
     `computing` is the context the backend's forwards run in (reusing a partly matched block
     copies it on the device, a release may reallocate the buffers); `free_tokens` counts the
@@ -47,15 +47,15 @@ class PooledState(StateManager):
     def reuse(self, cache_id: str, tokens: Sequence[int]) -> PrefixReuse:
         tokens = self._checked(cache_id, tokens)
         with self.computing():
-            return self.pool.reuse(cache_id, tokens)
+            return self.pool.prefix.reuse(cache_id, tokens)
 
     def remember(self, cache_id: str, tokens: Sequence[int]) -> None:
         tokens = self._checked(cache_id, tokens)
         with self.computing():  # the disk tier may read blocks back
-            self.pool.remember(cache_id, tokens)
+            self.pool.prefix.remember(cache_id, tokens)
 
     def prefix_stats(self) -> PrefixStats | None:
-        return self.pool.prefix_stats() if self.pool.cache_blocks else None
+        return self.pool.prefix.read_stats() if self.pool.prefix.budget else None
 
     def free_tokens(self) -> int | None:
         return self._free_tokens() if self._free_tokens is not None else None

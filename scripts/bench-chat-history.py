@@ -91,8 +91,8 @@ class NoModel:
 
 
 async def time_open(history: History, chat_id: int, runs: int = 5) -> list[float]:
-    """Milliseconds from open_conversation to the first screen painted, `runs` times (each opening
-    the empty chat in between, so every run builds the long one anew)."""
+    """Milliseconds from opening a conversation (`Conversations.open`) to the first screen painted,
+    `runs` times (each opening the empty chat in between, so every run builds the long one anew)."""
     from ferrum_mac.tui.app import ChatApp
 
     times = []
@@ -100,10 +100,10 @@ async def time_open(history: History, chat_id: int, runs: int = 5) -> list[float
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.pause()
         for _ in range(runs):
-            await app.chat.open_conversation(None)
+            await app.chat.conversations.open(None)
             await pilot.pause()
             start = time.perf_counter()
-            await app.chat.open_conversation(chat_id)
+            await app.chat.conversations.open(chat_id)
             await pilot.pause()  # the messages were processed and the screen laid out and painted
             times.append((time.perf_counter() - start) * 1000)
     return times

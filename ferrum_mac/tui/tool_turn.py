@@ -160,4 +160,4 @@ async def handle_calls(screen, calls: tuple[ToolCall, ...], toolbox: Toolbox) ->
         role, content, stats = result_row(outcome)
         history.add_message(chat_id, role, content, stats=stats)
         await shown.add(ToolResultBlock(outcome.call.name, content, failed=outcome.failed))
-    await screen.continue_after_tools()
+    await screen.answers.continue_after_tools()

@@ -6,7 +6,7 @@ import re
 
 from textual.widgets import Static
 
-from ferrum_mac.tui.screens.chat_screen import answer_footer
+from ferrum_mac.tui.chat.answers import answer_footer
 from ferrum_mac.tui.widgets.message_view import MessageView
 from tui_fakes import FakeEngine
 from tui_pilot import SIZE, ready, send, wait_for
@@ -35,7 +35,7 @@ async def test_the_footer_shows_tokens_speed_first_token_cache_and_the_stop_reas
         await send(pilot, "d")
         assert footer(app) == "2 tokens · 42.0 tok/s · first token 0.25 s"
         # the figures are kept: reopening the conversation shows the same footers
-        await app.chat.open_conversation(app.chat.current_id)
+        await app.chat.conversations.open(app.chat.current_id)
         [first] = [v for v in app.chat.query(MessageView) if v.content == "one two three"]
         assert str(first.query_one(".footer").render()).endswith("cut at max tokens")
 

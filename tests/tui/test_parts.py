@@ -65,7 +65,7 @@ async def test_palette_entries_and_help(make_app):
 
 
 def test_an_answers_stats_line_shows_its_cached_prompt_tokens():
-    from ferrum_mac.tui.screens.chat_screen import answer_footer
+    from ferrum_mac.tui.chat.answers import answer_footer
 
     stats = {"decode_tps": 31.25, "generated_tokens": 40, "cached_tokens": 512, "stop_reason": "eos"}
     assert answer_footer(stats) == "40 tokens · 31.2 tok/s · 512 cached"

@@ -125,7 +125,7 @@ async def test_at_80x24_the_prompt_status_and_an_answer_footer_fit(make_app, tmp
     async with app.run_test(size=SMALL) as pilot:
         await ready(pilot)
         await send(pilot, "hello")
-        app.chat.attach_path(str(notes))
+        app.chat.composer.attach_path(str(notes))
         await pilot.pause()
         screen = app.chat
         for part in ("#prompt", "#attachments", "#model", "#speed", "#context", "#memory"):

@@ -155,9 +155,9 @@ def test_file_chips(snap_compare, make_app, tmp_path):
     async def before(pilot):
         await ready(pilot)
         prompt = pilot.app.chat.query_one("#prompt")
-        pilot.app.chat.attach_path(str(notes))
+        pilot.app.chat.composer.attach_path(str(notes))
         await send(pilot, "Summarise my notes")
-        pilot.app.chat.attach_path(str(notes))
+        pilot.app.chat.composer.attach_path(str(notes))
         prompt.text = "And again"
         await settle(pilot)
 

@@ -70,10 +70,7 @@ def serve_command(
             )
             server = uvicorn.Server(uvicorn_config(app, host=host, port=port, max_connections=max_connections))
             sock.listen(max_connections)
-            print(
-                f"ferrum: serving {default.name} on http://{url_host(host)}:{port}/v1 (context {default.context} tokens)",
-                file=sys.stderr,
-            )
+            print(serving_line(default.name, host, port, default.context, ollama), file=sys.stderr)
             server.run(sockets=[sock])
         finally:
             models.close()
@@ -197,6 +194,14 @@ def log_requests() -> None:
     log = logging.getLogger("ferrum.serve")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+
+
+def serving_line(name: str, host: str, port: int, context: int, ollama: bool) -> str:
+    """What the server says once it listens: the base URL its clients take (Ollama's clients the
+    bare address, OpenAI's the /v1 under it)."""
+    base = f"http://{url_host(host)}:{port}"
+    where = f"{base} for Ollama's clients, {base}/v1 for OpenAI's" if ollama else f"{base}/v1"
+    return f"ferrum: serving {name} on {where} (context {context} tokens)"
 
 
 def url_host(host: str) -> str:

@@ -21,7 +21,7 @@ from serve_support import CHAT, MESSAGES, LiveServer, error_of, open_models
 
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.app import build_app
-from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address
+from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address, serving_line
 from ferrum_mac.serve.batching.models import FOREVER
 
 SMOLLM2 = "smollm2:135m"
@@ -165,6 +165,13 @@ def test_a_bad_keep_alive_is_refused(text):
 )
 def test_ollama_host_forms(value, address):
     assert ollama_address(value) == address
+
+
+def test_the_serving_line_names_the_url_each_client_takes():
+    openai = serving_line("smollm2:135m", "127.0.0.1", 8000, 8192, ollama=False)
+    assert "http://127.0.0.1:8000/v1 (context 8192 tokens)" in openai
+    ollama = serving_line("smollm2:135m", "127.0.0.1", 11434, 8192, ollama=True)
+    assert "http://127.0.0.1:11434 for Ollama's clients, http://127.0.0.1:11434/v1 for OpenAI's" in ollama
 
 
 @pytest.mark.parametrize("value", ["host:99999", "ftp://host:1", "host:port", "http://host:1/path"])

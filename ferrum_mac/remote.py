@@ -44,8 +44,11 @@ from ferrum_mac.text.tool_calls import ToolCall, new_call_id
 
 TIMEOUT_S = 600.0  # a long answer from a slow server is still an answer
 FINISH_REASONS = {"length": MAX_TOKENS, "stop": EOS, "tool_calls": TOOL_CALLS}
-# SamplingParams field -> the request field servers beyond OpenAI's (vLLM, ferrum) read
-EXTRA_SAMPLING = {
+# SamplingParams field -> request field, sent only where the user changed it: left out, the
+# server applies the model's own defaults, so a remote run samples as a local run does.
+SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
     "top_k": "top_k",
     "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
@@ -145,8 +148,6 @@ class RemoteEngine:
             "messages": history + ([{"role": "user", "content": text}] if text is not None else []),
             "stream": True,
             "stream_options": {"include_usage": True},
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
         }
         body.update({k: v for k, v in (("max_tokens", s.max_tokens), ("seed", sampling.seed)) if v is not None})
         if s.stop:
@@ -158,7 +159,7 @@ class RemoteEngine:
         body.update(
             {
                 name: getattr(sampling, f)
-                for f, name in EXTRA_SAMPLING.items()
+                for f, name in SAMPLING_FIELDS.items()
                 if getattr(sampling, f) != getattr(self.default_sampling, f)
             }
         )

@@ -109,3 +109,14 @@ def test_reasoning_fields_of_other_servers_become_reasoning_events():
     done = turn.done()
     assert (done.stop_reason, done.prompt_tokens, done.generated_tokens) == (MAX_TOKENS, 3, 3)
     assert base_url("localhost:8000/") == "http://localhost:8000/v1"
+
+
+def test_sampling_the_user_left_alone_is_the_servers_to_choose():
+    """Left out of the request, the server samples with the model's own defaults, as a local
+    run of the model does; what the user set is sent."""
+    engine = RemoteEngine("http://127.0.0.1:9", model="m")
+    plain = engine._request_body(engine.conversation(prepare=False), "hi")
+    assert not {"temperature", "top_p", "top_k", "repetition_penalty"} & set(plain)
+    cold = engine.conversation(prepare=False, sampling=engine.default_sampling.replace(temperature=0, top_k=5))
+    body = engine._request_body(cold, "hi")
+    assert (body["temperature"], body["top_k"]) == (0, 5) and "top_p" not in body

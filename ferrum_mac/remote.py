@@ -58,6 +58,8 @@ SAMPLING_FIELDS = {
 
 
 class RemoteEngine:
+    server_chooses_sampling = True  # what the user leaves alone, the server sets (the model's defaults)
+
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None, timeout: float = TIMEOUT_S):
         import httpx
 

@@ -120,3 +120,6 @@ def test_sampling_the_user_left_alone_is_the_servers_to_choose():
     cold = engine.conversation(prepare=False, sampling=engine.default_sampling.replace(temperature=0, top_k=5))
     body = engine._request_body(cold, "hi")
     assert (body["temperature"], body["top_k"]) == (0, 5) and "top_p" not in body
+    from ferrum_mac.tui.chat.turn_settings import defaults_in_force
+
+    assert defaults_in_force(engine) == {}  # the chat app says "model default", not our figures

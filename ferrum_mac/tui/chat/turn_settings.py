@@ -83,8 +83,9 @@ class TurnSettings:
 
 
 def defaults_in_force(engine) -> dict:
-    """The model's defaults the settings dialog shows in its empty fields ({} before it loads)."""
-    if engine is None:
+    """The model's defaults the settings dialog shows in its empty fields ({} before it loads,
+    and for a server, which applies its own: "model default")."""
+    if engine is None or getattr(engine, "server_chooses_sampling", False):
         return {}
     settings = engine.settings()
     return {

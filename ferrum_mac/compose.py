@@ -116,11 +116,6 @@ def default_model_name() -> str:
     return settings.value("FERRUM_MODEL")
 
 
-def hub_offline() -> bool:
-    """Whether the hub is off (HF_HUB_OFFLINE): no pull can work, so none is suggested."""
-    return settings.value("HF_HUB_OFFLINE")
-
-
 def ollama_host() -> str | None:
     """OLLAMA_HOST, as Ollama reads it: where `ferrum serve --ollama` listens (None: its default)."""
     return settings.value("OLLAMA_HOST")

@@ -27,7 +27,7 @@ def list_command(available: bool, backend: str) -> None:
     models = list_models()
     complete = [m for m in models if m.complete]
     if not complete:
-        from ferrum_mac.compose import hub_offline
+        from ferrum_mac.store.pull import hub_offline
         from ferrum_mac.store.recommend import first_model_lines, machine_memory_bytes
 
         print("\n".join(first_model_lines(machine_memory_bytes(), backend, hub_offline())))

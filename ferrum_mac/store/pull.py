@@ -31,7 +31,7 @@ def pull(name: str, backend: str = "mlx", progress: PullProgress | None = None) 
     ref = parse_name(name, backend)
     if isinstance(ref, BundledRef):
         return bundled.ensure_smollm2(progress=type(progress) is not PullProgress)
-    if _offline():
+    if hub_offline():
         return _cached_or_offline_error(ref, name)
     return pull_repo(ref, name, progress)
 
@@ -195,7 +195,8 @@ def _endpoint() -> str:
     return constants.ENDPOINT.rstrip("/")
 
 
-def _offline() -> bool:
+def hub_offline() -> bool:
+    """Whether the hub is off (HF_HUB_OFFLINE, as huggingface_hub reads it): no pull can work."""
     from huggingface_hub import constants
 
     return constants.is_offline_mode()

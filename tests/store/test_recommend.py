@@ -52,7 +52,9 @@ def test_an_empty_store_suggests_the_demo_model_first(hf_home):
 
 
 def test_an_empty_store_offline_suggests_only_what_works(hf_home, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at start-up sets it
     out = CliRunner().invoke(app, ["list"]).stdout
     assert "`ferrum run`" in out and "ferrum pull" not in out
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ferrum_mac.store.aliases import DEFAULT_QUANT
+from ferrum_mac.store.aliases import ALIASES, DEFAULT_QUANT
 from ferrum_mac.store.units import human_bytes
 
-DEMO_MODEL = "smollm2:135m"  # the bundled model (its alias), what runs when nobody names one
+DEMO_MODEL = next(a.name for a in ALIASES if a.bundled)  # what runs when nobody names one
 DEMO_PARAMETERS = "135M"
 # The catalog's best family, smallest first, with each size's parameters (billions).
 LADDER = (("qwen3:0.6b", 0.6), ("qwen3:1.7b", 1.7), ("qwen3:4b", 4.0), ("qwen3:8b", 8.2), ("qwen3:30b-a3b", 30.5))

@@ -146,12 +146,6 @@ def tool_calls_grammar(
     return grammar
 
 
-def marked_tool_call_grammar(tools: Sequence[Mapping[str, Any]], opener: str, closer: str) -> str:
-    """One call of one of `tools` written between the family's markers, e.g. `<tool_call>\n` and
-    `\n</tool_call>`: for an answer that reasons first, so the markers cannot be put in the prompt."""
-    return tool_calls_grammar(tools, opener, None, closer)
-
-
 def _call_schema(tools: Sequence[Mapping[str, Any]]) -> dict:
     if not tools:
         raise GrammarError("a tool call needs at least one tool; pass the tools the model may call")

@@ -34,6 +34,8 @@ async def test_footer_shows_help_and_quit_beside_the_palette(make_app):
         await ready(pilot)
         keys = {key.key: key for key in app.screen.query(FooterKey)}
         assert {"f1", "ctrl+q", "escape", "f4"} <= set(keys), sorted(keys)
+        # a loaded machine may lay the footer out a few frames after the engine opened
+        await wait_for(pilot, lambda: all(key.region.width for key in keys.values()), what="the footer's layout")
         palette = keys.pop("ctrl+p")
         for key in keys.values():
             assert visible(key) and key.region.right <= palette.region.x, (key.key, key.region, palette.region)

@@ -108,13 +108,17 @@ def torch_scheduler(stories_path):
 
 
 @pytest.mark.parametrize("backend", ["mlx", "torch"])
-@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=1.0, seed=11)], ids=["greedy", "seeded"])
-def test_steps_run_ahead_give_the_answers_of_steps_read_first(request, backend, sampling):
+@pytest.mark.parametrize(
+    "sampling, speculate",
+    [(None, "off"), (SamplingParams(temperature=1.0, seed=11), "off"), (None, "ngram")],
+    ids=["greedy", "seeded", "guessing"],
+)
+def test_steps_run_ahead_give_the_answers_of_steps_read_first(request, backend, sampling, speculate):
     """Plain decode steps are queued before the last step's tokens are read (`batching.ahead`):
     the same tokens, stops and ends as reading each step's tokens first; a stop mid-batch, a
     cancel and a late arrival included."""
     scheduler = request.getfixturevalue("scheduler" if backend == "mlx" else "torch_scheduler")
-    options = {} if sampling is None else {"sampling": sampling}
+    options = {"speculate": speculate} if sampling is None else {"sampling": sampling, "speculate": speculate}
 
     def round_of_answers() -> list[tuple[str, str, int]]:
         queues = [submit(scheduler, p, max_tokens=8 + 5 * i, **options)[1] for i, p in enumerate(PROMPTS)]
@@ -127,9 +131,10 @@ def test_steps_run_ahead_give_the_answers_of_steps_read_first(request, backend, 
         wait_idle(scheduler)
         return [(text, done.stop_reason, done.generated_tokens) for text, done in answers]
 
-    before = scheduler.runner.steps_ahead
+    before, guessed = scheduler.runner.steps_ahead, scheduler.stats.proposed_tokens
     ahead = round_of_answers()
     assert scheduler.runner.steps_ahead > before
+    assert (scheduler.stats.proposed_tokens > guessed) == (speculate == "ngram")  # guesses still found
     scheduler.runner.runs_ahead = False
     try:
         assert round_of_answers() == ahead

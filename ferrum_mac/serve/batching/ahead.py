@@ -42,13 +42,13 @@ class InFlight:
         return [by_seq[id(s)] for s in decoding]
 
 
-def may_run_ahead(decoding: list[Sequence], guessing: bool, capacity: int) -> bool:
-    """Whether a decode step of `decoding` may be queued before its tokens are read (see the
-    module's docstring); `guessing`: whether this step may verify guesses."""
+def may_run_ahead(decoding: list[Sequence], capacity: int) -> bool:
+    """Whether a plain decode step of `decoding` may be queued before its tokens are read (see
+    the module's docstring; whether the step guesses is the runner's to say)."""
     if not decoding:
         return False
     for seq in decoding:
-        if seq.request.matcher is not None or (guessing and seq.speculator is not None):
+        if seq.request.matcher is not None:
             return False
         if seq.pos + 2 > capacity:  # the queued row sits at pos; a read token must still fit after it
             return False

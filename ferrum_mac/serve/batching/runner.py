@@ -55,18 +55,18 @@ class StepRunner:
                 self.batch.fail(seq, message)
 
     def run(self, plan: StepPlan[Sequence], pace: Pace) -> None:
-        guessing = plan.kind == DECODE and pace.allows(len(plan.decoding))
-        if self.runs_ahead and plan.kind == DECODE and may_run_ahead(plan.decoding, guessing, self.batch.capacity):
-            if self.in_flight is None or self.in_flight.continued_by(plan.decoding, self.batch.running):
+        allowed = plan.kind == DECODE and pace.allows(len(plan.decoding))  # guesses may be verified this step
+        if self.in_flight is not None:
+            if plan.kind == DECODE and self._continues_ahead(plan.decoding, allowed):
                 self._decode_ahead(plan.decoding, pace)
-                return
-        if self.in_flight is not None:  # its tokens may end sequences this plan holds: plan again after them
-            self.drain()
+            else:  # its tokens may end sequences this plan holds, or feed their guesses: plan again after them
+                self.drain()
+            return
+        if plan.kind == DECODE:
+            self._decode_step(plan.decoding, pace, allowed)
             return
         self.batch.stats.steps += 1
-        if plan.kind == DECODE:
-            self._decode_step(plan.decoding, pace, guessing)
-        elif plan.kind == UNIFIED:
+        if plan.kind == UNIFIED:
             self._accept_all(self._unified(plan))
         else:
             self._accept_all(self._prefills(plan) + self._decode(plan.decoding, plan.kind != SINGLE))
@@ -111,6 +111,24 @@ class StepRunner:
             self.batch.accept_or_fail(seq, token)
 
     # -- plain decode steps, queued ahead of their reads ----------------------------------------
+
+    def _continues_ahead(self, decoding: list[Sequence], allowed: bool) -> bool:
+        """Whether the next step of `decoding` may be queued fed the step in flight's tokens: the
+        same sequences, none that needs its tokens read first, and no stream with a guess in
+        sight (looked up without the tokens in flight: a guess waits a step for the drain)."""
+        assert self.in_flight is not None
+        if not (self.runs_ahead and may_run_ahead(decoding, self.batch.capacity)):
+            return False
+        if not self.in_flight.continued_by(decoding, self.batch.running):
+            return False
+        return not (allowed and len(decoding) < MAX_ROWS and any(self._may_guess(seq) for seq in decoding))
+
+    def _may_guess(self, seq: Sequence) -> bool:
+        speculator = seq.speculator
+        if speculator is None:
+            return False
+        ready, _ = indexed(speculator, seq.history, 0)  # a prompt still being indexed: `_guesses` goes on with it
+        return not ready or speculator.candidate(seq.history, self._guess_room(seq)) is not None
 
     def _decode_ahead(self, decoding: list[Sequence], pace: Pace) -> None:
         """Queue a decode step of `decoding`, fed the tokens of the step in flight unread (or the
@@ -164,6 +182,10 @@ class StepRunner:
         stats = self.batch.stats
         start, generated, timed = time.perf_counter(), stats.generated_tokens, self.costs.measured
         guesses = self._guesses(decoding) if guessing else {}
+        if not guesses and self.runs_ahead and may_run_ahead(decoding, self.batch.capacity):
+            self._decode_ahead(decoding, pace)
+            return
+        stats.steps += 1
         if not (guesses and self._verify(decoding, guesses)):
             for seq in decoding:
                 if seq.speculator is not None:

@@ -95,3 +95,48 @@ def test_greedy_and_seeded_rows_in_one_batch_sample_as_alone(scheduler):
     alone = [answer(submit(scheduler, p, **r)[1])[0] for p, r in zip(PROMPTS, requests)]
     queues = [submit(scheduler, p, **r)[1] for p, r in zip(PROMPTS, requests)]
     assert [answer(q)[0] for q in queues] == alone
+
+
+@pytest.fixture(scope="module")
+def torch_scheduler(stories_path):
+    from ferrum_mac.compose import open_engine
+    from ferrum_mac.serve import Scheduler
+
+    s = Scheduler(lambda: open_engine(stories_path, backend="torch")).start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+@pytest.mark.parametrize(
+    "sampling, speculate",
+    [(None, "off"), (SamplingParams(temperature=1.0, seed=11), "off"), (None, "ngram")],
+    ids=["greedy", "seeded", "guessing"],
+)
+def test_steps_run_ahead_give_the_answers_of_steps_read_first(request, backend, sampling, speculate):
+    """Plain decode steps are queued before the last step's tokens are read (`batching.ahead`):
+    the same tokens, stops and ends as reading each step's tokens first; a stop mid-batch, a
+    cancel and a late arrival included."""
+    scheduler = request.getfixturevalue("scheduler" if backend == "mlx" else "torch_scheduler")
+    options = {"speculate": speculate} if sampling is None else {"sampling": sampling, "speculate": speculate}
+
+    def round_of_answers() -> list[tuple[str, str, int]]:
+        queues = [submit(scheduler, p, max_tokens=8 + 5 * i, **options)[1] for i, p in enumerate(PROMPTS)]
+        queues.append(submit(scheduler, PROMPTS[1], max_tokens=30, stop=("ball",), **options)[1])
+        handle, cancelled = submit(scheduler, PROMPTS[2], max_tokens=10_000, ignore_eos=True)
+        next(e for e in cancelled.events(timeout=TIMEOUT) if isinstance(e, TextDelta))
+        handle.cancel()
+        queues.append(submit(scheduler, PROMPTS[3], max_tokens=12, **options)[1])
+        answers = [answer(q) for q in queues]
+        wait_idle(scheduler)
+        return [(text, done.stop_reason, done.generated_tokens) for text, done in answers]
+
+    before, guessed = scheduler.runner.steps_ahead, scheduler.stats.proposed_tokens
+    ahead = round_of_answers()
+    assert scheduler.runner.steps_ahead > before
+    assert (scheduler.stats.proposed_tokens > guessed) == (speculate == "ngram")  # guesses still found
+    scheduler.runner.runs_ahead = False
+    try:
+        assert round_of_answers() == ahead
+    finally:
+        scheduler.runner.runs_ahead = True

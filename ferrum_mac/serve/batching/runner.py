@@ -22,6 +22,7 @@ from ferrum_mac.engine.speculation.verify import Speculator, accepted_ids
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import fill_masks
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, KvCapacityError, Logits
+from ferrum_mac.serve.batching.ahead import InFlight, may_run_ahead
 from ferrum_mac.serve.batching.batch import Batch, one_line
 from ferrum_mac.serve.batching.planner import DECODE, SINGLE, UNIFIED, StepPlan, choose_guesses
 from ferrum_mac.serve.batching.sequence import Sequence, fed_token
@@ -38,6 +39,9 @@ class StepRunner:
         self.model = model
         self.costs = costs
         self.batched_decode = model.capabilities.batched_decode
+        self.in_flight: InFlight | None = None  # a decode step queued, its tokens not read (`ahead`)
+        self.runs_ahead = True  # False: every step's tokens are read before the next is queued
+        self.steps_ahead = 0  # decode steps queued ahead of their reads
 
     def run_or_fail(self, plan: StepPlan[Sequence], pace: Pace) -> None:
         """Run `plan`; one bad step fails the sequences in it, not the server."""
@@ -45,15 +49,24 @@ class StepRunner:
             self.run(plan, pace)
         except Exception as e:
             log.exception("a forward step failed")
+            self.in_flight = None
             message = one_line(e)
             for seq in list(self.batch.running):
                 self.batch.fail(seq, message)
 
     def run(self, plan: StepPlan[Sequence], pace: Pace) -> None:
-        self.batch.stats.steps += 1
+        allowed = plan.kind == DECODE and pace.allows(len(plan.decoding))  # guesses may be verified this step
+        if self.in_flight is not None:
+            if plan.kind == DECODE and self._continues_ahead(plan.decoding, allowed):
+                self._decode_ahead(plan.decoding, pace)
+            else:  # its tokens may end sequences this plan holds, or feed their guesses: plan again after them
+                self.drain()
+            return
         if plan.kind == DECODE:
-            self._decode_step(plan.decoding, pace)
-        elif plan.kind == UNIFIED:
+            self._decode_step(plan.decoding, pace, allowed)
+            return
+        self.batch.stats.steps += 1
+        if plan.kind == UNIFIED:
             self._accept_all(self._unified(plan))
         else:
             self._accept_all(self._prefills(plan) + self._decode(plan.decoding, plan.kind != SINGLE))
@@ -97,14 +110,82 @@ class StepRunner:
         for (seq, _), token in zip(finals, sample_all(finals)):
             self.batch.accept_or_fail(seq, token)
 
+    # -- plain decode steps, queued ahead of their reads ----------------------------------------
+
+    def _continues_ahead(self, decoding: list[Sequence], allowed: bool) -> bool:
+        """Whether the next step of `decoding` may be queued fed the step in flight's tokens: the
+        same sequences, none that needs its tokens read first, and no stream with a guess in
+        sight (looked up without the tokens in flight: a guess waits a step for the drain)."""
+        assert self.in_flight is not None
+        if not (self.runs_ahead and may_run_ahead(decoding, self.batch.capacity)):
+            return False
+        if not self.in_flight.continued_by(decoding, self.batch.running):
+            return False
+        return not (allowed and len(decoding) < MAX_ROWS and any(self._may_guess(seq) for seq in decoding))
+
+    def _may_guess(self, seq: Sequence) -> bool:
+        speculator = seq.speculator
+        if speculator is None:
+            return False
+        ready, _ = indexed(speculator, seq.history, 0)  # a prompt still being indexed: `_guesses` goes on with it
+        return not ready or speculator.candidate(seq.history, self._guess_room(seq)) is not None
+
+    def _decode_ahead(self, decoding: list[Sequence], pace: Pace) -> None:
+        """Queue a decode step of `decoding`, fed the tokens of the step in flight unread (or the
+        ones read, when none is), then read and hand out the in-flight step's tokens (`ahead`).
+        Timed for `pace`, from the second step on: the first reads nothing."""
+        self.batch.stats.steps += 1
+        self.steps_ahead += 1
+        start, generated = time.perf_counter(), self.batch.stats.generated_tokens
+        previous = self.in_flight
+        fed = previous.tokens_of(decoding) if previous is not None else [fed_token(s) for s in decoding]
+        if self.batched_decode:
+            block = self.model.decode_batch([DecodeItem(s.cache_id, t, s.pos) for s, t in zip(decoding, fed)])
+            rows = [block[i] for i in range(len(decoding))]
+        else:
+            rows = [self.model.decode(s.cache_id, t, s.pos) for s, t in zip(decoding, fed)]
+        for seq in decoding:
+            advance(seq, 1)
+        self.in_flight = InFlight(decoding, [seq.sampler.sample(row) for seq, row in zip(decoding, rows)])
+        if previous is not None:
+            self._read(previous)
+            pace.record(
+                len(decoding), self.batch.stats.generated_tokens - generated, time.perf_counter() - start, False
+            )
+
+    def drain(self) -> None:
+        """Read and hand out the tokens of the step in flight, if any."""
+        if self.in_flight is not None:
+            previous, self.in_flight = self.in_flight, None
+            self._read(previous)
+
+    def _read(self, step: InFlight) -> None:
+        """Hand the sequences of `step` that still run their tokens, as a plain step would."""
+        for seq, token in zip(step.seqs, step.tokens):
+            if seq not in self.batch.running:  # finished or cancelled since: its row is no answer
+                continue
+            if seq.speculator is not None:
+                seq.speculator.plain_token()
+            try:
+                token_id = seq.sampler.read(token)
+            except Exception as e:  # this sequence's draw: fail it, not the others
+                log.exception("reading a sampled token failed")
+                self.batch.fail(seq, one_line(e))
+                continue
+            self.batch.accept_or_fail(seq, token_id)
+
     # -- decode steps, with guesses --------------------------------------------------------------
 
-    def _decode_step(self, decoding: list[Sequence], pace: Pace) -> None:
-        """Every decoding sequence's token, with the guesses worth their rows (one `verify_batch`),
-        else one plain batched decode. Timed for `pace`."""
+    def _decode_step(self, decoding: list[Sequence], pace: Pace, guessing: bool) -> None:
+        """Every decoding sequence's token, with the guesses worth their rows (one `verify_batch`)
+        when `guessing`, else one plain batched decode. Timed for `pace`."""
         stats = self.batch.stats
         start, generated, timed = time.perf_counter(), stats.generated_tokens, self.costs.measured
-        guesses = self._guesses(decoding) if pace.allows(len(decoding)) else {}
+        guesses = self._guesses(decoding) if guessing else {}
+        if not guesses and self.runs_ahead and may_run_ahead(decoding, self.batch.capacity):
+            self._decode_ahead(decoding, pace)
+            return
+        stats.steps += 1
         if not (guesses and self._verify(decoding, guesses)):
             for seq in decoding:
                 if seq.speculator is not None:

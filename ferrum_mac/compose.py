@@ -20,6 +20,7 @@ from ferrum_mac.backends.options import SETTING_OF, BackendOptions
 from ferrum_mac.llm import DecoderOnlyLLM
 
 if TYPE_CHECKING:
+    from ferrum_mac.serve.response_store import ResponseStore
     from ferrum_mac.engine import Engine
 
 
@@ -132,6 +133,17 @@ def backend_options() -> BackendOptions:
     """The backends' switches as the settings (FERRUM_MLX_*, FERRUM_TORCH_*, ...) say now."""
     switches = {option: settings.value(name) for option, name in SETTING_OF.items()}
     return BackendOptions(**switches, prefix_dir=settings.prefix_cache_dir())
+
+
+def response_store() -> "ResponseStore":
+    """Where `ferrum serve` keeps /v1/responses answers: the data folder's file for
+    FERRUM_RESPONSES_DAYS days (0: in memory, until the server stops)."""
+    from ferrum_mac.serve.response_store import ResponseStore
+
+    days = settings.value("FERRUM_RESPONSES_DAYS")
+    if not days:
+        return ResponseStore(None, ttl_s=float("inf"))
+    return ResponseStore(settings.responses_db_path(), ttl_s=days * 24 * 3600)
 
 
 def kv_capacity_or_setting(kv_capacity: int | None) -> int | None:

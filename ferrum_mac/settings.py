@@ -138,6 +138,15 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=0,
     ),
     Setting(
+        "FERRUM_RESPONSES_DAYS",
+        "int",
+        30,
+        "serve/command.py: /v1/responses",
+        "Days `ferrum serve` keeps a /v1/responses answer (for previous_response_id and GET by id), "
+        "in the data folder's responses.sqlite3; 0 keeps them in memory only, until the server stops.",
+        minimum=0,
+    ),
+    Setting(
         "FERRUM_PREFIX_DISK_MB",
         "int",
         4096,
@@ -360,6 +369,11 @@ def bundled_models_dir() -> Path:
 def history_db_path() -> Path:
     """The chat app's sqlite history."""
     return data_dir() / "history.sqlite3"
+
+
+def responses_db_path() -> Path:
+    """The responses `ferrum serve` keeps for /v1/responses."""
+    return data_dir() / "responses.sqlite3"
 
 
 def repl_history_path() -> Path:

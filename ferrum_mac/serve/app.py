@@ -28,6 +28,9 @@ from ferrum_mac.serve.batching.scheduler import Scheduler
 from ferrum_mac.serve.body import MAX_BODY
 from ferrum_mac.serve.core import Answer, ClientGone, Server
 from ferrum_mac.serve.guards import ApiKeyCheck, HostCheck, OriginCheck, loopback_host_names
+from ferrum_mac.serve.response_store import ResponseStore
+
+RESPONSES_IN_MEMORY_S = 24 * 3600  # an app given no store keeps responses this long, in memory
 
 __all__ = ["Answer", "ClientGone", "Server", "build_app", "error_shapes"]
 
@@ -40,17 +43,20 @@ def build_app(
     max_body: int = MAX_BODY,
     allow_origins: tuple[str, ...] = (),
     loopback_only: bool = False,
+    responses: ResponseStore | None = None,
 ) -> Starlette:
     """The ASGI app; `allow_origins`: web origins besides loopback ones that may call it;
     `loopback_only` (a server bound to loopback): refuse requests whose Host names another machine.
-    `models`: the registry of the models it serves, or the scheduler of its one model (`model_name`)."""
+    `models`: the registry of the models it serves, or the scheduler of its one model (`model_name`);
+    `responses`: where /v1/responses keeps responses (None: in memory, for this app's life)."""
     server = Server(models, model_name, max_body)
     middleware = [Middleware(OriginCheck, allowed=allow_origins)]
     if loopback_only:
         middleware.insert(0, Middleware(HostCheck, allowed=loopback_host_names(allow_origins)))
     if api_key:
         middleware.append(Middleware(ApiKeyCheck, api_key=api_key))
-    routes = protocols.routes(server) + [
+    kept = responses if responses is not None else ResponseStore(None, ttl_s=RESPONSES_IN_MEMORY_S)
+    routes = protocols.routes(server, kept) + [
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]

@@ -44,7 +44,7 @@ def serve_command(
 ) -> None:
     import uvicorn
 
-    from ferrum_mac.compose import ollama_host
+    from ferrum_mac.compose import ollama_host, response_store
     from ferrum_mac.serve.app import build_app
 
     host, port = listen_address(host, port, ollama, ollama_host())
@@ -67,6 +67,7 @@ def serve_command(
                 max_body=max_body,
                 allow_origins=allow_origins,
                 loopback_only=is_loopback_host(host),
+                responses=response_store(),
             )
             server = uvicorn.Server(uvicorn_config(app, host=host, port=port, max_connections=max_connections))
             sock.listen(max_connections)

@@ -114,6 +114,7 @@ def private_cache_dir(tmp_path_factory):
     # The prefix cache's disk tier off unless a test turns it on: a prompt one test's model
     # wrote to disk must not be a hit for another test's.
     os.environ["FERRUM_PREFIX_DISK_MB"] = "0"
+    os.environ["FERRUM_RESPONSES_DAYS"] = "0"  # servers keep /v1/responses in memory, not in the user's data folder
     yield folder
     shutil.rmtree(folder, ignore_errors=True)  # copies of real models are hundreds of MB
 

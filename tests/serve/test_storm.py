@@ -229,6 +229,57 @@ def too_big(rng, http, url):
     return http.post(url + COMPLETIONS, content=chunks(), headers={"content-type": "application/json"}).status_code
 
 
+MESSAGES_PATH, RESPONSES, OLLAMA_CHAT, OLLAMA_GENERATE = "/v1/messages", "/v1/responses", "/api/chat", "/api/generate"
+
+
+def other_protocols(rng, http, url):
+    """A valid answer, whole or streamed, on Anthropic's, the Responses or Ollama's routes; a
+    stream may be left after a few lines."""
+    stream = rng.random() < 0.5
+    path, body = rng.choice(
+        [
+            (MESSAGES_PATH, {"messages": MESSAGES, "max_tokens": rng.randint(1, 12), "stream": stream}),
+            (RESPONSES, {"input": "Once upon a time", "max_output_tokens": rng.randint(1, 12), "stream": stream}),
+            (OLLAMA_CHAT, {"messages": MESSAGES, "stream": stream, "options": {"num_predict": rng.randint(1, 12)}}),
+            (OLLAMA_GENERATE, {"prompt": "Tom and", "stream": stream, "options": {"num_predict": 8}}),
+        ]
+    )
+    body["model"] = "stories260K"
+    if not stream:
+        return http.post(url + path, json=body).status_code
+    with http.stream("POST", url + path, json=body) as r:
+        lines = [line for _, line in zip(range(rng.choice([3, 1000])), r.iter_lines())]
+    text = "\n".join(lines)
+    assert "generation_failed" not in text and "server_error" not in text and "api_error" not in text, text
+    return r.status_code
+
+
+OTHER_MALFORMED = [
+    (MESSAGES_PATH, {"messages": [], "max_tokens": 5}),
+    (MESSAGES_PATH, {"messages": [{"role": "user", "content": [{"type": "image"}]}], "max_tokens": 5}),
+    (MESSAGES_PATH, {"messages": MESSAGES, "max_tokens": 10**400}),
+    (MESSAGES_PATH, {"messages": MESSAGES, "max_tokens": 5, "temperature": "hot"}),
+    (MESSAGES_PATH, {"messages": MESSAGES, "max_tokens": 5, "tools": [{"name": "x", "input_schema": 5}]}),
+    (RESPONSES, {"input": 5}),
+    (RESPONSES, {"input": [{"type": "function_call_output"}]}),
+    (RESPONSES, {"input": "hi", "previous_response_id": "resp_nothing"}),
+    (RESPONSES, {"input": "hi", "tools": [{"type": "web_search"}]}),
+    (RESPONSES, {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+    (OLLAMA_CHAT, {"messages": "hi"}),
+    (OLLAMA_CHAT, {"messages": MESSAGES, "options": {"temperature": [1]}}),
+    (OLLAMA_CHAT, {"messages": MESSAGES, "format": {"type": "object", "properties": 5}}),
+    (OLLAMA_GENERATE, {"prompt": 5}),
+    (OLLAMA_GENERATE, {"prompt": "x", "options": {"num_predict": "many"}}),
+    ("/api/show", {"model": "../../etc/passwd"}),
+    ("/api/delete", {"model": "nothing-here"}),
+]
+
+
+def other_malformed(rng, http, url):
+    path, body = rng.choice(OTHER_MALFORMED)
+    return http.post(url + path, json={"model": "stories260K", **body}).status_code
+
+
 JSON_POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
@@ -270,6 +321,8 @@ KINDS = [
     (preflight, 1),
     (too_big, 1),
     (raw_socket, 2),
+    (other_protocols, 4),
+    (other_malformed, 4),
 ]
 
 

@@ -72,6 +72,18 @@ def test_completions_models_and_health(client, server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
+def test_the_routes_answer_without_the_v1_prefix_too(server, client):
+    bare = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    asked = {"model": "m", "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    assert (
+        bare.chat.completions.create(**asked).choices[0].message.content
+        == client.chat.completions.create(**asked).choices[0].message.content
+    )
+    assert bare.completions.create(model="m", prompt="Tom", max_tokens=3).usage.completion_tokens == 3
+    assert [m.id for m in bare.models.list()] == ["stories260K"] and bare.models.retrieve("stories260K").id
+    assert error_of(httpx.post(server.url + "/completions", json=[1]), 400)["type"] == "invalid_request_error"
+
+
 def test_sixteen_concurrent_streams_equal_one_at_a_time(client):
     conversations = [
         [{"role": "user", "content": f"Tell me a story about {name}."}]

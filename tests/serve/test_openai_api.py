@@ -181,10 +181,21 @@ def test_prompt_past_capacity_is_a_400(small_server):
     long = [{"role": "user", "content": "Once upon a time there was a little girl " * 10}]
     error = error_of(httpx.post(small_server.url + "/v1/chat/completions", json={"messages": long}), 400)
     assert error["code"] == "context_length_exceeded" and "48" in error["message"]
+    assert "FERRUM_KV_CAPACITY" in error["message"]  # below the model's maximum: raising it helps
     short = httpx.post(
         small_server.url + "/v1/completions", json={"prompt": "Tom", "max_tokens": 100, "temperature": 0}
     )
     assert short.status_code == 200 and short.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("long", [[1] * 600, "Once upon a time there was a little girl " * 200])
+def test_a_prompt_past_the_models_own_maximum_is_not_told_to_raise_the_capacity(server, scheduler, long):
+    most = scheduler.engine.model.config.max_seq_len
+    assert scheduler.capacity == most < 600
+    error = error_of(httpx.post(server.url + "/v1/completions", json={"prompt": long}), 400)
+    assert error["code"] == "context_length_exceeded"
+    assert f"{most} tokens is this model's own maximum" in error["message"]
+    assert "FERRUM_KV_CAPACITY" not in error["message"] and "kv-capacity" not in error["message"]
 
 
 def test_api_key(keyed_server):

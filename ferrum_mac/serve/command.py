@@ -104,7 +104,10 @@ def open_models(
         lambda: open_engine(model, backend=backend, device=device, kv_capacity=kv_capacity), speculate=speculate
     ).start()
     engine = scheduler.engine
-    default = LoadedModel(engine.name, scheduler, size_of(engine.path), keep_alive_s, source=engine.path)
+    name = served_name(engine.name)
+    if name != engine.name:
+        print(f"ferrum: {engine.name} is served as {name}", file=sys.stderr)
+    default = LoadedModel(name, scheduler, size_of(engine.path), keep_alive_s, source=engine.path)
     return Models(
         default,
         open_scheduler,
@@ -114,6 +117,16 @@ def open_models(
         release_memory=release_cached_memory,
         resolve=lambda name: stored_path(name, backend),
     )
+
+
+def served_name(typed: str) -> str:
+    """The name clients use for the model `typed` opened: a folder or file given as a path goes
+    by its own name (`stories260K`, `model-Q4_K_M` for a .gguf), since a request never names a
+    path; an alias or repo id as typed."""
+    path = Path(typed).expanduser()
+    if not path.exists():
+        return typed
+    return path.stem if path.is_file() else path.resolve().name
 
 
 def stored_path(name: str, backend: str) -> Path | None:

@@ -21,7 +21,7 @@ from serve_support import CHAT, MESSAGES, LiveServer, error_of, open_models
 
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.app import build_app
-from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address, serving_line
+from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address, served_name, serving_line
 from ferrum_mac.serve.batching.models import FOREVER
 
 SMOLLM2 = "smollm2:135m"
@@ -188,6 +188,31 @@ def test_ferrum_serve_refuses_a_bad_keep_alive_in_one_line(stories_path):
         timeout=60,
     )
     assert result.returncode != 0 and result.stderr.count("\n") == 1 and "--keep-alive" in result.stderr
+
+
+def test_a_model_served_from_a_folder_is_named_by_the_folders_name(stories_path, capsys):
+    from ferrum_mac.serve.command import open_models as serve_models
+
+    models = serve_models(str(stories_path), "auto", None, 64, FOREVER)
+    try:
+        assert models.default_name == STORIES
+        assert f"{stories_path} is served as {STORIES}" in capsys.readouterr().err  # the log says both
+        live = LiveServer(build_app(models))
+        try:
+            assert greedy(live, STORIES)
+            assert [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]] == [STORIES]
+            assert [m["name"] for m in httpx.get(live.url + "/api/ps").json()["models"]] == [STORIES]
+            assert httpx.get(live.url + "/health").json()["model"] == STORIES
+        finally:
+            live.stop()
+    finally:
+        models.close()
+
+
+def test_served_names_of_files_aliases_and_folders(stories_path, smollm2_gguf, tmp_path):
+    assert served_name(str(smollm2_gguf)) == smollm2_gguf.stem
+    assert served_name(SMOLLM2) == SMOLLM2 and served_name("org/name") == "org/name"
+    assert served_name(str(stories_path) + "/") == STORIES
 
 
 def test_requests_that_arrive_while_a_model_loads_wait_for_that_one_load(stories_path, tmp_path):

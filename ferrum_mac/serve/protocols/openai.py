@@ -1,5 +1,7 @@
-"""OpenAI's API on the core: /v1/chat/completions, /v1/completions and /v1/models (each also
-without the /v1, as llama-server, vLLM and LM Studio answer them).
+"""OpenAI's API on the core: /v1/chat/completions, /v1/completions and /v1/models, also without /v1.
+
+Each answers without the /v1 too, as llama-server, vLLM and LM Studio do, for clients given a
+base URL without it.
 
 Bodies are checked by the core (`Server.call_from_openai`, with `serve.checks`); this module
 only renders the answer's neutral events as OpenAI's JSON and server-sent events."""

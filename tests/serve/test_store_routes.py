@@ -148,3 +148,60 @@ def test_the_open_health_names_no_path(scheduler):
         assert httpx.get(live.url + "/v1/models").status_code == 401
     finally:
         live.stop()
+
+
+# -- pulls always end ------------------------------------------------------------------------------
+
+
+def test_a_pull_from_a_hub_answering_with_a_web_page_ends_with_an_error(hub, stories_path):
+    hub.portal.add(REPO)
+    with live_store(stories_path, STORIES) as live:
+        with httpx.stream("POST", live.url + "/api/pull", json={"model": REPO}, timeout=30) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[0] == '{"status": "pulling manifest"}' and len(lines) == 2
+        assert "other than a Hugging Face Hub" in lines[-1] and '"error"' in lines[-1]
+        whole = httpx.post(live.url + "/api/pull", json={"model": REPO, "stream": False}, timeout=30)
+        assert "other than a Hugging Face Hub" in error_of(whole, 502)
+
+
+def test_sigterm_ends_a_server_with_a_pull_running(hub, stories_path, tmp_path):
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    hub.slow.add((REPO, "model.safetensors"))
+    hub.slow_pause_s = 0.2  # a minute for the file: the pull is still running when the server is told to stop
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-m", "ferrum_mac.cli", "serve", str(stories_path), "--port", str(port)]
+    server = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "serving" not in (line := server.stderr.readline()) and time.monotonic() < deadline:
+            assert line, "the server ended before it served"
+        url = f"http://127.0.0.1:{port}/api/pull"
+        after: list[str] = []
+        with httpx.stream("POST", url, json={"model": REPO}, timeout=90) as response:
+            lines = response.iter_lines()
+            for line in lines:
+                if json.loads(line).get("digest") == "model.safetensors":
+                    break  # the weights are arriving
+            server.send_signal(signal.SIGTERM)
+            try:
+                after += lines
+            except httpx.HTTPError:  # cut: what a stopping server does to an answer past its grace
+                pass
+            server.wait(timeout=60)
+        assert not any("success" in line for line in after)  # it stopped the pull rather than wait for it
+        from ferrum_mac.store import hub_cache
+
+        assert hub_cache.partial_files(REPO) and not hub_cache.repo_dir(REPO).joinpath("snapshots").exists()
+    finally:
+        server.kill()
+        server.wait()

@@ -43,12 +43,12 @@ from ferrum_mac.serve.protocols.ollama_models import (
     QueueProgress,
     iso_time,
     local_entry,
-    pull_error,
     pull_updates,
+    start_pull,
 )
 from ferrum_mac.serve.protocols.ollama_models import show_body, tag_entry
 from ferrum_mac.serve.batching.request import Failed
-from ferrum_mac.store import LocalModel, Removal, parse_name, pull_model
+from ferrum_mac.store import LocalModel, Removal, parse_name
 from ferrum_mac.store.remove import plan_stored_removal
 from ferrum_mac.store.in_use import ModelInUseError
 from ferrum_mac.store.resolve import looks_like_path
@@ -616,25 +616,16 @@ class OllamaRoutes:
             parse_name(name, self.backend)
         except FerrumError as e:
             raise api.ApiError(404, str(e)) from None
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-
-        def put(item: object) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def work() -> None:
-            try:
-                pull_model(name, self.backend, QueueProgress(put))
-                put(PULL_DONE)
-            except FerrumError as e:
-                put(pull_error(e))
-
-        loop.run_in_executor(None, work)
+        progress = start_pull(name, self.backend, queue)
         if stream:
-            return StreamingResponse(pull_lines(queue), media_type=NDJSON)
-        while (item := await queue.get()) is not PULL_DONE:
-            if isinstance(item, api.ApiError):
-                raise item
+            return StreamingResponse(pull_lines(queue, progress), media_type=NDJSON)
+        try:
+            while (item := await queue.get()) is not PULL_DONE:
+                if isinstance(item, api.ApiError):
+                    raise item
+        finally:
+            progress.stop_pull()  # the client left, or the server stops: no pull outlives its request
         return JSONResponse({"status": "success"})
 
     async def delete(self, http: Request) -> Response:
@@ -720,9 +711,12 @@ class OllamaRoutes:
 FOREVER_TEXT = "2318-08-24T00:00:00Z"  # how Ollama writes the expiry of a model kept loaded for good
 
 
-async def pull_lines(queue: asyncio.Queue) -> AsyncIterator[str]:
-    async for item in pull_updates(queue):
-        yield ndjson(error_body(item) if isinstance(item, api.ApiError) else item)
+async def pull_lines(queue: asyncio.Queue, progress: QueueProgress) -> AsyncIterator[str]:
+    try:
+        async for item in pull_updates(queue):
+            yield ndjson(error_body(item) if isinstance(item, api.ApiError) else item)
+    finally:
+        progress.stop_pull()  # the client left, or the server stops: no pull outlives its request
 
 
 async def read_body(http: Request, limit: int) -> bytes:

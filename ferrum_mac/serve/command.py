@@ -41,10 +41,12 @@ def serve_command(
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     ollama: bool = False,
     speculate: str = "auto",
+    any_model: bool = False,
 ) -> None:
+    """`any_model` (or FERRUM_SERVE_ANY_MODEL): a name this server does not have means its default model."""
     import uvicorn
 
-    from ferrum_mac.compose import ollama_host
+    from ferrum_mac.compose import ollama_host, serve_any_model
     from ferrum_mac.serve.app import build_app
 
     host, port = listen_address(host, port, ollama, ollama_host())
@@ -58,7 +60,8 @@ def serve_command(
         log_requests()
     sock = bind_socket(host, port)  # first: a taken port fails before the model loads
     try:
-        models = open_models(model, backend, device, kv_capacity, keep_alive_s, speculate)
+        any_model = any_model or serve_any_model()
+        models = open_models(model, backend, device, kv_capacity, keep_alive_s, speculate, any_model)
         try:
             default = models.loaded()[0]
             app = build_app(
@@ -85,10 +88,12 @@ def open_models(
     kv_capacity: int | None,
     keep_alive_s: float,
     speculate: str = "auto",
+    any_model: bool = False,
 ):
     """The registry with the default model open (pulled first if need be, as `ferrum run` does);
     the store's others are opened from their files, never pulled, when a request names them.
-    `speculate`: what requests that do not choose get (auto, ngram or off)."""
+    `speculate`: what requests that do not choose get (auto, ngram or off); `any_model`: answer
+    names this server does not have with the default model."""
     from ferrum_mac.compose import free_memory_bytes, open_engine, release_cached_memory
     from ferrum_mac.serve.batching.models import LoadedModel, Models, size_of
     from ferrum_mac.serve.batching.scheduler import Scheduler
@@ -116,6 +121,7 @@ def open_models(
         free_memory=lambda: free_memory_bytes(backend, device),
         release_memory=release_cached_memory,
         resolve=lambda name: stored_path(name, backend),
+        any_name=any_model,
     )
 
 

@@ -112,8 +112,25 @@ def test_an_unknown_model_is_a_404_naming_the_models(two):
     error = error_of(httpx.post(live.url + CHAT, json=body, timeout=30), 404)
     assert error["code"] == "model_not_found" and error["param"] == "model"
     assert STORIES in error["message"] and SMOLLM2 in error["message"]
+    assert "--any-model answers any other name with stories260K" in error["message"]  # what a client can do
     bad_type = error_of(httpx.post(live.url + CHAT, json={**body, "model": 7}, timeout=30), 400)
     assert bad_type["param"] == "model"
+
+
+def test_with_any_model_an_unknown_name_is_answered_by_the_default_model(stories_path, smollm2_gguf, two):
+    models = open_models(stories_path, STORIES, {SMOLLM2: smollm2_gguf}, kv_capacity=512, any_name=True)
+    live = LiveServer(build_app(models))
+    try:
+        assert greedy(live, STORIES) == greedy(two[0], STORIES)
+        body = {"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+        answer = httpx.post(live.url + CHAT, json=body, timeout=120).json()
+        assert answer["model"] == STORIES  # says which model answered
+        assert answer["choices"][0]["message"]["content"] == greedy(live, STORIES)
+        shown = httpx.post(live.url + "/api/show", json={"model": "llama3"}, timeout=60)
+        assert shown.status_code == 200 and loaded(models) == [STORIES]  # the store's other model stays unloaded
+    finally:
+        live.stop()
+        models.close()
 
 
 def test_a_model_that_does_not_fit_unloads_an_idle_one_first_else_is_refused(stories_path, tmp_path):

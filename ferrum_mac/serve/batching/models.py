@@ -161,8 +161,10 @@ class Models:
         free_memory: Callable[[], int] | None = None,
         release_memory: Callable[[], None] | None = None,
         resolve: Callable[[str], Path | None] | None = None,
+        any_name: bool = False,
     ):
         self.default_name = default.name
+        self.any_name = any_name  # a name it does not have means the default model (else a 404)
         self.default_source = default.source
         self.opener = opener
         self.catalog = catalog
@@ -313,6 +315,9 @@ class Models:
             match = next((m for m in models if path is not None and m.path == path), None)
         if match is not None and self.default_source is not None and match.path == Path(self.default_source):
             return self.default_name, self.default_source, match.size
+        if match is None and self.any_name:
+            log.info("answering a request for '%s' with %s (--any-model)", name[:200], self.default_name)
+            return self.default_name, self.default_source, size_of(self.default_source)
         if match is None:
             raise self._not_found(name, models)
         return match.name, match.path, match.size
@@ -322,7 +327,8 @@ class Models:
         shown = ", ".join(names[:NAMES_SHOWN]) + (", ..." if len(names) > NAMES_SHOWN else "")
         return api.ApiError(
             404,
-            f"model '{name[:200]}' not found; this server has: {shown} (`ferrum pull NAME` adds one)",
+            f"model '{name[:200]}' not found; this server has: {shown} (`ferrum pull NAME` adds one; "
+            f"a server started with --any-model answers any other name with {self.default_name})",
             param="model",
             code="model_not_found",
         )

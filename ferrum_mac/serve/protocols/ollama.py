@@ -703,6 +703,8 @@ class OllamaRoutes:
         if found is None and resolve is not None:
             path = resolve(name)
             found = next((m for m in models if path is not None and m.path == path), None)
+        if found is None and self.server.models.any_name:
+            found = next((m for m in models if m.name == self.server.models.default_name), None)
         if found is None:
             raise api.ApiError(404, f"model '{name[:200]}' not found")
         return found

@@ -208,6 +208,16 @@ def test_tags_show_and_ps_describe_the_model(client, stories_path):
     assert loaded.model == MODEL and loaded.context_length == shown.modelinfo["llama.context_length"]
 
 
+def test_show_lists_tools_for_a_model_whose_template_has_no_tool_section(client, server):
+    shown = client.show(MODEL)
+    assert "tools" in shown.capabilities and "thinking" not in shown.capabilities
+    assert "tools" not in shown.template  # the server describes the tools itself, and its grammar writes the call
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"messages": ASK, "tools": [tool], "tool_choice": "required", "max_tokens": 40, "temperature": 0}
+    answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
 def test_unknown_model_is_a_404(server, client):
     with pytest.raises(ollama.ResponseError) as caught:
         client.show("no-such-model")

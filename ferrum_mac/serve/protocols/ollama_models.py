@@ -21,7 +21,6 @@ from ferrum_mac.serve.api_errors import hide_paths
 from ferrum_mac.store import LocalModel, ModelFacts, PullProgress, describe_model, pull_model
 from ferrum_mac.store.describe import read_config
 from ferrum_mac.text import chat_templates
-from ferrum_mac.text.tool_calls import template_renders_tools
 
 log = logging.getLogger("ferrum.serve")
 
@@ -116,11 +115,10 @@ def model_parameters(sampling: SamplingParams, stops: tuple[str, ...] = ()) -> s
 
 
 def capabilities(template: str) -> list[str]:
-    """What Ollama's clients look for: "completion", "tools" where the template renders tools,
-    "thinking" where it has a reasoning switch or block."""
-    found = ["completion"]
-    if template_renders_tools(template):
-        found.append("tools")
+    """What Ollama's clients look for, as this server can do it: "completion"; "tools" for every
+    model (a template without a tool section gets the tools described in a system message, and
+    the grammar writes the calls); "thinking" where the template has a reasoning switch or block."""
+    found = ["completion", "tools"]
     if "enable_thinking" in template or "<think>" in template or "reasoning_content" in template:
         found.append("thinking")
     return found

@@ -73,7 +73,8 @@ def serve_command(
             )
             server = uvicorn.Server(uvicorn_config(app, host=host, port=port, max_connections=max_connections))
             sock.listen(max_connections)
-            print(serving_line(default.name, host, port, default.context, ollama), file=sys.stderr)
+            line = serving_line(default.name, host, port, default.context, ollama, typed=default.engine.name)
+            print(line, file=sys.stderr)
             server.run(sockets=[sock])
         finally:
             models.close()
@@ -109,10 +110,7 @@ def open_models(
         lambda: open_engine(model, backend=backend, device=device, kv_capacity=kv_capacity), speculate=speculate
     ).start()
     engine = scheduler.engine
-    name = served_name(engine.name)
-    if name != engine.name:
-        print(f"ferrum: {engine.name} is served as {name}", file=sys.stderr)
-    default = LoadedModel(name, scheduler, size_of(engine.path), keep_alive_s, source=engine.path)
+    default = LoadedModel(served_name(engine.name), scheduler, size_of(engine.path), keep_alive_s, source=engine.path)
     return Models(
         default,
         open_scheduler,
@@ -205,12 +203,14 @@ def log_requests() -> None:
     log.setLevel(logging.INFO)
 
 
-def serving_line(name: str, host: str, port: int, context: int, ollama: bool) -> str:
-    """What the server says once it listens: the base URL its clients take (Ollama's clients the
-    bare address, OpenAI's the /v1 under it)."""
+def serving_line(name: str, host: str, port: int, context: int, ollama: bool, typed: str | None = None) -> str:
+    """What the server says once it listens: the model's name (and the path `typed` for it, when
+    that differs) and the base URL its clients take (Ollama's clients the bare address, OpenAI's
+    the /v1 under it)."""
     base = f"http://{url_host(host)}:{port}"
     where = f"{base} for Ollama's clients, {base}/v1 for OpenAI's" if ollama else f"{base}/v1"
-    return f"ferrum: serving {name} on {where} (context {context} tokens)"
+    source = f" (from {typed})" if typed is not None and typed != name else ""
+    return f"ferrum: serving {name}{source} on {where} (context {context} tokens)"
 
 
 def url_host(host: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -207,13 +208,12 @@ def test_ferrum_serve_refuses_a_bad_keep_alive_in_one_line(stories_path):
     assert result.returncode != 0 and result.stderr.count("\n") == 1 and "--keep-alive" in result.stderr
 
 
-def test_a_model_served_from_a_folder_is_named_by_the_folders_name(stories_path, capsys):
+def test_a_model_served_from_a_folder_is_named_by_the_folders_name(stories_path):
     from ferrum_mac.serve.command import open_models as serve_models
 
     models = serve_models(str(stories_path), "auto", None, 64, FOREVER)
     try:
         assert models.default_name == STORIES
-        assert f"{stories_path} is served as {STORIES}" in capsys.readouterr().err  # the log says both
         live = LiveServer(build_app(models))
         try:
             assert greedy(live, STORIES)
@@ -224,6 +224,20 @@ def test_a_model_served_from_a_folder_is_named_by_the_folders_name(stories_path,
             live.stop()
     finally:
         models.close()
+
+
+def test_ferrum_serve_of_a_folder_says_its_name_and_its_path(stories_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "ferrum_mac.cli", "serve", str(stories_path), "--port", str(port)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stderr.readline()
+        assert line.startswith(f"ferrum: serving {STORIES} (from {stories_path}) on http://127.0.0.1:{port}/v1")
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_served_names_of_files_aliases_and_folders(stories_path, smollm2_gguf, tmp_path):

@@ -39,6 +39,7 @@ def live_store(default: Path, name: str):
     first = LoadedModel(name, open_scheduler(default), size_of(default), 300.0, default)
     models = Models(first, open_scheduler, list_models, resolve=lambda n: stored_path(n, "auto"))
     live = LiveServer(build_app(models))
+    live.models = models
     try:
         yield live
     finally:
@@ -82,6 +83,19 @@ def test_a_model_another_server_has_loaded_is_not_deleted(pulled, stories_path):
         assert unloaded.json()["done_reason"] == "unload"
         assert delete(other, REPO).status_code == 200 and not pulled.exists()
         assert "not found" in error_of(chat(holder, REPO), 404)
+
+
+def test_a_model_with_a_request_running_is_not_deleted(pulled, stories_path):
+    import asyncio
+
+    with live_store(stories_path, STORIES) as live:
+        running = asyncio.run(live.models.acquire(REPO))  # a request on it, not finished
+        try:
+            assert "a request is running" in error_of(delete(live, REPO), 409)
+            assert pulled.is_dir()
+        finally:
+            live.models.release(running)
+        assert delete(live, REPO).status_code == 200 and not pulled.exists()
 
 
 def test_ferrum_rm_refuses_a_model_a_server_holds(pulled):
@@ -205,3 +219,11 @@ def test_sigterm_ends_a_server_with_a_pull_running(hub, stories_path, tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_failure_message_for_clients_keeps_the_servers_folders_to_its_log(caplog):
+    from ferrum_mac.serve.batching.batch import one_line
+
+    error = IsADirectoryError(21, "Is a directory", "/home/someone/.cache/ferrum_mac/prefix-cache/3f/ab12.blk")
+    assert one_line(error) == "[Errno 21] Is a directory: 'ab12.blk'"
+    assert "/home/someone/.cache/ferrum_mac/prefix-cache/3f/ab12.blk" in caplog.text

@@ -122,6 +122,11 @@ def ollama_host() -> str | None:
     return settings.value("OLLAMA_HOST")
 
 
+def serve_any_model() -> bool:
+    """FERRUM_SERVE_ANY_MODEL: whether `ferrum serve` answers names it does not have with its default model."""
+    return settings.value("FERRUM_SERVE_ANY_MODEL")
+
+
 def device_or_setting(backend: str, device: str | None) -> str | None:
     """The device asked for, else on torch FERRUM_DEVICE's (None: the backend's default)."""
     if device is None and backend == "torch":

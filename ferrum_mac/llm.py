@@ -173,6 +173,20 @@ def token_count(tokens) -> int:
 KV_CAPACITY_ENV = "FERRUM_KV_CAPACITY"  # named in messages: where a user raises the capacity
 
 
+def room_advice(capacity: int, model_max: int) -> str:
+    """What can give a sequence more room: raising the capacity only while it is below the
+    model's own maximum (the setting is clamped to it); past that, only less text."""
+    if capacity >= model_max:
+        return (
+            f"{model_max} tokens is this model's own maximum: shorten the prompt, truncate the conversation "
+            "or use a model with a longer context"
+        )
+    return (
+        f"shorten the prompt, truncate the conversation or raise --kv-capacity / {KV_CAPACITY_ENV} "
+        f"(this model takes up to {model_max} tokens, as free memory allows)"
+    )
+
+
 def clamp_kv_capacity(wanted: int | None, model_max: int) -> int:
     """The KV capacity a caller asked for (None: no cap) clamped to the model's maximum."""
     if wanted is None:
@@ -322,7 +336,7 @@ def check_segments(model: DecoderOnlyLLM, segments: Sequence[tuple[str, int, int
                 f"sequence {cache_id!r} holds {held} tokens but the call places its token(s) at position {offset}; "
                 "positions must continue the cache (truncate_kv first to rewrite it)"
             )
-        check_capacity(cache_id, offset + n, capacity)
+        check_capacity(cache_id, offset + n, capacity, model.config.max_seq_len)
 
 
 def check_token_ids(cache_id: str, tokens, vocab: int, device_types: tuple[type, ...] = ()) -> None:
@@ -346,12 +360,12 @@ def check_token_ids(cache_id: str, tokens, vocab: int, device_types: tuple[type,
         )
 
 
-def check_capacity(cache_id: str, new_len: int, capacity: int) -> None:
+def check_capacity(cache_id: str, new_len: int, capacity: int, model_max: int) -> None:
     """Raise `KvCapacityError` if `cache_id` would hold more than `capacity` tokens."""
     if new_len > capacity:
         raise KvCapacityError(
             f"sequence {cache_id!r} would hold {new_len} tokens but the KV capacity is {capacity}; "
-            f"shorten the prompt, truncate the conversation or raise {KV_CAPACITY_ENV}",
+            + room_advice(capacity, model_max),
             needed=new_len,
             capacity=capacity,
         )

@@ -113,6 +113,14 @@ SETTINGS: tuple[Setting, ...] = (
         shown_default="none",
     ),
     Setting(
+        "FERRUM_SERVE_ANY_MODEL",
+        "bool",
+        False,
+        "compose.py: `--any-model` of serve",
+        "serve: answer a request naming a model the server does not have with its default model, "
+        "instead of a 404 (for clients that send a fixed name).",
+    ),
+    Setting(
         "FERRUM_DEVICE",
         "text",
         None,

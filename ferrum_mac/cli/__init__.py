@@ -228,6 +228,12 @@ def serve(
         help="Speculative decoding for requests that do not choose (their `speculate` field): "
         "auto (prompt lookup where it pays), ngram or off.",
     ),
+    any_model: bool = typer.Option(
+        False,
+        "--any-model",
+        help="Answer a request naming a model this server does not have with the default model, not a 404 "
+        "(default $FERRUM_SERVE_ANY_MODEL).",
+    ),
 ) -> None:
     """An OpenAI-, Anthropic- and Ollama-compatible server of the default model and any model in the
     store (/v1/chat/completions, /v1/messages, /api/chat, /v1/models, /health, /metrics, ...)."""
@@ -247,6 +253,7 @@ def serve(
         keep_alive_s=keep_alive_option(keep_alive),
         ollama=ollama,
         speculate=speculate,
+        any_model=any_model,
     )
 
 

@@ -6,6 +6,7 @@ ollama_error`); the longest matching prefix wins, and any other path gets OpenAI
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Mapping
 
 from starlette.responses import JSONResponse, Response
@@ -27,6 +28,16 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# An absolute or home path where a message quotes one: at its start or after a space, quote or bracket.
+ABSOLUTE_PATH = re.compile(r"(?:(?<=^)|(?<=[\s'\"(\[=]))~?/[^\s'\"()\[\]]*")
+
+
+def hide_paths(text: str) -> str:
+    """`text` with each absolute path cut to its last part: an error a client reads must not
+    show the server's folders (its log has them whole)."""
+    return ABSOLUTE_PATH.sub(lambda m: m.group().rstrip("/").rsplit("/", 1)[-1] or "/", text)
 
 
 Renderer = Callable[[ApiError], dict]

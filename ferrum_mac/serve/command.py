@@ -14,7 +14,7 @@ from ferrum_mac.errors import FerrumError
 from ferrum_mac.serve.body import MAX_BODY
 from ferrum_mac.serve.guards import is_loopback_host
 from ferrum_mac.serve.listener import MAX_CONNECTIONS, bind_socket, uvicorn_config
-from ferrum_mac.serve.batching.models import DEFAULT_KEEP_ALIVE_S
+from ferrum_mac.serve.batching.models import DEFAULT_KEEP_ALIVE_S, served_name
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -41,10 +41,12 @@ def serve_command(
     keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
     ollama: bool = False,
     speculate: str = "auto",
+    any_model: bool = False,
 ) -> None:
+    """`any_model` (or FERRUM_SERVE_ANY_MODEL): a name this server does not have means its default model."""
     import uvicorn
 
-    from ferrum_mac.compose import ollama_host, response_store
+    from ferrum_mac.compose import ollama_host, response_store, serve_any_model
     from ferrum_mac.serve.app import build_app
 
     host, port = listen_address(host, port, ollama, ollama_host())
@@ -58,7 +60,8 @@ def serve_command(
         log_requests()
     sock = bind_socket(host, port)  # first: a taken port fails before the model loads
     try:
-        models = open_models(model, backend, device, kv_capacity, keep_alive_s, speculate)
+        any_model = any_model or serve_any_model()
+        models = open_models(model, backend, device, kv_capacity, keep_alive_s, speculate, any_model)
         try:
             default = models.loaded()[0]
             app = build_app(
@@ -71,7 +74,8 @@ def serve_command(
             )
             server = uvicorn.Server(uvicorn_config(app, host=host, port=port, max_connections=max_connections))
             sock.listen(max_connections)
-            print(serving_line(default.name, host, port, default.context, ollama), file=sys.stderr)
+            line = serving_line(default.name, host, port, default.context, ollama, typed=default.engine.name)
+            print(line, file=sys.stderr)
             server.run(sockets=[sock])
         finally:
             models.close()
@@ -86,10 +90,12 @@ def open_models(
     kv_capacity: int | None,
     keep_alive_s: float,
     speculate: str = "auto",
+    any_model: bool = False,
 ):
     """The registry with the default model open (pulled first if need be, as `ferrum run` does);
     the store's others are opened from their files, never pulled, when a request names them.
-    `speculate`: what requests that do not choose get (auto, ngram or off)."""
+    `speculate`: what requests that do not choose get (auto, ngram or off); `any_model`: answer
+    names this server does not have with the default model."""
     from ferrum_mac.compose import free_memory_bytes, open_engine, release_cached_memory
     from ferrum_mac.serve.batching.models import LoadedModel, Models, size_of
     from ferrum_mac.serve.batching.scheduler import Scheduler
@@ -105,7 +111,7 @@ def open_models(
         lambda: open_engine(model, backend=backend, device=device, kv_capacity=kv_capacity), speculate=speculate
     ).start()
     engine = scheduler.engine
-    default = LoadedModel(engine.name, scheduler, size_of(engine.path), keep_alive_s, source=engine.path)
+    default = LoadedModel(served_name(engine.name), scheduler, size_of(engine.path), keep_alive_s, source=engine.path)
     return Models(
         default,
         open_scheduler,
@@ -114,6 +120,7 @@ def open_models(
         free_memory=lambda: free_memory_bytes(backend, device),
         release_memory=release_cached_memory,
         resolve=lambda name: stored_path(name, backend),
+        any_name=any_model,
     )
 
 
@@ -197,12 +204,14 @@ def log_requests() -> None:
     log.setLevel(logging.INFO)
 
 
-def serving_line(name: str, host: str, port: int, context: int, ollama: bool) -> str:
-    """What the server says once it listens: the base URL its clients take (Ollama's clients the
-    bare address, OpenAI's the /v1 under it)."""
+def serving_line(name: str, host: str, port: int, context: int, ollama: bool, typed: str | None = None) -> str:
+    """What the server says once it listens: the model's name (and the path `typed` for it, when
+    that differs) and the base URL its clients take (Ollama's clients the bare address, OpenAI's
+    the /v1 under it)."""
     base = f"http://{url_host(host)}:{port}"
     where = f"{base} for Ollama's clients, {base}/v1 for OpenAI's" if ollama else f"{base}/v1"
-    return f"ferrum: serving {name} on {where} (context {context} tokens)"
+    source = f" (from {typed})" if typed is not None and typed != name else ""
+    return f"ferrum: serving {name}{source} on {where} (context {context} tokens)"
 
 
 def url_host(host: str) -> str:

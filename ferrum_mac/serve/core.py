@@ -23,7 +23,7 @@ from ferrum_mac.engine.prompt import AnswerStart
 from ferrum_mac.errors import FerrumError, KvCapacityError
 from ferrum_mac.grammar import GrammarMatcher
 from ferrum_mac.serve import checks as api
-from ferrum_mac.serve.batching.models import FOREVER, LoadedModel, Models
+from ferrum_mac.serve.batching.models import FOREVER, LoadedModel, Models, served_name
 from ferrum_mac.serve.batching.request import Failed, GenerationRequest, RequestHandle
 from ferrum_mac.serve.batching.scheduler import Scheduler
 from ferrum_mac.serve.body import MAX_BODY, read_json_body
@@ -139,7 +139,7 @@ class Server:
 
     def __init__(self, models: Models | Scheduler, model_name: str | None = None, max_body: int = MAX_BODY):
         if isinstance(models, Scheduler):
-            models = Models(LoadedModel(model_name or models.engine.name, models, 0, FOREVER))
+            models = Models(LoadedModel(model_name or served_name(models.engine.name), models, 0, FOREVER))
         self.models = models
         self.model_name = models.default_name
         self.max_body = max_body
@@ -263,7 +263,10 @@ class Server:
     # -- routes every protocol shares --------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        """503 when a loaded model's scheduler has stopped (an unloaded model is no fault)."""
+        """503 when a loaded model's scheduler has stopped (an unloaded model is no fault) or the
+        default model is unloaded and its files are gone; "degraded" with a warning when a
+        loaded model's files were deleted (it answers, but cannot be loaded again). Open
+        without the API key, so it names models by name only, never by path."""
         for model in self.models.loaded():
             if not model.scheduler.alive:
                 return JSONResponse(
@@ -274,7 +277,13 @@ class Server:
                     },
                     status_code=503,
                 )
-        return JSONResponse({"status": "ok", "model": self.model_name})
+        gone = await run_in_threadpool(self.models.gone)
+        if not gone:
+            return JSONResponse({"status": "ok", "model": self.model_name})
+        warnings = [f"the files of the model '{name}' were deleted while this server ran" for name in gone]
+        if self.model_name in gone and self.models.get_loaded(None) is None:
+            return JSONResponse({"status": "error", "model": self.model_name, "error": warnings[0]}, status_code=503)
+        return JSONResponse({"status": "degraded", "model": self.model_name, "warnings": warnings})
 
     async def metrics(self, request: Request) -> Response:
         """The default model's figures (the last it had, while keep-alive has it unloaded)."""

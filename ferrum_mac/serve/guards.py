@@ -15,7 +15,7 @@ from ferrum_mac.serve.api_errors import error_response
 
 OPEN_PATHS = ("/health",)  # answered without the API key
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
-CORS_METHODS = "GET, POST, OPTIONS"
+CORS_METHODS = "GET, POST, DELETE, OPTIONS"  # DELETE: /api/delete
 CORS_MAX_AGE = "600"
 
 

@@ -21,6 +21,7 @@ from ferrum_mac.errors import FerrumError
 
 HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 128  # under macOS's default of 256 open files, with room for the model's own
+SHUTDOWN_GRACE_S = 5  # what answers still running get to finish once the server is told to stop
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -84,6 +85,8 @@ def uvicorn_config(
         log_level="warning",
         http=protocol,  # type: ignore[arg-type]  # uvicorn calls it as it would the class
         limit_concurrency=max_connections,
+        # on SIGTERM answers still running get this long, then are cut: a pull or stream never holds the exit
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
 
 

@@ -13,6 +13,7 @@ from ferrum_mac.engine import LocalEngine, ResponseFormat
 from ferrum_mac.engine.prompt import AnswerGrammar, AnswerStart, with_call_opener
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import GrammarError, GrammarMatcher, UnsupportedSchemaError
+from ferrum_mac.llm import room_advice
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.call import ChatCall, Limits
 
@@ -108,7 +109,8 @@ class Prompting:
             if n > capacity:
                 raise api.ApiError(
                     400,
-                    f"the prompt has over {n} tokens but the context holds {capacity} (prompt and answer); shorten it",
+                    f"the prompt has over {n} tokens but the context holds {capacity} (prompt and answer); "
+                    + room_advice(capacity, self.engine.model.config.max_seq_len),
                     param=param,
                     code="context_length_exceeded",
                 )

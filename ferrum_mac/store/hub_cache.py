@@ -14,6 +14,8 @@ to stay inside the repository's folder (`paths.inside`).
 from __future__ import annotations
 
 import os
+import secrets
+import threading
 from pathlib import Path
 
 from ferrum_mac.errors import FerrumError
@@ -73,11 +75,13 @@ def link_snapshot(repo_id: str, commit: str, files: dict[str, str]) -> Path:
         inside(snapshot.parent, link.parent)  # the link itself is replaced, never written through
         link.parent.mkdir(parents=True, exist_ok=True)
         target = os.path.relpath(blob_path(repo_id, etag), link.parent)
-        if link.is_symlink() or link.exists():
-            if os.path.realpath(link) == os.path.realpath(blob_path(repo_id, etag)):
-                continue
-            link.unlink()
-        os.symlink(target, link)
+        if (link.is_symlink() or link.exists()) and os.path.realpath(link) == os.path.realpath(
+            blob_path(repo_id, etag)
+        ):
+            continue
+        fresh = _unique_name(link)  # made aside, then renamed over: pulls of one model may run at once
+        os.symlink(target, fresh)
+        os.replace(fresh, link)
     return snapshot
 
 
@@ -86,10 +90,18 @@ def write_ref(repo_id: str, revision: str, commit: str) -> None:
         return
     refs = repo_dir(repo_id) / "refs"
     ref = inside(refs, refs / check_revision(revision, f"{repo_id}@{revision}"))
-    tmp = inside(refs, ref.with_name(ref.name + ".tmp"))
     ref.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(commit)
-    os.replace(tmp, ref)
+    tmp = _unique_name(ref)  # each writer its own: pulls of one model may run at once
+    try:
+        tmp.write_text(commit)
+        os.replace(tmp, ref)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _unique_name(path: Path) -> Path:
+    """A name beside `path` no other writer (process or thread) uses."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp")
 
 
 def partial_files(repo_id: str) -> list[Path]:

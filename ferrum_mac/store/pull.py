@@ -8,6 +8,7 @@ leaves blobs and partial files, never a snapshot that looks like a whole model.
 
 from __future__ import annotations
 
+import logging
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,16 +25,29 @@ from ferrum_mac.store.units import human_bytes
 
 DISK_RESERVE = 100 * 1000 * 1000  # leave the system some room after the download
 
+log = logging.getLogger("ferrum.store")
+
 
 def pull(name: str, backend: str = "mlx", progress: PullProgress | None = None) -> Path:
-    """Download `name` (alias or repo id) unless it is already complete; returns its local path."""
+    """Download `name` (alias or repo id) unless it is already complete; returns its local path.
+    Every failure is a one-line FerrumError (one this code did not foresee too: it is logged)."""
     progress = progress or PullProgress()
     ref = parse_name(name, backend)
     if isinstance(ref, BundledRef):
         return bundled.ensure_smollm2(progress=type(progress) is not PullProgress)
     if hub_offline():
         return _cached_or_offline_error(ref, name)
-    return pull_repo(ref, name, progress)
+    try:
+        return pull_repo(ref, name, progress)
+    except FerrumError:
+        raise
+    except Exception as e:
+        log.warning("pulling %s failed", name, exc_info=True)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise FerrumError(
+            f"pulling {name} failed ({type(e).__name__}{': ' + reason[:200] if reason else ''}); "
+            f"`ferrum pull {name}` tries again"
+        ) from None
 
 
 def pull_repo(ref: RepoRef, name: str, progress: PullProgress) -> Path:
@@ -184,9 +198,15 @@ def _network_errors() -> tuple[type[BaseException], ...]:
 def _model_info(ref: RepoRef, endpoint: str):
     from huggingface_hub import HfApi, constants
 
-    return HfApi(endpoint=endpoint).model_info(
-        ref.repo_id, revision=ref.revision, files_metadata=True, timeout=constants.HF_HUB_ETAG_TIMEOUT
-    )
+    try:
+        return HfApi(endpoint=endpoint).model_info(
+            ref.repo_id, revision=ref.revision, files_metadata=True, timeout=constants.HF_HUB_ETAG_TIMEOUT
+        )
+    except (ValueError, TypeError, KeyError, AttributeError):  # a 200 that is not the Hub's JSON
+        raise FerrumError(
+            f"{endpoint} answered with something other than a Hugging Face Hub's model information for "
+            f"{ref.repo_id} (a proxy's or a network's login page?); check the network, or HF_ENDPOINT"
+        ) from None
 
 
 def _endpoint() -> str:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
-from ferrum_mac.store import bundled, hub_cache
+from ferrum_mac.store import bundled, hub_cache, in_use
 from ferrum_mac.store.aliases import BundledRef, RepoRef, parse_name
 from ferrum_mac.store.derived import copies_of, sweep_orphans
 from ferrum_mac.store.paths import exists
@@ -32,23 +33,36 @@ class Removal:
         copies = f" and its dense copy, {human_bytes(self.copies_size)}" if self.copies else ""
         return f"Remove {self.what}, {human_bytes(self.size)}{copies}?"
 
+    def covers(self, path: Path | str) -> bool:
+        """Whether removing deletes the model at `path` (a snapshot folder or a file in one)."""
+        scope = self.folder / "snapshots" / self.commit if self.commit is not None else self.folder
+        return any(Path(form(path)).is_relative_to(form(scope)) for form in (os.path.abspath, os.path.realpath))
+
     def execute(self) -> int:
-        """Delete the model and its dense copies; returns the bytes freed."""
-        freed = self.size + self.copies_size
-        if self.commit is not None:
-            _delete_revisions(self.folder, [self.commit])
-        else:
-            _delete_revisions(self.folder, None)
-            shutil.rmtree(self.folder, ignore_errors=True)  # partial downloads, refs, what hf left
-            shutil.rmtree(self.folder.parent / ".locks" / self.folder.name, ignore_errors=True)
-        for copy in self.copies:
-            copy.unlink(missing_ok=True)
+        """Delete the model and its dense copies; returns the bytes freed. `ModelInUseError`
+        (nothing deleted) while any process has it loaded (`store.in_use`)."""
+        with in_use.exclusive(self.folder, self.name):
+            freed = self.size + self.copies_size
+            if self.commit is not None:
+                _delete_revisions(self.folder, [self.commit])
+            else:
+                _delete_revisions(self.folder, None)
+                shutil.rmtree(self.folder, ignore_errors=True)  # partial downloads, refs, what hf left
+                shutil.rmtree(self.folder.parent / ".locks" / self.folder.name, ignore_errors=True)
+            for copy in self.copies:
+                copy.unlink(missing_ok=True)
         return freed + sweep_orphans()
 
 
 def plan_removal(name: str, backend: str = "mlx") -> Removal:
     if exists(Path(name).expanduser()):
         raise FerrumError(f"{name} is a path of yours, not a downloaded model; ferrum rm leaves it alone")
+    return plan_stored_removal(name, backend)
+
+
+def plan_stored_removal(name: str, backend: str = "mlx") -> Removal:
+    """The removal of the stored model `name` names, never looking at `name` as a path (a
+    server's client may not learn what exists on its machine)."""
     try:
         ref = parse_name(name, backend)
         return _plan_bundled(name) if isinstance(ref, BundledRef) else _plan_repo(name, ref)

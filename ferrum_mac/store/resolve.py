@@ -24,7 +24,7 @@ def resolve_model(
     path = Path(text).expanduser()
     if exists(path) or is_broken_link(path):  # the loader says what is wrong with a broken one
         return path
-    if _looks_like_path(text):
+    if looks_like_path(text):
         raise ModelNotFoundError(f"{shown(text)} does not exist; give a model folder, a .gguf file or a model name")
     if _bundled_on_torch(text, backend):
         backend = "mlx"  # the same file on both backends
@@ -55,6 +55,7 @@ def _bundled_on_torch(text: str, backend: str) -> bool:
         return False
 
 
-def _looks_like_path(text: str) -> bool:
+def looks_like_path(text: str) -> bool:
+    """Whether `text` is written as a path (not an alias or a repo id)."""
     before_revision = text.split("@", 1)[0]
     return text.startswith((".", "/", "~")) or before_revision.endswith(".gguf") or before_revision.count("/") > 1

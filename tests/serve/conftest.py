@@ -3,10 +3,14 @@ and a model folder of random Qwen3 weights with Qwen3's own tokenizer and templa
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-from serve_support import API_KEY, LiveServer, open_stories
+from serve_support import API_KEY, REPO, LiveServer, open_stories
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
+from fake_hub import FakeHub, FakeRepo  # noqa: E402  (the store tests' Hub look-alike)
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 STORIES = SHARED / "assets" / "stories260K"
@@ -83,3 +87,27 @@ def qwen3_random(tmp_path_factory, shared_assets) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(shared_assets / "tokenizers" / "qwen3" / name, folder / name)
     return folder
+
+
+@pytest.fixture
+def hub(stories_path, tmp_path, monkeypatch):
+    """The fake Hub serving stories260K's files as a repository, set as the endpoint, and an empty
+    Hugging Face cache for the pull to fill."""
+    from huggingface_hub import constants
+
+    home = tmp_path / "hf-home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    files = {p.name: p.read_bytes() for p in stories_path.iterdir() if p.is_file()}
+    server = FakeHub()
+    server.add(FakeRepo(REPO, files))
+    server.start()
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(
+        constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
+    )
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)
+    yield server
+    server.stop()

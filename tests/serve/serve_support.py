@@ -14,6 +14,7 @@ import uvicorn
 from ferrum_mac.serve.listener import uvicorn_config
 
 API_KEY = "test-key"
+REPO = "tiny-org/tiny-stories"  # the repository the fake Hub (conftest's `hub`) serves
 
 
 def open_stories(path: Path, kv_capacity: int | None = None):

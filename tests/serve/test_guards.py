@@ -94,6 +94,14 @@ def test_loopback_and_allowed_origins_get_cors_answers(origin_server, origin):
     assert response.status_code == 200 and response.headers["access-control-allow-origin"] == origin
 
 
+def test_a_loopback_page_may_preflight_a_delete(origin_server):
+    preflight = httpx.options(
+        origin_server.url + "/api/delete",
+        headers={"origin": "http://localhost:5173", "access-control-request-method": "DELETE"},
+    )
+    assert preflight.status_code == 204 and "DELETE" in preflight.headers["access-control-allow-methods"]
+
+
 def test_clients_without_an_origin_are_served(origin_server):
     response = httpx.post(origin_server.url + CHAT, json={"messages": MESSAGES, "max_tokens": 2}, timeout=30)
     assert response.status_code == 200 and "access-control-allow-origin" not in response.headers

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from serve_support import CHAT, MESSAGES, LiveServer, error_of, open_models
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.app import build_app
 from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address, serving_line
-from ferrum_mac.serve.batching.models import FOREVER
+from ferrum_mac.serve.batching.models import FOREVER, served_name
 
 SMOLLM2 = "smollm2:135m"
 STORIES = "stories260K"
@@ -112,8 +113,25 @@ def test_an_unknown_model_is_a_404_naming_the_models(two):
     error = error_of(httpx.post(live.url + CHAT, json=body, timeout=30), 404)
     assert error["code"] == "model_not_found" and error["param"] == "model"
     assert STORIES in error["message"] and SMOLLM2 in error["message"]
+    assert "--any-model answers any other name with stories260K" in error["message"]  # what a client can do
     bad_type = error_of(httpx.post(live.url + CHAT, json={**body, "model": 7}, timeout=30), 400)
     assert bad_type["param"] == "model"
+
+
+def test_with_any_model_an_unknown_name_is_answered_by_the_default_model(stories_path, smollm2_gguf, two):
+    models = open_models(stories_path, STORIES, {SMOLLM2: smollm2_gguf}, kv_capacity=512, any_name=True)
+    live = LiveServer(build_app(models))
+    try:
+        assert greedy(live, STORIES) == greedy(two[0], STORIES)
+        body = {"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+        answer = httpx.post(live.url + CHAT, json=body, timeout=120).json()
+        assert answer["model"] == STORIES  # says which model answered
+        assert answer["choices"][0]["message"]["content"] == greedy(live, STORIES)
+        shown = httpx.post(live.url + "/api/show", json={"model": "llama3"}, timeout=60)
+        assert shown.status_code == 200 and loaded(models) == [STORIES]  # the store's other model stays unloaded
+    finally:
+        live.stop()
+        models.close()
 
 
 def test_a_model_that_does_not_fit_unloads_an_idle_one_first_else_is_refused(stories_path, tmp_path):
@@ -188,6 +206,44 @@ def test_ferrum_serve_refuses_a_bad_keep_alive_in_one_line(stories_path):
         timeout=60,
     )
     assert result.returncode != 0 and result.stderr.count("\n") == 1 and "--keep-alive" in result.stderr
+
+
+def test_a_model_served_from_a_folder_is_named_by_the_folders_name(stories_path):
+    from ferrum_mac.serve.command import open_models as serve_models
+
+    models = serve_models(str(stories_path), "auto", None, 64, FOREVER)
+    try:
+        assert models.default_name == STORIES
+        live = LiveServer(build_app(models))
+        try:
+            assert greedy(live, STORIES)
+            assert [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]][0] == STORIES
+            assert [m["name"] for m in httpx.get(live.url + "/api/ps").json()["models"]] == [STORIES]
+            assert httpx.get(live.url + "/health").json()["model"] == STORIES
+        finally:
+            live.stop()
+    finally:
+        models.close()
+
+
+def test_ferrum_serve_of_a_folder_says_its_name_and_its_path(stories_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "ferrum_mac.cli", "serve", str(stories_path), "--port", str(port)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stderr.readline()
+        assert line.startswith(f"ferrum: serving {STORIES} (from {stories_path}) on http://127.0.0.1:{port}/v1")
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_served_names_of_files_aliases_and_folders(stories_path, smollm2_gguf, tmp_path):
+    assert served_name(str(smollm2_gguf)) == smollm2_gguf.stem
+    assert served_name(SMOLLM2) == SMOLLM2 and served_name("org/name") == "org/name"
+    assert served_name(str(stories_path) + "/") == STORIES
 
 
 def test_requests_that_arrive_while_a_model_loads_wait_for_that_one_load(stories_path, tmp_path):

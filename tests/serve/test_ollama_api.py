@@ -6,22 +6,19 @@ calls carry their arguments as an object, and bad input answered 400 with `{"err
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import ollama
 import pytest
-from serve_support import API_KEY, LiveServer, open_stories
+from serve_support import API_KEY, REPO, LiveServer, open_stories
 
 from ferrum_mac.engine import ReasoningDelta
 from ferrum_mac.serve.protocols import ollama as oa
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.batching.models import FOREVER, keep_alive_seconds
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
-from fake_hub import FakeHub, FakeRepo  # noqa: E402  (the store tests' Hub look-alike)
 
 MODEL = "stories260K"
 ASK = [{"role": "user", "content": "Tell me a story about Lily."}]
@@ -211,6 +208,16 @@ def test_tags_show_and_ps_describe_the_model(client, stories_path):
     assert loaded.model == MODEL and loaded.context_length == shown.modelinfo["llama.context_length"]
 
 
+def test_show_lists_tools_for_a_model_whose_template_has_no_tool_section(client, server):
+    shown = client.show(MODEL)
+    assert "tools" in shown.capabilities and "thinking" not in shown.capabilities
+    assert "tools" not in shown.template  # the server describes the tools itself, and its grammar writes the call
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"messages": ASK, "tools": [tool], "tool_choice": "required", "max_tokens": 40, "temperature": 0}
+    answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
 def test_unknown_model_is_a_404(server, client):
     with pytest.raises(ollama.ResponseError) as caught:
         client.show("no-such-model")
@@ -277,32 +284,6 @@ def test_curl_style_bodies_without_a_json_content_type_are_read(server):
 
 
 # -- the store: pull, serve, unload and delete, through a fake Hub -------------------------------------
-
-REPO = "tiny-org/tiny-stories"
-
-
-@pytest.fixture
-def hub(stories_path, tmp_path, monkeypatch):
-    """The fake Hub serving stories260K's files as a repository, set as the endpoint, and an empty
-    Hugging Face cache for the pull to fill."""
-    from huggingface_hub import constants
-
-    home = tmp_path / "hf-home"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    files = {p.name: p.read_bytes() for p in stories_path.iterdir() if p.is_file()}
-    server = FakeHub()
-    server.add(FakeRepo(REPO, files))
-    server.start()
-    monkeypatch.setattr(constants, "ENDPOINT", server.url)
-    monkeypatch.setattr(
-        constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
-    )
-    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

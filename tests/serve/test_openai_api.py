@@ -72,6 +72,18 @@ def test_completions_models_and_health(client, server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
+def test_the_routes_answer_without_the_v1_prefix_too(server, client):
+    bare = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    asked = {"model": "m", "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    assert (
+        bare.chat.completions.create(**asked).choices[0].message.content
+        == client.chat.completions.create(**asked).choices[0].message.content
+    )
+    assert bare.completions.create(model="m", prompt="Tom", max_tokens=3).usage.completion_tokens == 3
+    assert [m.id for m in bare.models.list()] == ["stories260K"] and bare.models.retrieve("stories260K").id
+    assert error_of(httpx.post(server.url + "/completions", json=[1]), 400)["type"] == "invalid_request_error"
+
+
 def test_sixteen_concurrent_streams_equal_one_at_a_time(client):
     conversations = [
         [{"role": "user", "content": f"Tell me a story about {name}."}]
@@ -169,10 +181,21 @@ def test_prompt_past_capacity_is_a_400(small_server):
     long = [{"role": "user", "content": "Once upon a time there was a little girl " * 10}]
     error = error_of(httpx.post(small_server.url + "/v1/chat/completions", json={"messages": long}), 400)
     assert error["code"] == "context_length_exceeded" and "48" in error["message"]
+    assert "FERRUM_KV_CAPACITY" in error["message"]  # below the model's maximum: raising it helps
     short = httpx.post(
         small_server.url + "/v1/completions", json={"prompt": "Tom", "max_tokens": 100, "temperature": 0}
     )
     assert short.status_code == 200 and short.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("long", [[1] * 600, "Once upon a time there was a little girl " * 200])
+def test_a_prompt_past_the_models_own_maximum_is_not_told_to_raise_the_capacity(server, scheduler, long):
+    most = scheduler.engine.model.config.max_seq_len
+    assert scheduler.capacity == most < 600
+    error = error_of(httpx.post(server.url + "/v1/completions", json={"prompt": long}), 400)
+    assert error["code"] == "context_length_exceeded"
+    assert f"{most} tokens is this model's own maximum" in error["message"]
+    assert "FERRUM_KV_CAPACITY" not in error["message"] and "kv-capacity" not in error["message"]
 
 
 def test_api_key(keyed_server):

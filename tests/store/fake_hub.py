@@ -13,7 +13,10 @@ No X-Xet-* headers and no `xetHash` fields, so clients take the plain HTTP path.
 A hostile Hub is one whose FakeRepo has a `sha` that is no commit hash, `revisions` it answers
 to, or `files` with odd names. Faults a test can switch on: `deny[repo] = (status, X-Error-Code or None)`, `corrupt.add((repo, path))`
 (same length, wrong bytes), `cut[(repo, path)] = n` (send n bytes of the body, drop the connection,
-then answer 503 for that file until `heal()`). Every request is logged in `requests`.
+then answer 503 for that file until `heal()`), `portal.add(repo)` (answer its model information
+with 200 and an HTML page, as a captive portal or a proxy does), `slow.add((repo, path))` (send
+that file's body a little at a time, for pulls still running when something else happens).
+Every request is logged in `requests`.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pth")
+SLOW_PIECE = 4096  # a slow file is sent this much at a time, `FakeHub.slow_pause_s` apart
 
 
 def git_blob_id(data: bytes) -> str:
@@ -104,6 +109,9 @@ class FakeHub:
         self.corrupt: set[tuple[str, str]] = set()
         self.cut: dict[tuple[str, str], int] = {}
         self.down: set[tuple[str, str]] = set()
+        self.portal: set[str] = set()
+        self.slow: set[tuple[str, str]] = set()
+        self.slow_pause_s = 0.05  # 80 kB/s
         self.requests: list[dict] = []
         self.sent: dict[tuple[str, str], int] = {}  # body bytes sent per file
         self._lock = threading.Lock()
@@ -209,6 +217,9 @@ def _handler_for(hub: FakeHub):
             if not rest or rest[0] == "revision":
                 if rest and not self._revision_ok(repo, "/".join(rest[1:])):  # a revision may hold slashes
                     return
+                if repo_id in hub.portal:
+                    page = b"<!doctype html><html><body>Sign in to the network</body></html>"
+                    return self._send(200, {"Content-Type": "text/html", "Content-Length": str(len(page))}, page)
                 return self._json(repo.info())
             if rest[0] == "tree":
                 if not self._revision_ok(repo, rest[1]):
@@ -267,7 +278,19 @@ def _handler_for(hub: FakeHub):
                 self.close_connection = True
             with hub._lock:
                 hub.sent[key] = hub.sent.get(key, 0) + len(payload)
+            if key in hub.slow:
+                return self._trickle(status, headers, payload)
             self._send(status, headers, payload)
+
+        def _trickle(self, status: int, headers: dict, payload: bytes):
+            self._send(status, headers, b"")
+            for start in range(0, len(payload), SLOW_PIECE):
+                time.sleep(hub.slow_pause_s)
+                try:
+                    self.wfile.write(payload[start : start + SLOW_PIECE])
+                    self.wfile.flush()
+                except OSError:  # the client went
+                    return
 
         def _range_start(self, size: int) -> tuple[int | None, int]:
             text = self.headers.get("Range")

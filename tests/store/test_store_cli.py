@@ -109,6 +109,21 @@ def test_errors_are_one_line_on_stderr(hub):
     ]
 
 
+def test_a_hub_answering_with_a_web_page_is_one_line(hub):
+    hub.portal.add(REPO_ID)
+    env = {**os.environ, "HF_ENDPOINT": hub.url}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from ferrum_mac.cli import main; main()", "pull", REPO_ID],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"ferrum: {hub.url} answered with something other than a Hugging Face Hub's model")
+
+
 @pytest.mark.parametrize("args", [["rm", "tiny-org/never-pulled", "--yes"], ["show", "qwen3:0.6b"]])
 def test_not_downloaded(hf_home, args):
     result = ferrum(*args)

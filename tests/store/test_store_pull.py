@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from fake_hub import FakeRepo
@@ -192,3 +195,49 @@ def test_pull_at_a_revision(hub):
     assert resolve_model(f"{REPO_ID}@{sha}", pull=False) == path
     with pytest.raises(ModelNotFoundError, match=r"tiny-org/tiny-llama has no revision 'v9'"):
         pull(f"{REPO_ID}@v9")
+
+
+def test_a_hub_answering_with_a_web_page_is_a_one_line_error(hub):
+    hub.portal.add(REPO_ID)
+    with pytest.raises(FerrumError, match=r"answered with something other than a Hugging Face Hub's") as caught:
+        pull(REPO_ID)
+    assert "\n" not in str(caught.value) and not downloaded(hub)
+
+
+def test_an_unforeseen_failure_is_a_one_line_ferrum_error(hub, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr("ferrum_mac.store.hub_cache.link_snapshot", broken)
+    with pytest.raises(FerrumError, match=r"^pulling tiny-org/tiny-llama failed \(ZeroDivisionError: division"):
+        pull(REPO_ID)
+
+
+def test_writers_of_one_ref_and_one_snapshot_never_share_a_temporary_file(hub):
+    sha, go = hub.repos[REPO_ID].sha, threading.Barrier(8)
+    files = {"a.json": "0" * 40, "b.json": "1" * 40}
+
+    def write(_):
+        go.wait()
+        for _ in range(100):
+            hub_cache.write_ref(REPO_ID, "main", sha)
+            hub_cache.link_snapshot(REPO_ID, sha, files)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, range(8)))
+    refs = hub_cache.repo_dir(REPO_ID) / "refs"
+    assert [p.name for p in refs.iterdir()] == ["main"] and (refs / "main").read_text() == sha
+    assert sorted(p.name for p in hub_cache.snapshot_dir(REPO_ID, sha).iterdir()) == ["a.json", "b.json"]
+
+
+def test_four_pulls_of_one_model_at_once_all_succeed(hub):
+    go = threading.Barrier(4)
+
+    def pull_when_all_are_ready(_):
+        go.wait()
+        return pull(REPO_ID)
+
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(pull_when_all_are_ready, range(4)))
+    assert len(set(paths)) == 1 and listed(REPO_ID)[0].complete
+    assert {p.name for p in paths[0].iterdir()} == WANTED

@@ -23,6 +23,7 @@ from ferrum_mac.engine.context import common_prefix
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import DecoderOnlyLLM, PrefixStats
+from ferrum_mac.serve.api_errors import hide_paths
 from ferrum_mac.serve.batching.planner import may_admit
 from ferrum_mac.serve.batching.request import Failed, GenerationRequest, RequestHandle
 from ferrum_mac.serve.batching.sequence import Sequence, prefix_line, speculation_line
@@ -267,6 +268,11 @@ def snapshot(prefix: PrefixStats | None) -> PrefixStats | None:
 
 
 def one_line(e: BaseException) -> str:
-    """An exception as one line for an error event: its message's first line, or its type."""
+    """An exception as one line for an error event: its message's first line, or its type; the
+    server's paths in it cut to their last part (the log gets them whole)."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    shown = hide_paths(line)
+    if shown != line:
+        log.warning("%s", line)
+    return shown

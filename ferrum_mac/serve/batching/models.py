@@ -32,7 +32,9 @@ from starlette.concurrency import run_in_threadpool
 
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.serve import checks as api
+from ferrum_mac.serve.api_errors import hide_paths
 from ferrum_mac.serve.batching.scheduler import Scheduler, SchedulerStats
+from ferrum_mac.store import in_use
 from ferrum_mac.store.catalog import LocalModel
 
 log = logging.getLogger("ferrum.serve")
@@ -101,6 +103,19 @@ class LoadedModel:
     idle_since: float = field(default_factory=time.monotonic)
     loaded_at: float = field(default_factory=time.monotonic)
     prompting: Any = None  # the server's prompt maker for it, made on first use
+    hold: in_use.Hold | None = None  # marks it loaded, so no process deletes its files meanwhile
+
+    @property
+    def path(self) -> Path | None:
+        """Where its files are (None: unknown)."""
+        if self.source is not None:
+            return Path(self.source)
+        path = getattr(self.engine, "path", None)
+        return Path(path) if path is not None else None
+
+    def files_gone(self) -> bool:
+        """Whether its files were deleted while it ran (it cannot be loaded again)."""
+        return self.path is not None and not self.path.exists()
 
     @property
     def engine(self):
@@ -146,8 +161,10 @@ class Models:
         free_memory: Callable[[], int] | None = None,
         release_memory: Callable[[], None] | None = None,
         resolve: Callable[[str], Path | None] | None = None,
+        any_name: bool = False,
     ):
         self.default_name = default.name
+        self.any_name = any_name  # a name it does not have means the default model (else a 404)
         self.default_source = default.source
         self.opener = opener
         self.catalog = catalog
@@ -156,6 +173,8 @@ class Models:
         self.release_memory = release_memory or (lambda: None)
         self.resolve = resolve
         self.last_stats: dict[str, SchedulerStats] = {default.name: default.stats}
+        if default.hold is None and default.path is not None:
+            default.hold = in_use.hold(default.path)
         self._loaded: dict[str, LoadedModel] = {default.name: default}
         self._loads: dict[str, asyncio.Future] = {}
         self._lock = threading.Lock()
@@ -183,7 +202,38 @@ class Models:
 
     def available(self) -> list[LocalModel]:
         """The store's complete models (slow: it scans the cache; call it on a worker thread)."""
-        return [m for m in self.catalog() if m.complete] if self.catalog is not None else []
+        if self.catalog is None:
+            return []
+        try:
+            return [m for m in self.catalog() if m.complete]
+        except OSError:  # files deleted while the scan read them
+            log.warning("listing the store failed", exc_info=True)
+            return []
+
+    def gone(self) -> list[str]:
+        """The models, loaded or default, whose files were deleted while this server ran."""
+        with self._lock:
+            loaded = list(self._loaded.values())
+        names = [m.name for m in loaded if m.files_gone()]
+        default = self.default_source
+        if self.default_name not in names and default is not None and not Path(default).exists():
+            names.insert(0, self.default_name)
+        return names
+
+    def unload_for_removal(self, name: str, deletes: Callable[[Path], bool]) -> None:
+        """Unload this server's idle models whose files a removal (of `name`) `deletes`; a 400
+        when it deletes the default model, a 409 when a request is running on one."""
+        if self.default_source is not None and deletes(Path(self.default_source)):
+            raise _not_while_served(name)
+        with self._lock:
+            hit = [m for m in self._loaded.values() if m.path is not None and deletes(m.path)]
+        for model in hit:
+            if model.name == self.default_name:
+                raise _not_while_served(name)
+            if not self.unload(model.name):
+                raise api.ApiError(
+                    409, f"a request is running on {name[:200]}; delete it once that is done", code="model_busy"
+                )
 
     async def acquire(self, name: str | None, keep_alive_s: float | None = None) -> LoadedModel:
         """The model `name` means, loaded, with one more request counted on it: the caller must
@@ -236,10 +286,12 @@ class Models:
         """Stop the reaper and every scheduler this registry opened."""
         self._closing.set()
         with self._lock:
-            opened = [m for m in self._loaded.values() if m.source is not None]
+            models = list(self._loaded.values())
             self._loaded.clear()
-        for model in opened:
-            model.scheduler.stop()
+        for model in models:
+            if model.source is not None:
+                model.scheduler.stop()
+            _let_go(model)
 
     # -- names --------------------------------------------------------------------------------
 
@@ -263,6 +315,9 @@ class Models:
             match = next((m for m in models if path is not None and m.path == path), None)
         if match is not None and self.default_source is not None and match.path == Path(self.default_source):
             return self.default_name, self.default_source, match.size
+        if match is None and self.any_name:
+            log.info("answering a request for '%s' with %s (--any-model)", name[:200], self.default_name)
+            return self.default_name, self.default_source, size_of(self.default_source)
         if match is None:
             raise self._not_found(name, models)
         return match.name, match.path, match.size
@@ -272,7 +327,8 @@ class Models:
         shown = ", ".join(names[:NAMES_SHOWN]) + (", ..." if len(names) > NAMES_SHOWN else "")
         return api.ApiError(
             404,
-            f"model '{name[:200]}' not found; this server has: {shown} (`ferrum pull NAME` adds one)",
+            f"model '{name[:200]}' not found; this server has: {shown} (`ferrum pull NAME` adds one; "
+            f"a server started with --any-model answers any other name with {self.default_name})",
             param="model",
             code="model_not_found",
         )
@@ -285,16 +341,40 @@ class Models:
         with self._lock:
             if key in self._loaded:
                 return
+        if isinstance(source, Path) and not source.exists():
+            raise files_gone(key)
         self._make_room(key, size)
         try:
-            scheduler = self.opener(source)
-        except FerrumError as e:
-            raise api.ApiError(500, f"the model '{key}' failed to load: {e}", kind="server_error", code="load_failed")
-        model = LoadedModel(key, scheduler, size, self.keep_alive_s, source)
+            hold = in_use.hold(source)
+        except in_use.ModelInUseError:
+            raise files_gone(key) from None
+        try:
+            scheduler = self._open(key, source)
+        except BaseException:
+            hold.release()
+            raise
+        model = LoadedModel(key, scheduler, size, self.keep_alive_s, source, hold=hold)
         with self._lock:
             self._loaded[key] = model
             self.last_stats[key] = model.stats
         log.info("loaded %s (context %d tokens)", key, model.context)
+
+    def _open(self, key: str, source: Path | str) -> Scheduler:
+        """The opener's scheduler for `key`; its failure a 500 whose message keeps the server's
+        paths to its log, or a 410 when its files went while it loaded."""
+        assert self.opener is not None
+        try:
+            return self.opener(source)
+        except (FerrumError, OSError) as e:
+            log.warning("the model '%s' failed to load from %s: %s", key, source, e)
+            if isinstance(source, Path) and not source.exists():
+                raise files_gone(key) from None
+            raise api.ApiError(
+                500,
+                f"the model '{key}' failed to load: {hide_paths(str(e))} (the server's log has more)",
+                kind="server_error",
+                code="load_failed",
+            ) from None
 
     def _make_room(self, key: str, size: int) -> None:
         """Unload idle models, least recently used first, until `key`'s estimate fits; a 507
@@ -326,6 +406,7 @@ class Models:
     def _unload(self, model: LoadedModel) -> None:
         model.scheduler.unload()
         model.prompting = None  # it holds the engine
+        _let_go(model)
         self.release_memory()
         log.info("unloaded %s; its memory released", model.name)
 
@@ -344,6 +425,16 @@ class Models:
                     log.exception("unloading %s failed", model.name)
 
 
+def served_name(typed: str) -> str:
+    """The name clients use for the model `typed` opened: a folder or file given as a path goes
+    by its own name (`stories260K`, `model-Q4_K_M` for a .gguf), since a request never names a
+    path; an alias or repo id as typed."""
+    path = Path(typed).expanduser()
+    if not path.exists():
+        return typed
+    return path.stem if path.is_file() else path.resolve().name
+
+
 def size_of(source: Path | str | None) -> int:
     """Bytes a model's files take (a .gguf file or a folder's weights)."""
     if source is None:
@@ -354,6 +445,27 @@ def size_of(source: Path | str | None) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin"))
     return 0
+
+
+def _let_go(model: LoadedModel) -> None:
+    """Drop the model's mark: its files may be deleted now."""
+    if model.hold is not None:
+        model.hold.release()
+
+
+def _not_while_served(name: str) -> api.ApiError:
+    return api.ApiError(400, f"{name[:200]} is the model this server was started with; stop the server to delete it")
+
+
+def files_gone(key: str) -> api.ApiError:
+    """A 410 for a model whose files were deleted while the server ran."""
+    return api.ApiError(
+        410,
+        f"the files of the model '{key}' were deleted while this server ran; `ferrum pull` it again "
+        "or restart the server",
+        param="model",
+        code="model_files_gone",
+    )
 
 
 def _gib(n: int) -> str:

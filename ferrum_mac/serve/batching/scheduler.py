@@ -26,7 +26,7 @@ from ferrum_mac.engine import LocalEngine, Timing
 from ferrum_mac.engine.speculation.setting import OFF
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.llm import KV_CAPACITY_ENV, DecodeItem, DecoderOnlyLLM, KvCapacityError
+from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, KvCapacityError, room_advice
 from ferrum_mac.serve.batching.batch import Batch, SchedulerStats, one_line
 from ferrum_mac.serve.batching.planner import UNIFIED, mode_of, plan_step
 from ferrum_mac.serve.batching.request import GenerationRequest, RequestHandle
@@ -147,7 +147,7 @@ class Scheduler:
         if n + 1 > self.capacity:
             raise KvCapacityError(
                 f"the prompt has {n} tokens but the context holds {self.capacity} (prompt and answer); "
-                f"shorten it or raise {KV_CAPACITY_ENV}",
+                + room_advice(self.capacity, self.model.config.max_seq_len),
                 needed=n + 1,
                 capacity=self.capacity,
             )

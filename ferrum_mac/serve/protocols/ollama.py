@@ -34,7 +34,8 @@ from ferrum_mac.engine.defaults import sampling_defaults
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.body import BODY_TIMEOUT_S, body_too_large, read_at_most
-from ferrum_mac.serve.api_errors import error_shapes
+from ferrum_mac.serve.api_errors import error_shapes, hide_paths
+from ferrum_mac.serve.batching.models import files_gone
 from ferrum_mac.serve.events import Finished, ToolCallDelta, calls_of, finish_of
 from ferrum_mac.serve.batching.models import keep_alive_seconds
 from ferrum_mac.serve.protocols.ollama_models import (
@@ -42,12 +43,15 @@ from ferrum_mac.serve.protocols.ollama_models import (
     QueueProgress,
     iso_time,
     local_entry,
-    pull_error,
     pull_updates,
+    start_pull,
 )
 from ferrum_mac.serve.protocols.ollama_models import show_body, tag_entry
 from ferrum_mac.serve.batching.request import Failed
-from ferrum_mac.store import LocalModel, parse_name, plan_removal, pull_model
+from ferrum_mac.store import LocalModel, Removal, parse_name
+from ferrum_mac.store.remove import plan_stored_removal
+from ferrum_mac.store.in_use import ModelInUseError
+from ferrum_mac.store.resolve import looks_like_path
 from ferrum_mac.store.bundled import bundled_sampling
 
 # The Ollama release whose API these answers follow; clients compare it to gate features.
@@ -571,14 +575,19 @@ class OllamaRoutes:
         name = model_name(body)
         model = await run_in_threadpool(self.find, name)
         loaded = self.server.models.get_loaded(name)
-        if loaded is not None:
-            sampling, context = loaded.engine.default_sampling, loaded.context
-        else:
-            sampling, context = (
-                await run_in_threadpool(sampling_defaults, model.path, bundled_sampling(model.path)),
-                None,
-            )
-        return JSONResponse(await run_in_threadpool(show_body, model, sampling, context))
+        try:
+            if loaded is not None:
+                sampling, context = loaded.engine.default_sampling, loaded.context
+            else:
+                sampling, context = (
+                    await run_in_threadpool(sampling_defaults, model.path, bundled_sampling(model.path)),
+                    None,
+                )
+            return JSONResponse(await run_in_threadpool(show_body, model, sampling, context))
+        except (FerrumError, OSError):
+            if model.path.exists():
+                raise
+            raise files_gone(model.name) from None
 
     async def ps(self, http: Request) -> Response:
         """The loaded models, with their size, context and when keep-alive unloads them."""
@@ -607,41 +616,48 @@ class OllamaRoutes:
             parse_name(name, self.backend)
         except FerrumError as e:
             raise api.ApiError(404, str(e)) from None
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-
-        def put(item: object) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def work() -> None:
-            try:
-                pull_model(name, self.backend, QueueProgress(put))
-                put(PULL_DONE)
-            except FerrumError as e:
-                put(pull_error(e))
-
-        loop.run_in_executor(None, work)
+        progress = start_pull(name, self.backend, queue)
         if stream:
-            return StreamingResponse(pull_lines(queue), media_type=NDJSON)
-        while (item := await queue.get()) is not PULL_DONE:
-            if isinstance(item, api.ApiError):
-                raise item
+            return StreamingResponse(pull_lines(queue, progress), media_type=NDJSON)
+        try:
+            while (item := await queue.get()) is not PULL_DONE:
+                if isinstance(item, api.ApiError):
+                    raise item
+        finally:
+            progress.stop_pull()  # the client left, or the server stops: no pull outlives its request
         return JSONResponse({"status": "success"})
 
     async def delete(self, http: Request) -> Response:
+        """Delete a stored model's files. Refused while this server runs it or any ferrum
+        process has it loaded, whatever spelling names it (the check is on the files the
+        name resolves to); this server's idle copy is unloaded first."""
         body = await self.body(http)
         name = model_name(body)
-        if name == self.server.model_name:
+        if name.lower() == self.server.model_name.lower():
             raise bad(f"{name} is the model this server was started with; stop the server to delete it")
-        await run_in_threadpool(self.server.models.unload, name)  # its files go: it must not run on
+        removal = await run_in_threadpool(self.removal_of, name)
+        await run_in_threadpool(self.server.models.unload_for_removal, name, removal.covers)
         try:
-            removal = await run_in_threadpool(plan_removal, name, self.backend)
             await run_in_threadpool(removal.execute)
-        except ModelNotFoundError:
-            raise api.ApiError(404, f"model '{name[:200]}' not found") from None
+        except ModelInUseError as e:
+            raise api.ApiError(409, str(e)) from None
         except FerrumError as e:
-            raise bad(str(e)) from None
+            raise bad(hide_paths(str(e))) from None
         return Response(status_code=200)
+
+    def removal_of(self, name: str) -> Removal:
+        """What deleting `name` removes; a 404 for a path (the same for every one: a client may
+        not learn what exists on this machine) and for a name the store does not hold."""
+        not_found = api.ApiError(404, f"model '{name[:200]}' not found")
+        if looks_like_path(name):
+            raise not_found
+        try:
+            return plan_stored_removal(name, self.backend)
+        except ModelNotFoundError:
+            raise not_found from None
+        except FerrumError as e:
+            raise bad(hide_paths(str(e))) from None
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -681,10 +697,14 @@ class OllamaRoutes:
         stored one (a 404 otherwise; never a path a client typed)."""
         models = self.store_models()
         found = next((m for m in models if m.name == name), None)
+        if found is not None and not found.path.exists():
+            raise files_gone(found.name)
         resolve = self.server.models.resolve
         if found is None and resolve is not None:
             path = resolve(name)
             found = next((m for m in models if path is not None and m.path == path), None)
+        if found is None and self.server.models.any_name:
+            found = next((m for m in models if m.name == self.server.models.default_name), None)
         if found is None:
             raise api.ApiError(404, f"model '{name[:200]}' not found")
         return found
@@ -693,9 +713,12 @@ class OllamaRoutes:
 FOREVER_TEXT = "2318-08-24T00:00:00Z"  # how Ollama writes the expiry of a model kept loaded for good
 
 
-async def pull_lines(queue: asyncio.Queue) -> AsyncIterator[str]:
-    async for item in pull_updates(queue):
-        yield ndjson(error_body(item) if isinstance(item, api.ApiError) else item)
+async def pull_lines(queue: asyncio.Queue, progress: QueueProgress) -> AsyncIterator[str]:
+    try:
+        async for item in pull_updates(queue):
+            yield ndjson(error_body(item) if isinstance(item, api.ApiError) else item)
+    finally:
+        progress.stop_pull()  # the client left, or the server stops: no pull outlives its request
 
 
 async def read_body(http: Request, limit: int) -> bytes:

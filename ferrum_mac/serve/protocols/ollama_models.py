@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -15,10 +17,12 @@ from typing import Any, AsyncIterator, Callable
 from ferrum_mac.engine import SamplingParams
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.serve import checks as api
-from ferrum_mac.store import LocalModel, ModelFacts, PullProgress, describe_model
+from ferrum_mac.serve.api_errors import hide_paths
+from ferrum_mac.store import LocalModel, ModelFacts, PullProgress, describe_model, pull_model
 from ferrum_mac.store.describe import read_config
 from ferrum_mac.text import chat_templates
-from ferrum_mac.text.tool_calls import template_renders_tools
+
+log = logging.getLogger("ferrum.serve")
 
 # -- the store's models, as Ollama describes them ------------------------------------------------
 
@@ -84,13 +88,17 @@ def tag_entry(model: LocalModel) -> dict:
 
 
 def local_entry(name: str, path: Path) -> LocalModel:
-    """A model that is not in the store (the server's default, given as a folder or file)."""
-    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-    size = sum(p.stat().st_size for p in files)
+    """A model that is not in the store (the server's default, given as a folder or file); one
+    whose files were deleted while it ran is listed with size 0 (it still answers from memory)."""
+    try:
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        size, modified = sum(p.stat().st_size for p in files), path.stat().st_mtime
+    except OSError:
+        size, modified = 0, 0.0
     facts = facts_of(path)
     fmt = facts.format if facts else ("gguf" if path.suffix == ".gguf" else "safetensors")
     quant = facts.quantization if facts else "?"
-    return LocalModel(name, path, size, quant, fmt, path.stat().st_mtime)
+    return LocalModel(name, path, size, quant, fmt, modified)
 
 
 def model_parameters(sampling: SamplingParams, stops: tuple[str, ...] = ()) -> str:
@@ -107,11 +115,10 @@ def model_parameters(sampling: SamplingParams, stops: tuple[str, ...] = ()) -> s
 
 
 def capabilities(template: str) -> list[str]:
-    """What Ollama's clients look for: "completion", "tools" where the template renders tools,
-    "thinking" where it has a reasoning switch or block."""
-    found = ["completion"]
-    if template_renders_tools(template):
-        found.append("tools")
+    """What Ollama's clients look for, as this server can do it: "completion"; "tools" for every
+    model (a template without a tool section gets the tools described in a system message, and
+    the grammar writes the calls); "thinking" where the template has a reasoning switch or block."""
+    found = ["completion", "tools"]
     if "enable_thinking" in template or "<think>" in template or "reasoning_content" in template:
         found.append("thinking")
     return found
@@ -159,12 +166,19 @@ class QueueProgress(PullProgress):
         self.put = put
         self.current: list | None = None  # [path, size, bytes done]
         self.sent_at = 0.0
+        self.stopped = threading.Event()
+
+    def stop_pull(self) -> None:
+        """End the pull at its next chunk (from any thread): what it fetched stays, to resume."""
+        self.stopped.set()
 
     def file_started(self, path: str, size: int, resume_from: int) -> None:
+        self._unless_stopped()
         self.current = [path, size, resume_from]
         self._send()
 
     def advance(self, n: int) -> None:
+        self._unless_stopped()
         if self.current is not None:
             self.current[2] += n
             if time.monotonic() - self.sent_at >= PROGRESS_EVERY_S:
@@ -176,6 +190,10 @@ class QueueProgress(PullProgress):
             self._send()
         self.current = None
 
+    def _unless_stopped(self) -> None:
+        if self.stopped.is_set():
+            raise PullStopped("the pull was stopped (its client left, or the server is stopping)")
+
     def _send(self) -> None:
         path, size, done = self.current  # type: ignore[misc]
         self.sent_at = time.monotonic()
@@ -186,9 +204,42 @@ PROGRESS_EVERY_S = 0.1
 PULL_DONE = object()
 
 
+class PullStopped(FerrumError):
+    """A pull ended because nobody waits for it any more."""
+
+
+def start_pull(name: str, backend: str, queue: asyncio.Queue) -> QueueProgress:
+    """Pull `name` on a worker thread, its objects into `queue`, ending with PULL_DONE or an
+    `ApiError` whatever happens; `stop_pull()` on what this returns ends it early."""
+    loop = asyncio.get_running_loop()
+
+    def put(item: object) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed (the server stopped): nobody reads it
+            pass
+
+    progress = QueueProgress(put)
+
+    def work() -> None:
+        try:
+            pull_model(name, backend, progress)
+        except FerrumError as e:
+            put(pull_error(e))
+        except BaseException as e:  # never a pull that ends with no last line
+            log.exception("pulling %s failed", name)
+            put(api.ApiError(500, f"pulling {name} failed ({type(e).__name__}); see the server's log"))
+        else:
+            put(PULL_DONE)
+
+    # its own thread, not the loop's pool: a server that stops does not wait for a download
+    threading.Thread(target=work, name=f"ferrum-pull {name[:40]}", daemon=True).start()
+    return progress
+
+
 def pull_error(error: FerrumError) -> api.ApiError:
     status = 404 if isinstance(error, ModelNotFoundError) else 502  # else the Hub or the disk failed
-    return api.ApiError(status, str(error))
+    return api.ApiError(status, hide_paths(str(error)))
 
 
 async def pull_updates(queue: asyncio.Queue) -> AsyncIterator[dict | api.ApiError]:

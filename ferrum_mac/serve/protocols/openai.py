@@ -1,4 +1,7 @@
-"""OpenAI's API on the core: /v1/chat/completions, /v1/completions and /v1/models.
+"""OpenAI's API on the core: /v1/chat/completions, /v1/completions and /v1/models, also without /v1.
+
+Each answers without the /v1 too, as llama-server, vLLM and LM Studio do, for clients given a
+base URL without it.
 
 Bodies are checked by the core (`Server.call_from_openai`, with `serve.checks`); this module
 only renders the answer's neutral events as OpenAI's JSON and server-sent events."""
@@ -28,10 +31,14 @@ if TYPE_CHECKING:
 def routes(server: "Server") -> list[Route]:
     api_routes = OpenAiRoutes(server)
     return [
-        Route("/v1/chat/completions", api_routes.chat, methods=["POST"]),
-        Route("/v1/completions", api_routes.completions, methods=["POST"]),
-        Route("/v1/models", api_routes.models, methods=["GET"]),
-        Route("/v1/models/{model_id:path}", api_routes.model, methods=["GET"]),
+        Route(prefix + path, handler, methods=methods)
+        for prefix in ("/v1", "")  # clients given a base URL without /v1 call these bare paths
+        for path, handler, methods in (
+            ("/chat/completions", api_routes.chat, ["POST"]),
+            ("/completions", api_routes.completions, ["POST"]),
+            ("/models", api_routes.models, ["GET"]),
+            ("/models/{model_id:path}", api_routes.model, ["GET"]),
+        )
     ]
 
 

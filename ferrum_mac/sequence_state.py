@@ -10,7 +10,7 @@ manager (`DecoderOnlyLLM.state`) and never which kinds it holds.
 
 A manager refuses a model with a kind it does not keep (`UnsupportedModelError`), when the
 model loads: a new kind is a class here and the manager that learns to keep it, not a
-special case in the scheduler or the cache. Only full attention is kept today.
+special case in the scheduler or the cache. Full attention and sliding windows are kept today.
 
 This module imports neither backend: the engine reads it.
 """

@@ -7,16 +7,27 @@ from typing import Callable, Sequence
 
 from ferrum_mac.backends.state.block_pool import BlockPool
 from ferrum_mac.llm import LlmRuntimeConfig, check_token_ids, host_tokens
-from ferrum_mac.sequence_state import PrefixReuse, PrefixStats, StateManager, refuse_negative
+from ferrum_mac.sequence_state import (
+    FullAttention,
+    PrefixReuse,
+    PrefixStats,
+    SlidingWindow,
+    StateManager,
+    refuse_negative,
+)
 
 
 class PooledState(StateManager):
-    """Every full-attention layer's keys and values of every sequence, in the blocks of `pool`
+    """Every attention layer's keys and values of every sequence, in the blocks of `pool`
     (shared by prefix, cached after a release and spilled to disk by the pool's `prefix` cache).
+    A sliding-window layer's are kept like a full layer's, and its attention reads only the
+    last `window` of them: the same keys for the same tokens, so the prefix cache is exact.
 
     `computing` is the context the backend's forwards run in (reusing a partly matched block
     copies it on the device, a release may reallocate the buffers); `free_tokens` counts the
     tokens free memory holds, when the backend can tell."""
+
+    holds = (FullAttention, SlidingWindow)
 
     def __init__(
         self,

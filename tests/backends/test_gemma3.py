@@ -1,0 +1,256 @@
+"""Gemma 3 (text) on both backends against transformers' Gemma3ForCausalLM (torch CPU, fp32),
+on a tiny random model whose window (16) is far shorter than the prompts (80 tokens): local
+and global layers, chunked prefill, decode steps, decode_batch of mixed lengths, a unified
+step, verifies, the prefix cache and speculation's cut-backs all see only the window.
+
+fp32 on both sides: the logits differ by summation order only (~1e-6), so 1e-4 catches any
+slip (a window off by one moves them by 1e-2 or more: the window test below checks that)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ferrum_mac
+from ferrum_mac.errors import UnsupportedModelError
+from ferrum_mac.llm import DecodeItem, ForwardItem
+from helpers import (
+    VOCAB,
+    argmax,
+    assert_close,
+    assert_same_tokens,
+    ferrum_greedy,
+    hf_greedy,
+    hf_logits,
+    installed_backends,
+    random_tokens,
+    rel_err,
+)
+
+FP32_REL = 1e-4
+WINDOW = 16
+PROMPT = random_tokens(80, seed=11)  # 5 windows
+BACKENDS = installed_backends()
+
+
+def gemma3_config(**changes):
+    from transformers import Gemma3TextConfig
+
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,  # local, global, local, global
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # != hidden / heads
+        sliding_window=WINDOW,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=24,  # != head_dim
+        final_logit_softcapping=30.0,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},  # the global layers' only
+        initializer_range=0.2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return Gemma3TextConfig(**{**settings, **changes})
+
+
+def build_reference(**changes):
+    """A random Gemma3ForCausalLM whose norms' weights are random too (they start at 0: 1 + w = 1)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(gemma3_config(**changes), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return build_reference()
+
+
+@pytest.fixture(scope="module")
+def folder(reference, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3")
+    reference.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def want(reference):
+    return hf_logits(reference, PROMPT)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def model(request, folder):
+    return ferrum_mac.open_model(folder, backend=request.param, dtype="float32")
+
+
+def test_the_window_reads_the_config(model):
+    kinds = [str(kind) for kind in model.config.layer_kinds]
+    assert kinds == [f"a sliding window of {WINDOW} tokens", "full attention"] * 2
+    assert model.state.kinds == model.config.layer_kinds
+    assert model.kv_capacity() > len(PROMPT)  # not capped at the window
+
+
+def test_prompt_logits_match_transformers(model, want):
+    assert_close(model.forward_verify("v", PROMPT), want, FP32_REL, "every position's logits")
+    assert_close(model.prefill("p", PROMPT), want[-1], FP32_REL, "prefill's last logits")
+    model.release("v")
+    model.release("p")
+
+
+def test_chunked_prefill_and_a_decode_step(model, want, monkeypatch):
+    monkeypatch.setattr(model, "prefill_chunk", 24)  # chunks of 24: 4 chunks, each past the window
+    assert_close(model.prefill("c", PROMPT[:-1]), want[-2], FP32_REL, "chunked prefill")
+    assert_close(model.decode("c", PROMPT[-1], len(PROMPT) - 1), want[-1], FP32_REL, "a decode step")
+    model.release("c")
+
+
+def test_decode_batch_of_mixed_lengths(model, reference):
+    prompts = {"short": PROMPT[:9], "mid": PROMPT[:40], "long": PROMPT}
+    for name, prompt in prompts.items():
+        model.prefill(f"b-{name}", prompt)
+    for step in range(2):
+        items = [DecodeItem(f"b-{name}", 3 + step, len(p) + step) for name, p in prompts.items()]
+        got = model.decode_batch(items)
+        for row, prompt in enumerate(prompts.values()):
+            tokens = prompt + [3 + s for s in range(step + 1)]
+            assert_close(got[row], hf_logits(reference, tokens)[-1], FP32_REL, f"step {step} row {row}")
+    for name in prompts:
+        model.release(f"b-{name}")
+
+
+def test_unified_step_and_verify_batch(model, reference):
+    """A decode step beside a prefill chunk, then verifies of two sequences together."""
+    a, b = PROMPT[:50], PROMPT[10:75]
+    model.prefill("u-a", a)
+    model.prefill("u-b", b[:30])
+    out = model.unified_forward([ForwardItem("u-a", [5], len(a)), ForwardItem("u-b", b[30:], 30)])
+    assert_close(out[0], hf_logits(reference, a + [5])[-1], FP32_REL, "the decode step")
+    assert_close(out[1], hf_logits(reference, b)[-1], FP32_REL, "the chunk")
+    guesses = [ForwardItem("u-a", [7, 8, 9], len(a) + 1), ForwardItem("u-b", [4, 6], len(b))]
+    rows = model.verify_batch(guesses)
+    assert_close(rows[0], hf_logits(reference, a + [5, 7, 8, 9])[-3:], FP32_REL, "a's verify")
+    assert_close(rows[1], hf_logits(reference, b + [4, 6])[-2:], FP32_REL, "b's verify")
+    model.release("u-a")
+    model.release("u-b")
+
+
+def test_greedy_matches_transformers(model, reference):
+    want = hf_greedy(reference, PROMPT, 64)
+    assert_same_tokens(ferrum_greedy(model, "g", PROMPT, 64), want)
+    model.release("g")
+
+
+def test_the_prefix_cache_is_exact_past_the_window(model):
+    """A second prompt sharing 70 tokens (more than 4 windows) reuses them, and continues as
+    it does computed whole."""
+    first, second = PROMPT[:70] + [9, 9, 9], PROMPT[:70] + [4, 5, 6, 7]
+    plain = ferrum_greedy(model, "plain", second, 24)
+    model.release("plain")
+    model.prefill("first", first)
+    model.state.remember("first", first)
+    model.release("first")
+    reused = model.state.reuse("second", second)
+    assert reused.cached >= 64, reused
+    logits = model.prefill("second", second[reused.tokens :])
+    tokens, pos = [], len(second)
+    for step in range(24):
+        tokens.append(int(argmax(logits)))
+        if step < 23:
+            logits = model.decode("second", tokens[-1], pos)
+            pos += 1
+    assert_same_tokens(tokens, plain)
+    model.release("second")
+    model.reset()
+
+
+def test_speculation_is_exact_past_the_window(model):
+    """Greedy decoding by verifies of guesses (every third wrong), each cut back to what is
+    kept (as the engine's speculation does), gives the plain greedy tokens."""
+    plain = ferrum_greedy(model, "plain", PROMPT, 40)
+    model.release("plain")
+    logits, pos, out = model.prefill("s", PROMPT), len(PROMPT), []
+    while len(out) < 40:
+        out.append(int(argmax(logits)))
+        guesses = [t if i % 3 != 2 else (t + 1) % VOCAB for i, t in enumerate(plain[len(out) : len(out) + 4])]
+        rows = model.forward_verify("s", [out[-1]] + guesses)
+        kept = 0
+        while kept < len(guesses) and int(argmax(rows[kept])) == guesses[kept] and len(out) < 40:
+            out.append(guesses[kept])
+            kept += 1
+        pos += 1 + kept
+        model.truncate_kv("s", pos)
+        logits = rows[kept]
+    assert_same_tokens(out[:40], plain)
+    model.release("s")
+
+
+def test_the_window_changes_the_answer(reference, want):
+    """The same weights with every layer global give other logits past the window: the
+    parity above really tests the window."""
+    full = build_reference(sliding_window=4096)
+    everywhere = hf_logits(full, PROMPT)
+    assert rel_err(everywhere[:WINDOW], want[:WINDOW]) < FP32_REL
+    assert rel_err(everywhere[WINDOW:], want[WINDOW:]) > 0.05
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_softcap_matches_transformers_eager(backend, tmp_path, monkeypatch):
+    """Gemma 3's configs leave the score cap unset, and transformers' Gemma 3 passes it to no
+    attention; its eager attention computes it when passed, which is the reference here."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    reference = build_reference(attn_logit_softcapping=20.0)
+    reference.save_pretrained(tmp_path)
+    eager = modeling_gemma3.eager_attention_forward
+    monkeypatch.setattr(modeling_gemma3, "eager_attention_forward", lambda *a, **k: eager(*a, **{**k, "softcap": 20.0}))
+    reference.set_attn_implementation("eager")
+    want = hf_logits(reference, PROMPT[:40])
+    model = ferrum_mac.open_model(tmp_path, backend=backend, dtype="float32")
+    assert_close(model.forward_verify("x", PROMPT[:40]), want, FP32_REL, "capped scores")
+    model.prefill("d", PROMPT[:30])
+    rows = model.decode_batch([DecodeItem("d", PROMPT[30], 30), DecodeItem("x", 3, 40)])
+    assert_close(rows[0], want[30], FP32_REL, "a capped decode row")
+
+
+def test_multimodal_checkpoint_loads_its_text_model(folder, reference, tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint: `gemma3` with a `text_config`, its text
+    weights under `language_model.model.` (the vision tower's are not read)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    renamed = {f"language_model.{name}": t for name, t in tensors.items()}
+    renamed["vision_tower.vision_model.post_layernorm.weight"] = torch.zeros(3)
+    save_file(renamed, tmp_path / "model.safetensors")
+    text = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    model = ferrum_mac.open_model(tmp_path, backend=BACKENDS[0], dtype="float32")
+    assert_close(model.forward_verify("x", PROMPT[:20]), hf_logits(reference, PROMPT[:20]), FP32_REL)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("use_bidirectional_attention", True), ("hidden_activation", "relu"), ("layer_types", ["chunked"])]
+)
+def test_an_unknown_variant_names_its_field(folder, tmp_path, field, value):
+    import shutil
+
+    shutil.copy(folder / "model.safetensors", tmp_path / "model.safetensors")
+    raw = json.loads((folder / "config.json").read_text())
+    raw[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError) as err:
+        ferrum_mac.open_model(tmp_path, dtype="float32")
+    message = str(err.value)
+    assert "\n" not in message and (field in message or str(value[0] if isinstance(value, list) else value) in message)

@@ -123,18 +123,26 @@ def check_model_type(model_type: str, where: str) -> None:
         )
 
 
-def _exact_context(raw: dict) -> int:
-    """The longest sequence ferrum computes exactly. Sliding-window attention is not implemented,
-    so a model that uses it is capped at its window: past it, KvCapacityError, not wrong logits."""
-    limit = raw.get("max_position_embeddings", 4096)
-    window = raw.get("sliding_window")
-    if raw.get("layer_types"):  # transformers 5
-        slides = "sliding_attention" in raw["layer_types"]
-    elif raw.get("use_sliding_window") is not None:  # Qwen2/3: layers from max_window_layers on
-        slides = bool(raw["use_sliding_window"]) and raw.get("max_window_layers", 0) < raw.get("num_hidden_layers", 1)
-    else:  # Mistral: a set window applies to every layer
-        slides = raw.get("model_type") == "mistral"
-    return min(limit, window) if window and slides else limit
+def _layer_windows(raw: dict) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), or () when no layer slides: transformers
+    5's `layer_types`; Qwen2/3's `use_sliding_window` (layers from `max_window_layers` on);
+    Mistral's `sliding_window`, which applies to every layer."""
+    window, layers = raw.get("sliding_window"), raw.get("num_hidden_layers", 0)
+    if not window or raw.get("use_sliding_window") is False:
+        return ()
+    if raw.get("layer_types"):
+        kinds = raw["layer_types"]
+    elif raw.get("use_sliding_window") is not None:
+        first = raw.get("max_window_layers", 0)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    elif raw.get("model_type") == "mistral":
+        kinds = ["sliding_attention"] * layers
+    else:
+        return ()
+    if len(kinds) != layers:
+        raise CorruptModelError(f"layer_types names {len(kinds)} layers of {layers}; re-download the model")
+    windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds)
+    return windows if any(windows) else ()
 
 
 def config_from_hf(folder: Path) -> ModelConfig:
@@ -216,7 +224,7 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=_exact_context(raw),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or raw.get("attention_bias", False),
             o_bias=model_type != "qwen2" and raw.get("attention_bias", False),
@@ -226,6 +234,7 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=_eos_ids(raw, generation),
             quantization=_mlx_quantization(raw, where),
+            layer_windows=_layer_windows(raw),
             extra=raw,
         )
     except KeyError as e:

@@ -254,3 +254,78 @@ def test_an_unknown_variant_names_its_field(folder, tmp_path, field, value):
         ferrum_mac.open_model(tmp_path, dtype="float32")
     message = str(err.value)
     assert "\n" not in message and (field in message or str(value[0] if isinstance(value, list) else value) in message)
+
+
+# -- GGUF, as llama.cpp's converter writes Gemma 3 ----------------------------------------
+
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def write_gemma3_gguf(model, path):
+    """llama.cpp's names and header keys; its norms stored as (1 + w); q/k rows not permuted
+    (Gemma's rope is the NeoX one); every sixth layer global and scores by 1/sqrt(head_dim),
+    which llama.cpp assumes (the header does not carry them)."""
+    import gguf
+
+    c = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    for key, value in (
+        ("block_count", c.num_hidden_layers),
+        ("context_length", c.max_position_embeddings),
+        ("embedding_length", c.hidden_size),
+        ("feed_forward_length", c.intermediate_size),
+        ("attention.head_count", c.num_attention_heads),
+        ("attention.head_count_kv", c.num_key_value_heads),
+        ("attention.key_length", c.head_dim),
+        ("attention.value_length", c.head_dim),
+        ("attention.sliding_window", c.sliding_window),
+    ):
+        w.add_uint32(f"gemma3.{key}", value)
+    w.add_float32("gemma3.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32("gemma3.rope.freq_base", c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_string("gemma3.rope.scaling.type", "linear")
+    w.add_float32("gemma3.rope.scaling.factor", c.rope_parameters["full_attention"]["factor"])
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_token_scores([0.0] * c.vocab_size)
+    w.add_token_types([1] * c.vocab_size)
+
+    def add(name, array, norm=False):
+        w.add_tensor(name, (array + 1 if norm else array).astype("float32"))
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"], norm=True)
+    for i in range(c.num_hidden_layers):
+        for hf, short in GGUF_NAMES.items():
+            add(f"blk.{i}.{short}.weight", sd[f"model.layers.{i}.{hf}.weight"], norm=hf.endswith("norm"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gguf_matches_transformers(backend, tmp_path):
+    reference = build_reference(
+        num_hidden_layers=6, sliding_window_pattern=6, query_pre_attn_scalar=32, final_logit_softcapping=None
+    )
+    path = write_gemma3_gguf(reference, tmp_path / "gemma3.gguf")
+    model = ferrum_mac.open_model(path, backend=backend, dtype="float32")
+    assert [bool(getattr(kind, "window", 0)) for kind in model.config.layer_kinds] == [True] * 5 + [False]
+    assert_close(model.forward_verify("x", PROMPT), hf_logits(reference, PROMPT), FP32_REL, "GGUF logits")

@@ -18,8 +18,8 @@ from ferrum_mac.weights.gemma3 import text_tensors
 
 
 def gemma_norm(src: TensorSource, module: str, dim: int) -> mx.array:
-    """Gemma's RMSNorm weighs by (1 + w): as a plain RMSNorm weight."""
-    return 1 + src.norm(module, dim)
+    """Gemma's RMSNorm weighs by (1 + w): as a plain RMSNorm weight (GGUF stores it so)."""
+    return src.config.extra.get("gemma3_norm_offset", 1.0) + src.norm(module, dim)
 
 
 class GemmaAttention(Attention):

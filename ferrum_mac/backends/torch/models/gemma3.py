@@ -20,14 +20,14 @@ from ferrum_mac.weights.gemma3 import text_tensors
 
 
 def gemma_norm(src: TensorSource, module: str, dim: int, eps: float) -> RmsNorm:
-    """Gemma's RMSNorm weighs by (1 + w): as a plain RMSNorm weight."""
-    return RmsNorm(1 + src.norm(module, dim), eps)
+    """Gemma's RMSNorm weighs by (1 + w): as a plain RMSNorm weight (GGUF stores it so)."""
+    return RmsNorm(src.config.extra.get("gemma3_norm_offset", 1.0) + src.norm(module, dim), eps)
 
 
 class GemmaAttention(Attention):
     def __init__(self, src: TensorSource, config: ModelConfig, layer: int, rope: Rope):
         super().__init__(src, config, layer, rope)
-        self.qk_norm = 1 + self.qk_norm
+        self.qk_norm = config.extra.get("gemma3_norm_offset", 1.0) + self.qk_norm
         self.scale = config.extra["query_pre_attn_scalar"] ** -0.5
         self.softcap = config.extra.get("gemma3_attn_softcap")
 

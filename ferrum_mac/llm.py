@@ -49,6 +49,7 @@ from ferrum_mac.sequence_state import (  # noqa: F401  (re-exported: the contrac
     MISS_NO_PREFIX,
     MISS_OFF,
     MISS_OTHER_MODEL,
+    MISS_WINDOW,
     FULL_ATTENTION,
     CountingState,
     LayerKind,

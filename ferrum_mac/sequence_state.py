@@ -89,6 +89,7 @@ MISS_EVICTED = "evicted"  # one did, but its blocks were evicted for memory
 MISS_CHANGED = "changed earlier tokens"  # a cached sequence continues the match, but the prompt differs from it early
 MISS_OTHER_MODEL = "different model"  # cached for another model (or dtype) only
 MISS_OFF = "no prefix cache"  # the backend keeps none
+MISS_WINDOW = "window not kept"  # a cached sequence continues the match, but not its sliding-window layers' keys there
 
 
 @dataclass(frozen=True)

@@ -164,14 +164,7 @@ def test_the_prefix_cache_is_exact_past_the_window(model):
     model.release("first")
     reused = model.state.reuse("second", second)
     assert reused.cached >= 64, reused
-    logits = model.prefill("second", second[reused.tokens :])
-    tokens, pos = [], len(second)
-    for step in range(24):
-        tokens.append(int(argmax(logits)))
-        if step < 23:
-            logits = model.decode("second", tokens[-1], pos)
-            pos += 1
-    assert_same_tokens(tokens, plain)
+    assert_same_tokens(ferrum_greedy_from(model, "second", second, reused.tokens, 24), plain)
     model.release("second")
     model.reset()
 
@@ -195,6 +188,73 @@ def test_speculation_is_exact_past_the_window(model):
         logits = rows[kept]
     assert_same_tokens(out[:40], plain)
     model.release("s")
+
+
+def windowed_blocks(model, cache_id: str) -> list[int]:
+    """The windowed layers' blocks `cache_id` holds (not the scratch block its table names for the rest)."""
+    return [b for b in model.state.windowed.pool.get(cache_id).blocks if b != 0]
+
+
+def test_a_windowed_layer_keeps_its_window_and_a_block(model, reference, monkeypatch):
+    monkeypatch.setattr(model, "prefill_chunk", 24)
+    model.prefill("m", PROMPT)
+    for step in range(60):
+        logits = model.decode("m", 3 + step % 5, len(PROMPT) + step)
+        blocks = windowed_blocks(model, "m")
+        assert len(blocks) <= -(-WINDOW // 32) + 1, (step, blocks)
+    assert len(model.state.pool.get("m").blocks) == -(-(len(PROMPT) + 60) // 32)  # the global layers keep all
+    context = PROMPT + [3 + s % 5 for s in range(60)]
+    assert_close(logits, hf_logits(reference, context)[-1], FP32_REL, "after 60 steps")
+    # what the scheduler admits against: half the layers keep 32k tokens, half a window
+    assert model.state.tokens_for([32768]) == (32768 // 32 + 1) * 32 // 2 + 3 * 32 // 2
+    assert model.state.windowed.allocation_for([32768]) == 3 * 32
+    model.release("m")
+
+
+def test_a_cut_past_the_window_empties_the_sequence(model, reference):
+    model.prefill("t", PROMPT)
+    for step in range(40):
+        model.decode("t", 3, len(PROMPT) + step)
+    model.truncate_kv("t", len(PROMPT) + 38)  # a speculation's cut: the window is still there
+    assert model.state.length("t") == len(PROMPT) + 38
+    model.truncate_kv("t", 50)  # a rewritten history: the window of position 50 is gone
+    assert model.state.length("t") == 0
+    assert_close(model.prefill("t", PROMPT), hf_logits(reference, PROMPT)[-1], FP32_REL)
+    model.release("t")
+
+
+def test_the_prefix_cache_reuses_only_a_window_it_kept(model, monkeypatch):
+    """A prompt prefilled in chunks lets go of its first blocks' window as it goes: a prompt
+    sharing only those blocks finds nothing to reuse (its window is gone), one sharing more
+    reuses up to a block whose window is kept; both answer as computed whole."""
+    from ferrum_mac.sequence_state import MISS_WINDOW
+
+    model.reset()
+    monkeypatch.setattr(model, "prefill_chunk", 24)  # chunks at 0, 24, 48, 72: block 0 let go at 72
+    model.prefill("w", PROMPT)
+    model.state.remember("w", PROMPT)
+    model.release("w")
+    for shared, cached in ((40, 0), (70, 64)):
+        prompt = PROMPT[:shared] + [4, 5, 6, 7]
+        plain = ferrum_greedy(model, "plain", prompt, 12)
+        model.release("plain")
+        found = model.state.reuse("r", prompt)
+        assert found.tokens == cached, found
+        assert found.miss == MISS_WINDOW or cached
+        assert_same_tokens(ferrum_greedy_from(model, "r", prompt, found.tokens, 12), plain)
+        model.release("r")
+    model.reset()
+
+
+def ferrum_greedy_from(model, cache_id: str, prompt, held: int, n: int) -> list[int]:
+    """`ferrum_greedy` of a sequence that holds `held` tokens of `prompt` already."""
+    logits, out, pos = model.prefill(cache_id, prompt[held:]), [], len(prompt)
+    for step in range(n):
+        out.append(int(argmax(logits)))
+        if step + 1 < n:
+            logits = model.decode(cache_id, out[-1], pos)
+            pos += 1
+    return out
 
 
 def test_the_window_changes_the_answer(reference, want):

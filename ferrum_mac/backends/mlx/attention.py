@@ -76,6 +76,8 @@ class Plan:
     more segments are one token long (a batched decode, or the decode rows of a unified step)
     they attend together: `decoding` lists them, with what attending them together needs."""
 
+    windowed: "Plan | None" = None  # the same rows over the windowed layers' pool, when the model has one
+
     def __init__(self, segments: list[Segment]):
         self.segments = segments
         self.total = sum(s.length for s in segments)
@@ -195,6 +197,8 @@ class Attention:
     def attend(self, q: mx.array, k: mx.array, v: mx.array, plan: Plan) -> mx.array:
         """Write each segment's k/v to its cache and attend; returns `(1, T, heads * dim)`."""
         routes = self.routes
+        if self.window and plan.windowed is not None:  # its keys are in the windowed layers' pool
+            plan = plan.windowed
         if len(plan.segments) == 1:
             return merge_heads(routes.attend_segment(self, q, k, v, plan.segments[0]))
         if plan.decoding and plan.decode_rows is None:
@@ -229,10 +233,9 @@ class Attention:
     def attend_segment(self, q, k, v, seg: Segment) -> mx.array:
         """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`: causal over the sequence's cache
         (of a windowed layer, over its last `window` keys up to each query)."""
-        keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
         first = seg.first_visible(self.window)
-        if first:
-            keys, values = keys[:, :, first:], values[:, :, first:]
+        read = seg.read_rows if not first else seg.cache.rows(first, seg.offset + seg.length)
+        keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, read)
         return self.scores_attention(q, keys, values, seg.mask(self.window))
 
     def scores_attention(self, q, keys, values, mask) -> mx.array:

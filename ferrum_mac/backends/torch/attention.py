@@ -72,8 +72,15 @@ class Attention:
 
     def __call__(self, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h + attention(norm(h)), h `(T, hidden)`."""
-        out = self.ops_for(plan).attention(self, h, norm, plan, cos, sin)
+        out = self.attention(h, norm, plan, cos, sin)
         return plan.ops.matmul_plus(out, self.o_proj, h)
+
+    def attention(self, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """attention(norm(h)) `(T, heads * dim)`, over the windowed layers' pool (`plan.windowed`)
+        for a windowed layer of a model that has one, and by the ops that take it (`ops_for`)."""
+        if self.window and plan.windowed is not None:
+            plan = plan.windowed
+        return self.ops_for(plan).attention(self, h, norm, plan, cos, sin)
 
     def ops_for(self, plan) -> Ops:
         """The ops that attend this layer in `plan`: the plan's, or torch's own where they take no window or cap."""
@@ -109,6 +116,7 @@ def positions_rows(seq: SequenceBlocks, start: int, end: int) -> torch.Tensor | 
 
 class Plan:
     ops: Ops = TORCH_OPS  # eager steps: torch's own ops
+    windowed: "Plan | None" = None  # the same rows over the windowed layers' pool, when the model has one
 
     def __init__(self, segments: list[Segment], device: torch.device):
         self.segments = segments
@@ -178,7 +186,11 @@ class DecodePlan:
 
     `sequences`: how many sequences the rows belong to (default one a row; a verify's rows
     share one). Attention spreads each row's keys over programs as for a batch of that many,
-    so a verify's rows are summed exactly as that sequence's decode steps would be."""
+    so a verify's rows are summed exactly as that sequence's decode steps would be.
+
+    `windowed`: the same rows over the windowed layers' pool (its own tables), when the model has one."""
+
+    windowed: "DecodePlan | None" = None
 
     def __init__(
         self,
@@ -250,6 +262,7 @@ class FreshPlan:
     they run. Attention is causal over the prompt's own keys, as nothing precedes them."""
 
     ops: Ops = TORCH_OPS
+    windowed = None  # (a windowed model prefills eagerly)
 
     def __init__(self, pool: KvManager, table: torch.Tensor, count: torch.Tensor, rows: int):
         self.pool, self.total = pool, rows

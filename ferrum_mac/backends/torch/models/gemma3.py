@@ -68,7 +68,7 @@ class Block:
     def __call__(self, h: torch.Tensor, plan, tables: dict) -> torch.Tensor:
         pre_attn, post_attn, pre_mlp, post_mlp = self.norms
         cos, sin = tables[self.attn.rope]
-        out = self.attn.ops_for(plan).attention(self.attn, h, pre_attn, plan, cos, sin)
+        out = self.attn.attention(h, pre_attn, plan, cos, sin)
         h = h + post_attn(self.attn.o_proj(out))
         x = pre_mlp(h)
         return h + post_mlp(self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x)))

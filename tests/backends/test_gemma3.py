@@ -257,6 +257,32 @@ def ferrum_greedy_from(model, cache_id: str, prompt, held: int, n: int) -> list[
     return out
 
 
+def test_the_engines_speculation_is_exact_past_the_window(model):
+    """The engine's decode loop with prompt lookup (its guesses from a repeating prompt, always
+    worth verifying) gives the tokens of its plain greedy loop."""
+    from ferrum_mac.engine.decode_loop import answer_tokens
+    from ferrum_mac.engine.sampling import SamplingParams
+    from ferrum_mac.engine.speculation import Speculate
+    from ferrum_mac.engine.speculation.controller import MAX_K, forget_costs, use_costs
+
+    prompt = random_tokens(20, seed=5) * 5  # 100 tokens: what follows a repeat is guessed
+    greedy = SamplingParams(temperature=0.0)
+    use_costs(model, [1.0] * (MAX_K + 1))
+    try:
+        answers = []
+        for speculate in (None, Speculate("ngram")):
+            logits = model.prefill("e", prompt)
+            tokens, stats = answer_tokens(
+                model, model.sampler(greedy, prompt), "e", logits, 48, speculate=speculate, prompt=prompt
+            )
+            answers.append(list(tokens))
+            model.release("e")
+        assert stats is not None and stats.steps > 0 and stats.accepted > 0, stats
+        assert_same_tokens(answers[1], answers[0])
+    finally:
+        forget_costs(model)
+
+
 def test_the_window_changes_the_answer(reference, want):
     """The same weights with every layer global give other logits past the window: the
     parity above really tests the window."""

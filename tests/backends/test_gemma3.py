@@ -246,6 +246,32 @@ def test_the_prefix_cache_reuses_only_a_window_it_kept(model, monkeypatch):
     model.reset()
 
 
+def test_kept_windows_follow_the_pool_and_go_with_their_nodes(model, monkeypatch):
+    """The windowed blocks the cache keeps are renumbered with their pool (which shrinks when
+    long sequences go) and let go of when their nodes are evicted: nothing leaks."""
+    model.reset()
+    windowed = model.state.windowed
+    for name, seed in (("long-a", 1), ("long-b", 2), ("long-c", 3)):
+        model.prefill(name, random_tokens(300, seed=seed))  # one chunk: its 10 blocks, until its next step
+    monkeypatch.setattr(model, "prefill_chunk", 24)
+    model.prefill("w", PROMPT)
+    model.state.remember("w", PROMPT)
+    model.release("w")
+    before = windowed.pool.blocks
+    for name in ("long-a", "long-b", "long-c"):
+        model.release(name)
+    prompt = PROMPT[:70] + [4, 5, 6, 7]
+    plain = ferrum_greedy(model, "plain", prompt, 12)
+    model.release("plain")
+    found = model.state.reuse("r", prompt)
+    assert found.tokens == 64 and windowed.pool.blocks < before  # kept across a shrink
+    assert_same_tokens(ferrum_greedy_from(model, "r", prompt, found.tokens, 12), plain)
+    model.release("r")
+    model.state.pool.prefix.evict(1 << 20)
+    assert not windowed.kept and not any(windowed.pool.refs[1:])
+    model.reset()
+
+
 def ferrum_greedy_from(model, cache_id: str, prompt, held: int, n: int) -> list[int]:
     """`ferrum_greedy` of a sequence that holds `held` tokens of `prompt` already."""
     logits, out, pos = model.prefill(cache_id, prompt[held:]), [], len(prompt)

@@ -441,3 +441,44 @@ def test_gguf_matches_transformers(backend, tmp_path):
     model = ferrum_mac.open_model(path, backend=backend, dtype="float32")
     assert [bool(getattr(kind, "window", 0)) for kind in model.config.layer_kinds] == [True] * 5 + [False]
     assert_close(model.forward_verify("x", PROMPT), hf_logits(reference, PROMPT), FP32_REL, "GGUF logits")
+
+
+# -- MLX's CUDA routes (their kernels computed by MLX ops on this CPU) -----------------------
+
+
+def decode_kernel_on_the_cpu(q, keys, values, tables, positions, scale, longest=None, block_tokens=32):
+    """What `cuda_attention.decode_attention` computes: each row attends the keys its block
+    table names, up to its position."""
+    import mlx.core as mx
+
+    decode_kernel_on_the_cpu.calls += 1
+    out = []
+    for b, (table, p) in enumerate(zip(tables.tolist(), positions.tolist())):
+        rows = mx.array([table[t // block_tokens] * block_tokens + t % block_tokens for t in range(p + 1)])
+        k, v = keys[:, :, rows], values[:, :, rows]
+        out.append(mx.fast.scaled_dot_product_attention(q[b : b + 1, :, None, :], k, v, scale=scale)[0, :, 0])
+    return mx.stack(out)
+
+
+@pytest.mark.skipif("mlx" not in BACKENDS, reason="MLX is not installed")
+def test_cuda_routes_take_the_global_layers_only(folder, reference, monkeypatch):
+    """On MLX's CUDA build the global layers take its routes (padded prefill attention, the
+    decode kernel through block tables) and the windowed layers MLX's own ops, over their pool."""
+    from ferrum_mac.backends.mlx.cuda import attention as cuda_attention
+    from ferrum_mac.backends.mlx.cuda.ops import CudaOps
+    from ferrum_mac.backends.options import BackendOptions
+    from helpers import open_mlx
+
+    class KernelOnTheCpu(CudaOps):
+        def decode_kernel_takes(self, attn) -> bool:
+            return True
+
+    monkeypatch.setattr(cuda_attention, "decode_attention", decode_kernel_on_the_cpu)
+    decode_kernel_on_the_cpu.calls = 0
+    model = open_mlx(folder, KernelOnTheCpu(BackendOptions(cuda_heads=False)))
+    assert_close(model.forward_verify("v", PROMPT), hf_logits(reference, PROMPT), FP32_REL, "a forward")
+    model.prefill("a", PROMPT[:33])
+    rows = model.decode_batch([DecodeItem("v", 3, len(PROMPT)), DecodeItem("a", 4, 33)])
+    assert_close(rows[0], hf_logits(reference, PROMPT + [3])[-1], FP32_REL, "a long row")
+    assert_close(rows[1], hf_logits(reference, PROMPT[:33] + [4])[-1], FP32_REL, "a short row")
+    assert decode_kernel_on_the_cpu.calls == 2  # the global layers', once each

@@ -49,10 +49,13 @@ from ferrum_mac.sequence_state import (  # noqa: F401  (re-exported: the contrac
     MISS_NO_PREFIX,
     MISS_OFF,
     MISS_OTHER_MODEL,
+    MISS_WINDOW,
+    FULL_ATTENTION,
     CountingState,
     LayerKind,
     PrefixReuse,
     PrefixStats,
+    SlidingWindow,
     StateManager,
     every_layer_full,
 )
@@ -97,11 +100,17 @@ class LlmRuntimeConfig:
             dtype=dtype,
             bos_token_id=c.bos_token_id,
             eos_token_ids=tuple(c.eos_token_ids),
-            layer_kinds=every_layer_full(c.num_layers),  # (every family's layers attend to every position)
+            layer_kinds=layer_kinds_of(c),
         )
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+def layer_kinds_of(c) -> tuple[LayerKind, ...]:
+    """Each layer's kind from a `ModelConfig`: a sliding window where it names one, else full attention."""
+    windows = tuple(getattr(c, "layer_windows", ())) or (0,) * c.num_layers
+    return tuple(SlidingWindow(w) if w else FULL_ATTENTION for w in windows)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ manager (`DecoderOnlyLLM.state`) and never which kinds it holds.
 
 A manager refuses a model with a kind it does not keep (`UnsupportedModelError`), when the
 model loads: a new kind is a class here and the manager that learns to keep it, not a
-special case in the scheduler or the cache. Only full attention is kept today.
+special case in the scheduler or the cache. Full attention and sliding windows are kept today.
 
 This module imports neither backend: the engine reads it.
 """
@@ -89,6 +89,7 @@ MISS_EVICTED = "evicted"  # one did, but its blocks were evicted for memory
 MISS_CHANGED = "changed earlier tokens"  # a cached sequence continues the match, but the prompt differs from it early
 MISS_OTHER_MODEL = "different model"  # cached for another model (or dtype) only
 MISS_OFF = "no prefix cache"  # the backend keeps none
+MISS_WINDOW = "window not kept"  # a cached sequence continues the match, but not its sliding-window layers' keys there
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,18 @@ def test_a_model_without_a_pool_counts_lengths_and_reuses_nothing():
 @pytest.mark.parametrize("kind", [SlidingWindow(4096), SharedKV(0), Recurrent()], ids=str)
 def test_a_layer_kind_the_manager_does_not_hold_is_refused(kind):
     config = LlmRuntimeConfig(8, 3, 1, 8, 16, 32, layer_kinds=(FULL_ATTENTION, FULL_ATTENTION, kind))
-    for make in (lambda: CountingState(config.layer_kinds), lambda: PooledState(BlockPool(32), config)):
+    makers = [lambda: CountingState(config.layer_kinds)]
+    if not isinstance(kind, SlidingWindow):  # the pooled manager keeps windows
+        makers.append(lambda: PooledState(BlockPool(32), config))
+    for make in makers:
         with pytest.raises(UnsupportedModelError, match=f"layer 2 of this model keeps {kind}") as err:
             make()
         assert FullAttention.name in str(err.value)
+
+
+def test_the_pooled_manager_keeps_sliding_windows():
+    kinds = (SlidingWindow(16), FULL_ATTENTION)
+    assert PooledState(BlockPool(32), LlmRuntimeConfig(8, 2, 1, 8, 16, 32, layer_kinds=kinds)).kinds == kinds
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

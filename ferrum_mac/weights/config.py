@@ -13,7 +13,8 @@ from ferrum_mac.errors import CorruptModelError, ModelNotFoundError, Unsupported
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("qwen3_moe",)
-SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES
+GEMMA3_TYPES = ("gemma3_text", "gemma3")  # gemma3: the text model inside the multimodal checkpoint
+SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES + GEMMA3_TYPES
 ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -41,6 +42,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: dict | None = None  # {"group_size", "bits", per-module overrides}
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window in tokens, 0 for full attention
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific keys (MoE)
 
     def quant_for(self, module: str) -> dict | None:
@@ -121,18 +123,26 @@ def check_model_type(model_type: str, where: str) -> None:
         )
 
 
-def _exact_context(raw: dict) -> int:
-    """The longest sequence ferrum computes exactly. Sliding-window attention is not implemented,
-    so a model that uses it is capped at its window: past it, KvCapacityError, not wrong logits."""
-    limit = raw.get("max_position_embeddings", 4096)
-    window = raw.get("sliding_window")
-    if raw.get("layer_types"):  # transformers 5
-        slides = "sliding_attention" in raw["layer_types"]
-    elif raw.get("use_sliding_window") is not None:  # Qwen2/3: layers from max_window_layers on
-        slides = bool(raw["use_sliding_window"]) and raw.get("max_window_layers", 0) < raw.get("num_hidden_layers", 1)
-    else:  # Mistral: a set window applies to every layer
-        slides = raw.get("model_type") == "mistral"
-    return min(limit, window) if window and slides else limit
+def _layer_windows(raw: dict) -> tuple[int, ...]:
+    """Each layer's sliding window (0: full attention), or () when no layer slides: transformers
+    5's `layer_types`; Qwen2/3's `use_sliding_window` (layers from `max_window_layers` on);
+    Mistral's `sliding_window`, which applies to every layer."""
+    window, layers = raw.get("sliding_window"), raw.get("num_hidden_layers", 0)
+    if not window or raw.get("use_sliding_window") is False:
+        return ()
+    if raw.get("layer_types"):
+        kinds = raw["layer_types"]
+    elif raw.get("use_sliding_window") is not None:
+        first = raw.get("max_window_layers", 0)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    elif raw.get("model_type") == "mistral":
+        kinds = ["sliding_attention"] * layers
+    else:
+        return ()
+    if len(kinds) != layers:
+        raise CorruptModelError(f"layer_types names {len(kinds)} layers of {layers}; re-download the model")
+    windows = tuple(int(window) if kind == "sliding_attention" else 0 for kind in kinds)
+    return windows if any(windows) else ()
 
 
 def config_from_hf(folder: Path) -> ModelConfig:
@@ -196,6 +206,8 @@ def _impossible(where: str, name: str, value) -> CorruptModelError:
 def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
     model_type = raw.get("model_type", "")
     check_model_type(model_type, where)
+    if model_type in GEMMA3_TYPES:
+        return gemma3_config(raw, generation, where)
     theta, scaling = _rope_settings(raw)
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float16"
     try:
@@ -212,7 +224,7 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=_exact_context(raw),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             qkv_bias=model_type == "qwen2" or raw.get("attention_bias", False),
             o_bias=model_type != "qwen2" and raw.get("attention_bias", False),
@@ -222,7 +234,70 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=_eos_ids(raw, generation),
             quantization=_mlx_quantization(raw, where),
+            layer_windows=_layer_windows(raw),
             extra=raw,
         )
     except KeyError as e:
         raise CorruptModelError(f"{where} lacks {e.args[0]!r}; re-download the model or fix its config.json") from None
+
+
+# -- Gemma 3 -------------------------------------------------------------------------------
+
+GEMMA3_ACTIVATIONS = ("gelu_pytorch_tanh",)
+
+
+def gemma3_config(raw: dict, generation: dict, where: str) -> ModelConfig:
+    """Gemma 3's text model: local (sliding-window) and global layers, each with its RoPE base;
+    a multimodal checkpoint's (`gemma3`) is its `text_config`. The family's own settings go in
+    `extra` under `gemma3_*` keys (read by the model files)."""
+    text = {**raw.get("text_config", raw), "model_type": "gemma3_text"} if raw["model_type"] == "gemma3" else raw
+    refuse_gemma3_variants(text, where)
+    kinds = gemma3_layer_types(text)
+    window = int(text.get("sliding_window") or 4096)
+    params = text.get("rope_parameters") or {}
+    global_rope = {"rope_theta": text.get("rope_theta", 1_000_000.0), **(params.get("full_attention") or {})}
+    if text.get("rope_scaling"):
+        global_rope.update(text["rope_scaling"])
+    local_rope = params.get("sliding_attention") or {}
+    local_theta = float(local_rope.get("rope_theta", text.get("rope_local_base_freq", 10_000.0)))
+    theta, scaling = _rope_settings({"rope_parameters": global_rope})
+    defaults = {"vocab_size": 262_208, "hidden_size": 2304, "num_attention_heads": 8, "num_key_value_heads": 4}
+    text = {**defaults, **text, "num_hidden_layers": len(kinds), "head_dim": text.get("head_dim", 256)}
+    text["query_pre_attn_scalar"] = text.get("query_pre_attn_scalar", 256)
+    windowless = {k: v for k, v in text.items() if k not in ("layer_types", "sliding_window", "rope_parameters")}
+    config = _config_from_dict(
+        {**windowless, "model_type": "llama", "rope_theta": theta, "rope_scaling": None}, generation, where
+    )
+    config.model_type, config.rope_scaling, config.qk_norm = "gemma3_text", scaling, True
+    config.tie_word_embeddings = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    config.max_position_embeddings = text.get("max_position_embeddings", 131_072)
+    config.layer_windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+    config.extra = {
+        **text,
+        "gemma3_local_rope_theta": local_theta,
+        "gemma3_attn_softcap": text.get("attn_logit_softcapping"),
+        "gemma3_final_softcap": text.get("final_logit_softcapping"),
+    }
+    return config
+
+
+def gemma3_layer_types(text: dict) -> list[str]:
+    """`layer_types`, or the older `sliding_window_pattern` (every Nth layer global)."""
+    if text.get("layer_types"):
+        kinds = list(text["layer_types"])
+        unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"layer_types holds {unknown[0]!r}, which ferrum does not run")
+        return kinds
+    pattern = int(text.get("sliding_window_pattern", 6))
+    layers = int(text.get("num_hidden_layers", 26))
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def refuse_gemma3_variants(text: dict, where: str) -> None:
+    """A Gemma 3 variant ferrum does not compute is refused by the field that makes it one."""
+    if text.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{where}: use_bidirectional_attention is set; ferrum runs causal Gemma 3 only")
+    activation = text.get("hidden_activation") or text.get("hidden_act") or GEMMA3_ACTIVATIONS[0]
+    if activation not in GEMMA3_ACTIVATIONS:
+        raise UnsupportedModelError(f"{where}: hidden_activation {activation!r} is not Gemma 3's gelu_pytorch_tanh")

@@ -38,15 +38,23 @@ _BLOCK_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)$")
+# Block names an architecture uses otherwise, by llama.cpp's architecture name.
+_ARCH_BLOCK_NAMES: dict[str, dict[str, str]] = {}
 
 
-def canonical_module(gguf_module: str) -> str | None:
+def canonical_module(gguf_module: str, arch: str = "") -> str | None:
     if gguf_module in _TOP_NAMES:
         return _TOP_NAMES[gguf_module]
     m = _BLOCK.match(gguf_module)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"layers.{m.group(1)}.{names[m.group(2)]}"
     return None
+
+
+def architecture(info: GgufInfo) -> str:
+    """llama.cpp's architecture name in the header (`general.architecture`)."""
+    return str(_scalar(info.metadata, "general.architecture", ""))
 
 
 def _scalar(meta: dict, key: str, default=None):
@@ -58,7 +66,10 @@ def _scalar(meta: dict, key: str, default=None):
 
 def config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bool, token_count: int = 0) -> ModelConfig:
     with wrong_types_are_corrupt(str(path)):
-        return check_sizes(_config_from_gguf(path, meta, quantization, has_output, token_count), str(path))
+        config = _config_from_gguf(path, meta, quantization, has_output, token_count)
+        if config.model_type == "gemma3_text":
+            gemma3_from_gguf(config)
+        return check_sizes(config, str(path))
 
 
 def _config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bool, token_count: int) -> ModelConfig:
@@ -99,6 +110,7 @@ def _config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bo
 def _quantization_by_module(path: Path, info: GgufInfo) -> dict:
     """Per-module quantization from the tensor table; refuses ggml types MLX cannot keep."""
     per_module: dict = {}
+    arch = architecture(info)
     for name, _, type_name in info.tensors:
         if type_name not in SUPPORTED_GGML:
             raise UnsupportedModelError(
@@ -106,7 +118,7 @@ def _quantization_by_module(path: Path, info: GgufInfo) -> dict:
                 f"(supported GGUF types: {', '.join(SUPPORTED_GGML)}); use a Q4_0, Q4_1, Q8_0 or F16 file"
             )
         quant = SUPPORTED_GGML[type_name]
-        module = canonical_module(name.rsplit(".", 1)[0])
+        module = canonical_module(name.rsplit(".", 1)[0], arch)
         if quant and module:
             per_module[module] = {"group_size": quant[0], "bits": quant[1]}
     if not per_module:
@@ -133,9 +145,10 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
         raise CorruptModelError(f"{path} is truncated ({size} of {info.data_end} bytes); download it again")
     quantization = _quantization_by_module(path, info)
     names = {}  # canonical name -> GGUF name, for the tensors MLX will return
+    arch = architecture(info)
     for name, _, _ in info.tensors:
         module, _, suffix = name.rpartition(".")
-        canonical = canonical_module(module)
+        canonical = canonical_module(module, arch)
         if canonical is not None:
             names[f"{canonical}.{suffix}"] = name
     config = config_from_gguf(
@@ -145,7 +158,7 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
         has_output="lm_head.weight" in names,
         token_count=info.array_lengths.get("tokenizer.ggml.tokens", 0),
     )
-    tensors = LazyTensors(lambda: _read_tensors(path) if read is None else read(path, info))
+    tensors = LazyTensors(lambda: _read_tensors(path, arch) if read is None else read(path, info))
     if "rope_freqs.weight" in info.offsets:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
         config.rope_scaling = {"rope_type": "freq_factors", "factors": _rope_freqs(path, info)}
     # Only modules GGUF stored quantized are quantized; mark the rest dense.
@@ -199,11 +212,11 @@ def _read_raw(path: Path) -> dict:
         raise CorruptModelError(f"{path} cannot be read ({str(e).splitlines()[0]}); download it again") from None
 
 
-def _read_tensors(path: Path) -> dict:
+def _read_tensors(path: Path, arch: str) -> dict:
     tensors = {}
     for name, array in _read_raw(path).items():
         module, _, suffix = name.rpartition(".")
-        canonical = canonical_module(module)
+        canonical = canonical_module(module, arch)
         if canonical is not None:
             tensors[f"{canonical}.{suffix}"] = array
     return tensors
@@ -221,3 +234,38 @@ def _rope_freqs(path: Path, info: GgufInfo):
         f.seek(info.offsets["rope_freqs.weight"])
         data = f.read(4 * count)
     return mx.array(struct.unpack(f"<{count}f", data), dtype=mx.float32)
+
+
+# -- Gemma 3 -------------------------------------------------------------------------------
+
+ARCHITECTURES["gemma3"] = "gemma3_text"
+_ARCH_BLOCK_NAMES["gemma3"] = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GEMMA3_PATTERN = 6  # llama.cpp's: every sixth layer global (the header does not say)
+
+
+def gemma3_from_gguf(config: ModelConfig) -> None:
+    """What llama.cpp's Gemma 3 takes from its header or fixes: a window on five layers of six,
+    local layers turning at base 10000, scores scaled by 1/sqrt(head_dim) (the 27B's, 62
+    layers: by 1/sqrt(hidden / heads)), and norm weights stored as (1 + w) already."""
+    extra = config.extra
+    window = int(extra.get("attention.sliding_window") or 0)
+    pattern = int(extra.get("attention.sliding_window_pattern") or GEMMA3_PATTERN)
+    if window:
+        config.layer_windows = tuple(window if (i + 1) % pattern else 0 for i in range(config.num_layers))
+    scaling = extra.get("rope.scaling.type")
+    if scaling and scaling != "none":
+        config.rope_scaling = {"rope_type": scaling, "factor": float(extra.get("rope.scaling.factor", 1.0))}
+    scalar = config.hidden_size // config.num_heads if config.num_layers == 62 else config.head_dim
+    config.qk_norm = True
+    config.extra = {
+        **extra,
+        "query_pre_attn_scalar": scalar,
+        "gemma3_local_rope_theta": 10_000.0,
+        "gemma3_attn_softcap": extra.get("attn_logit_softcapping"),
+        "gemma3_final_softcap": extra.get("final_logit_softcapping"),
+        "gemma3_norm_offset": 0.0,
+    }

@@ -22,6 +22,7 @@ from helpers import (
     ferrum_greedy,
     hf_greedy,
     hf_logits,
+    installed_backends,
     random_tokens,
     read_config,
     rel_err,
@@ -151,13 +152,15 @@ def test_legacy_config_layout(zoo, tmp_path):
     assert_close(model.forward_verify("x", PROMPT), hf_logits(zoo.hf("llama3_rope"), PROMPT), FP32_REL)
 
 
+@pytest.mark.parametrize("backend", installed_backends())
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
-def test_sliding_window_models_are_capped_at_the_window(zoo, tmp_path, family):
-    """ferrum has no sliding-window attention: inside the window it must agree with
-    transformers, and past it refuse (KvCapacityError) rather than compute something else."""
+def test_sliding_window_models_attend_within_the_window(zoo, tmp_path, family, backend):
+    """Mistral's window (every layer) and Qwen2's (layers from max_window_layers on) are the
+    sliding-window layers of Gemma 3's path: past the window ferrum agrees with transformers,
+    in a forward and in decode steps."""
     from transformers import AutoModelForCausalLM
 
-    from ferrum_mac.errors import KvCapacityError
+    from ferrum_mac.sequence_state import SlidingWindow
     from helpers import FAMILY_FACTORIES
 
     config = FAMILY_FACTORIES[family]()
@@ -168,11 +171,12 @@ def test_sliding_window_models_are_capped_at_the_window(zoo, tmp_path, family):
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     reference.save_pretrained(tmp_path)
-    model = ferrum_mac.open_model(tmp_path, dtype="float32")
-    assert model.kv_capacity() == 16
-    assert_close(model.forward_verify("x", PROMPT[:16]), hf_logits(reference, PROMPT[:16]), FP32_REL)
-    with pytest.raises(KvCapacityError):
-        model.decode("x", 5, 16)
+    model = ferrum_mac.open_model(tmp_path, backend=backend, dtype="float32")
+    assert model.kv_capacity() > 16
+    slides = [isinstance(kind, SlidingWindow) for kind in model.config.layer_kinds]
+    assert slides == ([True, True] if family == "mistral" else [False, True])
+    assert_close(model.forward_verify("x", PROMPT), hf_logits(reference, PROMPT), FP32_REL)
+    assert_same_tokens(ferrum_greedy(model, "g", PROMPT[:20], 24), hf_greedy(reference, PROMPT[:20], 24))
     # the family's zoo model has the same weights (same seed) and no window: the window
     # leaves the first 16 positions alone and really changes transformers' answer past them
     full = hf_logits(zoo.hf(family), PROMPT)

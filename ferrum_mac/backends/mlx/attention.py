@@ -42,6 +42,23 @@ class Segment:
         """Where its sequence's keys up to its own are read from."""
         return self.cache.rows(0, self.offset + self.length)
 
+    def first_visible(self, window: int) -> int:
+        """The first position a query of this segment sees under a sliding `window` (0: none)."""
+        return max(0, self.offset - window + 1) if window else 0
+
+    def mask(self, window: int) -> mx.array | str | None:
+        """Which of the keys from `first_visible(window)` on each query sees: query i (position
+        offset + i) sees position j where offset + i - window < j <= offset + i."""
+        first, end = self.first_visible(window), self.offset + self.length
+        if self.length == 1:
+            return None
+        if not window or end <= window:  # (first is 0: MLX's causal mask, aligned to the last key)
+            return "causal"
+        masks = self.__dict__.setdefault("masks", {})
+        if window not in masks:
+            masks[window] = visible_keys(mx.arange(self.offset, end), first, end, window)
+        return masks[window]
+
 
 class Plan:
     """Which rows of the flat batch belong to which sequence. A unified step that prefills
@@ -58,6 +75,8 @@ class Plan:
     `positions` is a scalar offset for one segment, else one position per token. When two or
     more segments are one token long (a batched decode, or the decode rows of a unified step)
     they attend together: `decoding` lists them, with what attending them together needs."""
+
+    windowed: "Plan | None" = None  # the same rows over the windowed layers' pool, when the model has one
 
     def __init__(self, segments: list[Segment]):
         self.segments = segments
@@ -100,6 +119,22 @@ class Plan:
         width = self.host_tables.shape[1] * self.pool.block_tokens
         return (mx.arange(width)[None, :] <= self.decode_positions[:, None])[:, None, None, :]
 
+    def window_mask(self, window: int) -> mx.array:
+        """`mask`, and of those keys only the last `window` up to each row's own."""
+        masks = self.__dict__.setdefault("window_masks", {})
+        if window not in masks:
+            width = self.host_tables.shape[1] * self.pool.block_tokens
+            masks[window] = visible_keys(self.decode_positions, 0, width, window)[:, None, None, :]
+        return masks[window]
+
+
+def visible_keys(positions: mx.array, first: int, end: int, window: int) -> mx.array:
+    """`(queries, end - first)` booleans: whether the query at each of `positions` sees the key
+    at `first + column` (causal, and within the last `window` positions when `window`)."""
+    keys = mx.arange(first, end)[None, :]
+    seen = keys <= positions[:, None]
+    return seen & (keys > positions[:, None] - window) if window else seen
+
 
 def decode_rows(singles: list[Segment]) -> slice | mx.array:
     starts = [s.start for s in singles]
@@ -131,6 +166,15 @@ class Attention:
         self.eps = c.rms_norm_eps
         self.rope = Rope(config)
         self.ops = src.ops  # the device's routes: `ops.project(self, ...)` is `self.project(...)` here
+        # A sliding window (0: none) and a tanh cap on the scores (Gemma's): the device's kernels
+        # take neither, so such a layer attends by this module's ops (`routes`).
+        self.window = c.layer_windows[layer] if c.layer_windows else 0
+        self.softcap: float | None = None
+
+    @property
+    def routes(self):
+        """Who attends this layer: the device's ops, or MLX's own here for what they do not take."""
+        return PLAIN_ROUTES if self.window or self.softcap else self.ops
 
     def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment
@@ -152,14 +196,17 @@ class Attention:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, plan: Plan) -> mx.array:
         """Write each segment's k/v to its cache and attend; returns `(1, T, heads * dim)`."""
+        routes = self.routes
+        if self.window and plan.windowed is not None:  # its keys are in the windowed layers' pool
+            plan = plan.windowed
         if len(plan.segments) == 1:
-            return merge_heads(self.ops.attend_segment(self, q, k, v, plan.segments[0]))
+            return merge_heads(routes.attend_segment(self, q, k, v, plan.segments[0]))
         if plan.decoding and plan.decode_rows is None:
-            return self.ops.attend_batch(self, q, k, v, plan)
+            return routes.attend_batch(self, q, k, v, plan)
         pieces = {}  # first row -> output rows, joined in row order
         if plan.decoding:
             rows = plan.decode_rows
-            batch = self.ops.attend_batch(self, q[rows], k[rows], v[rows], plan)
+            batch = routes.attend_batch(self, q[rows], k[rows], v[rows], plan)
             if isinstance(rows, slice):
                 pieces[rows.start] = batch
             else:
@@ -169,7 +216,7 @@ class Attention:
             if seg.start not in batched:
                 rows = slice(seg.start, seg.start + seg.length)
                 pieces[seg.start] = merge_heads(
-                    self.ops.attend_segment(self, heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg)
+                    routes.attend_segment(self, heads_first(q[rows]), heads_first(k[rows]), heads_first(v[rows]), seg)
                 )
         return mx.concatenate([pieces[start] for start in sorted(pieces)], axis=1)
 
@@ -179,14 +226,56 @@ class Attention:
         B = q.shape[0]
         keys, values = plan.pool.write_batch(self.layer, plan.write_index, k, v)
         keys, values = keys[plan.gather_index], values[plan.gather_index]
-        out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=self.scale, mask=plan.mask)
+        mask = plan.window_mask(self.window) if self.window else plan.mask
+        out = self.scores_attention(q[:, :, None, :], keys, values, mask)
         return out.reshape(1, B, self.heads * self.head_dim)
 
     def attend_segment(self, q, k, v, seg: Segment) -> mx.array:
-        """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`: causal over the sequence's cache."""
-        keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, seg.read_rows)
-        mask = "causal" if seg.length > 1 else None
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        """q/k/v `(1, heads, n, dim)` -> `(1, heads, n, dim)`: causal over the sequence's cache
+        (of a windowed layer, over its last `window` keys up to each query)."""
+        first = seg.first_visible(self.window)
+        read = seg.read_rows if not first else seg.cache.rows(first, seg.offset + seg.length)
+        keys, values = seg.cache.write(self.layer, k, v, seg.write_rows, read)
+        return self.scores_attention(q, keys, values, seg.mask(self.window))
+
+    def scores_attention(self, q, keys, values, mask) -> mx.array:
+        """Scaled dot-product attention, with the scores capped by `softcap` when it is set."""
+        if self.softcap is None:
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return softcapped_attention(q, keys, values, self.scale, self.softcap, mask)
+
+
+class PlainRoutes:
+    """The attention of this module, as the device's ops call it (`Ops.attend_segment` and
+    `Ops.attend_batch`'s signatures), for the layers their kernels do not take."""
+
+    @staticmethod
+    def attend_segment(attn: Attention, q, k, v, seg: Segment) -> mx.array:
+        return attn.attend_segment(q, k, v, seg)
+
+    @staticmethod
+    def attend_batch(attn: Attention, q, k, v, plan: Plan) -> mx.array:
+        return attn.attend_batch(q, k, v, plan)
+
+
+PLAIN_ROUTES = PlainRoutes()
+
+
+def softcapped_attention(q, keys, values, scale: float, cap: float, mask) -> mx.array:
+    """softmax(cap * tanh(q k^T * scale / cap)) v, as Gemma 2 and 3 cap their scores; q
+    `(B, heads, n, dim)` over keys/values `(B, kv_heads, T, dim)`; `mask` as MLX's fused
+    attention takes it."""
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:
+        keys, values = mx.repeat(keys, group, axis=1), mx.repeat(values, group, axis=1)
+    scores = (q * scale) @ keys.swapaxes(-1, -2)
+    scores = mx.tanh(scores.astype(mx.float32) / cap) * cap
+    if isinstance(mask, str):
+        n, T = scores.shape[-2:]
+        mask = mx.arange(T)[None, :] <= mx.arange(T - n, T)[:, None]
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf)
+    return (mx.softmax(scores, axis=-1).astype(values.dtype)) @ values
 
 
 # Layout changes are graph nodes too, and a decode step's cost is mostly per node: a single

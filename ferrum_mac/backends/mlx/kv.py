@@ -15,6 +15,8 @@ all of them with one operation each, instead of one per sequence.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlx.core as mx
 import numpy as np
 
@@ -87,9 +89,13 @@ class KvManager(BlockPool):
         max_blocks: int | None = None,
         cache_blocks: int = 0,
         disk=None,
+        layers: Sequence[int] | None = None,
     ):
+        """`layers`: the layers whose keys and values it holds (default: all `num_layers`;
+        a model with sliding windows has a pool for them and one for the rest)."""
         super().__init__(capacity, max_blocks, cache_blocks, disk)
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
+        self.layers = list(range(num_layers) if layers is None else layers)
         self.heads = mx.arange(kv_heads)
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
@@ -102,7 +108,7 @@ class KvManager(BlockPool):
         kept = len(keep) * B
         rows = slice(0, kept) if keep == list(range(len(keep))) else mx.array(self.rows_of(keep))
         for buffers in (self.keys, self.values):
-            for layer in range(self.num_layers):
+            for layer in self.layers:
                 fresh = mx.zeros(shape, dtype=self.dtype)
                 old = buffers[layer]
                 if old is not None and kept:
@@ -115,7 +121,7 @@ class KvManager(BlockPool):
     def _copy_block(self, src: int, dst: int, tokens: int) -> None:
         B = self.block_tokens
         for buffers in (self.keys, self.values):
-            for buffer in buffers:
+            for buffer in (b for b in buffers if b is not None):
                 buffer[:, :, dst * B : dst * B + tokens, :] = buffer[:, :, src * B : src * B + tokens, :]
 
     def _drop(self) -> None:

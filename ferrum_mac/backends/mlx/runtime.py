@@ -14,7 +14,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ferrum_mac.backends.mlx.attention import Segment
+from ferrum_mac.backends.mlx.attention import Plan, Segment
 from ferrum_mac.backends.mlx.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.memory import free_memory_bytes, on_cpu, wire_model_memory
@@ -23,6 +23,7 @@ from ferrum_mac.backends.mlx.ops import Ops, device_ops
 from ferrum_mac.backends.options import DEFAULTS, BackendOptions
 from ferrum_mac.backends.state.manager import PooledState
 from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.state.windowed import WindowedKv
 from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
 
@@ -43,6 +44,7 @@ def compute_dtype(checkpoint: Checkpoint, override: str | None) -> mx.Dtype:
 
 class MlxLLM(PooledLLM):
     device_array_types = (mx.array,)
+    window_segment_type = Segment
 
     def __init__(
         self,
@@ -75,6 +77,8 @@ class MlxLLM(PooledLLM):
         max_blocks, cache_blocks = pool_limits(
             self._config, free, self.dtype.size, BLOCK_TOKENS, options.prefix_cache_mb
         )
+        windowed = [i for i, w in enumerate(c.layer_windows) if w]
+        disk = cache_blocks and not windowed  # (the disk tier keeps every layer's blocks: none with windows)
         self.kv = KvManager(
             c.num_layers,
             c.num_kv_heads,
@@ -83,9 +87,19 @@ class MlxLLM(PooledLLM):
             self._capacity,
             max_blocks,
             cache_blocks,
-            self._prefix_disk(checkpoint, f"mlx-{self.ops.device}", options) if cache_blocks else None,
+            self._prefix_disk(checkpoint, f"mlx-{self.ops.device}", options) if disk else None,
+            layers=[i for i in range(c.num_layers) if i not in windowed],
         )
-        self._state = PooledState(self.kv, self._config, self.device_array_types, free_tokens=self._free_tokens)
+        window_pool = KvManager(
+            c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, layers=windowed
+        )
+        self._state = PooledState(
+            self.kv,
+            self._config,
+            self.device_array_types,
+            free_tokens=self._free_tokens,
+            windowed=WindowedKv(window_pool, max(c.layer_windows), self.kv.prefix) if windowed else None,
+        )
 
     def _free_tokens(self) -> int:
         """Tokens free memory holds now (the unified memory a Mac shares, which other programs take too)."""
@@ -117,9 +131,12 @@ class MlxLLM(PooledLLM):
     def _token_ids(self, tokens) -> mx.array:
         return as_token_array(tokens, self._config.vocab_size)
 
-    def _hidden(self, token_parts: list[mx.array], segments: list[Segment]) -> mx.array:
+    def _hidden(self, token_parts: list[mx.array], segments: list[Segment], windowed: list | None = None) -> mx.array:
         tokens = token_parts[0] if len(token_parts) == 1 else mx.concatenate(token_parts)
-        return self.model.hidden(tokens, self.ops.plan(segments))
+        plan = self.ops.plan(segments)
+        if windowed is not None:  # the windowed layers' pool, attended by MLX's own ops
+            plan.windowed = Plan(windowed)
+        return self.model.hidden(tokens, plan)
 
     def _logits_at(self, h: mx.array, rows) -> mx.array:
         if rows == slice(None):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ferrum_mac.backends.state.prefix_cache import PrefixCache
 from ferrum_mac.errors import FerrumError
@@ -82,6 +82,7 @@ class BlockPool:
         self.idle_blocks = 0  # kept when no sequence is live: set by `prepare`
         self.caches: dict[str, SequenceBlocks] = {}
         self.prefix = PrefixCache(self, cache_blocks, disk)
+        self.renumbered: list[Callable[[dict[int, int]], None]] = []  # told when blocks move (`_renumber`)
 
     # -- accounting -------------------------------------------------------------------
 
@@ -136,6 +137,14 @@ class BlockPool:
         self._make_room(self.blocks_for(end) - len(seq.blocks))
         while len(seq.blocks) < self.blocks_for(end):
             seq.blocks.append(self._take_block())
+
+    def release_before(self, seq: SequenceBlocks, position: int) -> None:
+        """Let go of `seq`'s blocks wholly before `position` (a sliding window's past): its
+        table names the scratch block for them."""
+        for i in range(min(position // self.block_tokens, len(seq.blocks))):
+            if seq.blocks[i] != SCRATCH:
+                self._unref(seq.blocks[i])
+                seq.blocks[i] = SCRATCH
 
     def prepare(self, cache_id: str, tokens: int) -> SequenceBlocks:
         """Acquire `cache_id`, make the buffers hold `tokens` more positions, and keep that
@@ -197,6 +206,8 @@ class BlockPool:
             self.prefix.block_held(block)
 
     def _unref(self, block: int) -> None:
+        if block == SCRATCH:  # (a windowed sequence's table names it for the blocks it let go)
+            return
         self.refs[block] -= 1
         if self.refs[block] == 0:
             heapq.heappush(self.free, block)
@@ -247,6 +258,8 @@ class BlockPool:
         for seq in self.caches.values():
             seq.blocks = [new_id.get(b, b) for b in seq.blocks]
         self.prefix.index.renumber(new_id)
+        for listener in self.renumbered:
+            listener(new_id)
 
     # -- what a backend provides -------------------------------------------------------
 

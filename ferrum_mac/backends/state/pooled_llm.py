@@ -80,6 +80,7 @@ class PooledLLM(DecoderOnlyLLM):
     _config: LlmRuntimeConfig
     _capacity: int
     segment_type: type  # the backend plan's segment: (cache, start, length, offset)
+    window_segment_type: type  # the same over the windowed layers' pool (read by MLX's own ops)
     prefill_chunk = 2048  # longer prompts run in chunks of this many tokens, so activations stay bounded
 
     # -- what a backend provides -------------------------------------------------------
@@ -194,7 +195,8 @@ class PooledLLM(DecoderOnlyLLM):
 
     def _forward(self, segments: Sequence[tuple[str, Any, int]]) -> Any:
         """Run `segments` (checked) as one forward: each sequence gets blocks of its own for
-        its tokens (`BlockPool.reserve`), and holds them afterwards."""
+        its tokens (`BlockPool.reserve`), and holds them afterwards; in the windowed layers'
+        pool too, where the model has one (`windowed`), those behind the window let go."""
         placed, token_parts, start = [], [], 0
         for cache_id, tokens, offset in segments:
             ids = self._token_ids(tokens)
@@ -204,7 +206,23 @@ class PooledLLM(DecoderOnlyLLM):
             placed.append(self.segment_type(cache, start, n, offset))
             token_parts.append(ids)
             start += n
-        h = self._hidden(token_parts, placed)
-        for seg in placed:
+        windowed = self._windowed_segments(placed)
+        h = self._hidden(token_parts, placed) if windowed is None else self._hidden(token_parts, placed, windowed)
+        for seg in placed + (windowed or []):
             seg.cache.length = seg.offset + seg.length
         return h
+
+    def _windowed_segments(self, placed: list) -> list | None:
+        """The segments over the windowed layers' pool, or None when the model has none."""
+        windowed = self._state.windowed
+        if windowed is None:
+            return None
+        return [
+            self.window_segment_type(
+                windowed.place(seg.cache.cache_id, seg.offset, seg.offset + seg.length),
+                seg.start,
+                seg.length,
+                seg.offset,
+            )
+            for seg in placed
+        ]

@@ -14,11 +14,11 @@ sequence holds. What the disk tier should write is handed to it when a sequence 
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from ferrum_mac.backends.state.prefix_index import Match, PrefixIndex
+from ferrum_mac.backends.state.prefix_index import Match, Node, PrefixIndex
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.llm import MISS_NO_PREFIX, MISS_OTHER_MODEL, PrefixReuse, PrefixStats
 
@@ -41,6 +41,7 @@ class PrefixCache:
         # read then, off the path of a request's first token.
         self.disk_offers: list[tuple[list, bool]] = []
         self.stats = PrefixStats()
+        self.forget: Callable[[Node], None] | None = None  # told of each node evicted (`windowed`)
 
     @property
     def over_budget(self) -> bool:
@@ -126,6 +127,8 @@ class PrefixCache:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             self.index.remove(node)
+            if self.forget is not None:
+                self.forget(node)
             self.unused -= 1
             self.pool._unref(node.block)
             gone += 1

@@ -25,6 +25,7 @@ plain multi-head attention with no repeated keys.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,11 +65,26 @@ class Attention:
             q_norm, k_norm = src.norm(f"{p}.q_norm", c.head_dim), src.norm(f"{p}.k_norm", c.head_dim)
             self.qk_norm = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
         self.eps = c.rms_norm_eps
+        # A sliding window (0: none) and a tanh cap on the scores (Gemma's): Triton's decode
+        # attention takes neither, so such a layer attends by torch's ops (`ops_for`).
+        self.window = c.layer_windows[layer] if c.layer_windows else 0
+        self.softcap: float | None = None
 
     def __call__(self, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h + attention(norm(h)), h `(T, hidden)`."""
-        out = plan.ops.attention(self, h, norm, plan, cos, sin)
+        out = self.attention(h, norm, plan, cos, sin)
         return plan.ops.matmul_plus(out, self.o_proj, h)
+
+    def attention(self, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """attention(norm(h)) `(T, heads * dim)`, over the windowed layers' pool (`plan.windowed`)
+        for a windowed layer of a model that has one, and by the ops that take it (`ops_for`)."""
+        if self.window and plan.windowed is not None:
+            plan = plan.windowed
+        return self.ops_for(plan).attention(self, h, norm, plan, cos, sin)
+
+    def ops_for(self, plan) -> Ops:
+        """The ops that attend this layer in `plan`: the plan's, or torch's own where they take no window or cap."""
+        return TORCH_OPS if plan.ops.triton and (self.window or self.softcap) else plan.ops
 
     def project(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The qkv projection's output -> roped q `(T, heads, dim)`, roped k and v `(T, kv_heads, dim)`."""
@@ -100,6 +116,7 @@ def positions_rows(seq: SequenceBlocks, start: int, end: int) -> torch.Tensor | 
 
 class Plan:
     ops: Ops = TORCH_OPS  # eager steps: torch's own ops
+    windowed: "Plan | None" = None  # the same rows over the windowed layers' pool, when the model has one
 
     def __init__(self, segments: list[Segment], device: torch.device):
         self.segments = segments
@@ -109,14 +126,27 @@ class Plan:
         self.writes = [positions_rows(s.cache, s.offset, s.offset + s.length) for s in segments]
         self.reads = [positions_rows(s.cache, 0, s.offset + s.length) for s in segments]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q `(T, heads, dim)`, k/v `(T, kv_heads, dim)` -> `(T, heads * dim)`."""
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """q `(T, heads, dim)`, k/v `(T, kv_heads, dim)` -> `(T, heads * dim)`; a `window`
+        layer's queries see only the last `window` positions up to their own."""
         outs = []
         for seg, writes, reads in zip(self.segments, self.writes, self.reads):
             rows = slice(seg.start, seg.start + seg.length)
             kv = seg.cache.pool.kv[layer]  # (2, kv_heads, token rows, dim)
             kv[:, :, writes] = torch.stack((k[rows], v[rows])).transpose(1, 2)
-            outs.append(self._attend_segment(q[rows], kv[:, :, reads], seg, scale))
+            if window or softcap:
+                outs.append(windowed_segment(q[rows], kv[:, :, reads], seg, scale, window, softcap))
+            else:
+                outs.append(self._attend_segment(q[rows], kv[:, :, reads], seg, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
@@ -156,7 +186,11 @@ class DecodePlan:
 
     `sequences`: how many sequences the rows belong to (default one a row; a verify's rows
     share one). Attention spreads each row's keys over programs as for a batch of that many,
-    so a verify's rows are summed exactly as that sequence's decode steps would be."""
+    so a verify's rows are summed exactly as that sequence's decode steps would be.
+
+    `windowed`: the same rows over the windowed layers' pool (its own tables), when the model has one."""
+
+    windowed: "DecodePlan | None" = None
 
     def __init__(
         self,
@@ -176,21 +210,46 @@ class DecodePlan:
         token_row = block * B + positions[:, None] % B
         heads = torch.arange(pool.kv_heads, device=device)[None, :]
         self.places = (heads * pool.token_rows + token_row).reshape(-1)
+        self.dtype = dtype
+        self.biases: dict[int, torch.Tensor] = {}  # by window (0: none)
         if not ops.triton:  # (Triton's attention reads through the table itself)
-            keys = table.shape[1] * B
-            self.key_rows = (table[:, :, None] * B + torch.arange(B, device=device)).reshape(rows, keys)
-            # Which keys each row sees: an additive bias instead of lengths known on the host.
-            # Built once per step, shared by every layer.
-            visible = torch.arange(keys, device=device)[None, :] <= positions[:, None]
-            self.bias = attention_bias(visible, dtype).view(rows, 1, 1, keys)
+            self.window_bias(0)  # built now, once per step: every layer shares it
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    @functools.cached_property
+    def key_rows(self) -> torch.Tensor:
+        """Each row's keys through its table: `(rows, width * B)` token rows."""
+        B, rows, width = self.pool.block_tokens, self.total, self.table.shape[1]
+        return (self.table[:, :, None] * B + torch.arange(B, device=self.table.device)).reshape(rows, width * B)
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """Which keys each row sees: an additive bias instead of lengths known on the host."""
+        return self.window_bias(0)
+
+    def window_bias(self, window: int) -> torch.Tensor:
+        """`bias`, and of those keys only the last `window` up to each row's own (0: all)."""
+        if window not in self.biases:
+            keys = self.key_rows.shape[1]
+            visible = visible_keys(self.positions, torch.arange(keys, device=self.positions.device), window)
+            self.biases[window] = attention_bias(visible, self.dtype).view(self.total, 1, 1, keys)
+        return self.biases[window]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         dim = k.shape[2]
         kv = self.pool.kv[layer]  # (2, kv_heads, token rows, dim)
         kv.view(2, -1, dim)[:, self.places] = torch.stack((k, v)).view(2, -1, dim)
         gathered = kv[:, :, self.key_rows].transpose(1, 2)  # (2, rows, kv_heads, width * B, dim)
         grouped_q = q.reshape(self.total, k.shape[1], -1, dim)  # (rows, kv_heads, group, dim)
-        out = F.scaled_dot_product_attention(grouped_q, gathered[0], gathered[1], attn_mask=self.bias, scale=scale)
+        out = scores_attention(grouped_q, gathered[0], gathered[1], self.window_bias(window), scale, softcap)
         return out.reshape(self.total, -1)
 
 
@@ -203,6 +262,7 @@ class FreshPlan:
     they run. Attention is causal over the prompt's own keys, as nothing precedes them."""
 
     ops: Ops = TORCH_OPS
+    windowed = None  # (a windowed model prefills eagerly)
 
     def __init__(self, pool: KvManager, table: torch.Tensor, count: torch.Tensor, rows: int):
         self.pool, self.total = pool, rows
@@ -214,18 +274,62 @@ class FreshPlan:
         heads = torch.arange(pool.kv_heads, device=device)[None, :]
         self.places = (heads * pool.token_rows + token_row[:, None]).reshape(-1)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         dim = k.shape[2]
         self.pool.kv[layer].view(2, -1, dim)[:, self.places] = torch.stack((k, v)).view(2, -1, dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            is_causal=True,
-            scale=scale,
-            enable_gqa=True,
-        )
+        q, k, v = (a.transpose(0, 1)[None] for a in (q, k, v))
+        if window or softcap:
+            visible = visible_keys(self.positions, self.positions, window)
+            out = scores_attention(q, k, v, visible, scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(self.total, -1)
+
+
+def visible_keys(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    """`(queries, keys)` booleans: whether the query at each position of `queries` sees the key
+    at each of `keys` (causal, and within the last `window` positions when `window`)."""
+    seen = keys[None, :] <= queries[:, None]
+    return seen & (keys[None, :] > queries[:, None] - window) if window else seen
+
+
+def windowed_segment(q, kv: torch.Tensor, seg: Segment, scale: float, window: int, softcap: float | None):
+    """`Plan._attend_segment` for a windowed or capped layer: the keys from the first one a
+    query sees (`window` back from the segment's start) on, under a mask."""
+    end = seg.offset + seg.length
+    first = max(0, seg.offset - window + 1) if window else 0
+    positions = torch.arange(seg.offset, end, device=q.device)
+    visible = visible_keys(positions, torch.arange(first, end, device=q.device), window)
+    out = scores_attention(
+        q.transpose(0, 1)[None], kv[0][None, :, first:], kv[1][None, :, first:], visible, scale, softcap
+    )
+    return out[0].transpose(0, 1).reshape(seg.length, -1)
+
+
+def scores_attention(q, k, v, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention of q `(..., heads, n, dim)` over k/v `(..., kv_heads, T, dim)` under `mask`
+    (boolean, or an additive bias), the scores capped by `softcap` (cap * tanh(s / cap)) when set."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
 
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,6 +12,8 @@ layer by layer, so it holds the old and the new buffers at once only for one lay
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -44,9 +46,14 @@ class KvManager(BlockPool):
         max_blocks: int | None = None,
         cache_blocks: int = 0,
         disk=None,
+        layers: Sequence[int] | None = None,
     ):
+        """`layers`: the layers whose keys and values it holds (default: all `num_layers`;
+        a model with sliding windows has a pool for them and one for the rest); the others'
+        buffers are empty."""
         super().__init__(capacity, max_blocks, cache_blocks, disk)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.layers = set(range(num_layers) if layers is None else layers)
         self.dtype, self.device = dtype, device
         self.kv: list[torch.Tensor] = []  # one buffer per layer; empty when nothing is allocated
         self.version = 0  # bumped on every reallocation
@@ -72,6 +79,9 @@ class KvManager(BlockPool):
         old = self.kv
         self.kv = []
         for layer in range(self.num_layers):
+            if layer not in self.layers:
+                self.kv.append(torch.empty(0, dtype=self.dtype, device=self.device))
+                continue
             # zeros, not empty: masked-out keys still enter the attention product, and 0 * NaN is NaN
             fresh = torch.zeros(
                 (2, self.kv_heads, blocks * self.block_tokens, self.head_dim), dtype=self.dtype, device=self.device
@@ -87,7 +97,8 @@ class KvManager(BlockPool):
     def _copy_block(self, src: int, dst: int, tokens: int) -> None:
         B = self.block_tokens
         for kv in self.kv:
-            kv[:, :, dst * B : dst * B + tokens] = kv[:, :, src * B : src * B + tokens]
+            if kv.numel():
+                kv[:, :, dst * B : dst * B + tokens] = kv[:, :, src * B : src * B + tokens]
 
     def _drop(self) -> None:
         freed = self._bytes()

@@ -130,13 +130,14 @@ def read_gguf(path, info) -> dict:
     """A GGUF file's canonical tensors as torch tensors in the layout `mx.load` gives them:
     Q4_0, Q4_1 and Q8_0 as words, scales and biases (group 32), F16 and F32 dense. The torch
     backend's reader (`weights.load_onto`), which needs no MLX."""
-    from ferrum_mac.weights.gguf import canonical_module
+    from ferrum_mac.weights.gguf import architecture, canonical_module
 
     data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = {}
+    arch = architecture(info)
     for name, shape, kind in info.tensors:
         module, _, suffix = name.rpartition(".")
-        canonical = canonical_module(module)
+        canonical = canonical_module(module, arch)
         if canonical is None:
             continue
         start, count = info.offsets[name], int(np.prod(shape))

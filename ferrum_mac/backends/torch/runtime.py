@@ -18,6 +18,7 @@ import torch
 from ferrum_mac.backends.state.padding import power_of_two_above, quarter_octave_above
 from ferrum_mac.backends.state.manager import PooledState
 from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.state.windowed import WindowedKv
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
 from ferrum_mac.backends.torch.memory import free_memory_bytes, resolve_device
@@ -55,7 +56,7 @@ def prefill_rows(n: int) -> int:
 
 class TorchLLM(PooledLLM):
     device_array_types = (torch.Tensor,)
-    segment_type = Segment
+    segment_type = window_segment_type = Segment
     prefill_graph_tokens = 1024  # a fresh prompt of at most this many tokens runs as a captured `PrefillStep`
 
     def __init__(
@@ -92,6 +93,8 @@ class TorchLLM(PooledLLM):
         max_blocks, cache_blocks = pool_limits(
             self._config, free_memory_bytes(self.device), element, BLOCK_TOKENS, options.prefix_cache_mb
         )
+        windowed = [i for i, w in enumerate(c.layer_windows) if w]
+        disk = cache_blocks and not windowed  # (the disk tier keeps every layer's blocks: none with windows)
         self.kv = KvManager(
             c.num_layers,
             c.num_kv_heads,
@@ -101,11 +104,28 @@ class TorchLLM(PooledLLM):
             self._capacity,
             max_blocks,
             cache_blocks,
-            self._prefix_disk(checkpoint, f"torch-{self.device.type}", options) if cache_blocks else None,
+            self._prefix_disk(checkpoint, f"torch-{self.device.type}", options) if disk else None,
+            layers=[i for i in range(c.num_layers) if i not in windowed],
         )
-        self._state = PooledState(self.kv, self._config, self.device_array_types, self._computing)
-        self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device, options)
-        self.captured_prefill = self.steps.captured  # off once a capture fails
+        self.windowed = None
+        if windowed:
+            pool = KvManager(
+                c.num_layers,
+                c.num_kv_heads,
+                c.head_dim,
+                self.dtype,
+                self.device,
+                self._capacity,
+                max_blocks,
+                layers=windowed,
+            )
+            self.windowed = WindowedKv(pool, max(c.layer_windows), self.kv.prefix)
+        self._state = PooledState(
+            self.kv, self._config, self.device_array_types, self._computing, windowed=self.windowed
+        )
+        self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device, options, self.windowed)
+        # (a captured prefill writes the full pool only: a windowed model prefills eagerly)
+        self.captured_prefill = self.steps.captured and self.windowed is None  # off once a capture fails
         self.verify_rows = VERIFY_ROWS if self.device.type == "cuda" else 0
 
     # -- contract -------------------------------------------------------------------
@@ -119,11 +139,12 @@ class TorchLLM(PooledLLM):
         tokens = min(max(1, max_tokens), self._capacity)
         cache = self.kv.prepare(cache_id, tokens)
         held = cache.length
-        warm = min(WARMUP_TOKENS, self._capacity - held - 1)
+        # (past a held sequence, a windowed model's warm-up would move its window on: none)
+        warm = min(WARMUP_TOKENS, self._capacity - held - 1) if not (held and self.windowed) else 0
         if warm >= 1:
             self._forward([(cache_id, [0] * warm, held)])
             self.decode(cache_id, 0, held + warm)
-        self.kv.truncate(cache_id, held)
+        self.state.truncate(cache_id, held)
         self._capture_decode_steps(held + tokens)
 
     def _capture_decode_steps(self, tokens: int) -> None:
@@ -156,9 +177,14 @@ class TorchLLM(PooledLLM):
     def _computing(self):
         return torch.inference_mode()
 
-    def _hidden(self, token_parts: list[list[int]], segments: list[Segment]) -> torch.Tensor:
+    def _hidden(
+        self, token_parts: list[list[int]], segments: list[Segment], windowed: list | None = None
+    ) -> torch.Tensor:
         ids = torch.tensor([t for part in token_parts for t in part], device=self.device)
-        return self.model.hidden(ids, Plan(segments, self.device))
+        plan = Plan(segments, self.device)
+        if windowed is not None:  # the windowed layers' pool
+            plan.windowed = Plan(windowed, self.device)
+        return self.model.hidden(ids, plan)
 
     def _logits_at(self, h: torch.Tensor, rows) -> torch.Tensor:
         return self.model.logits(h if rows == slice(None) else h[rows])
@@ -187,15 +213,28 @@ class TorchLLM(PooledLLM):
         caches = [self.kv.acquire(cache_id) for cache_id, _, _ in segments]
         for cache, (_, tokens, offset) in zip(caches, segments):
             self.kv.reserve(cache, offset, offset + len(tokens))
+        windows = self._place_windows([(c, o, o + len(t)) for c, t, o in segments])
         batch = [
-            (token, offset + i, cache.blocks)
-            for cache, (_, tokens, offset) in zip(caches, segments)
+            (token, offset + i, cache.blocks, *window)
+            for cache, window, (_, tokens, offset) in zip(caches, windows, segments)
             for i, token in enumerate(tokens)
         ]
         logits = self._step_over(batch, max(len(cache.blocks) for cache in caches), len(segments))
-        for cache, (_, tokens, offset) in zip(caches, segments):
+        for cache, (cache_id, tokens, offset) in zip(caches, segments):
             cache.length = offset + len(tokens)
+            self._windows_hold(cache_id, cache.length)
         return logits
+
+    def _windows_hold(self, cache_id: str, length: int) -> None:
+        if self.windowed is not None:
+            self.windowed.pool.get(cache_id).length = length
+
+    def _place_windows(self, spans: list[tuple[str, int, int]]) -> list[tuple]:
+        """Each (cache_id, start, end)'s windowed blocks (`WindowedKv.place`): a one-item tuple
+        of its block table, or none without a windowed pool."""
+        if self.windowed is None:
+            return [()] * len(spans)
+        return [(self.windowed.place(cache_id, start, end).blocks,) for cache_id, start, end in spans]
 
     def _step_over(self, batch: list[tuple], blocks: int, sequences: int | None = None) -> torch.Tensor:
         """`(len(batch), vocab)` logits of one `DecodeStep` over `batch`'s (token, position,
@@ -213,8 +252,10 @@ class TorchLLM(PooledLLM):
         caches = [self.kv.acquire(it.cache_id) for it in items]
         for cache, it in zip(caches, items):
             self.kv.reserve(cache, it.pos, it.pos + 1)
-        batch = [(it.token, it.pos, cache.blocks) for cache, it in zip(caches, items)]
+        windows = self._place_windows([(it.cache_id, it.pos, it.pos + 1) for it in items])
+        batch = [(it.token, it.pos, cache.blocks, *window) for cache, window, it in zip(caches, windows, items)]
         logits = self._step_over(batch, max(len(cache.blocks) for cache in caches))
         for cache, it in zip(caches, items):
             cache.length = it.pos + 1
+            self._windows_hold(it.cache_id, cache.length)
         return logits

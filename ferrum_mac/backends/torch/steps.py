@@ -28,7 +28,7 @@ import torch
 from ferrum_mac.backends.torch.attention import DecodePlan, FreshPlan
 from ferrum_mac.backends.torch import quant
 from ferrum_mac.backends.torch.kv import KvManager, host_ids
-from ferrum_mac.backends.torch.ops import decode_ops
+from ferrum_mac.backends.torch.ops import TORCH_OPS, decode_ops
 from ferrum_mac.backends.options import DEFAULTS, BackendOptions
 
 MAX_STEPS = 24  # captured graphs kept (least recently used dropped first)
@@ -88,7 +88,9 @@ class DecodeStep(CapturedStep):
         graphs,
         sequences: int | None = None,
         options: BackendOptions = DEFAULTS,
+        windowed=None,
     ):
+        """`windowed`: the windowed layers' `WindowedKv`, whose pool a row's second table names."""
         super().__init__(device, graphs)
         self.model, self.pool, self.rows, self.width, self.dtype = model, pool, rows, width, dtype
         self.sequences = sequences or rows  # (`DecodePlan`'s: a verify's rows are one sequence's)
@@ -96,6 +98,9 @@ class DecodeStep(CapturedStep):
         self.tokens, self.positions = self.inputs[:rows], self.inputs[rows:]
         self.table = torch.zeros((rows, width), dtype=torch.int64, device=device)  # all scratch
         self.uploaded: list[list[int]] = [[] for _ in range(rows)]  # each row's blocks in `table`
+        self.windowed = windowed
+        self.window_table = torch.zeros((rows, width), dtype=torch.int64, device=device) if windowed else None
+        self.window_uploaded: list[list[int]] = [[] for _ in range(rows)]
         # Triton's kernels on CUDA: captured once, so their launches cost nothing
         self.ops = decode_ops(device, options, verify=self.sequences < rows)
 
@@ -105,15 +110,19 @@ class DecodeStep(CapturedStep):
         pinned copy; device tokens (a sampled token not read yet) are copied on the device."""
         tokens, positions = [0] * self.rows, [0] * self.rows
         on_device = {}
-        for row, (token, pos, blocks) in enumerate(batch):
+        for row, (token, pos, blocks, *window) in enumerate(batch):
             if isinstance(token, torch.Tensor):
                 on_device[row] = token
             else:
                 tokens[row] = int(token)
             positions[row] = pos
             self._load_table_row(row, blocks)
+            if self.window_table is not None:
+                self._load_table_row(row, window[0], self.window_table, self.window_uploaded)
         for row in range(len(batch), self.rows):
             self._load_table_row(row, [])
+            if self.window_table is not None:
+                self._load_table_row(row, [], self.window_table, self.window_uploaded)
         self.inputs.copy_(host_ids(tokens + positions, self.device), non_blocking=True)
         if len(on_device) == self.rows:
             self.tokens.copy_(torch.stack([on_device[r].reshape(()) for r in range(self.rows)]))
@@ -121,14 +130,20 @@ class DecodeStep(CapturedStep):
             for row, token in on_device.items():
                 self.tokens[row].copy_(token.reshape(()))
 
-    def _load_table_row(self, row: int, blocks: list[int]) -> None:
+    def _load_table_row(self, row: int, blocks: list[int], table=None, uploaded=None) -> None:
         """Send row `row`'s blocks (scratch past them) unless its table holds them already."""
-        if self.uploaded[row] != blocks:
-            self.table[row].copy_(host_ids(blocks + [0] * (self.width - len(blocks)), self.device), non_blocking=True)
-            self.uploaded[row] = list(blocks)
+        table = self.table if table is None else table
+        uploaded = self.uploaded if uploaded is None else uploaded
+        if uploaded[row] != blocks:
+            table[row].copy_(host_ids(blocks + [0] * (self.width - len(blocks)), self.device), non_blocking=True)
+            uploaded[row] = list(blocks)
 
     def forward(self) -> torch.Tensor:
         plan = DecodePlan(self.pool, self.table, self.positions, self.dtype, self.ops, self.sequences)
+        if self.window_table is not None:  # attended by torch's own ops (`Attention.ops_for`)
+            plan.windowed = DecodePlan(
+                self.windowed.pool, self.window_table, self.positions, self.dtype, TORCH_OPS, self.sequences
+            )
         # device tokens are never read on the host: clip them so an id past the vocabulary
         # cannot index past the embedding (a device assert that ends the CUDA context)
         tokens = self.tokens.clamp(0, self.model.config.vocab_size - 1)
@@ -167,22 +182,39 @@ class DecodeSteps:
     `(rows, width, sequences)`, prefill steps by `(rows, width)`."""
 
     def __init__(
-        self, model, pool: KvManager, dtype: torch.dtype, device: torch.device, options: BackendOptions = DEFAULTS
+        self,
+        model,
+        pool: KvManager,
+        dtype: torch.dtype,
+        device: torch.device,
+        options: BackendOptions = DEFAULTS,
+        windowed=None,
     ):
         """On CUDA the steps are captured as CUDA graphs unless `options` say not
-        (FERRUM_TORCH_CUDA_GRAPHS=0: eagerly, for debugging and A/B timing)."""
+        (FERRUM_TORCH_CUDA_GRAPHS=0: eagerly, for debugging and A/B timing); `windowed`: the
+        windowed layers' `WindowedKv`, when the model has one."""
         self.model, self.pool, self.dtype, self.device, self.options = model, pool, dtype, device, options
+        self.windowed = windowed
         self.captured = device.type == "cuda" and options.torch_cuda_graphs
         self.graphs = torch.cuda.graph_pool_handle() if self.captured else None  # shared by all graphs
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
-        self.version = pool.version
+        self.version = (pool.version, windowed.pool.version if windowed else 0)
 
     def get(self, rows: int, width: int, sequences: int | None = None) -> DecodeStep:
         key = (rows, width, sequences or rows)
         return self._kept(
             key,
             lambda: DecodeStep(
-                self.model, self.pool, rows, width, self.dtype, self.device, self.graphs, sequences, self.options
+                self.model,
+                self.pool,
+                rows,
+                width,
+                self.dtype,
+                self.device,
+                self.graphs,
+                sequences,
+                self.options,
+                self.windowed,
             ),
         )
 
@@ -191,9 +223,10 @@ class DecodeSteps:
         return self._kept(key, lambda: PrefillStep(self.model, self.pool, rows, width, self.device, self.graphs))
 
     def _kept(self, key: tuple, make):
-        if self.pool.version != self.version:  # the pool was reallocated: every graph is stale
+        version = (self.pool.version, self.windowed.pool.version if self.windowed else 0)
+        if version != self.version:  # a pool was reallocated: every graph is stale
             self.clear()
-            self.version = self.pool.version
+            self.version = version
         step = self.steps.get(key)
         if step is None:
             step = self.steps[key] = make()

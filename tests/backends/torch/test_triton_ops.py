@@ -373,3 +373,41 @@ def counted(fn, name: str, calls: dict):
         return fn(*args, **kwargs)
 
     return call
+
+
+def test_gemma3_decode_batch_through_triton_matches_torch(tmp_path, monkeypatch):
+    """Gemma 3's global layers through the Triton decode step (its q/k norms, its score scale),
+    its windowed ones by torch's ops over their own pool: the logits equal torch's."""
+    import ferrum_mac
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from helpers import decode_batch_steps
+
+    config = Gemma3TextConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=16,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=24,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    model = ferrum_mac.open_model(tmp_path, backend="torch", dtype="float32")
+    prompts = {"a": random_tokens(7, seed=4), "b": random_tokens(40, seed=5)}
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
+    expected = decode_batch_steps(model, prompts, "torch")
+    model.reset()
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TritonOps())
+    calls = {"attention": 0}
+    monkeypatch.setattr(triton_ops, "decode_attention", counted(triton_ops.decode_attention, "attention", calls))
+    got = decode_batch_steps(model, prompts, "triton")
+    model.reset()
+    for got, want in zip(got, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert calls["attention"] == 2  # the global layer's, one a step

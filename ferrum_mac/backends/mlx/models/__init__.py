@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ferrum_mac.backends.mlx.models import llama, qwen3_moe
+from ferrum_mac.backends.mlx.models import gemma3, llama, qwen3_moe
 
 FAMILIES = {
     "llama": llama.Model,
@@ -10,4 +10,6 @@ FAMILIES = {
     "qwen2": llama.Model,
     "qwen3": llama.Model,
     "qwen3_moe": qwen3_moe.Model,
+    # Gemma 3 (text)
+    "gemma3_text": gemma3.Model,
 }

@@ -18,7 +18,14 @@ from ferrum_mac.backends.options import BackendOptions
 
 
 def rope(scaling=None, traditional=False):
-    config = SimpleNamespace(head_dim=64, rope_traditional=traditional, rope_theta=1e6, rope_scaling=scaling)
+    config = SimpleNamespace(
+        head_dim=64,
+        rope_dims=64,
+        rope_traditional=traditional,
+        rope_theta=1e6,
+        rope_scaling=scaling,
+        max_position_embeddings=4096,
+    )
     return Rope(config)
 
 

@@ -57,7 +57,9 @@ WRITE_TABLE = [[3, 6], [], [5, 2]]
 
 
 def rope_tables(dim: int, interleaved: bool, positions: torch.Tensor, dtype: torch.dtype):
-    config = SimpleNamespace(head_dim=dim, rope_theta=10000.0, rope_scaling=None, rope_traditional=interleaved)
+    config = SimpleNamespace(
+        head_dim=dim, rope_dims=dim, rope_theta=10000.0, rope_scaling=None, rope_traditional=interleaved
+    )
     rope = Rope(config, DEVICE)
     rope.build(256)
     return rope.tables(positions, dtype)

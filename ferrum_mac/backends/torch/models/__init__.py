@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ferrum_mac.backends.torch.models import llama, qwen3_moe
+from ferrum_mac.backends.torch.models import phi3, smollm3
 
 FAMILIES = {
     "llama": llama.Model,
@@ -10,4 +11,7 @@ FAMILIES = {
     "qwen2": llama.Model,
     "qwen3": llama.Model,
     "qwen3_moe": qwen3_moe.Model,
+    # fused projections, partial RoPE and LongRoPE; NoPE layers
+    "phi3": phi3.Model,
+    "smollm3": smollm3.Model,
 }

@@ -241,6 +241,46 @@ def is_backend_array(x, backend: str) -> bool:
     return isinstance(x, mx.array)
 
 
+# -- llama config variants
+
+LLAMA_VARIANTS = {
+    "linear_rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+    "biases": {"attention_bias": True, "mlp_bias": True},  # o_proj and MLP biases too
+    "wide_heads": {"head_dim": 32},  # head_dim != hidden / heads (Mistral-Nemo style)
+    "mha_theta": {"num_key_value_heads": 4, "rope_theta": 500000.0, "rms_norm_eps": 1e-6},
+    # YaRN over a pretraining length of 16 (the prompt runs past it): Qwen's long-context
+    # configs, and gpt-oss's (factor 32, an untruncated ramp)
+    "yarn_rope": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    "yarn_untruncated": {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "rope_theta": 150000.0,
+        }
+    },
+}
+
+
+def llama_variant(variant: str, folder):
+    """The transformers llama of a `LLAMA_VARIANTS` entry, saved into `folder`."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    settings = {**TINY, **copy.deepcopy(LLAMA_VARIANTS[variant])}
+    if "rope_theta" in settings and "rope_scaling" not in settings:
+        settings["rope_parameters"] = {"rope_type": "default", "rope_theta": settings.pop("rope_theta")}
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**settings), dtype=torch.float32).eval()
+    reference.save_pretrained(folder)
+    return reference
+
+
 # -- greedy loops -----------------------------------------------------------------------
 
 

@@ -17,11 +17,13 @@ import ferrum_mac
 import mlx.core as mx
 from helpers import (
     FAMILIES,
+    LLAMA_VARIANTS,
     assert_close,
     assert_same_tokens,
     ferrum_greedy,
     hf_greedy,
     hf_logits,
+    llama_variant,
     random_tokens,
     read_config,
     rel_err,
@@ -230,25 +232,14 @@ def test_llama3_rope_gguf_uses_its_rope_freqs(zoo, tmp_path):
     assert_close(model.forward_verify("x", PROMPT), hf_logits(zoo.hf("llama3_rope"), PROMPT), FP32_REL)
 
 
-LLAMA_VARIANTS = {
-    "linear_rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
-    "biases": {"attention_bias": True, "mlp_bias": True},  # o_proj and MLP biases too
-    "wide_heads": {"head_dim": 32},  # head_dim != hidden / heads (Mistral-Nemo style)
-    "mha_theta": {"num_key_value_heads": 4, "rope_theta": 500000.0, "rms_norm_eps": 1e-6},
-}
-
-
 @pytest.mark.parametrize("variant", list(LLAMA_VARIANTS))
 def test_llama_config_variants_match_transformers(tmp_path, variant):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from helpers import TINY
-
-    settings = {**TINY, **LLAMA_VARIANTS[variant]}
-    if "rope_theta" in settings and "rope_scaling" not in settings:
-        settings["rope_parameters"] = {"rope_type": "default", "rope_theta": settings.pop("rope_theta")}
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(LlamaConfig(**settings), dtype=torch.float32).eval()
-    reference.save_pretrained(tmp_path)
+    reference = llama_variant(variant, tmp_path)
     model = ferrum_mac.open_model(tmp_path, dtype="float32")
     assert_close(model.forward_verify("x", PROMPT), hf_logits(reference, PROMPT), FP32_REL)
+
+
+def test_yarn_changes_the_reference(zoo, tmp_path):
+    plain = hf_logits(zoo.hf("llama"), PROMPT)
+    for variant in ("yarn_rope", "yarn_untruncated"):
+        assert rel_err(hf_logits(llama_variant(variant, tmp_path / variant), PROMPT), plain) > 0.05

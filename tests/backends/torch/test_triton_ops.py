@@ -280,7 +280,8 @@ KERNELS = {  # a GEMV's name in ops.GEMV (or rms_norm) -> its module and functio
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+# (phi3: a partial rope, its unturned pairs at angle zero; smollm3: a layer without RoPE)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "smollm3"])
 @pytest.mark.parametrize("qkv", ["norm_matmul", "norm_qkv_rope"])
 def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv):
     """Two sequences at different positions, two steps: the logits with every decode-step

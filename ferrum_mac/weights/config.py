@@ -234,7 +234,27 @@ def check_sizes(config: ModelConfig, where: str) -> ModelConfig:
     for name in ("rope_theta", "rms_norm_eps"):
         if not math.isfinite(getattr(config, name)) or getattr(config, name) < 0:
             raise _impossible(where, name, getattr(config, name))
+    _check_longrope_factors(config, where)
     return config
+
+
+def _check_longrope_factors(config: ModelConfig, where: str) -> None:
+    """LongRoPE rescales each pair of rotated dims: one number per pair in each list."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return
+    pairs = config.rope_dims // 2
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != pairs or not all(_is_number(f) for f in factors):
+            raise CorruptModelError(
+                f"{where}: rope scaling {key} must list {pairs} numbers (one per pair of rotated dims); "
+                "re-download the model or fix its config"
+            )
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value > 0
 
 
 def _impossible(where: str, name: str, value) -> CorruptModelError:

@@ -41,6 +41,19 @@ def scaled_rope(config: ModelConfig, context: int) -> ScaledRope | None:
     return None
 
 
+def uses_long_factors(scaling: dict, context: int) -> bool:
+    return context > scaling["original_max_position_embeddings"]
+
+
+def context_variant(config: ModelConfig, context: int) -> str:
+    """What of the schedule the context picks ("": nothing), for the keys of computed keys and
+    values kept across runs (the prefix cache's disk tier): LongRoPE's factor list."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return ""
+    return "longrope-long" if uses_long_factors(scaling, context) else "longrope-short"
+
+
 def plain_inv_freq(dims: int, base: float) -> np.ndarray:
     """1 / base^(2i / dims), in float32 as transformers computes it."""
     return (1.0 / base ** (np.arange(0, dims, 2, dtype=np.float32) / np.float32(dims))).astype(np.float32)
@@ -48,7 +61,7 @@ def plain_inv_freq(dims: int, base: float) -> np.ndarray:
 
 def longrope(dims: int, base: float, scaling: dict, context: int) -> ScaledRope:
     original = scaling["original_max_position_embeddings"]
-    factors = scaling["long_factor"] if context > original else scaling["short_factor"]
+    factors = scaling["long_factor"] if uses_long_factors(scaling, context) else scaling["short_factor"]
     factors = np.asarray(factors, dtype=np.float32)
     if factors.shape != (dims // 2,):
         raise ValueError(

@@ -237,3 +237,21 @@ def test_gguf_as_llama_cpp_writes_it(checkpoints, tmp_path, name):
     assert rel_err(quantized[0], want) > 1e-3  # really quantized
     if len(quantized) == 2:
         assert_close(quantized[1], quantized[0], 1e-5, "torch against MLX")
+
+
+def test_the_prefix_disk_tier_keeps_each_longrope_factor_list_apart(checkpoints, tmp_path):
+    """Keys computed with the short factors must never come back from disk for a model opened
+    with the long ones (nor the reverse): the disk tier's folder differs."""
+    from ferrum_mac.backends.mlx.runtime import MlxLLM
+    from ferrum_mac.backends.options import BackendOptions
+    from ferrum_mac.weights import load_checkpoint
+
+    folder = checkpoints("phi3_longrope")[1]
+    options = BackendOptions(prefix_dir=tmp_path / "prefix", prefix_disk_mb=64)
+
+    def disk_folder(capacity: int):
+        model = MlxLLM(load_checkpoint(folder), dtype="float32", kv_capacity=capacity, options=options)
+        return model.kv.prefix.disk.folder
+
+    assert disk_folder(ORIGINAL) != disk_folder(256)
+    assert disk_folder(ORIGINAL) == disk_folder(ORIGINAL // 2)

@@ -178,8 +178,8 @@ def _exact_context(raw: dict) -> int:
         slides = "sliding_attention" in raw["layer_types"]
     elif raw.get("use_sliding_window") is not None:  # Qwen2/3: layers from max_window_layers on
         slides = bool(raw["use_sliding_window"]) and raw.get("max_window_layers", 0) < raw.get("num_hidden_layers", 1)
-    else:  # Mistral: a set window applies to every layer
-        slides = raw.get("model_type") == "mistral"
+    else:  # Mistral, Phi-3: a set window applies to every layer
+        slides = raw.get("model_type") in ("mistral", "phi3")
     return min(limit, window) if window and slides else limit
 
 

@@ -153,7 +153,7 @@ def test_legacy_config_layout(zoo, tmp_path):
     assert_close(model.forward_verify("x", PROMPT), hf_logits(zoo.hf("llama3_rope"), PROMPT), FP32_REL)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "phi3"])
 def test_sliding_window_models_are_capped_at_the_window(zoo, tmp_path, family):
     """ferrum has no sliding-window attention: inside the window it must agree with
     transformers, and past it refuse (KvCapacityError) rather than compute something else."""

@@ -183,6 +183,7 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
         config.rope_scaling = {"rope_type": "freq_factors", "factors": _f32_tensor(path, info, "rope_freqs.weight")}
     if "rope_factors_long.weight" in info.offsets:  # Phi-3/Phi-4-mini 128k
         config.rope_scaling = _longrope(path, info, config)
+        check_sizes(config, str(path))  # (its factor lists against the rotated dims)
     # Only modules GGUF stored quantized are quantized; mark the rest dense.
     if config.quantization:
         for name in names:
@@ -249,7 +250,10 @@ def _f32_tensor(path: Path, info: GgufInfo, tensor: str):
     (as converters write them)."""
     import mlx.core as mx
 
-    shape, kind = next((shape, kind) for name, shape, kind in info.tensors if name == tensor)
+    found = [(shape, kind) for name, shape, kind in info.tensors if name == tensor]
+    if not found:
+        raise CorruptModelError(f"{path} lacks tensor {tensor!r}; download it again")
+    shape, kind = found[0]
     if kind != "F32":
         return _read_raw(path)[tensor]
     count = math.prod(shape)

@@ -255,3 +255,20 @@ def test_the_prefix_disk_tier_keeps_each_longrope_factor_list_apart(checkpoints,
 
     assert disk_folder(ORIGINAL) != disk_folder(256)
     assert disk_folder(ORIGINAL) == disk_folder(ORIGINAL // 2)
+
+
+def test_a_longrope_gguf_without_its_short_factors_is_corrupt(checkpoints, tmp_path, monkeypatch):
+    import gguf
+
+    from ferrum_mac.errors import CorruptModelError
+
+    add_tensor = gguf.GGUFWriter.add_tensor
+
+    def all_but_the_short_factors(self, name, *args, **kwargs):
+        if name != "rope_factors_short.weight":
+            add_tensor(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", all_but_the_short_factors)
+    path = helpers.write_gguf_from_hf(checkpoints("phi3_longrope")[0], "phi3", tmp_path / "no-short.gguf", {})
+    with pytest.raises(CorruptModelError, match="rope_factors_short"):
+        ferrum_mac.open_model(path, dtype="float32")

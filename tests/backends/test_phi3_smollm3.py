@@ -198,6 +198,12 @@ def test_mlx_4bit_conversion_matches_mlx_lm(checkpoints, tmp_path, name):
         FP32_REL,
         "torch",
     )
+    from ferrum_mac.backends.torch.runtime import TorchLLM
+    from ferrum_mac.backends.torch.weights import load_onto
+
+    kept = TorchLLM(load_onto(out, torch.device("cpu")), dtype="float32", packed=True)  # as on CUDA
+    assert kept.model.layers[0].attn.qkv.quantized
+    assert_close(kept.forward_verify("q", PROMPT), want, FP32_REL, "torch, weights kept packed")
 
 
 GGUF_TYPES = {
@@ -237,6 +243,12 @@ def test_gguf_as_llama_cpp_writes_it(checkpoints, tmp_path, name):
     assert rel_err(quantized[0], want) > 1e-3  # really quantized
     if len(quantized) == 2:
         assert_close(quantized[1], quantized[0], 1e-5, "torch against MLX")
+        # torch keeping the weights packed (as on CUDA): q/k rows reordered in their packed words
+        from ferrum_mac.backends.torch.runtime import TorchLLM
+        from ferrum_mac.backends.torch.weights import load_onto
+
+        kept = TorchLLM(load_onto(packed, torch.device("cpu")), dtype="float32", packed=True)
+        assert_close(kept.forward_verify("q", PROMPT), quantized[0], 1e-5, "torch packed against MLX")
 
 
 def test_the_prefix_disk_tier_keeps_each_longrope_factor_list_apart(checkpoints, tmp_path):

@@ -106,6 +106,24 @@ def test_decode_batch_of_mixed_lengths_matches_transformers(checkpoints, name, b
         assert_close(row, hf_logits(reference, prompt + [9])[-1], FP32_REL, "a decode_batch row")
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_mlx_metal_path_matches_transformers(checkpoints, name):
+    """MLX's own ops, as on a Mac's GPU (here on the CPU): q/k/v and gate/up fused again into
+    one matmul each, MLX's attention for every segment, a batch decoded together."""
+    from ferrum_mac.backends.mlx.ops import Ops
+
+    reference, folder = checkpoints(name)
+    model = helpers.open_mlx(folder, Ops())
+    assert model.model.layers[0].attn.qkv.fused is not None
+    assert_close(model.forward_verify("all", PROMPT), hf_logits(reference, PROMPT), FP32_REL)
+    prompts = {"long": PROMPT, "short": PROMPT[30:79]}
+    for cache_id, prompt in prompts.items():
+        model.prefill(cache_id, prompt)
+    got = model.decode_batch([DecodeItem(cache_id, 9, len(prompt)) for cache_id, prompt in prompts.items()])
+    for row, prompt in zip(got, prompts.values()):
+        assert_close(row, hf_logits(reference, prompt + [9])[-1], FP32_REL, "a decode_batch row")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_longrope_within_the_pretraining_length_uses_the_short_factors(checkpoints, backend):
     reference, folder = checkpoints("phi3_longrope")

@@ -88,6 +88,21 @@ def _qwen3_moe():
     )
 
 
+def _phi3(**extra):
+    from transformers import Phi3Config
+
+    # Phi-4-mini's shape: RoPE on the first 0.75 of each head (12 of 16 dims), tied embeddings
+    settings = {**TINY, "partial_rotary_factor": 0.75, "tie_word_embeddings": True, "pad_token_id": 0, **extra}
+    return Phi3Config(**settings, sliding_window=None)
+
+
+def _smollm3():
+    from transformers import SmolLM3Config
+
+    # layer 1 of 2 without RoPE (SmolLM3-3B: every fourth)
+    return SmolLM3Config(**TINY, no_rope_layer_interval=2, pad_token_id=0)
+
+
 # name -> () -> transformers config of a tiny model of that family
 FAMILY_FACTORIES: dict[str, Callable[[], object]] = {
     "llama": _llama,
@@ -97,6 +112,8 @@ FAMILY_FACTORIES: dict[str, Callable[[], object]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "qwen3_moe": _qwen3_moe,
+    "phi3": _phi3,
+    "smollm3": _smollm3,
 }
 FAMILIES = list(FAMILY_FACTORIES)
 
@@ -224,6 +241,46 @@ def is_backend_array(x, backend: str) -> bool:
     return isinstance(x, mx.array)
 
 
+# -- llama config variants
+
+LLAMA_VARIANTS = {
+    "linear_rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+    "biases": {"attention_bias": True, "mlp_bias": True},  # o_proj and MLP biases too
+    "wide_heads": {"head_dim": 32},  # head_dim != hidden / heads (Mistral-Nemo style)
+    "mha_theta": {"num_key_value_heads": 4, "rope_theta": 500000.0, "rms_norm_eps": 1e-6},
+    # YaRN over a pretraining length of 16 (the prompt runs past it): Qwen's long-context
+    # configs, and gpt-oss's (factor 32, an untruncated ramp)
+    "yarn_rope": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    "yarn_untruncated": {
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "rope_theta": 150000.0,
+        }
+    },
+}
+
+
+def llama_variant(variant: str, folder):
+    """The transformers llama of a `LLAMA_VARIANTS` entry, saved into `folder`."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    settings = {**TINY, **copy.deepcopy(LLAMA_VARIANTS[variant])}
+    if "rope_theta" in settings and "rope_scaling" not in settings:
+        settings["rope_parameters"] = {"rope_type": "default", "rope_theta": settings.pop("rope_theta")}
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**settings), dtype=torch.float32).eval()
+    reference.save_pretrained(folder)
+    return reference
+
+
 # -- greedy loops -----------------------------------------------------------------------
 
 
@@ -273,7 +330,14 @@ def write_config(folder: Path, config: dict) -> None:
 
 # -- GGUF files written from tiny transformers models ----------------------------------------
 
-GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {
+    "llama": "llama",
+    "llama_tied": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "smollm3": "smollm3",
+}
 _GGUF_BLOCK = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
@@ -284,6 +348,8 @@ _GGUF_BLOCK = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -332,6 +398,23 @@ def add_gguf_shape(w, c) -> int:
     return head_dim
 
 
+def add_phi3_rope(w, c, head_dim: int) -> None:
+    """What llama.cpp's convert script writes of Phi-3's rope: the rotated dims, and for
+    LongRoPE the pretraining length, the attention factor and both factor lists as tensors."""
+    import math
+
+    rope = c.rope_parameters
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_type") != "longrope":
+        return
+    original = c.original_max_position_embeddings
+    scale = c.max_position_embeddings / original
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
 def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) -> Path:
     """Write `model` as llama.cpp would: GGUF names, permuted llama q/k, and each 2-D weight
     stored as `types[gguf short name]` (Q4_0, Q4_1, Q8_0, F16; default F32) via `gguf.quants`."""
@@ -365,6 +448,8 @@ def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) ->
     rope = c.rope_parameters
     if rope.get("rope_type") == "llama3":  # Llama 3.1+: llama.cpp stores per-frequency divisors
         w.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(head_dim, rope))
+    if arch == "phi3":
+        add_phi3_rope(w, c, head_dim)
     if "lm_head.weight" in sd and not c.tie_word_embeddings:
         add("output.weight", sd["lm_head.weight"])
     for i in range(c.num_hidden_layers):
@@ -374,7 +459,7 @@ def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) ->
                 if key not in sd:
                     continue
                 array = sd[key]
-                if arch == "llama" and short in ("attn_q", "attn_k"):
+                if arch in ("llama", "smollm3") and short in ("attn_q", "attn_k"):
                     array = llama_cpp_permute(
                         array, c.num_attention_heads if short == "attn_q" else c.num_key_value_heads
                     )

@@ -116,6 +116,29 @@ def test_unknown_rope_scaling_is_refused(tiny_copy):
     assert "su-per" in fails(UnsupportedModelError, tiny_copy)
 
 
+@pytest.mark.parametrize(
+    "family, key, value",
+    [
+        ("phi3", "partial_rotary_factor", 1.5),  # more dims than a head has
+        ("smollm3", "no_rope_layers", [1]),  # fewer flags than layers
+    ],
+)
+def test_a_variant_field_no_model_has_is_named(zoo, tmp_path, family, key, value):
+    folder = tmp_path / family
+    shutil.copytree(zoo.path(family), folder)
+    write_config(folder, {**read_config(folder), key: value})
+    assert key in fails(CorruptModelError, folder)
+
+
+def test_longrope_factors_are_one_per_pair_of_rotated_dims(zoo, tmp_path):
+    folder = tmp_path / "phi3"
+    shutil.copytree(zoo.path("phi3"), folder)
+    config = read_config(folder)  # 12 of 16 dims turn: 6 pairs
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 5}
+    write_config(folder, {**config, "rope_scaling": scaling, "original_max_position_embeddings": 64})
+    assert "long_factor must list 6 numbers" in fails(CorruptModelError, folder)
+
+
 # -- safetensors -----------------------------------------------------------------------------
 
 

@@ -152,7 +152,7 @@ def looks_like_model(word: str) -> bool:
     from ferrum_mac.store.aliases import is_alias_like, parse_repo_id
 
     if is_alias_like(word):
-        return re.fullmatch(r"[\w.-]+:[\w.-]+", word) is not None
+        return re.fullmatch(r"[\w.-]+(:[\w.-]+)?", word) is not None  # (`phi4`: a family of one size)
     try:
         parse_repo_id(word)
     except ModelNotFoundError:

@@ -3,6 +3,7 @@
 A name is one of:
   - an alias in Ollama's manner, `family:size[-quant]` (`qwen3:8b`, `qwen3:8b-8bit`), mapped
     per backend: MLX prefers the mlx-community 4-bit conversion, torch the original repository;
+    a family of one size also by its family name (`phi4`, `phi4-mini-8bit`);
   - a Hugging Face repository id, `org/name[@revision][:QUANT]`, where `:QUANT` picks one GGUF
     file of a repository that holds several (`:Q8_0`), as `ollama pull hf.co/org/name:Q8_0` does;
   - a local folder or .gguf file (handled by the resolver, not here).
@@ -44,8 +45,22 @@ ALIASES = (
     Alias("llama3.1:8b", "meta-llama/Llama-3.1-8B-Instruct", "mlx-community/Meta-Llama-3.1-8B-Instruct"),
     Alias("mistral:7b", "mistralai/Mistral-7B-Instruct-v0.3", "mlx-community/Mistral-7B-Instruct-v0.3"),
     Alias("smollm2:135m", "HuggingFaceTB/SmolLM2-135M-Instruct", None, bundled=True),
+    Alias("phi4:14b", "microsoft/phi-4", "mlx-community/phi-4"),
+    Alias("phi4-mini:3.8b", "microsoft/Phi-4-mini-instruct", "mlx-community/Phi-4-mini-instruct"),
+    Alias("smollm3:3b", "HuggingFaceTB/SmolLM3-3B", "mlx-community/SmolLM3-3B"),
 )
 _BY_NAME = {a.name: a for a in ALIASES}
+
+
+def _only_sizes() -> dict[str, Alias]:
+    """A family with one size, by the family alone (`phi4`), as Ollama's default tag names it."""
+    sizes: dict[str, list[Alias]] = {}
+    for alias in ALIASES:
+        sizes.setdefault(alias.name.partition(":")[0], []).append(alias)
+    return {family: found[0] for family, found in sizes.items() if len(found) == 1}
+
+
+_BY_FAMILY = _only_sizes()
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,7 @@ class BundledRef:
 
 
 def is_alias_like(name: str) -> bool:
-    return "/" not in name and ":" in name
+    return "/" not in name and (":" in name or _split_quant(name.lower())[0] in _BY_FAMILY)
 
 
 def parse_name(name: str, backend: str = "mlx") -> RepoRef | BundledRef:
@@ -103,7 +118,7 @@ def parse_repo_id(name: str) -> RepoRef:
 
 def _alias_ref(name: str, backend: str) -> RepoRef | BundledRef:
     base, quant = _split_quant(name.lower())
-    alias = _BY_NAME.get(base)
+    alias = _BY_NAME.get(base) or _BY_FAMILY.get(base)
     if alias is None:
         raise ModelNotFoundError(
             f"unknown model {name!r}{_did_you_mean(base)}; `ferrum list --available` shows the names"

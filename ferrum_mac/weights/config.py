@@ -14,8 +14,10 @@ from ferrum_mac.errors import CorruptModelError, ModelNotFoundError, Unsupported
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("qwen3_moe",)
 GEMMA3_TYPES = ("gemma3_text", "gemma3")  # gemma3: the text model inside the multimodal checkpoint
-SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES + GEMMA3_TYPES
-ROPE_TYPES = ("default", "llama3", "linear")
+# Phi-4 / Phi-4-mini (fused qkv and gate-up, partial RoPE, LongRoPE) and SmolLM3 (NoPE layers)
+ROPE_VARIANT_TYPES = ("phi3", "smollm3")
+SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES + GEMMA3_TYPES + ROPE_VARIANT_TYPES
+ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 
 
 @dataclass
@@ -38,12 +40,18 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    rotary_dims: int = 0  # the leading dims of each head RoPE turns (partial_rotary_factor); 0: all
+    nope_layers: frozenset[int] = frozenset()  # layers that attend without RoPE (SmolLM3)
     dtype: str = "float16"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: dict | None = None  # {"group_size", "bits", per-module overrides}
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window in tokens, 0 for full attention
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific keys (MoE)
+
+    @property
+    def rope_dims(self) -> int:
+        return self.rotary_dims or self.head_dim
 
     def quant_for(self, module: str) -> dict | None:
         """Quantization of one module (canonical name without `.weight`), or None if dense."""
@@ -89,10 +97,50 @@ def _rope_settings(raw: dict) -> tuple[float, dict | None]:
         scaling = params
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
+        kind = {"su": "longrope"}.get(kind, kind)  # Phi-3's first name for LongRoPE
+        if raw.get("model_type") == "phi3" and kind == "yarn":  # (transformers reads Phi-3's "yarn" as LongRoPE)
+            kind = "longrope"
         if kind not in ROPE_TYPES:
             raise UnsupportedModelError(f"rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
         scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+    if scaling is not None and scaling["rope_type"] in ("longrope", "yarn"):
+        scaling = _pretraining_length(raw, scaling)
     return float(theta), scaling
+
+
+def _pretraining_length(raw: dict, scaling: dict) -> dict:
+    """LongRoPE and YaRN scale from the context the model was pretrained for: Phi-3 keeps it
+    beside `max_position_embeddings` (and it wins, as in transformers), others in the scaling
+    block; neither: the model's own length. The scaling `factor`, when not given, is the ratio."""
+    original = raw.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    longest = raw.get("max_position_embeddings", 4096)
+    original = int(original or longest)
+    factor = scaling.get("factor") or longest / original
+    return {**scaling, "original_max_position_embeddings": original, "factor": float(factor)}
+
+
+def _rotary_dims(raw: dict, head_dim: int) -> int:
+    """How many leading dims of each head RoPE turns (Phi-4-mini: 0.75 of them); 0: all."""
+    params = raw.get("rope_parameters") or {}
+    factor = raw.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    dims = int(head_dim * float(factor))
+    if dims <= 0 or dims > head_dim or dims % 2:
+        raise CorruptModelError(f"partial_rotary_factor {factor} leaves {dims} of {head_dim} dims to rotate")
+    return 0 if dims == head_dim else dims
+
+
+def _nope_layers(raw: dict, layers: int) -> frozenset[int]:
+    """SmolLM3's layers without RoPE: `no_rope_layers` flags each layer (1: RoPE, 0: none), else
+    every `no_rope_layer_interval`-th layer goes without (transformers' default, 4)."""
+    if raw.get("model_type") != "smollm3":
+        return frozenset()
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = int(raw.get("no_rope_layer_interval") or 4)
+        return frozenset(i for i in range(layers) if (i + 1) % interval == 0)
+    if not isinstance(flags, list) or len(flags) < layers:
+        raise CorruptModelError(f"no_rope_layers must flag each of the {layers} layers (1: RoPE, 0: none)")
+    return frozenset(i for i in range(layers) if not flags[i])
 
 
 def _eos_ids(raw: dict, generation: dict) -> tuple[int, ...]:
@@ -135,7 +183,7 @@ def _layer_windows(raw: dict) -> tuple[int, ...]:
     elif raw.get("use_sliding_window") is not None:
         first = raw.get("max_window_layers", 0)
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    elif raw.get("model_type") == "mistral":
+    elif raw.get("model_type") in ("mistral", "phi3"):  # a set window applies to every layer
         kinds = ["sliding_attention"] * layers
     else:
         return ()
@@ -196,7 +244,27 @@ def check_sizes(config: ModelConfig, where: str) -> ModelConfig:
     for name in ("rope_theta", "rms_norm_eps"):
         if not math.isfinite(getattr(config, name)) or getattr(config, name) < 0:
             raise _impossible(where, name, getattr(config, name))
+    _check_longrope_factors(config, where)
     return config
+
+
+def _check_longrope_factors(config: ModelConfig, where: str) -> None:
+    """LongRoPE rescales each pair of rotated dims: one number per pair in each list."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return
+    pairs = config.rope_dims // 2
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != pairs or not all(_is_number(f) for f in factors):
+            raise CorruptModelError(
+                f"{where}: rope scaling {key} must list {pairs} numbers (one per pair of rotated dims); "
+                "re-download the model or fix its config"
+            )
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value > 0
 
 
 def _impossible(where: str, name: str, value) -> CorruptModelError:
@@ -212,6 +280,7 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float16"
     try:
         heads = raw["num_attention_heads"]
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         return ModelConfig(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -220,7 +289,7 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
             num_layers=raw["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -230,6 +299,8 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
             o_bias=model_type != "qwen2" and raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            rotary_dims=_rotary_dims(raw, head_dim),
+            nope_layers=_nope_layers(raw, raw["num_hidden_layers"]),
             dtype=str(dtype).replace("torch.", ""),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=_eos_ids(raw, generation),

@@ -26,6 +26,7 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v (its fused gate/up is `ffn_up`: `fused.split_phi3`)
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
@@ -82,6 +83,7 @@ def _config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bo
     vocab = _scalar(meta, f"{a}.vocab_size") or token_count or len(meta.get("tokenizer.ggml.tokens", []))
     eos = _scalar(meta, "tokenizer.ggml.eos_token_id")
     extra = {k.split(".", 1)[1]: _scalar(meta, k) for k in meta if k.startswith(f"{a}.") and "." in k}
+    head_dim = _scalar(meta, f"{a}.attention.key_length") or hidden // heads
     return ModelConfig(
         model_type=model_type,
         vocab_size=vocab,
@@ -90,11 +92,13 @@ def _config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bo
         num_layers=_scalar(meta, f"{a}.block_count"),
         num_heads=heads,
         num_kv_heads=_scalar(meta, f"{a}.attention.head_count_kv", heads),
-        head_dim=_scalar(meta, f"{a}.attention.key_length") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=float(_scalar(meta, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_scalar(meta, f"{a}.rope.freq_base", 10000.0)),
         # llama.cpp permutes llama q/k rows so its interleaved rope applies; use the same.
-        rope_traditional=arch_name == "llama",
+        rope_traditional=arch_name in ("llama", "smollm3"),
+        rotary_dims=_rotary_dims(meta, a, head_dim),
+        nope_layers=_nope_layers(arch_name, _scalar(meta, f"{a}.block_count")),
         max_position_embeddings=_scalar(meta, f"{a}.context_length", 4096),
         tie_word_embeddings=not has_output,
         qkv_bias=arch_name == "qwen2",
@@ -105,6 +109,35 @@ def _config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bo
         quantization=quantization or None,
         extra=extra,
     )
+
+
+# -- Phi-3's partial and LongRoPE, SmolLM3's NoPE layers ------------------------------------
+
+
+def _rotary_dims(meta: dict, arch: str, head_dim: int) -> int:
+    """`rope.dimension_count` where it turns fewer dims than a head has (Phi-4-mini); 0: all."""
+    dims = _scalar(meta, f"{arch}.rope.dimension_count") or head_dim
+    return 0 if dims == head_dim else dims
+
+
+def _nope_layers(arch: str, layers: int) -> frozenset[int]:
+    """SmolLM3's layers without RoPE: GGUF has no key for them; llama.cpp takes every fourth."""
+    return frozenset(i for i in range(layers) if (i + 1) % 4 == 0) if arch == "smollm3" else frozenset()
+
+
+def _longrope(path: Path, info: GgufInfo, config: ModelConfig) -> dict:
+    """Phi-3's LongRoPE from its `rope_factors_long`/`_short` tensors and rope scaling keys."""
+    a, meta = _scalar(info.metadata, "general.architecture"), info.metadata
+    original = _scalar(meta, f"{a}.rope.scaling.original_context_length") or config.max_position_embeddings
+    scaling = {
+        "rope_type": "longrope",
+        "long_factor": _f32_tensor(path, info, "rope_factors_long.weight").tolist(),
+        "short_factor": _f32_tensor(path, info, "rope_factors_short.weight").tolist(),
+        "original_max_position_embeddings": int(original),
+        "factor": config.max_position_embeddings / original,
+    }
+    attention = _scalar(meta, f"{a}.rope.scaling.attn_factor")
+    return scaling if attention is None else {**scaling, "attention_factor": float(attention)}
 
 
 def _quantization_by_module(path: Path, info: GgufInfo) -> dict:
@@ -160,7 +193,10 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
     )
     tensors = LazyTensors(lambda: _read_tensors(path, arch) if read is None else read(path, info))
     if "rope_freqs.weight" in info.offsets:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
-        config.rope_scaling = {"rope_type": "freq_factors", "factors": _rope_freqs(path, info)}
+        config.rope_scaling = {"rope_type": "freq_factors", "factors": _f32_tensor(path, info, "rope_freqs.weight")}
+    if "rope_factors_long.weight" in info.offsets:  # Phi-3/Phi-4-mini 128k
+        config.rope_scaling = _longrope(path, info, config)
+        check_sizes(config, str(path))  # (its factor lists against the rotated dims)
     # Only modules GGUF stored quantized are quantized; mark the rest dense.
     if config.quantization:
         for name in names:
@@ -222,16 +258,20 @@ def _read_tensors(path: Path, arch: str) -> dict:
     return tensors
 
 
-def _rope_freqs(path: Path, info: GgufInfo):
-    """rope_freqs.weight, read on its own when it is F32 (as converters write it)."""
+def _f32_tensor(path: Path, info: GgufInfo, tensor: str):
+    """A small tensor outside the canonical ones (rope factors), read on its own when it is F32
+    (as converters write them)."""
     import mlx.core as mx
 
-    shape, kind = next((shape, kind) for name, shape, kind in info.tensors if name == "rope_freqs.weight")
+    found = [(shape, kind) for name, shape, kind in info.tensors if name == tensor]
+    if not found:
+        raise CorruptModelError(f"{path} lacks tensor {tensor!r}; download it again")
+    shape, kind = found[0]
     if kind != "F32":
-        return _read_raw(path)["rope_freqs.weight"]
+        return _read_raw(path)[tensor]
     count = math.prod(shape)
     with open(path, "rb") as f:
-        f.seek(info.offsets["rope_freqs.weight"])
+        f.seek(info.offsets[tensor])
         data = f.read(4 * count)
     return mx.array(struct.unpack(f"<{count}f", data), dtype=mx.float32)
 

@@ -17,12 +17,14 @@ import ferrum_mac
 import mlx.core as mx
 from helpers import (
     FAMILIES,
+    LLAMA_VARIANTS,
     assert_close,
     assert_same_tokens,
     ferrum_greedy,
     hf_greedy,
     hf_logits,
     installed_backends,
+    llama_variant,
     random_tokens,
     read_config,
     rel_err,
@@ -153,9 +155,9 @@ def test_legacy_config_layout(zoo, tmp_path):
 
 
 @pytest.mark.parametrize("backend", installed_backends())
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "phi3"])
 def test_sliding_window_models_attend_within_the_window(zoo, tmp_path, family, backend):
-    """Mistral's window (every layer) and Qwen2's (layers from max_window_layers on) are the
+    """Mistral's and Phi-3's window (every layer) and Qwen2's (layers from max_window_layers on) are the
     sliding-window layers of Gemma 3's path: past the window ferrum agrees with transformers,
     in a forward and in decode steps."""
     from transformers import AutoModelForCausalLM
@@ -174,7 +176,7 @@ def test_sliding_window_models_attend_within_the_window(zoo, tmp_path, family, b
     model = ferrum_mac.open_model(tmp_path, backend=backend, dtype="float32")
     assert model.kv_capacity() > 16
     slides = [isinstance(kind, SlidingWindow) for kind in model.config.layer_kinds]
-    assert slides == ([True, True] if family == "mistral" else [False, True])
+    assert slides == ([True, True] if family in ("mistral", "phi3") else [False, True])
     assert_close(model.forward_verify("x", PROMPT), hf_logits(reference, PROMPT), FP32_REL)
     assert_same_tokens(ferrum_greedy(model, "g", PROMPT[:20], 24), hf_greedy(reference, PROMPT[:20], 24))
     # the family's zoo model has the same weights (same seed) and no window: the window
@@ -234,25 +236,14 @@ def test_llama3_rope_gguf_uses_its_rope_freqs(zoo, tmp_path):
     assert_close(model.forward_verify("x", PROMPT), hf_logits(zoo.hf("llama3_rope"), PROMPT), FP32_REL)
 
 
-LLAMA_VARIANTS = {
-    "linear_rope": {"rope_scaling": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
-    "biases": {"attention_bias": True, "mlp_bias": True},  # o_proj and MLP biases too
-    "wide_heads": {"head_dim": 32},  # head_dim != hidden / heads (Mistral-Nemo style)
-    "mha_theta": {"num_key_value_heads": 4, "rope_theta": 500000.0, "rms_norm_eps": 1e-6},
-}
-
-
 @pytest.mark.parametrize("variant", list(LLAMA_VARIANTS))
 def test_llama_config_variants_match_transformers(tmp_path, variant):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from helpers import TINY
-
-    settings = {**TINY, **LLAMA_VARIANTS[variant]}
-    if "rope_theta" in settings and "rope_scaling" not in settings:
-        settings["rope_parameters"] = {"rope_type": "default", "rope_theta": settings.pop("rope_theta")}
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(LlamaConfig(**settings), dtype=torch.float32).eval()
-    reference.save_pretrained(tmp_path)
+    reference = llama_variant(variant, tmp_path)
     model = ferrum_mac.open_model(tmp_path, dtype="float32")
     assert_close(model.forward_verify("x", PROMPT), hf_logits(reference, PROMPT), FP32_REL)
+
+
+def test_yarn_changes_the_reference(zoo, tmp_path):
+    plain = hf_logits(zoo.hf("llama"), PROMPT)
+    for variant in ("yarn_rope", "yarn_untruncated"):
+        assert rel_err(hf_logits(llama_variant(variant, tmp_path / variant), PROMPT), plain) > 0.05

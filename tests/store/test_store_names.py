@@ -26,6 +26,12 @@ from ferrum_mac.store.units import human_age, human_bytes
         ("llama3.1:8b-bf16", "mlx", RepoRef("meta-llama/Llama-3.1-8B-Instruct")),
         ("smollm2:135m", "mlx", BundledRef("smollm2:135m")),
         ("smollm2:135m", "torch", RepoRef("HuggingFaceTB/SmolLM2-135M-Instruct")),
+        ("phi4", "mlx", RepoRef("mlx-community/phi-4-4bit")),
+        ("phi4:14b", "torch", RepoRef("microsoft/phi-4")),
+        ("phi4-mini", "torch", RepoRef("microsoft/Phi-4-mini-instruct")),
+        ("phi4-mini-8bit", "mlx", RepoRef("mlx-community/Phi-4-mini-instruct-8bit")),
+        ("smollm3:3b", "mlx", RepoRef("mlx-community/SmolLM3-3B-4bit")),
+        ("smollm3", "torch", RepoRef("HuggingFaceTB/SmolLM3-3B")),
         ("org/model", "mlx", RepoRef("org/model")),
         ("org/model@v1.0", "mlx", RepoRef("org/model", "v1.0")),
         ("org/Model-GGUF:Q8_0", "mlx", RepoRef("org/Model-GGUF", gguf_quant="Q8_0")),
@@ -69,6 +75,9 @@ def test_issue_aliases_exist_and_map_back():
         "llama3.1:8b",
         "mistral:7b",
         "smollm2:135m",
+        "phi4:14b",
+        "phi4-mini:3.8b",
+        "smollm3:3b",
     ):
         assert required in names
     assert alias_for_repo("mlx-community/Qwen3-0.6B-4bit") == "qwen3:0.6b"
@@ -211,3 +220,11 @@ def test_a_damaged_gguf_is_listed_as_unfinished_not_as_a_model(hf_home):
     gguf.write_bytes(b"GGUF\x03\x00")  # cut inside the header
     [model] = list_models()
     assert model.name == "smollm2:135m" and not model.complete
+
+
+def test_a_family_of_one_size_is_named_by_its_family_alone():
+    """`ferrum run phi4-mini "Hi"` as with Ollama; a family of several sizes stays a prompt word."""
+    from ferrum_mac.cli.run import split_model_and_prompt
+
+    assert split_model_and_prompt(["phi4-mini", "Hi"]) == ("phi4-mini", "Hi")
+    assert split_model_and_prompt(["qwen3", "Hi"]) == (None, "qwen3 Hi")

@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.weights import ModelConfig
+from ferrum_mac.weights.rope import scaled_rope
 
 if TYPE_CHECKING:
     from ferrum_mac.backends.mlx.ops import Ops
@@ -167,14 +168,18 @@ class Projections:
 
 
 class Rope:
-    """Rotary position embedding with the default, linear or Llama-3 frequency schedule."""
+    """Rotary position embedding of a head's first `config.rope_dims` dims (all but Phi-4-mini's
+    tail), with the default, linear, Llama-3, LongRoPE or YaRN frequency schedule; the last
+    two also scale the rotated dims by their attention factor (`weights.rope`)."""
 
     def __init__(self, config: ModelConfig):
-        self.dims = config.head_dim
+        self.config = config
+        self.dims = config.rope_dims
         self.traditional = config.rope_traditional
         self.base: float | None = config.rope_theta
         self.scale = 1.0
         self.freqs = None
+        self.attention_scale = None  # per-dim factor after the rotation, where the schedule has one
         scaling = config.rope_scaling or {}
         kind = scaling.get("rope_type", "default")
         if kind == "linear":
@@ -186,9 +191,26 @@ class Rope:
             periods = config.rope_theta ** (mx.arange(0, self.dims, 2) / self.dims)
             self.freqs = periods * scaling["factors"].astype(mx.float32)
             self.base = None
+        self.use_context(config.max_position_embeddings)
+
+    @property
+    def whole_heads(self) -> bool:
+        """Whether it turns every dim of a head and scales none (what a fused rope kernel assumes)."""
+        return self.dims == self.config.head_dim and self.attention_scale is None
+
+    def use_context(self, tokens: int) -> None:
+        """Fit the schedule to a model holding up to `tokens` per sequence (LongRoPE picks its factors by it)."""
+        scaled = scaled_rope(self.config, tokens)
+        if scaled is None:
+            return
+        self.freqs, self.base = mx.array(1.0 / scaled.inv_freq), None
+        self.attention_scale = None
+        if scaled.attention_factor != 1.0:
+            rest = self.config.head_dim - self.dims
+            self.attention_scale = mx.array([scaled.attention_factor] * self.dims + [1.0] * rest, dtype=mx.float32)
 
     def __call__(self, x: mx.array, offset) -> mx.array:
-        return mx.fast.rope(
+        y = mx.fast.rope(
             x,
             self.dims,
             traditional=self.traditional,
@@ -197,6 +219,19 @@ class Rope:
             offset=offset,
             freqs=self.freqs,
         )
+        return y if self.attention_scale is None else y * self.attention_scale.astype(y.dtype)
+
+
+class NoRope:
+    """Attention without positions (SmolLM3's NoPE layers): q and k as projected."""
+
+    whole_heads = False
+
+    def use_context(self, tokens: int) -> None:
+        pass
+
+    def __call__(self, x: mx.array, offset) -> mx.array:
+        return x
 
 
 def llama3_frequencies(dims: int, base: float, scaling: dict) -> mx.array:

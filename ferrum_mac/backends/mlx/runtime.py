@@ -74,6 +74,7 @@ class MlxLLM(PooledLLM):
         self._config = LlmRuntimeConfig.of_model(c, str(self.dtype).split(".")[-1])
         free = free_memory_bytes()
         self._capacity = kv_capacity_within(self._config, free, self.dtype.size, kv_capacity)
+        self.model.use_context(self._capacity)
         max_blocks, cache_blocks = pool_limits(
             self._config, free, self.dtype.size, BLOCK_TOKENS, options.prefix_cache_mb
         )

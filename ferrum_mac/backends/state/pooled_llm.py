@@ -41,6 +41,7 @@ from ferrum_mac.llm import (
     host_tokens,
     token_count,
 )
+from ferrum_mac.weights.rope import context_variant
 
 CACHE_SHARE = 0.25  # of the memory free after loading, the most the prefix cache keeps unused
 
@@ -110,7 +111,10 @@ class PooledLLM(DecoderOnlyLLM):
         """Between two chunks of a long prefill (MLX runs the queued work there)."""
 
     def _prefix_disk(self, checkpoint, backend: str, options) -> PrefixDisk | None:
-        """The disk tier of this model's prefix cache, as `options` (the backend's) size it; None: none."""
+        """The disk tier of this model's prefix cache, as `options` (the backend's) size it; None: none.
+        Keyed by what the KV capacity picks of the rope schedule too (LongRoPE's factors)."""
+        variant = context_variant(checkpoint.config, self._capacity)
+        backend = f"{backend}-{variant}" if variant else backend
         return for_checkpoint(
             checkpoint, self._config.dtype, backend, BLOCK_TOKENS, options.prefix_dir, options.prefix_disk_mb
         )

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from ferrum_mac.errors import UnsupportedModelError
 
 from ferrum_mac.backends.torch.quant import QuantLinear, concatenated
 from ferrum_mac.backends.torch.weights import TensorSource, to_torch
 from ferrum_mac.weights import ModelConfig
+from ferrum_mac.weights.rope import scaled_rope
 
 
 class Linear:
@@ -89,22 +93,40 @@ class RmsNorm:
 
 
 class Rope:
-    """RoPE tables by position (default, linear, Llama-3 or GGUF per-frequency schedules), laid
-    out for `pointwise.norm_and_rope`: cos for both dims of a pair, sin signed for the pair's
-    first dim. Pairs are (i, i + dims/2), or (2i, 2i+1) for `interleaved` checkpoints."""
+    """RoPE tables by position (default, linear, Llama-3, GGUF per-frequency, LongRoPE or YaRN
+    schedules), laid out for `pointwise.norm_and_rope`: cos for both dims of a pair, sin signed
+    for the pair's first dim. Pairs are (i, i + dims/2), or (2i, 2i+1) for `interleaved`
+    checkpoints. A partial rope (`config.rope_dims` < head_dim) turns its pairs at angle zero
+    past the rotated ones (cos 1, sin 0: those dims pass unchanged), its q/k rows reordered at
+    load so the rotated pairs sit there (`pair_rotated_dims`). LongRoPE and YaRN scale the
+    rotated dims' cos and sin by their attention factor."""
 
     def __init__(self, config: ModelConfig, device: torch.device):
+        self.config = config
         self.interleaved = config.rope_traditional  # GGUF llama: q/k rows permuted for it
+        if self.interleaved and config.rope_dims != config.head_dim:
+            raise UnsupportedModelError("a partial rope over interleaved q/k rows is not supported")
         self.inv_freq = inverse_frequencies(config).to(device)
         self.cos = self.sin = None
         self.cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # the tables in an activation dtype
 
     def build(self, positions: int) -> None:
-        """Tables `(positions, dims)` for positions 0 .. positions-1 (the KV capacity), float32."""
+        """Tables `(positions, head_dim)` for positions 0 .. positions-1 (the KV capacity, which
+        also picks LongRoPE's factors: `weights.rope`), float32."""
         self.cast = {}
-        t = torch.arange(positions, device=self.inv_freq.device, dtype=torch.float32)
+        device, factor = self.inv_freq.device, 1.0
+        scaled = scaled_rope(self.config, positions)
+        if scaled is not None:
+            self.inv_freq, factor = torch.from_numpy(scaled.inv_freq).to(device), scaled.attention_factor
+        t = torch.arange(positions, device=device, dtype=torch.float32)
         angles = torch.outer(t, self.inv_freq)
         cos, sin = angles.cos(), angles.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        unturned = (self.config.head_dim - self.config.rope_dims) // 2
+        if unturned:
+            cos = torch.cat((cos, cos.new_ones(positions, unturned)), dim=-1)
+            sin = torch.cat((sin, sin.new_zeros(positions, unturned)), dim=-1)
         if self.interleaved:
             self.cos = torch.stack((cos, cos), dim=-1).flatten(-2)
             self.sin = torch.stack((-sin, sin), dim=-1).flatten(-2)
@@ -120,9 +142,44 @@ class Rope:
         return cos[positions][:, None, :], sin[positions][:, None, :]
 
 
+def pair_rotated_dims(tensors: dict, config: ModelConfig) -> None:
+    """Reorder each q and k head's rows (weights, packed words, scales, biases, q/k norms) so that
+    a partial rope's pairs (i, i + rope_dims/2) become (i, i + head_dim/2), the pairs `Rope`'s
+    tables turn, in place. The same order for q and k leaves every score as it was."""
+    dim, turned = config.head_dim, config.rope_dims
+    if turned == dim:
+        return
+    if (dim - turned) % 2:
+        raise UnsupportedModelError(f"a partial rope of {turned} of {dim} dims leaves an odd number unturned")
+    half, rest = turned // 2, (dim - turned) // 2
+    head = np.concatenate(
+        [np.arange(half), turned + np.arange(rest), half + np.arange(half), turned + rest + np.arange(rest)]
+    )
+    for layer in range(config.num_layers):
+        p = f"layers.{layer}.self_attn"
+        for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            order = (np.arange(heads)[:, None] * dim + head).reshape(-1)
+            for suffix in ("weight", "scales", "biases", "bias"):
+                if f"{p}.{proj}.{suffix}" in tensors:
+                    tensors[f"{p}.{proj}.{suffix}"] = rows_in_order(tensors[f"{p}.{proj}.{suffix}"], order)
+        for norm in ("q_norm", "k_norm"):
+            if f"{p}.{norm}.weight" in tensors:
+                tensors[f"{p}.{norm}.weight"] = rows_in_order(tensors[f"{p}.{norm}.weight"], head)
+
+
+def rows_in_order(tensor, order: np.ndarray):
+    """`tensor[order]` along its first dim, a torch tensor or an `mx.array` alike."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor[torch.from_numpy(order).to(tensor.device)]
+    import mlx.core as mx
+
+    return tensor[mx.array(order)]
+
+
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Rotation frequencies `(dims/2,)`, float32 and in transformers' order of operations."""
-    dims, base = config.head_dim, config.rope_theta
+    """Rotation frequencies `(rope_dims/2,)`, float32 and in transformers' order of operations
+    (LongRoPE's and YaRN's come with the context: `Rope.build`)."""
+    dims, base = config.rope_dims, config.rope_theta
     inv_freq = 1.0 / base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", "default")

@@ -17,8 +17,15 @@ from ferrum_mac.backends.mlx.ops import Ops
 from ferrum_mac.backends.options import BackendOptions
 
 
-def rope(scaling=None, traditional=False):
-    config = SimpleNamespace(head_dim=64, rope_traditional=traditional, rope_theta=1e6, rope_scaling=scaling)
+def rope(scaling=None, traditional=False, dims=64):
+    config = SimpleNamespace(
+        head_dim=64,
+        rope_dims=dims,
+        rope_traditional=traditional,
+        rope_theta=1e6,
+        rope_scaling=scaling,
+        max_position_embeddings=4096,
+    )
     return Rope(config)
 
 
@@ -37,6 +44,24 @@ def test_rope_constants_are_those_mlx_rope_uses():
     llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
     with_freqs = cuda_heads.RopeSpec(rope(llama3), 1e-6)
     assert with_freqs.freqs.dtype == mx.float32 and with_freqs.freqs.shape == (32,)
+
+
+def test_the_kernel_leaves_ropes_it_does_not_compute():
+    """It turns every dim of a head, unscaled: a partial rope (Phi-4-mini), LongRoPE's scaled
+    dims and a layer without RoPE (SmolLM3) keep MLX's ops."""
+    from ferrum_mac.backends.mlx.layers import NoRope
+
+    ops = CudaOps()
+    longrope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 24,
+        "long_factor": [2.0] * 24,
+        "original_max_position_embeddings": 1024,
+        "factor": 4.0,
+    }
+    assert ops.heads_kernel_takes(SimpleNamespace(head_dim=64, rope=rope()))
+    for other in (rope(dims=48), rope(longrope, dims=48), NoRope()):
+        assert not ops.heads_kernel_takes(SimpleNamespace(head_dim=64, rope=other))
 
 
 def test_several_tokens_need_a_position_each():

@@ -162,6 +162,12 @@ def test_llama3_rope_gguf_uses_its_rope_freqs(zoo, tmp_path):
     assert_close(open_torch(path).forward_verify("x", PROMPT), hf_logits(zoo.hf("llama3_rope"), PROMPT), FP32_REL)
 
 
+@pytest.mark.parametrize("variant", ["linear_rope", "yarn_rope", "yarn_untruncated"])
+def test_rope_schedules_match_transformers(tmp_path, variant):
+    reference = helpers.llama_variant(variant, tmp_path)
+    assert_close(open_torch(tmp_path).forward_verify("x", PROMPT), hf_logits(reference, PROMPT), FP32_REL)
+
+
 # -- real weights ---------------------------------------------------------------------------
 
 

@@ -57,7 +57,9 @@ WRITE_TABLE = [[3, 6], [], [5, 2]]
 
 
 def rope_tables(dim: int, interleaved: bool, positions: torch.Tensor, dtype: torch.dtype):
-    config = SimpleNamespace(head_dim=dim, rope_theta=10000.0, rope_scaling=None, rope_traditional=interleaved)
+    config = SimpleNamespace(
+        head_dim=dim, rope_dims=dim, rope_theta=10000.0, rope_scaling=None, rope_traditional=interleaved
+    )
     rope = Rope(config, DEVICE)
     rope.build(256)
     return rope.tables(positions, dtype)
@@ -278,7 +280,8 @@ KERNELS = {  # a GEMV's name in ops.GEMV (or rms_norm) -> its module and functio
 }
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+# (phi3: a partial rope, its unturned pairs at angle zero; smollm3: a layer without RoPE)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "smollm3"])
 @pytest.mark.parametrize("qkv", ["norm_matmul", "norm_qkv_rope"])
 def test_decode_batch_through_triton_matches_torch(zoo, monkeypatch, family, qkv):
     """Two sequences at different positions, two steps: the logits with every decode-step

@@ -150,7 +150,7 @@ class CudaOps(Ops):
 
     def heads_kernel_takes(self, attn: Attention) -> bool:
         """Whether the heads kernel takes this layer's heads (`cuda.heads.runs`)."""
-        return self.options.cuda_heads and cuda_heads.runs(attn.head_dim)
+        return self.options.cuda_heads and attn.rope.whole_heads and cuda_heads.runs(attn.head_dim)
 
     def decode_kernel_takes(self, attn: Attention) -> bool:
         """Whether the decode kernel takes this layer's heads (`cuda.attention.supports`)."""

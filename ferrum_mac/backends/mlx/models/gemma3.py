@@ -104,6 +104,11 @@ class Model:
         self.head: Linear = self.embed if tied else src.linear("lm_head", c.vocab_size, c.hidden_size)
         self.final_softcap = c.extra.get("gemma3_final_softcap")
 
+    def use_context(self, tokens: int) -> None:
+        """Fit RoPE to the longest sequence the model will hold (`layers.Rope.use_context`)."""
+        for block in self.layers:
+            block.attn.rope.use_context(tokens)
+
     def hidden(self, tokens: mx.array, plan: Plan) -> mx.array:
         h = (self.embed.rows(tokens) * self.embed_scale)[None]
         for block in self.layers:

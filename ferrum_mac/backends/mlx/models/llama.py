@@ -68,13 +68,21 @@ class Model:
         c = config
         self.config = c
         self.embed = src.linear("embed_tokens", c.vocab_size, c.hidden_size)
-        self.layers = [Block(src, c, i, self.make_mlp(src, i)) for i in range(c.num_layers)]
+        self.layers = [self.make_block(src, i) for i in range(c.num_layers)]
         self.norm = src.norm("norm", c.hidden_size)
         tied = c.tie_word_embeddings or not src.has("lm_head.weight")
         self.head: Linear = self.embed if tied else src.linear("lm_head", c.vocab_size, c.hidden_size)
 
+    def make_block(self, src: TensorSource, layer: int) -> Block:
+        return Block(src, self.config, layer, self.make_mlp(src, layer))
+
     def make_mlp(self, src: TensorSource, layer: int):
         return Mlp(src, self.config, f"layers.{layer}.mlp", self.config.intermediate_size)
+
+    def use_context(self, tokens: int) -> None:
+        """Fit RoPE to the longest sequence the model will hold (`layers.Rope.use_context`)."""
+        for block in self.layers:
+            block.attn.rope.use_context(tokens)
 
     def hidden(self, tokens: mx.array, plan: Plan) -> mx.array:
         """tokens `(T,)` -> final hidden states `(1, T, hidden)` before the norm."""

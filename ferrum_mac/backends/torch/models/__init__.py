@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ferrum_mac.backends.torch.models import gemma3, llama, qwen3_moe
+from ferrum_mac.backends.torch.models import gemma3, llama, phi3, qwen3_moe, smollm3
 
 FAMILIES = {
     "llama": llama.Model,
@@ -12,4 +12,7 @@ FAMILIES = {
     "qwen3_moe": qwen3_moe.Model,
     # Gemma 3 (text)
     "gemma3_text": gemma3.Model,
+    # fused projections, partial RoPE and LongRoPE; NoPE layers
+    "phi3": phi3.Model,
+    "smollm3": smollm3.Model,
 }

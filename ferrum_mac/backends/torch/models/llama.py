@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.attention import Attention
-from ferrum_mac.backends.torch.layers import RmsNorm, Rope, fuse, linear, tied_head
+from ferrum_mac.backends.torch.layers import RmsNorm, Rope, fuse, linear, pair_rotated_dims, tied_head
 from ferrum_mac.backends.torch.ops import TORCH_OPS, Ops
 from ferrum_mac.backends.torch.weights import TensorSource
 from ferrum_mac.weights import ModelConfig
@@ -52,11 +52,15 @@ class Model:
     def __init__(self, src: TensorSource, config: ModelConfig):
         c = self.config = config
         self.rope = Rope(c, src.device)
+        pair_rotated_dims(src.tensors, c)
         self.embed = src.take("embed_tokens.weight", (c.vocab_size, c.hidden_size))
-        self.layers = [Block(src, c, i, self.rope, self.make_mlp(src, i)) for i in range(c.num_layers)]
+        self.layers = [self.make_block(src, i) for i in range(c.num_layers)]
         self.norm = RmsNorm(src.norm("norm", c.hidden_size), c.rms_norm_eps)
         tied = c.tie_word_embeddings or not src.has("lm_head.weight")
         self.head = tied_head(src, self.embed) if tied else linear(src, "lm_head", c.vocab_size, c.hidden_size)
+
+    def make_block(self, src: TensorSource, layer: int) -> Block:
+        return Block(src, self.config, layer, self.rope, self.make_mlp(src, layer))
 
     def make_mlp(self, src: TensorSource, layer: int):
         return Mlp(src, self.config, f"layers.{layer}.mlp", self.config.intermediate_size)

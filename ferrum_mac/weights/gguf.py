@@ -1,7 +1,8 @@
-"""GGUF checkpoints: the config from the header (`gguf_header`), the tensors through `mx.load`
-on first use: Q4_0, Q4_1 and Q8_0 arrive as MLX affine-quantized tensors (group size 32),
-F16/F32 as dense arrays. Names are mapped to the canonical (Hugging Face, without the
-`model.` prefix) names the backends use."""
+"""GGUF checkpoints: the config from the header (`gguf_header`), the tensors on first use: every
+type `ggml_blocks` decodes, read with numpy (`gguf_tensors`, shards too), or through `mx.load`
+where it reads them all (Q4_0, Q4_1 and Q8_0 as MLX affine-quantized tensors of group size 32,
+F16/F32 dense). Names are mapped to the canonical (Hugging Face, without the `model.` prefix)
+names the backends use."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
+from ferrum_mac.weights import ggml_blocks, gguf_tensors
 from ferrum_mac.weights.config import ModelConfig, check_model_type, check_sizes, wrong_types_are_corrupt
-from ferrum_mac.weights.gguf_header import GgufInfo, cached_gguf_info
 
-# ggml type -> MLX quantization (None: dense)
-SUPPORTED_GGML = {"F32": None, "F16": None, "Q4_0": (32, 4), "Q4_1": (32, 4), "Q8_0": (32, 8)}
+# ggml type -> (bits, group size) of its MLX affine layout, or the dtype it is dense in
+SUPPORTED_GGML = ggml_blocks.LAYOUTS
+MLX_LOADS = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")  # the types `mx.load` reads itself
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 _BLOCK_NAMES = {
@@ -96,19 +98,14 @@ def _config_from_gguf(path: Path, meta: dict, quantization: dict, has_output: bo
     )
 
 
-def _quantization_by_module(path: Path, info: GgufInfo) -> dict:
-    """Per-module quantization from the tensor table; refuses ggml types MLX cannot keep."""
+def _quantization_by_module(tensors: list) -> dict:
+    """Per-module quantization from the tensor table (`gguf_tensors.check_tensors` vetted it)."""
     per_module: dict = {}
-    for name, _, type_name in info.tensors:
-        if type_name not in SUPPORTED_GGML:
-            raise UnsupportedModelError(
-                f"{path}: tensor {name} is {type_name}, which ferrum cannot load "
-                f"(supported GGUF types: {', '.join(SUPPORTED_GGML)}); use a Q4_0, Q4_1, Q8_0 or F16 file"
-            )
-        quant = SUPPORTED_GGML[type_name]
+    for name, _, type_name in tensors:
+        layout = SUPPORTED_GGML[type_name]
         module = canonical_module(name.rsplit(".", 1)[0])
-        if quant and module:
-            per_module[module] = {"group_size": quant[0], "bits": quant[1]}
+        if isinstance(layout, tuple) and module:
+            per_module[module] = {"group_size": layout[1], "bits": layout[0]}
     if not per_module:
         return {}
     first = next(iter(per_module.values()))
@@ -117,8 +114,8 @@ def _quantization_by_module(path: Path, info: GgufInfo) -> dict:
 
 def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
     """The config (from the header alone), the canonical tensors (read on first use) and how
-    many weights the file stores quantized. `read(path, info)`: another reader of the canonical
-    tensors (in MLX's layout, as `mx.load` gives them) than MLX's."""
+    many weights the file stores quantized. `path`: a file, or any shard of a set.
+    `read(shards)`: another reader of the canonical tensors (in MLX's layout) than MLX's."""
     if read is None:
         try:
             import mlx.core  # noqa: F401
@@ -127,17 +124,16 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
                 f"{path}: reading GGUF files needs MLX (pip install mlx); use a safetensors checkpoint"
             ) from None
 
-    info = cached_gguf_info(path)  # the tokenizer reads the same header
-    size = path.stat().st_size
-    if info.data_end > size:
-        raise CorruptModelError(f"{path} is truncated ({size} of {info.data_end} bytes); download it again")
-    quantization = _quantization_by_module(path, info)
-    names = {}  # canonical name -> GGUF name, for the tensors MLX will return
-    for name, _, _ in info.tensors:
-        module, _, suffix = name.rpartition(".")
-        canonical = canonical_module(module)
+    shards = gguf_tensors.read_shards(path)  # (the tokenizer reads the same first header)
+    gguf_tensors.check_tensors(shards)
+    path, info = shards[0]
+    table = [tensor for _, shard in shards for tensor in shard.tensors]
+    quantization = _quantization_by_module(table)
+    names = {}  # canonical name -> GGUF name, for the tensors the reader will return
+    for name, _, _ in table:
+        canonical = canonical_name(name)
         if canonical is not None:
-            names[f"{canonical}.{suffix}"] = name
+            names[canonical] = name
     config = config_from_gguf(
         path,
         info.metadata,
@@ -145,17 +141,23 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
         has_output="lm_head.weight" in names,
         token_count=info.array_lengths.get("tokenizer.ggml.tokens", 0),
     )
-    tensors = LazyTensors(lambda: _read_tensors(path) if read is None else read(path, info))
-    if "rope_freqs.weight" in info.offsets:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
-        config.rope_scaling = {"rope_type": "freq_factors", "factors": _rope_freqs(path, info)}
+    tensors = LazyTensors(lambda: _read_tensors(shards) if read is None else read(shards))
+    if any(name == "rope_freqs.weight" for name, _, _ in table):  # Llama 3.1+: the llama3 rope schedule
+        config.rope_scaling = {"rope_type": "freq_factors", "factors": _rope_freqs(shards)}
     # Only modules GGUF stored quantized are quantized; mark the rest dense.
     if config.quantization:
         for name in names:
             module = name.rsplit(".", 1)[0]
             if name.endswith(".weight") and module not in config.quantization:
                 config.quantization[module] = False
-    quantized = sum(math.prod(shape) for _, shape, kind in info.tensors if SUPPORTED_GGML.get(kind))
+    quantized = sum(math.prod(shape) for _, shape, kind in table if gguf_tensors.stored_quantized(kind))
     return config, tensors, quantized
+
+
+def canonical_name(gguf_name: str) -> str | None:
+    module, _, suffix = gguf_name.rpartition(".")
+    canonical = canonical_module(module)
+    return None if canonical is None else f"{canonical}.{suffix}"
 
 
 class LazyTensors(MutableMapping):
@@ -199,23 +201,33 @@ def _read_raw(path: Path) -> dict:
         raise CorruptModelError(f"{path} cannot be read ({str(e).splitlines()[0]}); download it again") from None
 
 
-def _read_tensors(path: Path) -> dict:
+def _read_tensors(shards: gguf_tensors.Shards) -> dict:
+    (path, info), *others = shards
+    if others or any(kind not in MLX_LOADS for _, _, kind in info.tensors):
+        return gguf_tensors.read_tensors(shards, canonical_name, _mlx_array)
     tensors = {}
     for name, array in _read_raw(path).items():
-        module, _, suffix = name.rpartition(".")
-        canonical = canonical_module(module)
+        canonical = canonical_name(name)
         if canonical is not None:
-            tensors[f"{canonical}.{suffix}"] = array
+            tensors[canonical] = array
     return tensors
 
 
-def _rope_freqs(path: Path, info: GgufInfo):
+def _mlx_array(array, dtype: str):
+    import mlx.core as mx
+
+    return mx.array(array).view(mx.bfloat16) if dtype == "bfloat16" else mx.array(array)
+
+
+def _rope_freqs(shards: gguf_tensors.Shards):
     """rope_freqs.weight, read on its own when it is F32 (as converters write it)."""
     import mlx.core as mx
 
+    path, info = next((path, info) for path, info in shards if "rope_freqs.weight" in info.offsets)
     shape, kind = next((shape, kind) for name, shape, kind in info.tensors if name == "rope_freqs.weight")
     if kind != "F32":
-        return _read_raw(path)["rope_freqs.weight"]
+        only = gguf_tensors.read_tensors([(path, info)], lambda n: n if n == "rope_freqs.weight" else None, _mlx_array)
+        return only["rope_freqs.weight"]
     count = math.prod(shape)
     with open(path, "rb") as f:
         f.seek(info.offsets["rope_freqs.weight"])

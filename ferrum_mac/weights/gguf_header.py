@@ -49,7 +49,11 @@ TYPES = {
     23: "IQ4_XS",
     29: "IQ1_M",
     30: "BF16",
+    34: "TQ1_0",
+    35: "TQ2_0",
     39: "MXFP4",
+    40: "NVFP4",
+    41: "Q1_0",
 }
 # type name -> (values per block, bytes per block), for the types whose size we check
 BLOCKS = {
@@ -68,6 +72,9 @@ BLOCKS = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
     "Q8_K": (256, 292),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+    "MXFP4": (32, 17),
 }
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9

@@ -27,6 +27,7 @@ class ModelFacts:
     context_length: int | None = None
     chat_template: bool = False
     license: str | None = None
+    types: str | None = None  # a GGUF's tensor types and their shares of the weights
 
 
 def format_and_quant(path: Path) -> tuple[str, str]:
@@ -178,4 +179,5 @@ def _describe_gguf(path: Path) -> ModelFacts:
         context_length=meta.get(f"{arch}.context_length"),
         chat_template=bool(meta.get("tokenizer.chat_template")),
         license=meta.get("general.license") or _license(path.parent),
+        types=info.type_mix,
     )

@@ -106,6 +106,16 @@ class GgufInfo:
             weight[kind] += math.prod(shape)
         return weight.most_common(1)[0][0] if weight else "?"
 
+    @property
+    def type_mix(self) -> str:
+        """Each type's share of the weights, most first, e.g. "Q4_K 71%, Q6_K 28%, F32 <1%"."""
+        weight = collections.Counter()
+        for _, shape, kind in self.tensors:
+            weight[kind] += math.prod(shape)
+        total = sum(weight.values()) or 1
+        shares = ((kind, 100 * count / total) for kind, count in weight.most_common())
+        return ", ".join(f"{kind} {share:.0f}%" if share >= 0.5 else f"{kind} <1%" for kind, share in shares)
+
 
 def read_gguf_info(path: str | Path, arrays: bool = False) -> GgufInfo:
     """The header of the GGUF file at `path`; `arrays`: decode metadata arrays too (as lists)."""

@@ -125,6 +125,14 @@ def test_a_model_in_each_type_matches_transformers_on_both_backends(wide_qwen3, 
     helpers.assert_close(on_torch.forward_verify("x", PROMPT), want, 1e-3)
 
 
+def test_show_names_the_type_mix(wide_qwen3, tmp_path, capsys):
+    from ferrum_mac.cli.store_commands import show_command
+
+    path = helpers.write_gguf_from_hf(wide_qwen3, "qwen3", tmp_path / "m.gguf", MIXES["Q4_K_M"])
+    show_command(str(path), "mlx")
+    assert "tensor types    Q4_K 69%, Q6_K 30%, F32 <1%" in capsys.readouterr().out
+
+
 def test_shards_load_as_one_model(zoo, tmp_path):
     source = zoo.hf("qwen3")
     whole = helpers.write_gguf_from_hf(source, "qwen3", tmp_path / "whole.gguf", {"attn_q": "Q8_0"})

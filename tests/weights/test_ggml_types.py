@@ -145,6 +145,10 @@ def test_shards_load_as_one_model(zoo, tmp_path):
     for backend in ("mlx", "torch"):
         model = ferrum_mac.open_model(tmp_path / f"split-00002-of-{count}.gguf", backend=backend, dtype="float32")
         helpers.assert_close(model.forward_verify("x", PROMPT), want, 1e-6)
+    from ferrum_mac.store.describe import describe
+
+    assert describe(first).parameters == describe(whole).parameters
+    assert describe(first).types == describe(whole).types
     folder = tmp_path / "folder"
     folder.mkdir()
     for shard in tmp_path.glob("split-*.gguf"):

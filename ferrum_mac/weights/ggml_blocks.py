@@ -52,6 +52,8 @@ LAYOUTS: dict[str, tuple[int, int] | str] = {
 }
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16)
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int16)  # e2m1, doubled
+# the tables as codes: value + 128 (8 bits), value + 12 (5 bits)
+IQ4_CODES, MXFP4_CODES = (IQ4_VALUES + 128).astype(np.uint8), (MXFP4_VALUES + 12).astype(np.uint8)
 
 
 @dataclass
@@ -187,7 +189,7 @@ def q6_k(b: np.ndarray) -> np.ndarray:
 
 def iq4_nl(b: np.ndarray) -> Affine:  # d, 16 bytes of 4-bit indexes into IQ4_VALUES: w = d * value
     d = _f16(b, 0)
-    return Affine((IQ4_VALUES[_nibbles(b[:, 2:18])] + 128).astype(np.uint8), d, d * np.float16(-128))
+    return Affine(IQ4_CODES[_nibbles(b[:, 2:18])], d, d * np.float16(-128))
 
 
 def iq4_xs(b: np.ndarray) -> Affine:
@@ -198,15 +200,15 @@ def iq4_xs(b: np.ndarray) -> Affine:
     highs = (b[:, 2:4].copy().view(np.uint16) >> np.arange(0, 16, 2, dtype=np.uint16)) & 3
     sub = (lows | (highs.astype(np.uint8) << 4)).astype(np.float32) - 32
     scale = _f32(b, 0) * sub
-    codes = IQ4_VALUES[_nibbles(b[:, 8:136].reshape(n, 8, 16))] + 128
-    return Affine(codes.reshape(n, QK_K).astype(np.uint8), scale, scale * np.float32(-128))
+    codes = IQ4_CODES[_nibbles(b[:, 8:136].reshape(n, 8, 16))]
+    return Affine(codes.reshape(n, QK_K), scale, scale * np.float32(-128))
 
 
 def mxfp4(b: np.ndarray) -> Affine:
     """An e8m0 exponent e, 16 bytes of e2m1 indexes (ggml's nibble order): w = value * 2^(e-127),
     here twice the value * 2^(e-128) (`e8m0_scale`)."""
     scale = e8m0_scale(b[:, 0:1])
-    codes = (MXFP4_VALUES[_nibbles(b[:, 1:17])] + 12).astype(np.uint8)
+    codes = MXFP4_CODES[_nibbles(b[:, 1:17])]
     with np.errstate(over="ignore"):
         return Affine(codes, scale.astype(np.float16), (scale * -12).astype(np.float16))
 
@@ -242,7 +244,12 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
         return np.ascontiguousarray(codes).view(np.uint32)
     if bits == 4:
         return np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4)).view(np.uint32)
-    # 8 values fill `bits` whole bytes
-    eights = codes.reshape(rows, k // 8, 8).astype(np.uint64) << (np.arange(8, dtype=np.uint64) * np.uint64(bits))
-    stream = np.bitwise_or.reduce(eights, axis=-1).view(np.uint8).reshape(rows, k // 8, 8)[:, :, :bits]
-    return np.ascontiguousarray(stream).reshape(rows, -1).view(np.uint32)
+    # 8 values fill `bits` whole bytes: byte j gathers the bits of the values crossing it
+    values = [codes[:, i::8] for i in range(8)]
+    stream = np.zeros((rows, k // 8, bits), dtype=np.uint8)
+    for j in range(bits):
+        for i in range(8):
+            shift = bits * i - 8 * j  # where value i's lowest bit lands in byte j
+            if -bits < shift < 8:
+                stream[:, :, j] |= values[i] << shift if shift >= 0 else values[i] >> -shift
+    return stream.reshape(rows, -1).view(np.uint32)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.weights.config import read_json_object
-from ferrum_mac.weights.gguf_header import GgufInfo, read_gguf_info
+from ferrum_mac.weights.gguf_header import GgufInfo, read_gguf_info, shard_paths
 from ferrum_mac.weights.safetensors import read_header
 
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -168,8 +168,6 @@ def _license(folder: Path) -> str | None:
 
 
 def _describe_gguf(path: Path) -> ModelFacts:
-    from ferrum_mac.weights.gguf_tensors import shard_paths
-
     shards = [read_gguf_info(shard) for shard in shard_paths(path)]  # the first holds the metadata
     info = GgufInfo(shards[0].metadata, [tensor for shard in shards for tensor in shard.tensors])
     meta = info.metadata

@@ -26,7 +26,7 @@ class Checkpoint:
 
 def find_gguf(folder: Path) -> Path | None:
     """The folder's one GGUF model: its only .gguf file, or the first of one set of shards."""
-    from ferrum_mac.weights.gguf_tensors import SHARD
+    from ferrum_mac.weights.gguf_header import SHARD
 
     files = sorted(folder.glob("*.gguf"))
     sets = {(m.group("stem"), m.group("count")) if (m := SHARD.match(f.name)) else f.name for f in files}

@@ -8,36 +8,19 @@ or not at all."""
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from ferrum_mac.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
 from ferrum_mac.weights import ggml_blocks
-from ferrum_mac.weights.gguf_header import BLOCKS, GgufInfo, cached_gguf_info
+from ferrum_mac.weights.gguf_header import BLOCKS, GgufInfo, cached_gguf_info, shard_paths
 
-SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # values decoded at a time: bounds the float32 and code buffers of one huge tensor
 CHUNK_VALUES = 1 << 22
 
 Shards = list[tuple[Path, GgufInfo]]
-
-
-def shard_paths(path: Path) -> list[Path]:
-    """The files of the model at `path`: itself, or every shard of a `-0000k-of-0000n` set."""
-    m = SHARD.match(path.name)
-    if not m:
-        return [path]
-    count = int(m.group("count"))
-    paths = [path.with_name(f"{m.group('stem')}-{no:05d}-of-{count:05d}.gguf") for no in range(1, count + 1)]
-    missing = [p.name for p in paths if not p.is_file()]
-    if missing:
-        raise ModelNotFoundError(
-            f"{path} is shard {int(m.group('no'))} of {count}, but {', '.join(missing[:3])} is missing; download every shard"
-        )
-    return paths
 
 
 def read_shards(path: Path) -> Shards:

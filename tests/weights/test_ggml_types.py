@@ -146,6 +146,9 @@ def test_shards_load_as_one_model(zoo, tmp_path):
         model = ferrum_mac.open_model(tmp_path / f"split-00002-of-{count}.gguf", backend=backend, dtype="float32")
         helpers.assert_close(model.forward_verify("x", PROMPT), want, 1e-6)
     from ferrum_mac.store.describe import describe
+    from ferrum_mac.text import read_gguf_metadata
+
+    assert len(read_gguf_metadata(tmp_path / f"split-00002-of-{count}.gguf")["tokenizer.ggml.tokens"]) == 320
 
     assert describe(first).parameters == describe(whole).parameters
     assert describe(first).types == describe(whole).types

@@ -200,3 +200,38 @@ def test_a_file_cut_inside_a_block(small_gguf):
     small_gguf.write_bytes(small_gguf.read_bytes()[:cut])
     with pytest.raises(CorruptModelError, match=r"is truncated \(\d+ of \d+ bytes\)"):
         load_gguf(small_gguf)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "MXFP4", "IQ4_NL"])
+def test_moe_experts_in_5_and_8_bit_layouts_agree_on_both_backends(zoo, tmp_path, kind):
+    """Stacked experts `(experts, out, in)` keep the type's layout: MLX's gather_qmm over 5 or 8
+    bits, the torch experts widened to 8; both compute the same logits."""
+    from backends.test_qwen3_moe import gguf_tensors
+
+    from ferrum_mac.backends.torch.runtime import TorchLLM
+    from ferrum_mac.backends.torch.weights import load_onto
+
+    hf, qtype = zoo.hf("qwen3_moe"), getattr(gguf.GGMLQuantizationType, kind)
+    path, c = tmp_path / "moe.gguf", hf.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    helpers.add_gguf_shape(w, c)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    for name, a in gguf_tensors(hf).items():
+        if "_exps" in name:
+            w.add_tensor(
+                name,
+                blocks_of(kind, a.size // 32, np.random.default_rng(0)).reshape(*a.shape[:-1], -1),
+                raw_dtype=qtype,
+            )
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    on_mlx = ferrum_mac.open_model(path, backend="mlx", dtype="float32")
+    assert on_mlx.model.layers[0].mlp.experts.gate_up.bits == ggml_blocks.LAYOUTS[kind][0]
+    on_torch = TorchLLM(load_onto(path, torch.device("cpu")), dtype="float32", device="cpu", packed=True)
+    helpers.assert_close(on_torch.forward_verify("x", PROMPT), on_mlx.forward_verify("x", PROMPT), 1e-5)

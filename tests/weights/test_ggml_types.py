@@ -235,3 +235,14 @@ def test_moe_experts_in_5_and_8_bit_layouts_agree_on_both_backends(zoo, tmp_path
     assert on_mlx.model.layers[0].mlp.experts.gate_up.bits == ggml_blocks.LAYOUTS[kind][0]
     on_torch = TorchLLM(load_onto(path, torch.device("cpu")), dtype="float32", device="cpu", packed=True)
     helpers.assert_close(on_torch.forward_verify("x", PROMPT), on_mlx.forward_verify("x", PROMPT), 1e-5)
+
+
+def test_block_scales_beyond_float16_are_refused_in_one_line():
+    from ferrum_mac.weights.gguf_tensors import read_tensor
+
+    block = np.zeros(17, dtype=np.uint8)
+    block[0] = 200  # MXFP4's scale 2^72: 12 times it is no float16
+    with pytest.raises(UnsupportedModelError, match=r"^f: tensor t \(MXFP4\) has block scales beyond float16's range"):
+        read_tensor(block, 0, (1, 32), "MXFP4", "f: tensor t")
+    block[0] = 90  # 2^-38: under float16's smallest, the block's values (< 2^-34) read as 0
+    assert not read_tensor(block, 0, (1, 32), "MXFP4", "f: tensor t")["scales"][0].any()

@@ -415,15 +415,18 @@ def add_phi3_rope(w, c, head_dim: int) -> None:
     w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
-def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) -> Path:
+def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str], split_max_tensors: int = 0) -> Path:
     """Write `model` as llama.cpp would: GGUF names, permuted llama q/k, and each 2-D weight
-    stored as `types[gguf short name]` (Q4_0, Q4_1, Q8_0, F16; default F32) via `gguf.quants`."""
+    stored as `types[gguf short name]` (any ggml type ferrum reads; default F32): quantized by
+    `gguf.quants` where it can, else random valid blocks of the weight's spread
+    (`ggml_random_blocks`). `split_max_tensors`: write shards of that many tensors (returns the
+    first)."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
     arch, c = GGUF_ARCH[family], model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     head_dim = add_gguf_shape(w, c)
     w.add_tokenizer_model("llama")
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
@@ -439,9 +442,15 @@ def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) ->
             w.add_tensor(name, array.astype(np.float32))
         elif kind == "F16":
             w.add_tensor(name, array.astype(np.float16))
+        elif kind == "BF16":
+            w.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), Q.BF16), raw_dtype=Q.BF16)
         else:
             qt = getattr(Q, kind)
-            w.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), qt), raw_dtype=qt)
+            try:
+                blocks = gguf.quants.quantize(array.astype(np.float32), qt)
+            except NotImplementedError:
+                blocks = ggml_random_blocks(kind, array.shape, float(array.std()), np.random.default_rng(len(name)))
+            w.add_tensor(name, blocks, raw_dtype=qt)
 
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])
@@ -468,7 +477,33 @@ def write_gguf_from_hf(model, family: str, path: Path, types: dict[str, str]) ->
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return next(path.parent.glob(f"{path.stem}-00001-of-*.gguf")) if split_max_tensors else path
+
+
+# Where each type `gguf.quants` cannot quantize keeps its float16 scales: (byte offset, the
+# scale giving values of spread ~1); every other byte of a random block is valid.
+_BLOCK_SCALES = {
+    "Q2_K": ((80, 1 / 20), (82, 1 / 15)),
+    "Q3_K": ((108, 1 / 64),),
+    "Q4_K": ((0, 1 / 400), (2, 1 / 60)),
+    "Q5_K": ((0, 1 / 800), (2, 1 / 60)),
+    "Q6_K": ((208, 1 / 1000),),
+    "IQ4_NL": ((0, 1 / 100),),
+    "IQ4_XS": ((0, 1 / 2000),),
+}
+
+
+def ggml_random_blocks(kind: str, shape: tuple[int, ...], spread: float, rng) -> np.ndarray:
+    """Random valid ggml blocks of type `kind` for a tensor of `shape` (uint8, GGUF's byte
+    shape), its values of about `spread`: random bytes, with finite float16 scales."""
+    from ferrum_mac.weights.gguf_header import BLOCKS
+
+    per_block, block_bytes = BLOCKS[kind]
+    blocks = rng.integers(0, 256, (int(np.prod(shape)) // per_block, block_bytes), dtype=np.uint8)
+    for at, unit in _BLOCK_SCALES[kind]:
+        scale = rng.uniform(0.5, 1.5, (len(blocks), 1)) * spread * unit
+        blocks[:, at : at + 2] = scale.astype(np.float16).view(np.uint8)
+    return blocks.reshape(*shape[:-1], -1)
 
 
 def decode_batch_steps(model, prompts: dict[str, list[int]], tag: str, steps: int = 2) -> list:

@@ -78,6 +78,7 @@ def show_command(name: str, backend: str) -> None:
         ("parameters", _count(facts.parameters)),
         ("context length", f"{facts.context_length:,}" if facts.context_length else "?"),
         ("quantization", facts.quantization),
+        *([("tensor types", facts.types)] if facts.types else []),
         ("format", facts.format),
         ("chat template", "yes" if facts.chat_template else "no"),
         ("license", facts.license or "not stated"),

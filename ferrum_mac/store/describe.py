@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.weights.config import read_json_object
-from ferrum_mac.weights.gguf_header import read_gguf_info
+from ferrum_mac.weights.gguf_header import GgufInfo, read_gguf_info, shard_paths
 from ferrum_mac.weights.safetensors import read_header
 
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -27,6 +27,7 @@ class ModelFacts:
     context_length: int | None = None
     chat_template: bool = False
     license: str | None = None
+    types: str | None = None  # a GGUF's tensor types and their shares of the weights
 
 
 def format_and_quant(path: Path) -> tuple[str, str]:
@@ -167,7 +168,8 @@ def _license(folder: Path) -> str | None:
 
 
 def _describe_gguf(path: Path) -> ModelFacts:
-    info = read_gguf_info(path)
+    shards = [read_gguf_info(shard) for shard in shard_paths(path)]  # the first holds the metadata
+    info = GgufInfo(shards[0].metadata, [tensor for shard in shards for tensor in shard.tensors])
     meta = info.metadata
     arch = meta.get("general.architecture")
     return ModelFacts(
@@ -178,4 +180,5 @@ def _describe_gguf(path: Path) -> ModelFacts:
         context_length=meta.get(f"{arch}.context_length"),
         chat_template=bool(meta.get("tokenizer.chat_template")),
         license=meta.get("general.license") or _license(path.parent),
+        types=info.type_mix,
     )

@@ -47,10 +47,10 @@ _SPECIAL_KEYS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown",
 
 def read_gguf_metadata(path: str | Path) -> dict:
     """The tokenizer part of a GGUF's metadata (`tokenizer.*`), as plain Python values."""
-    from ferrum_mac.weights.gguf_header import cached_gguf_info
+    from ferrum_mac.weights.gguf_header import cached_gguf_info, shard_paths
 
     try:
-        info = cached_gguf_info(path)  # its errors name the file and what to do
+        info = cached_gguf_info(shard_paths(Path(path))[0])  # its errors name the file and what to do
     except OSError as e:
         raise CorruptModelError(f"cannot read GGUF metadata from {path} ({e})") from None
     return {k: v for k, v in info.metadata.items() if k.startswith("tokenizer.")}

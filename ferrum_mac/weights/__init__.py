@@ -25,8 +25,12 @@ class Checkpoint:
 
 
 def find_gguf(folder: Path) -> Path | None:
+    """The folder's one GGUF model: its only .gguf file, or the first of one set of shards."""
+    from ferrum_mac.weights.gguf_header import SHARD
+
     files = sorted(folder.glob("*.gguf"))
-    return files[0] if len(files) == 1 else None
+    sets = {(m.group("stem"), m.group("count")) if (m := SHARD.match(f.name)) else f.name for f in files}
+    return files[0] if len(sets) == 1 else None
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

@@ -1,7 +1,8 @@
-"""GGUF checkpoints: the config from the header (`gguf_header`), the tensors through `mx.load`
-on first use: Q4_0, Q4_1 and Q8_0 arrive as MLX affine-quantized tensors (group size 32),
-F16/F32 as dense arrays. Names are mapped to the canonical (Hugging Face, without the
-`model.` prefix) names the backends use."""
+"""GGUF checkpoints: the config from the header (`gguf_header`), the tensors on first use: every
+type `ggml_blocks` decodes, read with numpy (`gguf_tensors`, shards too), or through `mx.load`
+where it reads them all (Q4_0, Q4_1 and Q8_0 as MLX affine-quantized tensors of group size 32,
+F16/F32 dense). Names are mapped to the canonical (Hugging Face, without the `model.` prefix)
+names the backends use."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
+from ferrum_mac.weights import ggml_blocks, gguf_tensors
 from ferrum_mac.weights.config import ModelConfig, check_model_type, check_sizes, wrong_types_are_corrupt
-from ferrum_mac.weights.gguf_header import GgufInfo, cached_gguf_info
+from ferrum_mac.weights.gguf_header import GgufInfo
 
-# ggml type -> MLX quantization (None: dense)
-SUPPORTED_GGML = {"F32": None, "F16": None, "Q4_0": (32, 4), "Q4_1": (32, 4), "Q8_0": (32, 8)}
+# ggml type -> (bits, group size) of its MLX affine layout, or the dtype it is dense in
+SUPPORTED_GGML = ggml_blocks.LAYOUTS
+MLX_LOADS = ("F32", "F16", "Q4_0", "Q4_1", "Q8_0")  # the types `mx.load` reads itself
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 
 _BLOCK_NAMES = {
@@ -125,14 +128,15 @@ def _nope_layers(arch: str, layers: int) -> frozenset[int]:
     return frozenset(i for i in range(layers) if (i + 1) % 4 == 0) if arch == "smollm3" else frozenset()
 
 
-def _longrope(path: Path, info: GgufInfo, config: ModelConfig) -> dict:
+def _longrope(shards: gguf_tensors.Shards, config: ModelConfig) -> dict:
     """Phi-3's LongRoPE from its `rope_factors_long`/`_short` tensors and rope scaling keys."""
-    a, meta = _scalar(info.metadata, "general.architecture"), info.metadata
+    meta = shards[0][1].metadata
+    a = _scalar(meta, "general.architecture")
     original = _scalar(meta, f"{a}.rope.scaling.original_context_length") or config.max_position_embeddings
     scaling = {
         "rope_type": "longrope",
-        "long_factor": _f32_tensor(path, info, "rope_factors_long.weight").tolist(),
-        "short_factor": _f32_tensor(path, info, "rope_factors_short.weight").tolist(),
+        "long_factor": _f32_tensor(shards, "rope_factors_long.weight").tolist(),
+        "short_factor": _f32_tensor(shards, "rope_factors_short.weight").tolist(),
         "original_max_position_embeddings": int(original),
         "factor": config.max_position_embeddings / original,
     }
@@ -140,20 +144,14 @@ def _longrope(path: Path, info: GgufInfo, config: ModelConfig) -> dict:
     return scaling if attention is None else {**scaling, "attention_factor": float(attention)}
 
 
-def _quantization_by_module(path: Path, info: GgufInfo) -> dict:
-    """Per-module quantization from the tensor table; refuses ggml types MLX cannot keep."""
+def _quantization_by_module(tensors: list, arch: str) -> dict:
+    """Per-module quantization from the tensor table (`gguf_tensors.check_tensors` vetted it)."""
     per_module: dict = {}
-    arch = architecture(info)
-    for name, _, type_name in info.tensors:
-        if type_name not in SUPPORTED_GGML:
-            raise UnsupportedModelError(
-                f"{path}: tensor {name} is {type_name}, which ferrum cannot load "
-                f"(supported GGUF types: {', '.join(SUPPORTED_GGML)}); use a Q4_0, Q4_1, Q8_0 or F16 file"
-            )
-        quant = SUPPORTED_GGML[type_name]
+    for name, _, type_name in tensors:
+        layout = SUPPORTED_GGML[type_name]
         module = canonical_module(name.rsplit(".", 1)[0], arch)
-        if quant and module:
-            per_module[module] = {"group_size": quant[0], "bits": quant[1]}
+        if isinstance(layout, tuple) and module:
+            per_module[module] = {"group_size": layout[1], "bits": layout[0]}
     if not per_module:
         return {}
     first = next(iter(per_module.values()))
@@ -162,8 +160,8 @@ def _quantization_by_module(path: Path, info: GgufInfo) -> dict:
 
 def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
     """The config (from the header alone), the canonical tensors (read on first use) and how
-    many weights the file stores quantized. `read(path, info)`: another reader of the canonical
-    tensors (in MLX's layout, as `mx.load` gives them) than MLX's."""
+    many weights the file stores quantized. `path`: a file, or any shard of a set.
+    `read(shards)`: another reader of the canonical tensors (in MLX's layout) than MLX's."""
     if read is None:
         try:
             import mlx.core  # noqa: F401
@@ -172,18 +170,17 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
                 f"{path}: reading GGUF files needs MLX (pip install mlx); use a safetensors checkpoint"
             ) from None
 
-    info = cached_gguf_info(path)  # the tokenizer reads the same header
-    size = path.stat().st_size
-    if info.data_end > size:
-        raise CorruptModelError(f"{path} is truncated ({size} of {info.data_end} bytes); download it again")
-    quantization = _quantization_by_module(path, info)
-    names = {}  # canonical name -> GGUF name, for the tensors MLX will return
+    shards = gguf_tensors.read_shards(path)  # (the tokenizer reads the same first header)
+    gguf_tensors.check_tensors(shards)
+    path, info = shards[0]
     arch = architecture(info)
-    for name, _, _ in info.tensors:
-        module, _, suffix = name.rpartition(".")
-        canonical = canonical_module(module, arch)
+    table = [tensor for _, shard in shards for tensor in shard.tensors]
+    quantization = _quantization_by_module(table, arch)
+    names = {}  # canonical name -> GGUF name, for the tensors the reader will return
+    for name, _, _ in table:
+        canonical = canonical_name(name, arch)
         if canonical is not None:
-            names[f"{canonical}.{suffix}"] = name
+            names[canonical] = name
     config = config_from_gguf(
         path,
         info.metadata,
@@ -191,11 +188,12 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
         has_output="lm_head.weight" in names,
         token_count=info.array_lengths.get("tokenizer.ggml.tokens", 0),
     )
-    tensors = LazyTensors(lambda: _read_tensors(path, arch) if read is None else read(path, info))
-    if "rope_freqs.weight" in info.offsets:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
-        config.rope_scaling = {"rope_type": "freq_factors", "factors": _f32_tensor(path, info, "rope_freqs.weight")}
-    if "rope_factors_long.weight" in info.offsets:  # Phi-3/Phi-4-mini 128k
-        config.rope_scaling = _longrope(path, info, config)
+    tensors = LazyTensors(lambda: _read_tensors(shards, arch) if read is None else read(shards))
+    stored = {name for name, _, _ in table}
+    if "rope_freqs.weight" in stored:  # Llama 3.1+: the llama3 rope schedule as per-frequency divisors
+        config.rope_scaling = {"rope_type": "freq_factors", "factors": _f32_tensor(shards, "rope_freqs.weight")}
+    if "rope_factors_long.weight" in stored:  # Phi-3/Phi-4-mini 128k
+        config.rope_scaling = _longrope(shards, config)
         check_sizes(config, str(path))  # (its factor lists against the rotated dims)
     # Only modules GGUF stored quantized are quantized; mark the rest dense.
     if config.quantization:
@@ -203,8 +201,14 @@ def load_gguf(path: Path, read=None) -> tuple[ModelConfig, "LazyTensors", int]:
             module = name.rsplit(".", 1)[0]
             if name.endswith(".weight") and module not in config.quantization:
                 config.quantization[module] = False
-    quantized = sum(math.prod(shape) for _, shape, kind in info.tensors if SUPPORTED_GGML.get(kind))
+    quantized = sum(math.prod(shape) for _, shape, kind in table if gguf_tensors.stored_quantized(kind))
     return config, tensors, quantized
+
+
+def canonical_name(gguf_name: str, arch: str = "") -> str | None:
+    module, _, suffix = gguf_name.rpartition(".")
+    canonical = canonical_module(module, arch)
+    return None if canonical is None else f"{canonical}.{suffix}"
 
 
 class LazyTensors(MutableMapping):
@@ -248,27 +252,37 @@ def _read_raw(path: Path) -> dict:
         raise CorruptModelError(f"{path} cannot be read ({str(e).splitlines()[0]}); download it again") from None
 
 
-def _read_tensors(path: Path, arch: str) -> dict:
+def _read_tensors(shards: gguf_tensors.Shards, arch: str) -> dict:
+    (path, info), *others = shards
+    if others or any(kind not in MLX_LOADS for _, _, kind in info.tensors):
+        return gguf_tensors.read_tensors(shards, lambda name: canonical_name(name, arch), _mlx_array)
     tensors = {}
     for name, array in _read_raw(path).items():
-        module, _, suffix = name.rpartition(".")
-        canonical = canonical_module(module, arch)
+        canonical = canonical_name(name, arch)
         if canonical is not None:
-            tensors[f"{canonical}.{suffix}"] = array
+            tensors[canonical] = array
     return tensors
 
 
-def _f32_tensor(path: Path, info: GgufInfo, tensor: str):
+def _mlx_array(array, dtype: str):
+    import mlx.core as mx
+
+    return mx.array(array).view(mx.bfloat16) if dtype == "bfloat16" else mx.array(array)
+
+
+def _f32_tensor(shards: gguf_tensors.Shards, tensor: str):
     """A small tensor outside the canonical ones (rope factors), read on its own when it is F32
     (as converters write them)."""
     import mlx.core as mx
 
-    found = [(shape, kind) for name, shape, kind in info.tensors if name == tensor]
+    found = [(path, info) for path, info in shards if tensor in info.offsets]
     if not found:
-        raise CorruptModelError(f"{path} lacks tensor {tensor!r}; download it again")
-    shape, kind = found[0]
+        raise CorruptModelError(f"{shards[0][0]} lacks tensor {tensor!r}; download it again")
+    path, info = found[0]
+    shape, kind = next((shape, kind) for name, shape, kind in info.tensors if name == tensor)
     if kind != "F32":
-        return _read_raw(path)[tensor]
+        only = gguf_tensors.read_tensors([(path, info)], lambda n: n if n == tensor else None, _mlx_array)
+        return only[tensor]
     count = math.prod(shape)
     with open(path, "rb") as f:
         f.seek(info.offsets[tensor])

@@ -17,11 +17,12 @@ import functools
 import math
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
+from ferrum_mac.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 
 # ggml tensor type ids -> names (the ones seen in published files)
 TYPES = {
@@ -49,7 +50,11 @@ TYPES = {
     23: "IQ4_XS",
     29: "IQ1_M",
     30: "BF16",
+    34: "TQ1_0",
+    35: "TQ2_0",
     39: "MXFP4",
+    40: "NVFP4",
+    41: "Q1_0",
 }
 # type name -> (values per block, bytes per block), for the types whose size we check
 BLOCKS = {
@@ -68,8 +73,13 @@ BLOCKS = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
     "Q8_K": (256, 292),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
+    "MXFP4": (32, 17),
 }
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+# a shard of a model split in several files, as llama.cpp's gguf-split names them
+SHARD = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _STRING, _ARRAY = 8, 9
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 DEFAULT_ALIGNMENT = 32
@@ -99,6 +109,16 @@ class GgufInfo:
             weight[kind] += math.prod(shape)
         return weight.most_common(1)[0][0] if weight else "?"
 
+    @property
+    def type_mix(self) -> str:
+        """Each type's share of the weights, most first, e.g. "Q4_K 71%, Q6_K 28%, F32 <1%"."""
+        weight = collections.Counter()
+        for _, shape, kind in self.tensors:
+            weight[kind] += math.prod(shape)
+        total = sum(weight.values()) or 1
+        shares = ((kind, 100 * count / total) for kind, count in weight.most_common())
+        return ", ".join(f"{kind} {share:.0f}%" if share >= 0.5 else f"{kind} <1%" for kind, share in shares)
+
 
 def read_gguf_info(path: str | Path, arrays: bool = False) -> GgufInfo:
     """The header of the GGUF file at `path`; `arrays`: decode metadata arrays too (as lists)."""
@@ -117,6 +137,22 @@ def read_gguf_info(path: str | Path, arrays: bool = False) -> GgufInfo:
                 return _Parser(buf, size, path, arrays).info()
             except struct.error:
                 raise _truncated(path) from None
+
+
+def shard_paths(path: Path) -> list[Path]:
+    """The files of the model at `path`: itself, or every shard of a `-0000k-of-0000n` set."""
+    m = SHARD.match(path.name)
+    if not m:
+        return [path]
+    count = int(m.group("count"))
+    paths = [path.with_name(f"{m.group('stem')}-{no:05d}-of-{count:05d}.gguf") for no in range(1, count + 1)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ModelNotFoundError(
+            f"{path} is shard {int(m.group('no'))} of {count}, but {', '.join(missing[:3])} "
+            f"{'is' if len(missing) == 1 else 'are'} missing; download every shard"
+        )
+    return paths
 
 
 def cached_gguf_info(path: str | Path) -> GgufInfo:

@@ -5,8 +5,9 @@ The layout is MLX's affine one, which every source maps onto without touching th
 `words` int32 `(out, in * bits / 32)`, each word holding 32 / bits consecutive values along
 `in`, lowest bits first; `scales` and `biases` `(out, in / group_size)` in the file's float
 dtype, a weight being `scale * q + bias` of its group. MLX affine checkpoints are this
-layout already; GGUF Q4_0 (bias = -8 * scale), Q4_1 (bias = the block's min) and Q8_0
-(bias = -128 * scale after an offset of the int8s) arrive in it from the GGUF reader; a
+layout already; GGUF's quantized types arrive in it from the GGUF reader
+(`weights.ggml_blocks`: Q4_0 as bias = -8 * scale, Q8_0 as bias = -128 * scale after an offset
+of the int8s, ...), those of 5 bits widened to 8 (`Packed.widened`); a
 dense checkpoint is quantized into it at load (`quantize`). A Triton kernel reads it as it
 is (`triton_quant`): words along K are what a program loads in one go, and the scales of
 a group of 32-128 values cost a few percent of the bytes.
@@ -60,7 +61,7 @@ class Packed:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.words.shape[0], self.words.shape[1] * (32 // self.bits)
+        return self.words.shape[0], self.words.shape[1] * 32 // self.bits
 
     @property
     def nbytes(self) -> int:
@@ -73,13 +74,27 @@ class Packed:
 
     def codes(self) -> torch.Tensor:
         """The unsigned values q `(out, in)`: uint8 for 4 and 8 bits (a word's bytes in order,
-        as the words are little-endian), int32 otherwise."""
+        as the words are little-endian), int32 otherwise (3, 5, 6 bits: a bit stream, eight
+        values to `bits` bytes)."""
         out = self.words.shape[0]
         if self.bits in (4, 8):
             octets = self.words.view(torch.uint8)
             return octets if self.bits == 8 else torch.stack((octets & 15, octets >> 4), dim=-1).view(out, -1)
-        shifts = torch.arange(0, 32, self.bits, device=self.words.device, dtype=torch.int32)
-        return ((self.words[:, :, None] >> shifts) & ((1 << self.bits) - 1)).view(out, -1)
+        device, mask = self.words.device, (1 << self.bits) - 1
+        if 32 % self.bits == 0:
+            shifts = torch.arange(0, 32, self.bits, device=device, dtype=torch.int32)
+            return ((self.words[:, :, None] >> shifts) & mask).view(out, -1)
+        octets = self.words.view(torch.uint8).view(out, -1, self.bits).to(torch.int64)
+        eights = (octets << torch.arange(0, 8 * self.bits, 8, device=device)).sum(dim=-1)  # (disjoint bits)
+        shifts = torch.arange(0, 8 * self.bits, self.bits, device=device)
+        return ((eights[:, :, None] >> shifts) & mask).view(out, -1).to(torch.int32)
+
+    def with_scales(self, dtype: torch.dtype) -> Packed:
+        return Packed(self.words, self.scales.to(dtype), self.biases.to(dtype), self.bits, self.group_size)
+
+    def widened(self) -> Packed:
+        """The same values in 8-bit words (the kernels' widest), for 2-, 3-, 5- and 6-bit ones."""
+        return Packed(pack_codes(self.codes(), 8), self.scales, self.biases, 8, self.group_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight `(out, in)`: scale * q + bias in float32 (exact for 16-bit scales
@@ -122,52 +137,20 @@ def from_mlx(weight, scales, biases, bits: int, group_size: int) -> Packed:
     return Packed(words.view(torch.int32), to_torch(scales), to_torch(biases), bits, group_size)
 
 
-# GGUF's quantized types MLX's layout holds: bytes per block of 32 values
-GGUF_BLOCKS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+def read_gguf(shards) -> dict:
+    """A GGUF model's canonical tensors as CPU torch tensors in the layout MLX would give them
+    (`weights.gguf_tensors`): the torch backend's reader (`weights.load_onto`), which needs no MLX."""
+    from ferrum_mac.weights.gguf import architecture, canonical_name
+    from ferrum_mac.weights.gguf_tensors import read_tensors
+
+    arch = architecture(shards[0][1])
+    return read_tensors(shards, lambda name: canonical_name(name, arch), _torch_tensor)
 
 
-def read_gguf(path, info) -> dict:
-    """A GGUF file's canonical tensors as torch tensors in the layout `mx.load` gives them:
-    Q4_0, Q4_1 and Q8_0 as words, scales and biases (group 32), F16 and F32 dense. The torch
-    backend's reader (`weights.load_onto`), which needs no MLX."""
-    from ferrum_mac.weights.gguf import architecture, canonical_module
-
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    tensors = {}
-    arch = architecture(info)
-    for name, shape, kind in info.tensors:
-        module, _, suffix = name.rpartition(".")
-        canonical = canonical_module(module, arch)
-        if canonical is None:
-            continue
-        start, count = info.offsets[name], int(np.prod(shape))
-        if kind in GGUF_BLOCKS:
-            blocks = data[start : start + count // 32 * GGUF_BLOCKS[kind]].reshape(-1, GGUF_BLOCKS[kind])
-            words, scales, biases = gguf_affine(blocks, kind)
-            tensors[f"{canonical}.{suffix}"] = torch.from_numpy(words.reshape(*shape[:-1], -1))
-            tensors[f"{canonical}.scales"] = torch.from_numpy(scales.reshape(*shape[:-1], -1))
-            tensors[f"{canonical}.biases"] = torch.from_numpy(biases.reshape(*shape[:-1], -1))
-        else:  # F32, F16 (load_gguf refused any other type)
-            dtype = np.float32 if kind == "F32" else np.float16
-            raw = data[start : start + count * np.dtype(dtype).itemsize]
-            tensors[f"{canonical}.{suffix}"] = torch.from_numpy(raw.view(dtype).reshape(shape).copy())
-    return tensors
-
-
-def gguf_affine(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GGUF blocks `(n, bytes)` -> int32 words `(n, 4 or 8)`, float16 scales and biases `(n, 1)`:
-    Q4_0 is d * (q - 8), Q4_1 d * q + m, Q8_0 d * q over signed q (+128 makes it unsigned)."""
-    d = blocks[:, 0:2].copy().view(np.float16)
-    if kind == "Q8_0":
-        codes = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return codes.view(np.int32), d, d * np.float16(-128)
-    low_first = 4 if kind == "Q4_1" else 2
-    qs = blocks[:, low_first:]
-    # a block's byte j holds values j (low nibble) and j + 16 (high): in order, two a byte
-    codes = np.concatenate((qs & 15, qs >> 4), axis=1)
-    octets = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-    bias = blocks[:, 2:4].copy().view(np.float16) if kind == "Q4_1" else d * np.float16(-8)
-    return np.ascontiguousarray(octets).view(np.int32), d, bias
+def _torch_tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
+    if dtype == "bfloat16":
+        return torch.from_numpy(array).view(torch.bfloat16)
+    return torch.from_numpy(array.view(np.int32) if dtype == "uint32" else array)
 
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int = ON_THE_FLY_GROUP) -> Packed:

@@ -113,11 +113,16 @@ class TensorSource:
             return None
         spec = self.config.quant_for(module)
         if spec and self.has(f"{module}.scales"):
-            if not (self.keep_packed and quant.kernels_take(spec["bits"], spec["group_size"])):
+            bits, group = spec["bits"], spec["group_size"]
+            if not (self.keep_packed and quant.kernels_take(8 if bits < 8 else bits, group)):
                 return None
             parts = (self._raw(f"{module}.{part}") for part in ("weight", "scales", "biases"))
             flat = (t.reshape(-1, t.shape[-1]) for t in parts)
-            weight = quant.from_mlx(*flat, spec["bits"], spec["group_size"])
+            weight = quant.from_mlx(*flat, bits, group)
+            if bits not in quant.BITS:  # (GGUF's 5-bit and 8-bit-exact types: no kernels of their own)
+                weight = weight.widened()
+            if weight.scales.dtype == torch.float32 and self.dtype != torch.float32:
+                weight = weight.with_scales(torch.float16)  # (GGUF's K-quants: products of two float16s)
         elif self.on_the_fly and shape[-1] % quant.ON_THE_FLY_GROUP == 0:  # (as mlx-lm: other widths stay dense)
             dense = self.take(f"{module}.weight", shape)
             weight = quant.quantize(dense.reshape(-1, shape[-1]), quant.ON_THE_FLY[self.on_the_fly])

@@ -15,7 +15,7 @@ from typing import NamedTuple
 TESTS = Path(__file__).parent
 FILE_COSTS = TESTS / "file_costs.toml"
 # Sized so the fast tier stays a few minutes on 2 cores (test_tiers.py checks the sum).
-SLOW_FILE_S = 25.0
+SLOW_FILE_S = 20.0
 
 
 class Cost(NamedTuple):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import time
 
@@ -331,6 +332,20 @@ def test_a_folder_with_a_blocks_name_is_a_miss(tmp_path):
     restarted = KvPool(8192, cache_blocks=1000, disk=open_disk(tmp_path))
     assert restarted.start("a", prompt).tokens == 2 * B
     assert odd not in restarted.prefix.disk.files  # (not counted against the budget either)
+
+
+# -- the budget and the folder --------------------------------------------------------
+
+
+@pytest.mark.parametrize("removed", ["model folder", "cache folder"])
+def test_a_folder_removed_while_running_is_made_again(tmp_path, removed):
+    root = tmp_path / "prefix-cache"
+    pool, _ = serve(root, ids(40 * B, 15))
+    shutil.rmtree(root / "model" if removed == "model folder" else root)
+    pool.start("b", ids(40 * B, 16))
+    pool.release("b")
+    assert pool.prefix.disk.wait_for_writes(10)
+    assert len(block_files(root / "model")) == 40
 
 
 # -- the same on both backends, with a real model ----------------------------------------

@@ -21,10 +21,11 @@ worth keeping; shorter prompts wait until they are seen twice), each once: a blo
 never rewritten, and a hit only refreshes the file's mtime (the LRU's clock). The caller's
 thread copies the blocks to the host (device access stays on it); a background thread writes
 them, each atomically (a temporary file, fsynced, renamed into place), while the disk keeps
-MIN_FREE_BYTES free. Work past QUEUE_BYTES waiting is dropped rather than slowing the server
-(a dropped block is offered again on its next use). The folder's total stays under the
-budget (FERRUM_PREFIX_DISK_MB), least recently used files first, across every model's
-folder: a model that is gone stops being used and its blocks go first.
+MIN_FREE_BYTES free; a folder removed while running is made again. Work past QUEUE_BYTES
+waiting is dropped rather than slowing the server (a dropped block is offered again on its next
+use). The folder's total stays under the budget (FERRUM_PREFIX_DISK_MB), least recently used
+files first, across every model's folder: a model that is gone stops being used and its blocks
+go first.
 
 A file is checked against the model (dtype, shape, size) before anything is allocated for it:
 a damaged, truncated or foreign file is deleted and read as a miss, anything else odd (a folder
@@ -261,7 +262,7 @@ class PrefixDisk:
                 continue
             try:
                 written = self._write(name, np.ascontiguousarray(block))
-            except (OSError, ValueError):
+            except (OSError, ValueError, FerrumError):
                 written = 0
             with self.lock:
                 self.queued.discard(name)
@@ -281,10 +282,10 @@ class PrefixDisk:
         data = block.data
         header = _header(name, self.st_dtype, block.shape, block.nbytes, zlib.crc32(data))
         size = 8 + len(header) + block.nbytes
+        self._make_folder()  # (it may have been removed while running)
         if shutil.disk_usage(self.folder).free - size < self.min_free:
             return 0
         path = self.folder / f"{name}{SUFFIX}"
-        self.folder.mkdir(parents=True, exist_ok=True)  # (removed by hand while running)
         temp = self.folder / f".{name}.{os.getpid()}{TEMP_SUFFIX}"
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)

@@ -337,6 +337,19 @@ def test_a_folder_with_a_blocks_name_is_a_miss(tmp_path):
 # -- the budget and the folder --------------------------------------------------------
 
 
+def test_two_writers_sharing_a_folder_stay_within_one_budget(tmp_path):
+    """Two servers (or a server and the chat UI) with one cache folder: each tier writes
+    blocks the other does not know of, and the folder still holds at most the budget."""
+    budget = 1 << 20
+    writers = [open_disk(tmp_path, budget=budget) for _ in range(2)]  # both started before either writes
+    for seed, disk in enumerate(writers):
+        pool = KvPool(8192, cache_blocks=1000, disk=disk)
+        pool.start("a", ids(200 * B, 20 + seed))  # about 0.9 MiB of blocks each
+        pool.release("a")
+        assert disk.wait_for_writes(10) and disk.bytes_written > budget * 3 // 4
+    assert sum(p.stat().st_size for p in block_files(tmp_path / "model")) <= budget
+
+
 @pytest.mark.parametrize("removed", ["model folder", "cache folder"])
 def test_a_folder_removed_while_running_is_made_again(tmp_path, removed):
     root = tmp_path / "prefix-cache"

@@ -24,8 +24,9 @@ them, each atomically (a temporary file, fsynced, renamed into place), while the
 MIN_FREE_BYTES free; a folder removed while running is made again. Work past QUEUE_BYTES
 waiting is dropped rather than slowing the server (a dropped block is offered again on its next
 use). The folder's total stays under the budget (FERRUM_PREFIX_DISK_MB), least recently used
-files first, across every model's folder: a model that is gone stops being used and its blocks
-go first.
+files first, across every model's folder (a model that is gone stops being used and its blocks
+go first) and every process writing there: after each batch of writes the folder is listed
+again, and the budget holds for what is on disk.
 
 A file is checked against the model (dtype, shape, size) before anything is allocated for it:
 a damaged, truncated or foreign file is deleted and read as a miss, anything else odd (a folder
@@ -273,7 +274,12 @@ class PrefixDisk:
                     self.files[self.folder / f"{name}{SUFFIX}"] = written
                 else:
                     self.dropped_blocks += 1
-            if written:
+            drained = self.jobs.empty()
+            if drained:
+                # Other processes (a second server, the chat UI) write to the same folder: the
+                # budget holds for what is on disk, not for what this one wrote.
+                self._take_inventory()
+            if written or drained:
                 self._prune()
             self.jobs.task_done()
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import struct
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -277,12 +278,16 @@ def plant_other_shape(disk, digest):
     assert other._write(disk.path_of(digest).name.removesuffix(SUFFIX), np.ones(shape, np.float32))
 
 
-def rewrite(path, change_header):
-    """Rewrite a block file with its header (as a dict) changed in place."""
+def rewrite(path, change_header=None, change_data=None):
+    """Rewrite a block file: its header (as a dict) and data (as a bytearray) changed in place."""
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header, data = json.loads(raw[8 : 8 + length]), bytearray(raw[8 + length :])
-    change_header(header)
+    if change_header:
+        change_header(header)
+    if change_data:
+        change_data(data)
+        header["__metadata__"]["crc32"] = str(zlib.crc32(data))  # a CRC alone would not see the change
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(data))
@@ -292,6 +297,10 @@ def declare_huge_shape(header):
     """A header whose tensor would take 32 TiB (its offsets agree with it: the header is well formed)."""
     shape = [1 << 16, 2, 1 << 13, 32, 1 << 8]
     header["kv"]["shape"], header["kv"]["data_offsets"] = shape, [0, int(np.prod(shape, dtype=object)) * 4]
+
+
+def negate_first_value(data):
+    data[3] ^= 0x80  # the sign bit of the first float32 (little-endian)
 
 
 def test_a_block_of_another_shape_read_first_is_a_miss_and_changes_nothing(tmp_path):
@@ -314,7 +323,7 @@ def test_a_header_declaring_a_huge_shape_is_a_miss_and_the_file_goes(tmp_path):
     prompt = ids(40 * B, 13)
     pool, _ = serve(tmp_path, prompt)
     odd = pool.prefix.disk.path_of(chain_digests(prompt)[0])
-    rewrite(odd, declare_huge_shape)
+    rewrite(odd, change_header=declare_huge_shape)
     for _ in range(2):  # (a restart does not make it an error either)
         restarted = KvPool(8192, cache_blocks=1000, disk=open_disk(tmp_path))
         assert restarted.start("a", prompt).tokens == 0  # the first block read after a start
@@ -361,34 +370,74 @@ def test_a_folder_removed_while_running_is_made_again(tmp_path, removed):
     assert len(block_files(root / "model")) == 40
 
 
+# -- integrity: a block is its model's and holds what was written ---------------------
+
+
+def test_a_block_changed_with_its_crc_recomputed_is_a_miss(tmp_path):
+    prompt = ids(40 * B, 17)
+    pool, _ = serve(tmp_path, prompt)
+    changed = pool.prefix.disk.path_of(chain_digests(prompt)[5])
+    rewrite(changed, change_data=negate_first_value)
+    restarted = KvPool(8192, cache_blocks=1000, disk=open_disk(tmp_path))
+    assert restarted.start("a", prompt).tokens == 5 * B  # (start checks every reused row)
+    assert not changed.exists()
+
+
+def test_a_block_is_keyed_by_its_models_weights(tmp_path):
+    """Another model's blocks copied into this model's folder, each under the name this model
+    would give it, are refused: a block's name and header tie it to the weights that computed it."""
+    prompt = ids(40 * B, 18)
+    pool, _ = serve(tmp_path, prompt)
+    other = open_disk(tmp_path, key="other")
+    for digest in chain_digests(prompt):
+        shutil.copyfile(pool.prefix.disk.path_of(digest), other.path_of(digest))
+    found = KvPool(8192, cache_blocks=1000, disk=open_disk(tmp_path, key="other")).start("a", prompt)
+    assert (found.tokens, found.miss) == (0, MISS_OTHER_MODEL)
+
+
+def test_weights_replaced_by_a_file_of_the_same_size_and_time_are_another_model(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"1234")
+    key = model_key([weights], "float32", "torch-cpu", SHAPE)
+    replacement = tmp_path / "new.safetensors"
+    replacement.write_bytes(b"5678")  # another fine-tune of the same size, copied with its times kept
+    stat = weights.stat()
+    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(replacement, weights)
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    assert model_key([weights], "float32", "torch-cpu", SHAPE) != key
+
+
 # -- the same on both backends, with a real model ----------------------------------------
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_odd_files_are_misses_on_both_backends(tmp_path, monkeypatch, backend):
     """stories260K with its disk tier: after a restart, a block of another shape read first, a
-    header declaring a huge shape and a folder with a block's name are each a miss where they
-    lie; the blocks before them are used, and every answer is the one computed without the cache."""
+    header declaring a huge shape, a folder with a block's name and a block changed with its
+    CRC recomputed are each a miss where they lie; the blocks before them are used, and every
+    answer is the one computed without the cache."""
     if not STORIES.exists():
         pytest.skip("stories260K is not in the shared assets")
     monkeypatch.setenv("FERRUM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("FERRUM_PREFIX_DISK_MB", "64")
     model = ferrum_mac.open_model(STORIES, backend=backend)
-    prompts = [random_tokens(4 * B + 5, seed=30 + i, vocab=500) for i in range(3)]
+    prompts = [random_tokens(4 * B + 5, seed=30 + i, vocab=500) for i in range(4)]
     answers = []
     for i, prompt in enumerate(prompts):
         answers.append(greedy(model, f"p{i}", prompt, 6, reuse=True)[0])
         greedy(model, f"p{i}-again", prompt, 6, reuse=True)  # reused: written
     disk = model.kv.prefix.disk
-    assert disk.wait_for_writes(30) and len(block_files(disk.folder)) == 12
+    assert disk.wait_for_writes(30) and len(block_files(disk.folder)) == 16
     chains = [chain_digests(p) for p in prompts]
     plant_other_shape(disk, chains[0][0])
-    rewrite(disk.path_of(chains[1][2]), declare_huge_shape)
+    rewrite(disk.path_of(chains[1][2]), change_header=declare_huge_shape)
     disk.path_of(chains[2][1]).unlink()
     disk.path_of(chains[2][1]).mkdir()
+    rewrite(disk.path_of(chains[3][3]), change_data=negate_first_value)
 
     restarted = ferrum_mac.open_model(STORIES, backend=backend)
-    for i, (prompt, reused) in enumerate(zip(prompts, [0, 2 * B, 1 * B])):
+    for i, (prompt, reused) in enumerate(zip(prompts, [0, 2 * B, 1 * B, 3 * B])):
         answer, found = greedy(restarted, f"r{i}", prompt, 6, reuse=True)
         assert (found, answer) == (reused, answers[i])
-    assert restarted.state.prefix_stats().disk_tokens_loaded == 3 * B
+    assert restarted.state.prefix_stats().disk_tokens_loaded == 6 * B

@@ -1,19 +1,20 @@
 """The prefix cache's disk tier: full KV blocks kept across restarts (`PrefixDisk`).
 
-A block is stored once, under the name of its hash chain (`prefix_index.Node.digest`: every
-token id from position 0 to the block's end), in a folder of its model:
-`settings.prefix_cache_dir()/<model key>/<digest>.safetensors`. The model key hashes the
-checkpoint's files (path, size, mtime), the backend and its device, the compute dtype, the
-block's shape and FORMAT, so another model, dtype, backend or a changed file never matches (two
-backends may lay a head's rows out alike yet round differently; greedy output must not
-change with the cache).
+A block is stored once, in a folder of its model: `settings.prefix_cache_dir()/<model
+key>/<name>.safetensors`. The model key hashes the weights' identity (`weights_identity`), the
+backend and its device, the compute dtype, the block's shape and FORMAT, so another model,
+dtype, backend or a changed file never matches (two backends may lay a head's rows out alike
+yet round differently; greedy output must not change with the cache). A block's name hashes
+that key with its hash chain (`prefix_index.Node.digest`: every token id from position 0 to the
+block's end): the weights and the tokens that computed it (`block_name`).
 
 Why safetensors: a block is one array, `(layers, 2, kv_heads, block_tokens, head_dim)`, and
 safetensors is that and nothing else: a length, a JSON header naming the dtype (BF16 for
 bfloat16, which numpy holds as uint16 bits) and shape, then the raw bytes, read back with one
 `readinto` and no unpickling; `weights/safetensors.py` already checks such headers. The
-header's metadata adds FORMAT, the digest (a file renamed by hand is refused) and a CRC32 of
-the data (a file the disk damaged is refused; it costs about a millisecond per 5 MB).
+header's metadata adds FORMAT, the block's name (a file renamed or copied by hand is refused)
+and the sha256 of the data, checked on every read: a file the disk damaged or someone changed
+is refused (sha256 reads about 1.8 GB/s on one core of a recent CPU).
 
 What is written (`offer`), so the SSD is not worn: the blocks of a prefix that was reused, or
 of one at least LONG_PREFIX_TOKENS long (its prefill costs seconds on a CPU, so one sighting is
@@ -48,7 +49,6 @@ import struct
 import threading
 import time
 import weakref
-import zlib
 from collections import OrderedDict
 from pathlib import Path
 
@@ -60,7 +60,7 @@ from ferrum_mac.store.paths import inside
 from ferrum_mac.weights import Checkpoint
 from ferrum_mac.weights.safetensors import check_header
 
-FORMAT = "1"  # bump when what a block file holds changes
+FORMAT = "2"  # bump when what a block file holds changes
 LONG_PREFIX_TOKENS = 1024  # a remembered prefix this long is written without waiting for a reuse
 MIN_FREE_BYTES = 2 << 30  # never fill the disk past this
 QUEUE_BYTES = 64 << 20  # blocks waiting to be written at most; more is dropped (and a release reads no more)
@@ -109,16 +109,35 @@ def block_shape_of(num_layers: int, kv_heads: int, block_tokens: int, head_dim: 
 
 
 def model_key(files: list[Path], dtype: str, backend: str, block_shape: tuple[int, ...]) -> str | None:
-    """The name of a model's folder: its files (path, size, mtime), backend, dtype, block shape
-    and FORMAT hashed; None when there are no files to key it by."""
+    """The name of a model's folder: its weights' identity (`weights_identity`), backend, dtype,
+    block shape and FORMAT hashed; None when there are no files to key it by."""
+    identity = weights_identity(files)
+    if identity is None:
+        return None
+    text = json.dumps([FORMAT, backend, dtype, list(block_shape), identity])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def weights_identity(files: list[Path]) -> list | None:
+    """What tells one version of a model's files from another without reading gigabytes: each
+    file's path (a pulled file's is its content's sha256), size, modification and change times
+    and inode. The change time is the kernel's (no `touch` or copy sets it back), so a file
+    replaced by another of the same size and modification time is another model. None when
+    there are no files or one is unreadable."""
     if not files:
         return None
     try:
-        stats = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        stats = [(f, f.stat()) for f in files]
     except OSError:
         return None
-    text = json.dumps([FORMAT, backend, dtype, list(block_shape), stats])
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return [(str(f), s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino) for f, s in stats]
+
+
+def block_name(key: str, digest: str) -> str:
+    """The file name (without SUFFIX) of the block whose token chain is `digest`
+    (`prefix_index.Node.digest`) in the folder of the model `key`: both hashed, so a block is
+    keyed by the weights that computed it as well as by its tokens."""
+    return hashlib.sha256(f"{key}|{digest}".encode()).hexdigest()[:32]
 
 
 class PrefixDisk:
@@ -143,8 +162,8 @@ class PrefixDisk:
         self._make_folder()
         self.lock = threading.Lock()  # guards what the writer thread changes: files, present, counters
         self.files: OrderedDict[Path, int] = OrderedDict()  # every block file under root -> size, LRU first
-        self.present: set[str] = set()  # digests in this model's folder
-        self.queued: set[str] = set()  # digests waiting to be written
+        self.present: set[str] = set()  # block names (`block_name`) in this model's folder
+        self.queued: set[str] = set()  # block names waiting to be written
         self.waiting_bytes = 0
         self.bytes_written = self.bytes_read = self.dropped_blocks = 0
         self.jobs: queue.Queue = queue.Queue()
@@ -155,7 +174,7 @@ class PrefixDisk:
 
     def path_of(self, digest: str) -> Path:
         """The file of the block whose token chain is `digest`."""
-        return self.folder / f"{digest}{SUFFIX}"
+        return self.folder / f"{block_name(self.key, digest)}{SUFFIX}"
 
     # -- the pool's calls -------------------------------------------------------------
 
@@ -197,7 +216,7 @@ class PrefixDisk:
         if the prefix was `reused` or is long; their host copies are read here."""
         if not reused and len(nodes) * pool.block_tokens < LONG_PREFIX_TOKENS:
             return
-        named = [(node, node.digest) for node in nodes if node.digest]
+        named = [(node, block_name(self.key, node.digest)) for node in nodes if node.digest]
         with self.lock:
             wanted = [(node, name) for node, name in named if name not in self.present and name not in self.queued]
         while wanted:
@@ -222,7 +241,7 @@ class PrefixDisk:
             folders = [f for f in self.root.iterdir() if f.is_dir() and f != self.folder]
         except OSError:
             return False
-        return any((folder / f"{digest}{SUFFIX}").is_file() for folder in folders)
+        return any((folder / f"{block_name(folder.name, digest)}{SUFFIX}").is_file() for folder in folders)
 
     def wait_for_writes(self, timeout: float) -> bool:
         """Wait until the queued blocks are written (or dropped); False when `timeout` passed first."""
@@ -286,7 +305,7 @@ class PrefixDisk:
     def _write(self, name: str, block: np.ndarray) -> int:
         """Write one block's file atomically; its size, or 0 when the disk has no room."""
         data = block.data
-        header = _header(name, self.st_dtype, block.shape, block.nbytes, zlib.crc32(data))
+        header = _header(name, self.st_dtype, block.shape, block.nbytes, hashlib.sha256(data).hexdigest())
         size = 8 + len(header) + block.nbytes
         self._make_folder()  # (it may have been removed while running)
         if shutil.disk_usage(self.folder).free - size < self.min_free:
@@ -325,7 +344,7 @@ class PrefixDisk:
     def _read(self, path: Path, name: str) -> tuple[np.ndarray, int]:
         """The block in `path` and the file's size; ValueError unless the file is whole and is
         the block `name` of this model (its dtype and shape, checked before anything is
-        allocated: a header may declare any shape), its data undamaged (CRC32)."""
+        allocated: a header may declare any shape), its data what was written (sha256)."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
@@ -353,8 +372,8 @@ class PrefixDisk:
             array = np.empty(self.block_shape, self.np_dtype)
             if f.readinto(array.data.cast("B")) != array.nbytes:
                 raise ValueError("truncated")
-        if str(zlib.crc32(array.data)) != meta.get("crc32"):
-            raise ValueError("damaged")
+        if hashlib.sha256(array.data).hexdigest() != meta.get("sha256"):
+            raise ValueError("damaged or changed")
         return array, size
 
     # -- the folder -------------------------------------------------------------------
@@ -397,10 +416,10 @@ class PrefixDisk:
         return found
 
 
-def _header(name: str, st_dtype: str, shape: tuple, nbytes: int, crc: int) -> bytes:
+def _header(name: str, st_dtype: str, shape: tuple, nbytes: int, sha256: str) -> bytes:
     """A safetensors header for one tensor, padded with spaces to 8 bytes as the format suggests."""
     header = {
-        "__metadata__": {"format": FORMAT, "digest": name, "crc32": str(crc)},
+        "__metadata__": {"format": FORMAT, "digest": name, "sha256": sha256},
         TENSOR: {"dtype": st_dtype, "shape": list(shape), "data_offsets": [0, nbytes]},
     }
     text = json.dumps(header, separators=(",", ":")).encode()

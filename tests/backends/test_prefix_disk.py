@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 import time
 import zlib
 
@@ -181,6 +182,22 @@ def test_a_torn_file_is_a_miss_and_is_removed(tmp_path):
     found = pool.start("b", prompt)  # whatever came before the torn blocks is reused, bit-exact
     assert found.tokens < 40 * B
     check_counts(pool)
+
+
+def test_a_run_of_blocks_comes_back_in_order_up_to_the_first_missing_one(tmp_path):
+    prompt = ids(40 * B + 5, 19)
+    pool, _ = serve(tmp_path, prompt)
+    chains = chain_digests(prompt)
+    pool.prefix.disk.path_of(chains[25]).unlink()
+    disk = open_disk(tmp_path)
+    arrays = list(disk.load_run(chains))  # (read ahead on several threads)
+    assert len(arrays) == 25
+    assert all(np.array_equal(a, pool.computed(prompt[i * B : (i + 1) * B], i * B)) for i, a in enumerate(arrays))
+    run = disk.load_run(chains)
+    next(run), next(run)
+    run.close()  # a caller that stops early (memory is full) leaves no reading thread behind
+    assert not [t for t in threading.enumerate() if t.name.startswith("prefix-disk-read")]
+    assert list(disk.load_run([])) == []
 
 
 def test_a_dead_writers_temporary_files_are_swept_at_open(tmp_path):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -49,8 +50,10 @@ import struct
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Generator, Iterable
 
 import numpy as np
 
@@ -65,6 +68,7 @@ LONG_PREFIX_TOKENS = 1024  # a remembered prefix this long is written without wa
 MIN_FREE_BYTES = 2 << 30  # never fill the disk past this
 QUEUE_BYTES = 64 << 20  # blocks waiting to be written at most; more is dropped (and a release reads no more)
 READ_AT_ONCE = 16  # blocks copied to the host in one read (bounds one copy's memory)
+LOAD_THREADS = min(8, os.cpu_count() or 1)  # blocks read back and checked at once
 STALE_TEMP_SECONDS = 600  # a temporary file this old is a dead writer's even if its pid was reused
 WRITER_IDLE_SECONDS = 30.0  # the writer thread ends after this long without work (a model reloaded leaves none)
 EXIT_WAIT_SECONDS = 5.0  # at exit, how long the writes still queued may take
@@ -210,6 +214,29 @@ class PrefixDisk:
         except OSError:
             pass
         return array
+
+    def load_run(self, digests: Iterable[str]) -> Generator[np.ndarray, None, None]:
+        """The blocks of the token chains `digests`, in order, up to the first not on disk
+        (`load`). Past the first, they are read and checked a few at a time on LOAD_THREADS
+        threads (reading and hashing let go of the GIL), so a long prefix comes back at the
+        speed of several cores; a prompt with nothing on disk costs one look, as before."""
+        digests = iter(digests)
+        first = next(digests, None)
+        array = None if first is None else self.load(first)
+        if array is None:
+            return
+        yield array
+        workers = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="prefix-disk-read")
+        try:
+            ahead = deque(workers.submit(self.load, d) for d in itertools.islice(digests, 2 * LOAD_THREADS))
+            while ahead:
+                array = ahead.popleft().result()
+                if array is None:
+                    return
+                ahead.extend(workers.submit(self.load, d) for d in itertools.islice(digests, 1))
+                yield array
+        finally:  # (also when the caller stops early: what was read ahead is dropped)
+            workers.shutdown(wait=True, cancel_futures=True)
 
     def offer(self, pool, nodes: list, reused: bool) -> None:
         """Queue for writing the full blocks of `nodes` (a prefix's, in order) not on disk yet,

@@ -1,15 +1,21 @@
 """The prefix cache across restarts: a real `ferrum serve` on stories260K writes the blocks of a
 reused prompt to disk, and the next process answers the same request from them (the same
-greedy answer); a process killed while writing leaves nothing the next start trips on."""
+greedy answer); a process killed while writing, or odd files in the cache folder, leave
+nothing the next start trips on."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import httpx
@@ -148,4 +154,50 @@ def test_a_server_killed_while_writing_leaves_no_file_the_next_start_trips_on(ru
     assert answer == cold
     assert not torn.exists()  # read as a miss and deleted
     assert cached <= 32 * (len(files) - 1)  # the torn block was not used
+    second.stop()
+
+
+def make_odd(files: list[Path]) -> None:
+    """Every block file made one of the odd files a hostile trial left, in turn: a folder of its
+    name, a header declaring a 32 TiB tensor, and a whole, valid block of another shape (one
+    layer more; its checksums agree with its data)."""
+    for i, path in enumerate(files):
+        raw = path.read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        header, data = json.loads(raw[8 : 8 + length]), raw[8 + length :]
+        if i % 3 == 0:
+            path.unlink()
+            path.mkdir()
+            continue
+        entry, meta = header["kv"], header["__metadata__"]
+        itemsize = len(data) // math.prod(entry["shape"])
+        if i % 3 == 1:
+            entry["shape"] = [1 << 16, 2, 1 << 13, 32, 1 << 8]
+        else:
+            entry["shape"] = [entry["shape"][0] + 1, *entry["shape"][1:]]
+            data += data[: len(data) // (entry["shape"][0] - 1)]
+            meta["sha256"], meta["crc32"] = hashlib.sha256(data).hexdigest(), str(zlib.crc32(data))
+        entry["data_offsets"] = [0, math.prod(entry["shape"]) * itemsize]
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["mlx", "torch"])
+def test_odd_files_in_the_cache_folder_are_misses_over_http(run_server, tmp_path, backend):
+    """Whichever odd file a restarted server reads first, the request is answered as if nothing
+    were cached (no 500, no cache path in any answer), and so is the next."""
+    cache = tmp_path / "cache"
+    first = run_server(cache, backend)
+    cold, _ = first.ask()
+    first.ask()
+    make_odd(wait_for_files(cache))
+    first.stop()
+
+    second = run_server(cache, backend)
+    for _ in range(2):
+        response = httpx.post(second.url + CHAT, json=REQUEST, timeout=60)
+        assert response.status_code == 200 and str(cache) not in response.text, response.text
+        assert response.json()["choices"][0]["message"]["content"] == cold
     second.stop()

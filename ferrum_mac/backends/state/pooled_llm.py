@@ -26,7 +26,7 @@ import contextlib
 from typing import Any, Sequence
 
 from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS, BlockPool
-from ferrum_mac.backends.state.prefix_disk import PrefixDisk, for_checkpoint
+from ferrum_mac.backends.state.prefix_disk import PrefixDisk, block_shape_of, for_checkpoint
 from ferrum_mac.errors import UnsupportedError, UnsupportedModelError
 from ferrum_mac.llm import (
     KV_MEMORY_SHARE,
@@ -113,11 +113,11 @@ class PooledLLM(DecoderOnlyLLM):
     def _prefix_disk(self, checkpoint, backend: str, options) -> PrefixDisk | None:
         """The disk tier of this model's prefix cache, as `options` (the backend's) size it; None: none.
         Keyed by what the KV capacity picks of the rope schedule too (LongRoPE's factors)."""
+        c = self._config
         variant = context_variant(checkpoint.config, self._capacity)
         backend = f"{backend}-{variant}" if variant else backend
-        return for_checkpoint(
-            checkpoint, self._config.dtype, backend, BLOCK_TOKENS, options.prefix_dir, options.prefix_disk_mb
-        )
+        shape = block_shape_of(c.num_layers, c.num_kv_heads, BLOCK_TOKENS, c.head_dim)
+        return for_checkpoint(checkpoint, c.dtype, backend, shape, options.prefix_dir, options.prefix_disk_mb)
 
     # -- the contract ---------------------------------------------------------------
 

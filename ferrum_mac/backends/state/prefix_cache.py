@@ -190,10 +190,8 @@ class PrefixCache:
             return
         pool, B = self.pool, self.pool.block_tokens
         loaded: list[tuple[int, object]] = []  # (block, its keys and values): written together, fewer device calls
-        for digest in list(self.index.digests_after(match.nodes, tokens, limit)):
-            array = self.disk.load(digest)
-            if array is None:
-                break
+        arrays = self.disk.load_run(list(self.index.digests_after(match.nodes, tokens, limit)))
+        for array in arrays:
             try:
                 block = pool._take_block()  # the index's reference
             except FerrumError:
@@ -218,6 +216,7 @@ class PrefixCache:
             match.nodes.append(node)
             self.stats.disk_tokens_loaded += B
             match.miss = None
+        arrays.close()  # (the blocks read ahead of a stop are dropped now)
         self._write_loaded(loaded)
         if match.miss == MISS_NO_PREFIX and not match.nodes:
             first = next(self.index.digests_after([], tokens, limit), None)

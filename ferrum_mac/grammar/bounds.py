@@ -45,33 +45,44 @@ _SKIPPED = ("not", "if", "propertyNames")  # narrowing inside would widen the sc
 _COMBINED = ("anyOf", "oneOf", "allOf")
 
 
-def bounded(schema: Any) -> Any:
+def bounded(schema: Any, merged: bool = False) -> Any:
     """`schema` (a subschema; its references point at definitions bounded the same way) with
     every number, untyped value and format string bounded. A copy; `schema` is not changed.
-    The result refers to SHARED_DEFS, which the document must hold."""
+    The result refers to SHARED_DEFS, which the document must hold. `merged`: a branch of an
+    `allOf`, whose open members and items are bounded once, on the `allOf`'s own schema (the
+    engine merges each branch's reference to the any-value at great cost)."""
     if schema is True:
-        return {"$ref": JSON_REF}
+        return schema if merged else {"$ref": JSON_REF}
     if not isinstance(schema, dict) or "enum" in schema or "const" in schema:
         return schema
-    out = with_subschemas(schema, lambda sub, key: sub if key in _SKIPPED else bounded(sub))
+    out = with_subschemas(schema, lambda sub, key: sub if key in _SKIPPED else bounded(sub, key == "allOf"))
     plain = set(out) <= ANNOTATIONS | {"type"}
     kinds = types_of(out)
     if plain and kinds is None:
-        return {"$ref": JSON_REF}
+        return out if merged else {"$ref": JSON_REF}
     if plain and kinds in (frozenset({"number"}), frozenset({"integer"})):
         return {"$ref": NUMBER_REF if "number" in kinds else INTEGER_REF}
     if plain and kinds and len(kinds) > 1 and kinds & {"number", "integer"}:
-        return {"anyOf": [bounded({"type": kind}) for kind in out["type"] if kind in kinds]}
-    if "$ref" in out or (kinds is None and any(out.get(k) for k in _COMBINED)):
-        return out  # its target, or each of its branches, is bounded
+        return {"anyOf": [bounded({"type": kind}, merged) for kind in out["type"] if kind in kinds]}
+    if "$ref" in out:
+        return out  # its target is bounded
+    if out.get("allOf"):
+        return _bound_members(out, kinds)  # its branches bound its numbers and strings
+    if kinds is None and any(out.get(k) for k in _COMBINED):
+        return out  # each of its branches is bounded
     _bound_numbers(out, kinds)
-    if kinds is None or "object" in kinds:
-        out.setdefault("additionalProperties", {"$ref": JSON_REF})
-    if (kinds is None or "array" in kinds) and not isinstance(out.get("items"), list):
-        out.setdefault("items", {"$ref": JSON_REF})
     if (kinds is None or "string" in kinds) and "format" in out:
         out.setdefault("maxLength", FORMAT_MAX_LENGTH)
-    return out
+    return out if merged else _bound_members(out, kinds)
+
+
+def _bound_members(schema: dict, kinds: frozenset[str] | None) -> dict:
+    """`schema` with its unnamed object members and array items any capped value."""
+    if kinds is None or "object" in kinds:
+        schema.setdefault("additionalProperties", {"$ref": JSON_REF})
+    if (kinds is None or "array" in kinds) and not isinstance(schema.get("items"), list):
+        schema.setdefault("items", {"$ref": JSON_REF})
+    return schema
 
 
 def _bound_numbers(schema: dict, kinds: frozenset[str] | None) -> None:

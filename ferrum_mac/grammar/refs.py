@@ -119,6 +119,18 @@ def refs_in(node: Any) -> set[str]:
     return found
 
 
+def reachable(root: Any, defs: dict[str, Any]) -> list[str]:
+    """The definitions `root` refers to, directly or through others, in `defs`' order."""
+    seen: set[str] = set()
+    todo = sorted(refs_in(root) & defs.keys())
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(refs_in(defs[name]) & defs.keys())
+    return [name for name in defs if name in seen]
+
+
 def retarget(node: Any, names: dict[str, str | None]) -> Any:
     """`node` with its references to `names` pointed at their new names (None: `false`)."""
     if not isinstance(node, dict):

@@ -18,7 +18,7 @@ import llguidance
 
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar.bounds import RESERVED, SHARED_DEFS, bounded, strict
-from ferrum_mac.grammar.refs import RefError, hoist, unroll
+from ferrum_mac.grammar.refs import RefError, hoist, reachable, unroll
 
 # Compact JSON with a space after ',' and ':' (how models write it), and no free whitespace:
 # flexible whitespace lets a small model pad its output with newlines until it runs out of tokens.
@@ -162,6 +162,7 @@ def _document(root: Any, defs: dict, taken: set[str]) -> dict:
         root = {"not": {}}  # `false`: nothing is valid (a bounded `true` is a reference)
     table = {name: bounded(d) for name, d in defs.items()}
     table.update(SHARED_DEFS)
+    table = {name: table[name] for name in reachable(root, table)}  # the engine compiles every definition
     return {**root, "$defs": unroll(table, taken=taken)}
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -19,9 +18,11 @@ import llguidance
 import numpy as np
 
 from ferrum_mac.grammar.schema import GrammarError, grammar_error, one_line
+from ferrum_mac.grammar.lru import SizedLru
 from ferrum_mac.grammar.tokens import GrammarVocab
 
 CACHED_GRAMMARS = 64  # per vocabulary; a compiled grammar holds its lexer (up to megabytes)
+CACHED_BYTES = 64 * 2**20  # of grammar text, per vocabulary
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,7 +55,7 @@ def compile_grammar(grammar: str, vocab: GrammarVocab, what: str = "the grammar"
     if found is not None:
         STATS.cached += 1
         if isinstance(found, GrammarError):
-            raise found
+            raise found.with_traceback(None)
         return found
     start = time.perf_counter()
     matcher = llguidance.LLMatcher(vocab.engine_tokenizer, grammar, log_level=0)
@@ -62,45 +63,23 @@ def compile_grammar(grammar: str, vocab: GrammarVocab, what: str = "the grammar"
     if matcher.is_error():
         STATS.failed += 1
         error = grammar_error(matcher.get_error(), what)
-        cache.put(grammar, error)
+        cache.put(grammar, error, len(grammar))
         raise error
     STATS.compiled += 1
     compiled = Grammar(grammar, vocab, matcher)
-    cache.put(grammar, compiled)
+    cache.put(grammar, compiled, len(grammar))
     return compiled
 
 
-class _Compiled:
-    """The grammars (or errors) one vocabulary compiled last, by text."""
-
-    def __init__(self, size: int):
-        self._entries: OrderedDict[str, Grammar | GrammarError] = OrderedDict()
-        self._size = size
-        self._lock = threading.Lock()  # the server compiles on worker threads
-
-    def get(self, text: str) -> Grammar | GrammarError | None:
-        with self._lock:
-            found = self._entries.get(text)
-            if found is not None:
-                self._entries.move_to_end(text)
-            return found
-
-    def put(self, text: str, value: Grammar | GrammarError) -> None:
-        with self._lock:
-            self._entries[text] = value
-            while len(self._entries) > self._size:
-                self._entries.popitem(last=False)
+_caches: "weakref.WeakKeyDictionary[GrammarVocab, SizedLru]" = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()  # the server compiles on worker threads
 
 
-_caches: "weakref.WeakKeyDictionary[GrammarVocab, _Compiled]" = weakref.WeakKeyDictionary()
-_caches_lock = threading.Lock()
-
-
-def _cache_of(vocab: GrammarVocab) -> _Compiled:
+def _cache_of(vocab: GrammarVocab) -> SizedLru:
     with _caches_lock:
         cache = _caches.get(vocab)
         if cache is None:
-            cache = _caches[vocab] = _Compiled(CACHED_GRAMMARS)
+            cache = _caches[vocab] = SizedLru(CACHED_GRAMMARS, CACHED_BYTES)
         return cache
 
 

@@ -17,12 +17,13 @@ import os
 import signal
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from ferrum_mac.grammar.guard_worker import CPU_EXIT, MEMORY_EXIT
+from ferrum_mac.grammar.lru import SizedLru
 from ferrum_mac.grammar.schema import GrammarError, grammar_error
 
 WORKER_SOURCE = Path(__file__).with_name("guard_worker.py")
@@ -63,6 +64,7 @@ class _TooComplex:
 
 
 Verdict = str | _TooComplex | None  # the engine's error, a bound passed, or None: it compiles
+_COMPILES = ""  # how a verdict of None is kept (the cache's None means "not checked")
 
 
 class GrammarGuard:
@@ -71,7 +73,7 @@ class GrammarGuard:
     def __init__(self, limits: GuardLimits = GuardLimits()):
         self.limits = limits
         self.stats = GuardStats()
-        self._verdicts: OrderedDict[str, Verdict] = OrderedDict()
+        self._verdicts = SizedLru(KEPT_VERDICTS, 16 * 2**20)
         self._idle: list[_Worker] = []
         self._slots: asyncio.Semaphore | None = None
         self._ending: set[asyncio.Task] = set()  # waits for killed children, so none is left unreaped
@@ -81,17 +83,17 @@ class GrammarGuard:
         compiles); `SchemaTooComplex` for one past the bounds. Checking stops at the first error
         (the rest are None). Cancelled (its client left), its child is killed."""
         texts = [text for text, _ in grammars]
-        if any(text not in self._verdicts for text in texts):
+        if any(self._verdicts.get(text) is None for text in texts):
             if self._slots is None:
                 self._slots = asyncio.Semaphore(self.limits.workers)
             async with self._slots:
-                await self._run([text for text in dict.fromkeys(texts) if text not in self._verdicts])
+                await self._run([text for text in dict.fromkeys(texts) if self._verdicts.get(text) is None])
         else:
             self.stats.checks["cached"] += len(texts)
         errors: list[GrammarError | None] = [None] * len(grammars)
         for i, (text, what) in enumerate(grammars):
             verdict = self._verdicts.get(text)
-            if verdict is not None:
+            if verdict is not None and verdict != _COMPILES:
                 errors[i] = self._error(verdict, what)
                 break
         return errors
@@ -153,10 +155,8 @@ class GrammarGuard:
         task.add_done_callback(self._ending.discard)
 
     def _keep(self, text: str, verdict: Verdict) -> None:
-        self._verdicts[text] = verdict
-        self._verdicts.move_to_end(text)
-        while len(self._verdicts) > KEPT_VERDICTS:
-            self._verdicts.popitem(last=False)
+        kept = _COMPILES if verdict is None else verdict
+        self._verdicts.put(text, kept, 64 + len(kept if isinstance(kept, str) else kept.reason))
 
     def _error(self, verdict: Verdict, what: str) -> GrammarError:
         if isinstance(verdict, _TooComplex):

@@ -9,7 +9,6 @@ compiling it against a vocabulary is `engine.compile_grammar`'s (cached by text)
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from typing import Any, Mapping, Sequence
@@ -17,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import llguidance
 
 from ferrum_mac.errors import FerrumError
+from ferrum_mac.grammar.lru import SizedLru
 from ferrum_mac.grammar.bounds import RESERVED, SHARED_DEFS, bounded, strict
 from ferrum_mac.grammar.refs import RefError, hoist, reachable, unroll
 
@@ -30,7 +30,8 @@ NO_ARGUMENTS: dict = {"type": "object", "properties": {}, "additionalProperties"
 # model asked for JSON takes it every time (as it would end a free answer at once). A schema is
 # left as its author wrote it.
 JSON_MODE_OBJECT: dict = {"type": "object", "minProperties": 1}
-_CACHED = 512  # schemas whose grammar text is kept
+# Grammar texts by what they were made from: agents send the same schemas every step.
+_TEXTS = SizedLru(max_entries=512, max_bytes=64 * 2**20)
 
 
 class GrammarError(FerrumError):
@@ -56,22 +57,27 @@ def json_schema_grammar(schema: Any, what: str = "the JSON schema", strict: bool
 def schema_grammar(schema: Any, what: str = "the JSON schema", strict: bool = False) -> str:
     """The grammar of JSON text valid against `schema`, not yet checked; `strict`: objects take
     only the members they name (OpenAI's strict mode)."""
-    if isinstance(schema, (dict, list)):
-        return _schema_grammar(json.dumps(schema), what, strict)
-    return _schema_grammar(schema if isinstance(schema, str) else json.dumps(schema), what, strict)
+    schema_json = schema if isinstance(schema, str) else json.dumps(schema)
+
+    def make() -> str:
+        taken = set(RESERVED)
+        root, defs = _hoisted(_schema_object(schema_json, what), what, strict, "", taken)
+        return _grammar(_document(root, defs, taken))
+
+    return _cached(f"schema\0{what}\0{strict}\0{schema_json}", make)
 
 
-@functools.lru_cache(maxsize=_CACHED)
-def _schema_grammar(schema_json: str, what: str, strict: bool) -> str:
-    taken = set(RESERVED)
-    root, defs = _hoisted(_schema_object(schema_json, what), what, strict, "", taken)
-    return _grammar(_document(root, defs, taken))
-
-
-@functools.lru_cache(maxsize=1)
 def json_object_grammar() -> str:
     """Any JSON object with at least one member: `response_format` `{"type": "json_object"}`."""
-    return _grammar(_document(JSON_MODE_OBJECT, {}, set(RESERVED)))
+    return _cached("json_object", lambda: _grammar(_document(JSON_MODE_OBJECT, {}, set(RESERVED))))
+
+
+def _cached(key: str, make) -> str:
+    text = _TEXTS.get(key)
+    if text is None:
+        text = make()
+        _TEXTS.put(key, text, len(key) + len(text))
+    return text
 
 
 def tool_call_grammar(tools: Sequence[Mapping[str, Any]]) -> str:
@@ -88,12 +94,8 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]]) -> str:
 
 def call_grammar(tools: Sequence[Mapping[str, Any]]) -> str:
     """`tool_call_grammar`, not yet checked (the compile, or `guard`, says what is wrong)."""
-    return _call_grammar(json.dumps(list(tools)))
-
-
-@functools.lru_cache(maxsize=_CACHED)
-def _call_grammar(tools_json: str) -> str:
-    return _grammar(call_document(json.loads(tools_json)))
+    tools_json = json.dumps(list(tools))
+    return _cached(f"call\0{tools_json}", lambda: _grammar(call_document(json.loads(tools_json))))
 
 
 def tool_calls_grammar(
@@ -103,19 +105,19 @@ def tool_calls_grammar(
     any number of further calls each after `between`, then `tail`. E.g. Hermes after a prompt
     that opened the first call: head "", between "\n</tool_call>\n<tool_call>\n"; each call's
     arguments validate against its tool's parameters. Not checked: the compile says what is wrong."""
-    return _tool_calls_grammar(json.dumps(list(tools)), head, between, tail)
+    tools_json = json.dumps(list(tools))
 
+    def make() -> str:
+        call = f"%json {json.dumps({**call_document(json.loads(tools_json)), 'x-guidance': JSON_OPTIONS})}"
+        parts = [json.dumps(head)] if head else []
+        parts.append("call")
+        if between is not None:
+            parts.append(f"({json.dumps(between)} call)*")
+        if tail:
+            parts.append(json.dumps(tail))
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {' '.join(parts)}\ncall: {call}")
 
-@functools.lru_cache(maxsize=_CACHED)
-def _tool_calls_grammar(tools_json: str, head: str, between: str | None, tail: str) -> str:
-    call = f"%json {json.dumps({**call_document(json.loads(tools_json)), 'x-guidance': JSON_OPTIONS})}"
-    parts = [json.dumps(head)] if head else []
-    parts.append("call")
-    if between is not None:
-        parts.append(f"({json.dumps(between)} call)*")
-    if tail:
-        parts.append(json.dumps(tail))
-    return llguidance.LLMatcher.grammar_from_lark(f"start: {' '.join(parts)}\ncall: {call}")
+    return _cached(json.dumps(["calls", tools_json, head, between, tail]), make)
 
 
 def call_document(tools: Sequence[Mapping[str, Any]]) -> dict:

@@ -216,3 +216,16 @@ def test_caps_stay_cheap_on_many_number_fields(smollm2_vocab):
     compile_grammar(json_schema_grammar(schema), smollm2_vocab)
     plain = {f"n{i}": {"type": "number", "description": f"field {i}"} for i in range(400)}
     compile_grammar(json_schema_grammar({"type": "object", "properties": plain}), smollm2_vocab)
+
+
+def test_the_caches_hold_sizes_not_counts():
+    from ferrum_mac.grammar.lru import SizedLru
+
+    cache = SizedLru(max_entries=10, max_bytes=100)
+    cache.put("a", "A", 60)
+    cache.put("b", "B", 30)
+    assert cache.get("a") == "A"  # now the most recent
+    cache.put("c", "C", 30)  # 120 bytes: the oldest ("b") goes
+    assert (cache.get("a"), cache.get("b"), cache.get("c")) == ("A", None, "C")
+    cache.put("huge", "H", 101)
+    assert cache.get("huge") is None and len(cache) == 2

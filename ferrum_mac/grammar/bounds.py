@@ -112,14 +112,18 @@ def _bound(schema: dict, inclusive: str, exclusive: str) -> float | None:
     return None
 
 
-def strict(schema: Any) -> Any:
+def strict(schema: Any, merged: bool = False) -> Any:
     """`schema` as OpenAI's strict mode reads it: every object without `additionalProperties`
-    takes no members but those it names."""
+    takes no members but those it names. An `allOf` is left open: its branches name their
+    members together, and a bound on one would refuse the others' (OpenAI's strict mode takes
+    no `allOf`). `merged`: within an `allOf`."""
     if not isinstance(schema, dict):
         return schema
-    out = with_subschemas(schema, lambda sub, key: strict(sub))
+    out = with_subschemas(schema, lambda sub, key: strict(sub, merged or key == "allOf"))
     kinds = types_of(out)
     names_members = any(k in out for k in ("properties", "patternProperties", "required"))
+    if merged or "allOf" in out:
+        return out
     if (kinds is not None and "object" in kinds) or (kinds is None and names_members):
         out.setdefault("additionalProperties", False)
     return out

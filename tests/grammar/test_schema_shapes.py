@@ -229,3 +229,15 @@ def test_the_caches_hold_sizes_not_counts():
     assert (cache.get("a"), cache.get("b"), cache.get("c")) == ("A", None, "C")
     cache.put("huge", "H", 101)
     assert cache.get("huge") is None and len(cache) == 2
+
+
+def test_strict_leaves_an_allof_satisfiable(smollm2_vocab, smollm2_tokenizer):
+    # each branch closed would refuse the other's member ('a' is unsatisfiable)
+    schema = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"properties": {"b": {"type": "boolean"}}, "required": ["b"]},
+        ]
+    }
+    grammar = json_schema_grammar(schema, strict=True)
+    assert accepts(grammar, smollm2_vocab, smollm2_tokenizer, '{"a": 1, "b": true}')

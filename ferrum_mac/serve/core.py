@@ -260,7 +260,7 @@ class Server:
         """Check the grammars `call` needs within the guard's bounds, before the server compiles
         them (a 400 for one it cannot take or that is too complex); `ClientGone`, its check
         stopped, as soon as the client has gone."""
-        checks = Prompting.grammar_checks(call)
+        checks = await run_in_threadpool(Prompting.grammar_checks, call)  # a big schema takes a while to read
         if not checks:
             return
         work = self.grammar_guard.check([(c.text, c.what) for c in checks])

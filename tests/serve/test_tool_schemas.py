@@ -136,3 +136,20 @@ def test_json_object_with_a_schema_honours_it(smollm2_server):
     response = post(smollm2_server, CHAT, {"messages": ASK, "response_format": fmt, "max_tokens": 40})
     assert response.status_code == 200, response.text
     jsonschema.validate(json.loads(response.json()["choices"][0]["message"]["content"]), schema)
+
+
+def test_a_format_string_and_an_untyped_value_end_valid(smollm2_server):
+    # an email's local part, or an untyped value's digits, once grew until max_tokens
+    schema = {
+        "type": "object",
+        "properties": {"email": {"type": "string", "format": "email"}, "extra": {}},
+        "required": ["email", "extra"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "contact", "schema": schema}}
+    ask = [{"role": "user", "content": "Give me a contact as JSON."}]
+    for seed in range(2):
+        body = {"messages": ask, "response_format": fmt, "max_tokens": 400, "seed": seed, "temperature": 1.0}
+        choice = post(smollm2_server, CHAT, body).json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)

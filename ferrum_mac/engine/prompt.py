@@ -69,8 +69,13 @@ class AnswerGrammar:
         self.tools = tools
         self.for_calls = tools is not None and (bool(tools.forced) or response_format is None)
         self.grammar: Grammar | None = None
-        if response_format is not None and not self.for_calls:
+        if response_format is not None and self.keeps_format(response_format, tools):
             self.grammar = constraints.compile(response_format)
+
+    @staticmethod
+    def keeps_format(response_format: "ResponseFormat", tools: "ToolRequest | None") -> bool:
+        """Whether `response_format` holds beside `tools` (a required call's grammar wins)."""
+        return tools is None or not tools.forced
 
     def matcher(self, prompt: str | None, start: AnswerStart) -> GrammarMatcher | None:
         """One answer's grammar state; `prompt`: the rendered chat prompt (None: a completion,

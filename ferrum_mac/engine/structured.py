@@ -26,9 +26,8 @@ from ferrum_mac.grammar import (
     GrammarVocab,
     compile_grammar,
     json_object_grammar,
-    json_schema_grammar,
 )
-from ferrum_mac.grammar.schema import tool_calls_grammar
+from ferrum_mac.grammar.schema import check_grammar, schema_grammar, tool_calls_grammar
 from ferrum_mac.text import Tokenizer
 from ferrum_mac.text.tool_calls import ToolFormat
 
@@ -40,9 +39,11 @@ THINK_CLOSE = "</think>"
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """The answer must be JSON: any object when `schema` is None, else valid against `schema`."""
+    """The answer must be JSON: any object when `schema` is None, else valid against `schema`
+    (`strict`: its objects take only the members they name, as in OpenAI's strict mode)."""
 
     schema: Any = None  # a JSON schema (a dict, or its JSON text)
+    strict: bool = False
 
     @classmethod
     def parse(cls, value: "ResponseFormat | str | dict | None") -> "ResponseFormat | None":
@@ -58,15 +59,16 @@ class ResponseFormat:
         raise GrammarError(f"unknown response format {str(value)[:80]!r}; use 'text', 'json' or a JSON schema")
 
     def grammar_text(self) -> str:
-        """The grammar; a schema the engine cannot compile raises `GrammarError` naming why."""
-        return json_object_grammar() if self.schema is None else json_schema_grammar(self.schema)
+        """The grammar, not yet checked (compiling it says what is wrong); a schema that is not
+        JSON, or whose `$ref` points nowhere, raises `GrammarError` at once."""
+        return json_object_grammar() if self.schema is None else schema_grammar(self.schema, strict=self.strict)
 
     def as_openai(self) -> dict:
         """The OpenAI API's `response_format` for this (what a remote engine sends)."""
         if self.schema is None:
             return {"type": "json_object"}
         schema = json.loads(self.schema) if isinstance(self.schema, (str, bytes)) else self.schema
-        return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+        return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": self.strict}}
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ResponseFormat":
@@ -82,7 +84,9 @@ class ResponseFormat:
         if not isinstance(schema, dict):
             raise GrammarError(f"the schema file {path} must hold a JSON object (a JSON schema)")
         fmt = cls(schema)
-        fmt.grammar_text()  # an unsupported keyword is an error now, not at the first answer
+        check_grammar(
+            fmt.grammar_text(), "the JSON schema"
+        )  # an unsupported keyword is an error now, not at the first answer
         return fmt
 
     def describe(self) -> str:
@@ -110,7 +114,7 @@ class Constraints:
 
     def compile(self, fmt: ResponseFormat) -> Grammar:
         """`fmt` checked against this model's vocabulary (`GrammarError` when it cannot be)."""
-        return compile_grammar(fmt.grammar_text(), self.vocab)
+        return compile_grammar(fmt.grammar_text(), self.vocab, "the JSON schema")
 
     def matcher(self, grammar: Grammar, prompt_text: str | None) -> GrammarMatcher:
         """A matcher for one answer to the prompt `prompt_text` (None: the grammar starts at once)."""
@@ -137,7 +141,8 @@ class Constraints:
         opened = prefilled or not tools.forced or fmt.closer is None
         many = tools.parallel and tools.choice in ("auto", "required")
         head, between, tail = fmt.calls_markup(opened, many)
-        grammar = compile_grammar(tool_calls_grammar(tools.forced or tools.functions, head, between, tail), self.vocab)
+        calls = tool_calls_grammar(tools.forced or tools.functions, head, between, tail)
+        grammar = compile_grammar(calls, self.vocab, "the tool call")
         if not tools.forced:
             return GrammarMatcher(grammar, self.tokenizer.encode(fmt.opener, add_special_tokens=False))
         return self.matcher(grammar, None if opened else prompt_text)

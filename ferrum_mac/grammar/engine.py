@@ -1,31 +1,86 @@
-"""A compiled grammar and the per-sequence matcher that turns it into each step's token bitmask."""
+"""A compiled grammar and the per-sequence matcher that turns it into each step's token bitmask.
+
+Compiling a grammar against a vocabulary is the costly part (milliseconds for a small schema,
+seconds for a big one): `compile_grammar` keeps the last grammars each vocabulary compiled (and
+the errors of those it could not), so a schema sent again, as agents resend their tools every
+step, costs nothing. Each answer's matcher is a copy of the compiled grammar at its start.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import llguidance
 import numpy as np
 
-from ferrum_mac.grammar.schema import GrammarError
+from ferrum_mac.grammar.schema import GrammarError, grammar_error, one_line
+from ferrum_mac.grammar.lru import SizedLru
 from ferrum_mac.grammar.tokens import GrammarVocab
 
+CACHED_GRAMMARS = 64  # per vocabulary; a compiled grammar holds its lexer (up to megabytes)
+CACHED_BYTES = 64 * 2**20  # of grammar text, per vocabulary
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)
 class Grammar:
-    """A grammar checked against one model's vocabulary; matchers for many sequences share it."""
+    """A grammar compiled against one model's vocabulary; matchers for many sequences copy it."""
 
     text: str
     vocab: GrammarVocab
+    compiled: llguidance.LLMatcher = field(repr=False)  # at the grammar's start; never advanced
 
 
-def compile_grammar(grammar: str, vocab: GrammarVocab) -> Grammar:
-    """Check `grammar` (from `schema`) against `vocab`; a grammar the engine rejects is a `GrammarError`."""
+@dataclass
+class CompileStats:
+    """What compiling grammars in this process has cost: for `/metrics`."""
+
+    compiled: int = 0
+    cached: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+
+
+STATS = CompileStats()
+
+
+def compile_grammar(grammar: str, vocab: GrammarVocab, what: str = "the grammar") -> Grammar:
+    """`grammar` (from `schema`) compiled against `vocab`, or the one compiled before; a grammar
+    the engine rejects is a `GrammarError` naming `what`."""
+    cache = _cache_of(vocab)
+    found = cache.get(grammar)
+    if found is not None:
+        STATS.cached += 1
+        if isinstance(found, GrammarError):
+            raise found.with_traceback(None)
+        return found
+    start = time.perf_counter()
     matcher = llguidance.LLMatcher(vocab.engine_tokenizer, grammar, log_level=0)
+    STATS.seconds += time.perf_counter() - start
     if matcher.is_error():
-        raise GrammarError(f"the grammar cannot be compiled: {_first_line(matcher.get_error())}")
-    return Grammar(grammar, vocab)
+        STATS.failed += 1
+        error = grammar_error(matcher.get_error(), what)
+        cache.put(grammar, error, len(grammar))
+        raise error
+    STATS.compiled += 1
+    compiled = Grammar(grammar, vocab, matcher)
+    cache.put(grammar, compiled, len(grammar))
+    return compiled
+
+
+_caches: "weakref.WeakKeyDictionary[GrammarVocab, SizedLru]" = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()  # the server compiles on worker threads
+
+
+def _cache_of(vocab: GrammarVocab) -> SizedLru:
+    with _caches_lock:
+        cache = _caches.get(vocab)
+        if cache is None:
+            cache = _caches[vocab] = SizedLru(CACHED_GRAMMARS, CACHED_BYTES)
+        return cache
 
 
 class GrammarMatcher:
@@ -38,9 +93,7 @@ class GrammarMatcher:
 
     def __init__(self, grammar: Grammar, start_after: Sequence[int] = ()):
         self.vocab = grammar.vocab
-        self._matcher = llguidance.LLMatcher(self.vocab.engine_tokenizer, grammar.text, log_level=0)
-        if self._matcher.is_error():
-            raise GrammarError(f"the grammar cannot be compiled: {_first_line(self._matcher.get_error())}")
+        self._matcher = grammar.compiled.deep_copy()
         self._start_after = tuple(start_after)
         self._seen: list[int] = []  # recent tokens while waiting for `start_after`
         self._started = not self._start_after
@@ -68,7 +121,7 @@ class GrammarMatcher:
             self._started = tuple(self._seen) == self._start_after
             return
         if not self._matcher.consume_token(token_id):
-            raise GrammarError(f"token {token_id} does not fit the grammar: {_first_line(self._matcher.get_error())}")
+            raise GrammarError(f"token {token_id} does not fit the grammar: {one_line(self._matcher.get_error())}")
 
     def is_finished(self) -> bool:
         """Whether the grammar is complete and EOS has been accepted (or nothing else could follow)."""
@@ -81,13 +134,7 @@ class GrammarMatcher:
     def rollback(self, count: int) -> None:
         """Take back the last `count` accepted tokens of the grammar (not of a `start_after` prefix)."""
         if count and not self._matcher.rollback(count):
-            raise GrammarError(f"cannot roll a grammar back {count} tokens: {_first_line(self._matcher.get_error())}")
-
-
-def _first_line(error: str) -> str:
-    """The engine's error without the parser state it dumps after it."""
-    lines = [line for line in error.splitlines() if line.strip().startswith("Error:")]
-    return " ".join((lines[0] if lines else error).split())[:300]
+            raise GrammarError(f"cannot roll a grammar back {count} tokens: {one_line(self._matcher.get_error())}")
 
 
 _executor: llguidance.LLExecutor | None = None

@@ -1,4 +1,11 @@
-"""JSON schemas, `json_object` and tool-call shapes as grammars, with errors that name what is unsupported."""
+"""JSON schemas, `json_object` and tool-call shapes as grammars, with errors that name what is unsupported.
+
+A schema becomes a grammar in three steps: its references are hoisted into one table of
+definitions (`refs.hoist`; a tool's parameters keep resolving inside the call's wrapper),
+everything it lets a model write is bounded (`bounds`), and each cycle of references is
+unrolled to a bounded depth (`refs.unroll`). Making the text is cheap and cached by schema;
+compiling it against a vocabulary is `engine.compile_grammar`'s (cached by text).
+"""
 
 from __future__ import annotations
 
@@ -9,22 +16,22 @@ from typing import Any, Mapping, Sequence
 import llguidance
 
 from ferrum_mac.errors import FerrumError
+from ferrum_mac.grammar.lru import SizedLru
+from ferrum_mac.grammar.bounds import RESERVED, SHARED_DEFS, bounded, strict
+from ferrum_mac.grammar.refs import RefError, hoist, reachable, unroll
 
 # Compact JSON with a space after ',' and ':' (how models write it), and no free whitespace:
 # flexible whitespace lets a small model pad its output with newlines until it runs out of tokens.
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
-
-# A number without bounds lets a small model write digits until its tokens run out ("0.3333..."),
-# so the grammar caps every number it writes at 20 significant digits: integers at 18 digits (the
-# engine's integer ranges are 64-bit), other numbers at 14 before the point and 6 after. Only the
-# grammar is narrowed: whatever it allows still validates against the schema as given.
-INTEGER_LIMIT = 10**18 - 1
-NUMBER_LIMIT = 10**14 - 1
-NUMBER_STEP = 1e-6
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
-_SUBSCHEMAS = ("additionalProperties", "items", "contains", "propertyNames", "unevaluatedProperties")
+# What a function without `parameters` takes: no arguments (OpenAI's reading).
+NO_ARGUMENTS: dict = {"type": "object", "properties": {}, "additionalProperties": False}
+# JSON mode's answer holds at least one member: `{}` is valid JSON that says nothing, and a small
+# model asked for JSON takes it every time (as it would end a free answer at once). A schema is
+# left as its author wrote it.
+JSON_MODE_OBJECT: dict = {"type": "object", "minProperties": 1}
+# Grammar texts by what they were made from: agents send the same schemas every step.
+_TEXTS = SizedLru(max_entries=512, max_bytes=64 * 2**20)
 
 
 class GrammarError(FerrumError):
@@ -39,90 +46,56 @@ class UnsupportedSchemaError(GrammarError):
         self.keywords = tuple(keywords)
 
 
-def json_schema_grammar(schema: Any, what: str = "the JSON schema") -> str:
-    """The grammar of JSON text valid against `schema` (a dict or its JSON text)."""
-    schema = bounded_numbers(_schema_object(schema, what))
-    # as text: llguidance cannot take a dict holding an integer past 64 bits
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+def json_schema_grammar(schema: Any, what: str = "the JSON schema", strict: bool = False) -> str:
+    """The grammar of JSON text valid against `schema` (a dict or its JSON text), checked here
+    (`schema_grammar` leaves that to the compile)."""
+    grammar = schema_grammar(schema, what, strict)
     check_grammar(grammar, what)
     return grammar
 
 
-# Any JSON value, spelled out so that its numbers get the digit caps too.
-ANY_JSON: dict = {
-    "anyOf": [
-        {"type": ["null", "boolean", "integer", "number", "string"]},
-        {"type": "array", "items": {"$ref": "#/$defs/json"}},
-        {"type": "object", "additionalProperties": {"$ref": "#/$defs/json"}},
-    ]
-}
+def schema_grammar(schema: Any, what: str = "the JSON schema", strict: bool = False) -> str:
+    """The grammar of JSON text valid against `schema`, not yet checked; `strict`: objects take
+    only the members they name (OpenAI's strict mode)."""
+    schema_json = schema if isinstance(schema, str) else json.dumps(schema)
 
+    def make() -> str:
+        taken = set(RESERVED)
+        root, defs = _hoisted(_schema_object(schema_json, what), what, strict, "", taken)
+        return _grammar(_document(root, defs, taken))
 
-ANY_OBJECT: dict = {"type": "object", "additionalProperties": {"$ref": "#/$defs/json"}}
-
-# JSON mode's answer holds at least one member: `{}` is valid JSON that says nothing, and a small
-# model asked for JSON takes it every time (as it would end a free answer at once). A schema is
-# left as its author wrote it.
-JSON_MODE_OBJECT: dict = {**ANY_OBJECT, "minProperties": 1}
+    return _cached(f"schema\0{what}\0{strict}\0{schema_json}", make)
 
 
 def json_object_grammar() -> str:
     """Any JSON object with at least one member: `response_format` `{"type": "json_object"}`."""
-    return json_schema_grammar({**JSON_MODE_OBJECT, "$defs": {"json": ANY_JSON}}, "json_object")
+    return _cached("json_object", lambda: _grammar(_document(JSON_MODE_OBJECT, {}, set(RESERVED))))
 
 
-def bounded_numbers(schema: Any) -> Any:
-    """`schema` with every number and integer it allows capped in digits (see INTEGER_LIMIT):
-    a missing bound is added, and numbers without `multipleOf` take NUMBER_STEP. `not` is left
-    alone (narrowing inside it would widen the schema). A copy; `schema` is not changed."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    kinds = out.get("type")
-    kinds = {k for k in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(k, str)}  # a client's schema
-    if "number" in kinds:
-        _cap(out, NUMBER_LIMIT)
-        out.setdefault("multipleOf", NUMBER_STEP)
-    elif "integer" in kinds:
-        _cap(out, INTEGER_LIMIT)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: bounded_numbers(sub) for name, sub in out[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [bounded_numbers(sub) for sub in out[key]]
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = bounded_numbers(out[key])
-    return out
-
-
-def _cap(schema: dict, limit: int) -> None:
-    """Add the bounds `schema` lacks, unless the one it has lies past `limit` (then the cap
-    would leave nothing)."""
-    low = _bound(schema, "minimum", "exclusiveMinimum")
-    high = _bound(schema, "maximum", "exclusiveMaximum")
-    if low is None and (high is None or high >= -limit):
-        schema["minimum"] = -limit
-    if high is None and (low is None or low <= limit):
-        schema["maximum"] = limit
-
-
-def _bound(schema: dict, inclusive: str, exclusive: str) -> float | None:
-    for key in (inclusive, exclusive):
-        value = schema.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return value
-    return None
+def _cached(key: str, make) -> str:
+    text = _TEXTS.get(key)
+    if text is None:
+        text = make()
+        _TEXTS.put(key, text, len(key) + len(text))
+    return text
 
 
 def tool_call_grammar(tools: Sequence[Mapping[str, Any]]) -> str:
-    """One call of one of `tools`: `{"name": <its name>, "arguments": <its parameters schema>}`.
+    """One call of one of `tools`: `{"name": <its name>, "arguments": <its parameters schema>}`,
+    checked here.
 
-    Each tool is `{"name": ..., "parameters": {...}}` (OpenAI's `function` object); a tool
-    without parameters takes any object.
+    Each tool is `{"name": ..., "parameters": {...}}` (OpenAI's `function` object, `strict`
+    honoured); a tool without parameters takes none (`{}`).
     """
-    return json_schema_grammar(_call_schema(tools), "the tool call")
+    grammar = call_grammar(tools)
+    check_grammar(grammar, "the tool call")
+    return grammar
+
+
+def call_grammar(tools: Sequence[Mapping[str, Any]]) -> str:
+    """`tool_call_grammar`, not yet checked (the compile, or `guard`, says what is wrong)."""
+    tools_json = json.dumps(list(tools))
+    return _cached(f"call\0{tools_json}", lambda: _grammar(call_document(json.loads(tools_json))))
 
 
 def tool_calls_grammar(
@@ -131,57 +104,93 @@ def tool_calls_grammar(
     """Calls of `tools` in a family's markup: `head`, one call, then, when `between` is given,
     any number of further calls each after `between`, then `tail`. E.g. Hermes after a prompt
     that opened the first call: head "", between "\n</tool_call>\n<tool_call>\n"; each call's
-    arguments validate against its tool's parameters."""
-    schema = _call_schema(tools)
-    json_schema_grammar(schema, "the tool call")  # a schema the engine cannot take is named here
-    call = f"%json {json.dumps({**bounded_numbers(schema), 'x-guidance': JSON_OPTIONS})}"
-    parts = [json.dumps(head)] if head else []
-    parts.append("call")
-    if between is not None:
-        parts.append(f"({json.dumps(between)} call)*")
-    if tail:
-        parts.append(json.dumps(tail))
-    grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {' '.join(parts)}\ncall: {call}")
-    check_grammar(grammar, "the tool call")
-    return grammar
+    arguments validate against its tool's parameters. Not checked: the compile says what is wrong."""
+    tools_json = json.dumps(list(tools))
+
+    def make() -> str:
+        call = f"%json {json.dumps({**call_document(json.loads(tools_json)), 'x-guidance': JSON_OPTIONS})}"
+        parts = [json.dumps(head)] if head else []
+        parts.append("call")
+        if between is not None:
+            parts.append(f"({json.dumps(between)} call)*")
+        if tail:
+            parts.append(json.dumps(tail))
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {' '.join(parts)}\ncall: {call}")
+
+    return _cached(json.dumps(["calls", tools_json, head, between, tail]), make)
 
 
-def _call_schema(tools: Sequence[Mapping[str, Any]]) -> dict:
+def call_document(tools: Sequence[Mapping[str, Any]]) -> dict:
+    """The JSON schema of one call of one of `tools`, each tool's definitions hoisted into its
+    own part of the document's `$defs` (so its `$ref`s resolve inside the wrapper)."""
     if not tools:
         raise GrammarError("a tool call needs at least one tool; pass the tools the model may call")
-    shapes = []
+    taken = set(RESERVED)
+    shapes, defs = [], {}
     for tool in tools:
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise GrammarError("every tool needs a non-empty string 'name'")
-        parameters = _schema_object(tool.get("parameters") or ANY_OBJECT, f"the parameters of tool {name!r}")
+        what = f"the parameters of tool {name!r}"
+        parameters = tool.get("parameters")
+        parameters = NO_ARGUMENTS if parameters in (None, {}) else _schema_object(parameters, what)
+        root, own = _hoisted(parameters, what, tool.get("strict") is True, f"{name}_", taken)
+        defs.update(own)
         shapes.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": parameters},
+                "properties": {"name": {"const": name}, "arguments": root},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
         )
-    schema = shapes[0] if len(shapes) == 1 else {"anyOf": shapes}
-    return {**schema, "$defs": {"json": ANY_JSON}}
+    return _document(shapes[0] if len(shapes) == 1 else {"anyOf": shapes}, defs, taken)
+
+
+def _hoisted(schema: Any, what: str, strictly: bool, prefix: str, taken: set[str]) -> tuple[Any, dict]:
+    try:
+        root, defs = hoist(schema, prefix, taken)
+    except RefError as e:
+        raise GrammarError(f"{what} cannot be compiled: {e}") from None
+    if strictly:
+        root, defs = strict(root), {name: strict(d) for name, d in defs.items()}
+    return root, defs
+
+
+def _document(root: Any, defs: dict, taken: set[str]) -> dict:
+    """`root` with `defs` as its `$defs`, everything bounded and recursion unrolled."""
+    root = bounded(root)
+    if not isinstance(root, dict):
+        root = {"not": {}}  # `false`: nothing is valid (a bounded `true` is a reference)
+    table = {name: bounded(d) for name, d in defs.items()}
+    table.update(SHARED_DEFS)
+    table = {name: table[name] for name in reachable(root, table)}  # the engine compiles every definition
+    return {**root, "$defs": unroll(table, taken=taken)}
+
+
+def _grammar(document: dict) -> str:
+    # as text: llguidance cannot take a dict holding an integer past 64 bits
+    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(document), overrides=JSON_OPTIONS)
 
 
 def check_grammar(grammar: str, what: str) -> None:
     """Raise a `GrammarError` naming the problem when the engine cannot compile `grammar`."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if not is_error:
-        return
-    message = messages[0] if messages else "the grammar engine rejected it"
+    if is_error:
+        raise grammar_error(messages[0] if messages else "the grammar engine rejected it", what)
+
+
+def grammar_error(message: str, what: str) -> GrammarError:
+    """The engine's `message` about `what` as an error that names what to change."""
     found = _UNIMPLEMENTED.search(message)
     if found:
         keywords = [k.strip().strip('"') for k in found.group(1).split(",") if k.strip()]
         names = ", ".join(f"'{k}'" for k in keywords)
-        raise UnsupportedSchemaError(
+        return UnsupportedSchemaError(
             f"{what} uses {names}, which constrained decoding does not support; remove or rewrite that keyword",
             keywords,
         )
-    raise GrammarError(f"{what} cannot be compiled: {_one_line(message)}")
+    return GrammarError(f"{what} cannot be compiled: {one_line(message)}")
 
 
 def _schema_object(schema: Any, what: str) -> dict:
@@ -197,5 +206,7 @@ def _schema_object(schema: Any, what: str) -> dict:
     return schema
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())[:300]
+def one_line(text: str) -> str:
+    """The engine's message without the parser state it dumps after it."""
+    lines = [line for line in text.splitlines() if line.strip().startswith("Error:")]
+    return " ".join((lines[0] if lines else text).split())[:300]

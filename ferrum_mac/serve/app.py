@@ -11,6 +11,7 @@ rendering and tokenizing run on worker threads, so one big prompt never stalls t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ferrum_mac.grammar.guard import GuardLimits
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve import protocols
 from ferrum_mac.serve.api_errors import error_response, error_shapes
@@ -44,12 +46,14 @@ def build_app(
     allow_origins: tuple[str, ...] = (),
     loopback_only: bool = False,
     responses: ResponseStore | None = None,
+    grammar_limits: GuardLimits = GuardLimits(),
 ) -> Starlette:
     """The ASGI app; `allow_origins`: web origins besides loopback ones that may call it;
     `loopback_only` (a server bound to loopback): refuse requests whose Host names another machine.
     `models`: the registry of the models it serves, or the scheduler of its one model (`model_name`);
-    `responses`: where /v1/responses keeps responses (None: in memory, for this app's life)."""
-    server = Server(models, model_name, max_body)
+    `responses`: where /v1/responses keeps responses (None: in memory, for this app's life);
+    `grammar_limits`: what checking one request's schemas may cost."""
+    server = Server(models, model_name, max_body, grammar_limits)
     middleware = [Middleware(OriginCheck, allowed=allow_origins)]
     if loopback_only:
         middleware.insert(0, Middleware(HostCheck, allowed=loopback_host_names(allow_origins)))
@@ -60,7 +64,25 @@ def build_app(
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, middleware=middleware, exception_handlers=ERROR_HANDLERS)
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers=ERROR_HANDLERS,
+        lifespan=_closing(server),
+    )
+
+
+def _closing(server: Server):
+    """The app's lifespan: the server's grammar checkers end with it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            await server.grammar_guard.close()
+
+    return lifespan
 
 
 # -- errors, in the shape of the route's protocol ---------------------------------------------

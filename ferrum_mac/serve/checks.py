@@ -22,7 +22,8 @@ from ferrum_mac.engine import SEED_LIMIT, SamplingParams
 from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.grammar import GrammarError, UnsupportedSchemaError, json_schema_grammar
+from ferrum_mac.grammar import GrammarError
+from ferrum_mac.grammar.schema import call_grammar
 from ferrum_mac.serve.api_errors import ApiError
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -106,9 +107,10 @@ def options(body: dict, defaults: SamplingParams, vocab_size: int, template_name
 
 
 def response_format(body: dict) -> ResponseFormat | None:
-    """`response_format` as the engine's: `text` (None), `json_object`, or `json_schema`
-    `{"name", "schema", "strict"}`; anything else a 400. Whether the schema compiles is
-    checked against the model's vocabulary later (`GrammarError`, also a 400)."""
+    """`response_format` as the engine's: `text` (None), `json_object` (with a `schema`, as
+    several servers take it, that schema), or `json_schema` `{"name", "schema", "strict"}`;
+    anything else a 400. Whether the schema compiles is checked against the model's vocabulary
+    later (`GrammarError`, also a 400)."""
     fmt = body.get("response_format")
     if fmt is None:
         return None
@@ -116,7 +118,7 @@ def response_format(body: dict) -> ResponseFormat | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return ResponseFormat()
+        return ResponseFormat(_schema(fmt, "response_format.schema"))
     if kind != "json_schema":
         raise ApiError(
             400,
@@ -131,11 +133,15 @@ def response_format(body: dict) -> ResponseFormat | None:
             400, "response_format.json_schema must be an object with 'name' and 'schema'", param="response_format"
         )
     _typed(spec, "name", str)
-    _typed(spec, "strict", bool)
-    schema = spec.get("schema")
+    strict = _typed(spec, "strict", bool)
+    return ResponseFormat(_schema(spec, "response_format.json_schema.schema"), strict is True)
+
+
+def _schema(holder: dict, name: str) -> dict | None:
+    schema = holder.get("schema")
     if schema is not None and not isinstance(schema, dict):
-        raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object", param="response_format")
-    return ResponseFormat(schema)
+        raise ApiError(400, f"{name} must be a JSON schema object", param="response_format")
+    return schema
 
 
 def _sampling(body: dict, defaults: SamplingParams, vocab_size: int) -> SamplingParams:
@@ -255,20 +261,22 @@ def _function(tool, i: int) -> dict:
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise ApiError(400, f"{param}.function.description must be a string", param=param, code="invalid_type")
-    parameters = function.get("parameters")
-    if parameters is not None:
-        _check_parameters(parameters, name, f"{param}.function.parameters")
-    return {k: v for k, v in function.items() if k in ("name", "description", "parameters", "strict") and v is not None}
+    function = {
+        k: v for k, v in function.items() if k in ("name", "description", "parameters", "strict") and v is not None
+    }
+    if function.get("parameters") is not None:
+        _check_parameters(function["parameters"], function, f"{param}.function.parameters")
+    return function
 
 
-def _check_parameters(parameters, name: str, param: str) -> None:
-    """A parameters schema constrained decoding can enforce: a JSON schema of an object."""
+def _check_parameters(parameters, function: dict, param: str) -> None:
+    """A parameters schema constrained decoding can take: a JSON schema of an object whose
+    references resolve. Whether the engine compiles it is checked before the answer starts
+    (`serve.core`, bounded in time and memory)."""
     if not isinstance(parameters, dict):
         raise ApiError(400, f"{param} must be a JSON schema object", param=param, code="invalid_type")
     try:
-        json_schema_grammar(parameters, f"the parameters of tool '{name}'")  # also checks it is a valid schema
-    except UnsupportedSchemaError as e:
-        raise ApiError(400, str(e), param=param, code="unsupported_schema") from None
+        call_grammar([function])
     except GrammarError as e:
         raise ApiError(400, str(e), param=param, code="invalid_schema") from None
 

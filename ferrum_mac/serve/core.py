@@ -22,6 +22,7 @@ from ferrum_mac.engine import CallSplitter, Done, LocalEngine, ReasoningDelta, T
 from ferrum_mac.engine.prompt import AnswerStart
 from ferrum_mac.errors import FerrumError, KvCapacityError
 from ferrum_mac.grammar import GrammarMatcher
+from ferrum_mac.grammar.guard import GrammarGuard, GuardLimits
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.batching.models import FOREVER, LoadedModel, Models, served_name
 from ferrum_mac.serve.batching.request import Failed, GenerationRequest, RequestHandle
@@ -29,8 +30,8 @@ from ferrum_mac.serve.batching.scheduler import Scheduler
 from ferrum_mac.serve.body import MAX_BODY, read_json_body
 from ferrum_mac.serve.call import ChatCall, Limits, call_from_openai
 from ferrum_mac.serve.events import AnswerEvent, Finished, ToolCallDelta, calls_of
-from ferrum_mac.serve.metrics import prometheus_text
-from ferrum_mac.serve.prompting import Prompting
+from ferrum_mac.serve.metrics import grammar_lines, prometheus_text
+from ferrum_mac.serve.prompting import Prompting, format_error
 from ferrum_mac.text.tool_calls import ToolCall
 
 DISCONNECT_POLL_S = 0.1
@@ -137,12 +138,19 @@ class Server:
     """The core every API module drives: a call in, an `Answer` out, on the model it names
     (`models`; a bare scheduler is a server of that one model, whatever name a request gives)."""
 
-    def __init__(self, models: Models | Scheduler, model_name: str | None = None, max_body: int = MAX_BODY):
+    def __init__(
+        self,
+        models: Models | Scheduler,
+        model_name: str | None = None,
+        max_body: int = MAX_BODY,
+        grammar_limits: GuardLimits = GuardLimits(),
+    ):
         if isinstance(models, Scheduler):
             models = Models(LoadedModel(model_name or served_name(models.engine.name), models, 0, FOREVER))
         self.models = models
         self.model_name = models.default_name
         self.max_body = max_body
+        self.grammar_guard = GrammarGuard(grammar_limits)
 
     # -- the default model (the one `ferrum serve MODEL` names) -------------------------------
 
@@ -219,6 +227,7 @@ class Server:
 
     async def _start(self, http: Request | None, call: ChatCall, model: LoadedModel, done: "Once") -> Answer:
         prompting = self.prompting_of(model)
+        await self.check_grammars(http, call)
         prepared = await run_in_threadpool(prompting.prepare, call)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -246,6 +255,19 @@ class Server:
         fmt = prompting.engine.template.tool_format if tools is not None else None
         calls = CallSplitter(fmt, tools is None or tools.parallel, prepared.start.call_prefix, stream_arguments=True)
         return Answer(http, handle, queue, model.name, len(prepared.ids), calls, done)
+
+    async def check_grammars(self, http: Request | None, call: ChatCall) -> None:
+        """Check the grammars `call` needs within the guard's bounds, before the server compiles
+        them (a 400 for one it cannot take or that is too complex); `ClientGone`, its check
+        stopped, as soon as the client has gone."""
+        checks = await run_in_threadpool(Prompting.grammar_checks, call)  # a big schema takes a while to read
+        if not checks:
+            return
+        work = self.grammar_guard.check([(c.text, c.what) for c in checks])
+        errors = await (work if http is None else unless_disconnected(http, work))
+        for check, error in zip(checks, errors):
+            if error is not None:
+                raise format_error(error, check.param)
 
     async def count_tokens(self, call: ChatCall) -> int:
         """How many tokens the call's prompt is, as `start` would render it."""
@@ -290,7 +312,8 @@ class Server:
         model = self.models.get_loaded(None)
         stats = model.stats if model is not None else self.models.last_stats[self.model_name]
         up = model is None or model.scheduler.alive
-        return PlainTextResponse(prometheus_text(stats, up=up), media_type="text/plain; version=0.0.4")
+        text = prometheus_text(stats, up=up) + grammar_lines(self.grammar_guard.stats)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 class Once:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ferrum_mac.grammar import engine as grammar_engine
+from ferrum_mac.grammar.guard import GuardStats
 from ferrum_mac.llm import PrefixStats
 from ferrum_mac.serve.batching.scheduler import SchedulerStats
 
@@ -84,6 +86,39 @@ def prefix_cache_lines(p: PrefixStats) -> list[str]:
         ),
     ]
     return lines
+
+
+def grammar_lines(checks: GuardStats) -> str:
+    """What compiling grammars has cost: the bounded checks of new ones (`grammar.guard`), and
+    the compiles in this process (each grammar once per model while it stays cached)."""
+    compiles = grammar_engine.STATS
+    lines = [
+        "# HELP ferrum_grammar_checks_total Grammars checked before compiling, by outcome.",
+        "# TYPE ferrum_grammar_checks_total counter",
+    ]
+    lines += [f'ferrum_grammar_checks_total{{outcome="{outcome}"}} {n}' for outcome, n in sorted(checks.checks.items())]
+    lines += [
+        *metric(
+            "ferrum_grammar_check_seconds_total",
+            "counter",
+            "Seconds spent checking grammars.",
+            round(checks.seconds, 6),
+        ),
+        *metric("ferrum_grammar_compiles_total", "counter", "Grammars compiled for a model.", compiles.compiled),
+        *metric(
+            "ferrum_grammar_compile_cache_hits_total",
+            "counter",
+            "Grammars a model had compiled already.",
+            compiles.cached,
+        ),
+        *metric(
+            "ferrum_grammar_compile_seconds_total",
+            "counter",
+            "Seconds spent compiling grammars for models.",
+            round(compiles.seconds, 6),
+        ),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def metric(name: str, kind: str, help_text: str, value) -> list[str]:

@@ -13,6 +13,8 @@ from ferrum_mac.engine import LocalEngine, ResponseFormat
 from ferrum_mac.engine.prompt import AnswerGrammar, AnswerStart, with_call_opener
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import GrammarError, GrammarMatcher, UnsupportedSchemaError
+from ferrum_mac.grammar.guard import SchemaTooComplex
+from ferrum_mac.grammar.schema import call_grammar
 from ferrum_mac.llm import room_advice
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.call import ChatCall, Limits
@@ -47,6 +49,27 @@ class Prompting:
         text, ids = self.chat_prompt(call.messages, call.options.template_kwargs, tools)
         start = AnswerStart.of(text, tools, self.engine.template.tool_format)
         return Prepared(ids, self.answer_matcher(call.options.response_format, tools, text, start), start)
+
+    @staticmethod
+    def grammar_checks(call: ChatCall) -> list["GrammarCheck"]:
+        """The grammars `prepare` will compile for `call` (each tool's call shape, the response
+        format when it holds), to be checked first within bounds (`grammar.guard`)."""
+        checks = []
+        tools = call.tools
+        for i, function in enumerate(tools.functions if tools is not None else ()):
+            param = f"tools[{i}].function.parameters"
+            try:
+                text = call_grammar([function])
+            except GrammarError as e:
+                raise api.ApiError(400, str(e), param=param, code="invalid_schema") from None
+            checks.append(GrammarCheck(text, f"the parameters of tool '{function['name']}'", param))
+        fmt = call.options.response_format
+        if fmt is not None and AnswerGrammar.keeps_format(fmt, tools):
+            try:
+                checks.append(GrammarCheck(fmt.grammar_text(), "the JSON schema", "response_format"))
+            except GrammarError as e:
+                raise format_error(e) from None
+        return checks
 
     def count_tokens(self, call: ChatCall) -> int:
         if call.messages is None:
@@ -117,6 +140,14 @@ class Prompting:
         return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+class GrammarCheck(NamedTuple):
+    """A grammar a call needs: its text, what it is (for the error) and the field it came from."""
+
+    text: str
+    what: str
+    param: str
+
+
 class Prepared(NamedTuple):
     """A call made ready for the scheduler."""
 
@@ -125,7 +156,10 @@ class Prepared(NamedTuple):
     start: AnswerStart = AnswerStart()  # what the answer starts inside (a <think>, a call's opener)
 
 
-def format_error(e: GrammarError) -> api.ApiError:
-    """A `response_format` the model's grammar cannot take, as a 400."""
-    code = "unsupported_schema" if isinstance(e, UnsupportedSchemaError) else "invalid_schema"
-    return api.ApiError(400, str(e), param="response_format", code=code)
+def format_error(e: GrammarError, param: str = "response_format") -> api.ApiError:
+    """A schema the model's grammar cannot take, as a 400 naming the field it came from."""
+    if isinstance(e, SchemaTooComplex):
+        code = "schema_too_complex"
+    else:
+        code = "unsupported_schema" if isinstance(e, UnsupportedSchemaError) else "invalid_schema"
+    return api.ApiError(400, str(e), param=param, code=code)

@@ -11,7 +11,8 @@ import pytest
 
 from grammar_walks import random_walk
 from ferrum_mac.grammar import GrammarError, GrammarMatcher, compile_grammar, json_object_grammar, json_schema_grammar
-from ferrum_mac.grammar.schema import bounded_numbers, tool_calls_grammar
+from ferrum_mac.grammar.bounds import bounded as bounded_numbers
+from ferrum_mac.grammar.schema import tool_calls_grammar
 from ferrum_mac.text.tool_calls import FORMATS, HERMES, parse_tool_calls
 
 UNBOUNDED = {

@@ -93,7 +93,7 @@ class Answer:
                     yield event
                     return
                 elif isinstance(event, Done):
-                    for piece in streamed(self.calls.finish()):
+                    for piece in streamed(self.calls.finish(event.stop_reason)):
                         yield piece
                     yield Finished.of(event, bool(self.calls.calls))
                     return
@@ -238,6 +238,7 @@ class Server:
             raw=call.messages is None,
             ignore_eos=options.ignore_eos,
             matcher=prepared.matcher,
+            call_tokens=prepared.call_tokens,
             emit=emit,
             speculate=call.speculate,
         )

@@ -14,7 +14,7 @@ from serve_support import API_KEY, CHAT, LiveServer, open_models, open_stories
 from ferrum_mac.engine import Done, ReasoningDelta, TextDelta
 from ferrum_mac.serve.protocols import anthropic as anthropic_api
 from ferrum_mac.serve import checks as api
-from ferrum_mac.serve.events import ToolCallDelta
+from ferrum_mac.serve.events import Finished, ToolCallDelta
 from ferrum_mac.text.tool_calls import ToolCall
 
 MESSAGES = "/v1/messages"
@@ -240,7 +240,7 @@ def test_stream_events_open_one_block_per_kind_in_order():
         ToolCallDelta(0, "call_a", "get_weather", '{"city": '),
         ToolCallDelta(0, None, None, '"Paris"}'),
         ToolCallDelta(1, "call_b", "get_weather", '{"city": "Rome"}'),
-        DONE,
+        Finished.of(DONE, called=True),  # the core's last event says whether the answer called
     )
 
     async def collect():

@@ -24,10 +24,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ferrum_mac.engine import CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, ReasoningDelta, TextDelta
+from ferrum_mac.engine import CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, ReasoningDelta, TextDelta, with_calls
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.api_errors import error_shapes
-from ferrum_mac.serve.events import ToolCallDelta
+from ferrum_mac.serve.events import TOOL_CALLS, ToolCallDelta, finish_of
 from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.text.tool_calls import ToolCall
 
@@ -346,8 +346,10 @@ def tool_use_id(call_id: str | None) -> str:
     return "toolu_" + (call_id or uuid.uuid4().hex[:24]).removeprefix("call_")
 
 
-def stop_reason(done: Done, called: bool) -> str:
-    if called:
+def stop_reason(done: Done, called: bool = False) -> str:
+    """`tool_use` when the answer ended by itself holding whole calls (`called`, or as the core's
+    `Finished` says); one cut short is `max_tokens`, whatever calls it holds."""
+    if finish_of(done) == TOOL_CALLS or with_calls(done.stop_reason, called) == TOOL_CALLS:
         return "tool_use"
     return STOP_REASONS.get(done.stop_reason, "end_turn")
 
@@ -401,7 +403,6 @@ class StreamBlocks:
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None  # "thinking", "text" or "tool_use:<call index>"
-        self.called = False
 
     def text(self, kind: str, piece: str) -> list[str]:
         """Events for more text of `kind` ("thinking" or "text")."""
@@ -414,7 +415,6 @@ class StreamBlocks:
         return out
 
     def call(self, delta: ToolCallDelta) -> list[str]:
-        self.called = True
         out = self._switch(f"tool_use:{delta.index}", {**tool_use_block(delta.id, delta.name, ""), "input": {}})
         if delta.arguments:
             piece = {"type": "input_json_delta", "partial_json": delta.arguments}
@@ -479,7 +479,7 @@ async def sse_events(events: AsyncIterator, message_id: str, model: str, prompt_
             for piece in blocks.close():
                 yield piece
             delta = {
-                "stop_reason": stop_reason(event, blocks.called),
+                "stop_reason": stop_reason(event),
                 "stop_sequence": event.stop_string if event.stop_reason == STOP_STRING else None,
             }
             yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(event)})

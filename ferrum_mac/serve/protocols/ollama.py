@@ -354,19 +354,12 @@ def final_fields(done, total_s: float, load_s: float = 0.0) -> dict:
 
 def done_reason(done) -> str:
     """Ollama says "length" for a cut answer and "stop" for the rest, tool calls included."""
-    finish = getattr(done, "finish", None) or finish_of(done)
-    return "length" if finish == "length" else "stop"
+    return "length" if finish_of(done) == "length" else "stop"
 
 
 def ollama_call(call, index: int) -> dict:
-    """A whole call as Ollama sends it: `arguments` an object, not JSON text."""
-    try:
-        arguments = json.loads(call.arguments) if call.arguments else {}
-    except ValueError:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        arguments = {}
-    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": arguments}}
+    """A whole call (`calls_of` makes no other) as Ollama sends it: `arguments` an object, not JSON text."""
+    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": json.loads(call.arguments)}}
 
 
 class OllamaAnswer:

@@ -73,6 +73,11 @@ class Answer:
         self.prompt_tokens = prompt_tokens
         self.calls = calls
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache: final once the first event has come."""
+        return self.handle.cached_tokens
+
     def cancel(self) -> None:
         """Stop generating after the current step and free the sequence (a no-op once done)."""
         self.handle.cancel()

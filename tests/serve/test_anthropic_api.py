@@ -409,6 +409,21 @@ def test_a_resent_prompt_is_read_from_the_prefix_cache(claude):
     assert second.input_tokens + second.cache_read_input_tokens == first.input_tokens + first.cache_read_input_tokens
 
 
+def test_a_streamed_answer_counts_its_input_alike_in_message_start_and_message_delta(server):
+    """Both events say input_tokens = the uncached input and cache_read_input_tokens = the part
+    the prefix cache gave (message_start counted the whole prompt as input, with no cache field)."""
+    system = "You are a storyteller for children who like dragons. " * 8
+    body = {"model": MODEL, "max_tokens": 2, "system": system, "messages": STORY, "temperature": 0, "stream": True}
+    headers = {"x-api-key": "unused", "anthropic-version": "2023-06-01"}
+    for _ in range(2):  # the second is read from the prefix cache
+        response = httpx.post(server.url + MESSAGES, json=body, headers=headers, timeout=60)
+        events = dict(_parse_sse(response.text))
+        start, delta = events["message_start"]["message"]["usage"], events["message_delta"]["usage"]
+        inputs = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        assert {k: start[k] for k in inputs} == {k: delta[k] for k in inputs}, (start, delta)
+    assert delta["cache_read_input_tokens"] > 0 and delta["input_tokens"] > 0
+
+
 @pytest.fixture(scope="module")
 def registry_claude(stories_path):
     """A server that serves the models of a registry (as `ferrum serve` does), so a name matters."""

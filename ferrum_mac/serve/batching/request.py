@@ -48,6 +48,7 @@ class RequestHandle:
         self.request = request
         self.cache_id = f"request-{next(_ids)}"
         self._cancelled = threading.Event()
+        self.cached_tokens = 0  # prompt tokens the prefix cache gave (set by the scheduler, final once it prefilled)
 
     def cancel(self) -> None:
         """Stop generating after the current step and free the request's KV cache."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -355,11 +355,16 @@ def stop_reason(done: Done, called: bool = False) -> str:
 
 
 def usage(done: Done) -> dict:
-    """input_tokens counts what was prefilled; the prefix cache's reused tokens are cache reads."""
+    return usage_of(done.prompt_tokens, done.cached_tokens, done.generated_tokens)
+
+
+def usage_of(prompt: int, cached: int, generated: int) -> dict:
+    """Anthropic's meaning: input_tokens counts what was prefilled (the uncached input), the
+    prefix cache's reused tokens are cache reads."""
     return {
-        "input_tokens": done.prompt_tokens - done.cached_tokens,
-        "output_tokens": done.generated_tokens,
-        "cache_read_input_tokens": done.cached_tokens,
+        "input_tokens": prompt - cached,
+        "output_tokens": generated,
+        "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
 
@@ -390,6 +395,20 @@ def message_body(message_id: str, model: str, text: str, reasoning: str, calls: 
         "stop_sequence": done.stop_string if done.stop_reason == STOP_STRING else None,
         "usage": usage(done),
     }
+
+
+def message_start(message_id: str, model: str, usage: dict) -> str:
+    message: dict[str, Any] = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+    return sse("message_start", {"type": "message_start", "message": message})
 
 
 def sse(event: str, data: dict) -> str:
@@ -445,27 +464,25 @@ async def stream_events(answer: "Answer", message_id: str, model: str, prompt_to
     """Server-sent events; when the client goes away starlette cancels this generator, and the
     `finally` cancels the request, so its KV is released at the next step."""
     try:
-        async for piece in sse_events(answer.events(), message_id, model, prompt_tokens):
+        async for piece in sse_events(answer.events(), message_id, model, prompt_tokens, lambda: answer.cached_tokens):
             yield piece
     finally:
         answer.cancel()
 
 
-async def sse_events(events: AsyncIterator, message_id: str, model: str, prompt_tokens: int) -> AsyncIterator[str]:
-    """Anthropic's server-sent events for the core's neutral events."""
-    start: dict[str, Any] = {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
-    }
-    yield sse("message_start", {"type": "message_start", "message": start})
+async def sse_events(
+    events: AsyncIterator, message_id: str, model: str, prompt_tokens: int, cached: Callable[[], int] = lambda: 0
+) -> AsyncIterator[str]:
+    """Anthropic's server-sent events for the core's neutral events. `message_start` goes once
+    the first event has come: the prompt is prefilled then, and `cached()` says how much of it
+    the prefix cache gave, so its usage says what `message_delta`'s does."""
     blocks = StreamBlocks()
+    started = False
     async for event in events:
+        if not started:
+            started = True
+            reused = event.cached_tokens if isinstance(event, Done) else cached()
+            yield message_start(message_id, model, usage_of(prompt_tokens, reused, 0))
         if isinstance(event, TextDelta):
             pieces = blocks.text("text", event.text) if event.text else []
         elif isinstance(event, ReasoningDelta):

@@ -557,3 +557,36 @@ def test_thinking_reaches_the_template_and_reasoning_comes_first(qwen3_claude):
         kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()
     assert kinds[0] == "thinking_delta" and final.content[0].thinking == message.content[0].thinking
+
+
+THOUGHT = "They want the weather in Paris; the tool knows it."
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": THOUGHT, "signature": "sig"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+        ],
+    },
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18C"}]},
+]
+
+
+def test_thinking_blocks_of_the_history_become_the_turns_reasoning():
+    messages = anthropic_api.openai_body({"model": "m", "max_tokens": 4, "messages": TOOL_TURNS})["messages"]
+    assert messages[1]["reasoning_content"] == THOUGHT and messages[1]["tool_calls"][0]["id"] == "toolu_1"
+
+
+@pytest.mark.slow  # building the random Qwen3 takes seconds
+def test_thinking_blocks_of_the_history_reach_qwen3s_template(qwen3_claude):
+    """Qwen3 renders the reasoning of the turns after the last question (a tool loop's): the
+    thinking block sent back is in the prompt (it used to be dropped)."""
+    weather = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    without = [TOOL_TURNS[0], {**TOOL_TURNS[1], "content": TOOL_TURNS[1]["content"][2:]}, TOOL_TURNS[2]]
+
+    def count(messages) -> int:
+        return qwen3_claude.messages.count_tokens(model="qwen3-random", messages=messages, tools=[weather]).input_tokens
+
+    assert count(TOOL_TURNS) > count(without) + 5  # the thought is a dozen tokens and <think> tags

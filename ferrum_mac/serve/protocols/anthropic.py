@@ -209,13 +209,27 @@ def content_blocks(content, role: str, where: str) -> list[dict]:
 
 
 def assistant_message(blocks: list[dict], where: str) -> dict:
-    """Text and calls; thinking blocks a client sends back are dropped (templates drop old reasoning)."""
+    """Text, calls, and the reasoning of its thinking blocks as `reasoning_content`, which the
+    chat template renders where the model's own rules keep it (Qwen3: the turns after the last
+    question, as while it calls tools); redacted_thinking carries no text to render."""
     text = "".join(b["text"] for b in blocks if b["type"] == "text")
     calls = [tool_call(b, f"{where}.content.{j}") for j, b in enumerate(blocks) if b["type"] == "tool_use"]
+    reasoning = "".join(
+        thinking_text(b, f"{where}.content.{j}") for j, b in enumerate(blocks) if b["type"] == "thinking"
+    )
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def thinking_text(block: dict, where: str) -> str:
+    thinking = block.get("thinking")
+    if not isinstance(thinking, str):
+        raise bad(f"{where}.thinking: must be a string")
+    return thinking
 
 
 def tool_call(block: dict, where: str) -> dict:

@@ -40,7 +40,7 @@ from ferrum_mac.engine import (
 )
 from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.errors import FerrumError
-from ferrum_mac.text.tool_calls import ToolCall, new_call_id
+from ferrum_mac.text.tool_calls import ToolCall, is_whole, new_call_id
 
 TIMEOUT_S = 600.0  # a long answer from a slow server is still an answer
 FINISH_REASONS = {"length": MAX_TOKENS, "stop": EOS, "tool_calls": TOOL_CALLS}
@@ -136,7 +136,7 @@ class RemoteEngine:
         finally:
             self._cancel = None
             conv.messages.append(turn.message())
-        if turn.calls:
+        if turn.tool_calls():
             yield ToolCallRequested(tuple(turn.tool_calls()))
         yield turn.done()
 
@@ -251,7 +251,9 @@ class RemoteTurn:
             call["arguments"] += function.get("arguments") or ""
 
     def tool_calls(self) -> list[ToolCall]:
-        return [ToolCall(c["name"], c["arguments"], c["id"] or new_call_id()) for _, c in sorted(self.calls.items())]
+        """The whole calls (one cut by the server's `max_tokens` is none)."""
+        calls = [ToolCall(c["name"], c["arguments"], c["id"] or new_call_id()) for _, c in sorted(self.calls.items())]
+        return [c for c in calls if is_whole(c)]
 
     def _token(self) -> None:
         self.chunks += 1
@@ -259,7 +261,7 @@ class RemoteTurn:
 
     def message(self) -> dict:
         message: dict = {"role": "assistant", "content": "".join(self.answer)}
-        if self.calls:
+        if self.tool_calls():
             message["tool_calls"] = [c.as_openai() for c in self.tool_calls()]
         if self.reasoning:
             message["reasoning_content"] = "".join(self.reasoning)
@@ -267,7 +269,7 @@ class RemoteTurn:
 
     def done(self) -> Done:
         done = self._done()  # ferrum's own stats say how the text ended
-        return dataclasses.replace(done, stop_reason=with_calls(done.stop_reason, bool(self.calls)))
+        return dataclasses.replace(done, stop_reason=with_calls(done.stop_reason, bool(self.tool_calls())))
 
     def _done(self) -> Done:
         if self.stats and not self.cancelled:

@@ -7,7 +7,10 @@ an `AnswerState`, which applies the rules every answer keeps:
   finished grammar still overrides);
 - a grammar that allows nothing more ends it (EOS), before a stop string or the limit;
 - then a stop string (STOP_STRING), then `max_tokens` (MAX_TOKENS); the caller, which knows
-  the cache, ends it when the context is full (CONTEXT) or it is cancelled (CANCELLED).
+  the cache, ends it when the context is full (CONTEXT) or it is cancelled (CANCELLED);
+- an answer that must call tools ends (EOS) once its calls are whole and what is left of
+  `max_tokens` cannot hold another call (`call_tokens`), so the limit never cuts a call it
+  could have left out.
 
 `CallSplitter` takes the call markup out of the text as it streams, and `done_event` turns an
 answer's counts and times into its `Done` (the remote client builds its own the same way).
@@ -51,8 +54,10 @@ class AnswerState:
         max_tokens: int | None = None,
         ignore_eos: bool = False,
         timing: Timing | None = None,
+        call_tokens: int | None = None,
     ):
         self.text = text
+        self.call_tokens = call_tokens  # the fewest tokens one more required call takes (`another_call_tokens`)
         self.eos_ids = frozenset(eos_ids)
         self.matcher = matcher
         self.max_tokens = max_tokens
@@ -76,9 +81,19 @@ class AnswerState:
             self.reason = EOS
         elif self.text.stopped:
             self.reason = STOP_STRING
+        elif self._no_room_for_another_call():
+            self.reason = EOS
         elif self.generated == self.max_tokens:
             self.reason = MAX_TOKENS
         return events
+
+    def _no_room_for_another_call(self) -> bool:
+        """Whether a required answer whose calls are whole (its grammar could end here) has less
+        of `max_tokens` left than one more call takes: it ends, rather than start a call that
+        the limit would cut."""
+        if self.call_tokens is None or self.max_tokens is None or self.matcher is None:
+            return False
+        return self.max_tokens - self.generated < self.call_tokens and self.matcher.is_complete()
 
     def finish(self) -> list[TextDelta | ReasoningDelta]:
         """What the text held back (a partial character, a possible stop string). Idempotent."""
@@ -90,7 +105,8 @@ class AnswerState:
 
 
 def with_calls(reason: str, called: bool) -> str:
-    """Why an answer that made calls ended: an answer that ended by itself waits for their results."""
+    """Why an answer that made calls ended: an answer that ended by itself waits for their
+    results; one cut short (`max_tokens`, the context) stays cut, whatever whole calls it holds."""
     return TOOL_CALLS if called and reason == EOS else reason
 
 
@@ -112,7 +128,7 @@ class CallSplitter:
 
     @property
     def calls(self) -> list[ToolCall]:
-        """The calls so far (a streamed one's arguments as far as they have come)."""
+        """The whole calls so far (a streamed one once its arguments are a whole object)."""
         whole = [p for p in self.pieces if isinstance(p, ToolCall)]
         return whole + calls_of([p for p in self.pieces if isinstance(p, ToolCallDelta)])
 
@@ -131,12 +147,14 @@ class CallSplitter:
             out.extend(self.feed(event.text) if isinstance(event, TextDelta) else [event])
         return out
 
-    def finish(self) -> list[TextDelta | ToolCall | ToolCallDelta]:
-        """What the parser held back, once generation has ended (then nothing more)."""
+    def finish(self, reason: str = EOS) -> list[TextDelta | ToolCall | ToolCallDelta]:
+        """What the parser held back, once generation has ended for `reason` (then nothing
+        more). An answer that did not end by itself (EOS) may have cut a call short: what it
+        wrote of that call is neither text nor a call (`calls` holds whole calls only)."""
         if self.parser is None:
             return []
         parser, self.parser = self.parser, None
-        return self._events(parser.finish())
+        return self._events(parser.finish(cut=reason != EOS))
 
     def _events(self, parsed: list) -> list[TextDelta | ToolCall | ToolCallDelta]:
         out: list[TextDelta | ToolCall | ToolCallDelta] = []

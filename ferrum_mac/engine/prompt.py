@@ -9,14 +9,19 @@ rendered text is decided here once:
 - a required call's grammar wins over a response format; with "auto" the format holds unless
   there is none, and then the calls are constrained once opened (`AnswerGrammar`);
 - what the answer starts inside: an open `<think>`, a call opener the prompt ended with
-  (`AnswerStart`).
+  (`AnswerStart`);
+- how many tokens one more call of a required answer takes at the least
+  (`another_call_tokens`), so `AnswerState` ends the answer after its whole calls rather than
+  let `max_tokens` cut the next one.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from ferrum_mac.engine.tools import shortest_arguments
 from ferrum_mac.grammar import Grammar, GrammarMatcher
 from ferrum_mac.text import prompt_opens_reasoning
 from ferrum_mac.text.tool_calls import ToolFormat
@@ -86,3 +91,19 @@ class AnswerGrammar:
         if self.grammar is None:
             return None
         return self.constraints.matcher(self.grammar, prompt)
+
+
+def another_call_tokens(tools: "ToolRequest | None", fmt: ToolFormat, encode: Callable[[str], list[int]]) -> int | None:
+    """The fewest tokens one more call of an answer that must call and may call several takes,
+    from where its calls could end (their tail written) to the end of the next one: the
+    shortest call any of its functions allows (required arguments only, the shortest values).
+    None for any other answer (one that may answer in text, or makes one call)."""
+    if tools is None or tools.choice != "required" or not tools.parallel:
+        return None
+    _, between, tail = fmt.calls_markup(True, True)
+    between = between or ""
+    more = between[len(tail) :] if between.startswith(tail) else between
+    return min(
+        len(encode(more + json.dumps({"name": f["name"], "arguments": shortest_arguments(f)}) + tail))
+        for f in tools.forced
+    )

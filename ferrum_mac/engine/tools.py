@@ -238,6 +238,30 @@ def _schema_of_type(annotation: Any, where: str) -> dict:
     )
 
 
+def shortest_arguments(function: Mapping[str, Any]) -> dict:
+    """A short arguments object `function`'s parameters allow (its required keys only), for a
+    lower bound on what a call of it writes."""
+    value = _shortest_instance(function.get("parameters") or {})
+    return value if isinstance(value, dict) else {}
+
+
+def _shortest_instance(schema: Any) -> Any:
+    if not isinstance(schema, Mapping):
+        return None
+    if "const" in schema:
+        return schema["const"]
+    options = schema.get("enum") or [_shortest_instance(s) for s in schema.get("anyOf") or schema.get("oneOf") or ()]
+    if options:
+        return min(options, key=lambda v: len(json.dumps(v)))
+    kind = schema.get("type")
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    if kind == "object" or "properties" in schema:
+        properties = schema.get("properties") or {}
+        required = [k for k in schema.get("required") or () if isinstance(k, str)]
+        return {k: _shortest_instance(properties.get(k)) for k in required}
+    return {"string": "", "integer": 0, "number": 0, "boolean": True, "array": []}.get(str(kind))
+
+
 def _arguments(name: str, arguments: str | Mapping[str, Any]) -> dict:
     if isinstance(arguments, str):
         try:

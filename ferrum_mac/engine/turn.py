@@ -35,7 +35,7 @@ from ferrum_mac.engine.events import (
     TextDelta,
     ToolCallRequested,
 )
-from ferrum_mac.engine.prompt import AnswerGrammar, AnswerStart, with_call_opener
+from ferrum_mac.engine.prompt import AnswerGrammar, AnswerStart, another_call_tokens, with_call_opener
 from ferrum_mac.engine.structured import ResponseFormat
 from ferrum_mac.engine.tools import ToolRequest
 
@@ -67,7 +67,17 @@ def run_turn(
     reused = 0
     known = list(ids)  # every token the cache may hold, in order; the ledger is a prefix of it
     answer_text = AnswerText(engine.tokenizer, settings.stop, start.opens_reasoning)
-    answer = AnswerState(answer_text, engine.eos_ids, matcher=matcher, max_tokens=settings.max_tokens, timing=timing)
+    call_tokens = another_call_tokens(
+        tools, call_format, lambda t: engine.tokenizer.encode(t, add_special_tokens=False)
+    )
+    answer = AnswerState(
+        answer_text,
+        engine.eos_ids,
+        matcher=matcher,
+        max_tokens=settings.max_tokens,
+        timing=timing,
+        call_tokens=call_tokens,
+    )
     calls = CallSplitter(call_format if tools is not None else None, tools is None or tools.parallel, start.call_prefix)
     reason = CANCELLED  # unless the loop says otherwise
     speculation = None
@@ -102,7 +112,7 @@ def run_turn(
             reason = CONTEXT
         tokens.close()
         yield from _text_of(calls.split(answer.finish()))
-        yield from _text_of(calls.finish())
+        yield from _text_of(calls.finish(reason))
     finally:
         _commit(engine, conv, known, answer_text, calls)
     if calls.calls:
@@ -154,7 +164,7 @@ def _trim_cache(engine: "Engine", conv: Conversation, ids: list[int]) -> None:
 
 def _commit(engine: "Engine", conv: Conversation, known: list[int], answer: AnswerText, calls: CallSplitter) -> None:
     calls.split(answer.finish())  # what an interrupted answer held back
-    calls.finish()
+    calls.finish(CANCELLED)
     message: dict = {"role": "assistant", "content": calls.text}
     if calls.calls:
         message["tool_calls"] = [c.as_openai() for c in calls.calls]

@@ -16,7 +16,9 @@ import json
 import math
 import numbers
 import re
+import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from ferrum_mac.engine import SEED_LIMIT, SamplingParams
 from ferrum_mac.engine.structured import ResponseFormat
@@ -64,9 +66,10 @@ class Options:
 
 
 def parse_json(raw: bytes):
-    """The request body as JSON, or a 400 for anything that is not strict JSON of sane depth."""
+    """The request body as JSON, or a 400 for anything that is not strict JSON of sane depth, or
+    holds a number no field can take (NaN, infinities, past a float's range), named by its place."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+        body = json.loads(raw)
     except RecursionError:
         raise _too_deep() from None
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
@@ -463,38 +466,55 @@ def _template_kwargs(body: dict, reserved: frozenset) -> dict:
     return kwargs
 
 
-def _refuse_constant(name: str):
-    raise ApiError(
-        400, f"the request body holds {name}, which JSON does not allow; send finite numbers", code="invalid_json"
-    )
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ApiError(400, f"the number {text[:40]} is too large", code="invalid_json")
-    return value
-
-
 def _too_deep() -> ApiError:
     return ApiError(400, f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
 
 
 def _check_values(body) -> None:
-    """No nesting past MAX_DEPTH and no string that is not valid Unicode (JSON's \\ud800
-    escapes make lone surrogates, which tokenizers and templates cannot take)."""
-    pending = [(body, 1)]
+    """No nesting past MAX_DEPTH, no string that is not valid Unicode (JSON's \\ud800 escapes
+    make lone surrogates, which tokenizers and templates cannot take), and every number finite
+    and within a float's range, so no field's check meets one it cannot compare or convert. A
+    value's place is kept as a chain of (parent, key), made a path only for an error."""
+    pending: list[tuple[Any, int, Any]] = [(body, 1, None)]
     while pending:
-        value, depth = pending.pop()
+        value, depth, place = pending.pop()
         if isinstance(value, str):
             _check_text(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not _float_sized(value):
+                raise _number_too_large(value, _path(place))
         elif isinstance(value, (dict, list)):
             if depth > MAX_DEPTH:
                 raise _too_deep()
             if isinstance(value, dict):
-                pending.extend((k, depth) for k in value)
-            items = value.values() if isinstance(value, dict) else value
-            pending.extend((v, depth + 1) for v in items)
+                pending.extend((k, depth, place) for k in value)
+                pending.extend((v, depth + 1, (place, k)) for k, v in value.items())
+            else:
+                pending.extend((v, depth + 1, (place, i)) for i, v in enumerate(value))
+
+
+def _float_sized(number: int | float) -> bool:
+    return math.isfinite(number) if isinstance(number, float) else abs(number) <= sys.float_info.max
+
+
+def _path(place) -> str:
+    """`messages[0].content` for the chain (((None, "messages"), 0), "content")."""
+    keys = []
+    while place is not None:
+        place, key = place
+        keys.append(key)
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in reversed(keys)).lstrip(".")
+
+
+def _number_too_large(number: int | float, path: str) -> ApiError:
+    shown = f"a number of {len(str(abs(number)))} digits" if isinstance(number, int) else str(number)
+    return ApiError(
+        400,
+        f"'{path[:200]}' is {shown}, which no field takes (JSON allows no NaN or infinity, and numbers must "
+        "fit a float); send a finite number in the field's range",
+        param=path[:200] or None,
+        code="invalid_json",
+    )
 
 
 def _check_text(text: str) -> None:

@@ -74,6 +74,11 @@ class Answer:
         self.prompt_tokens = prompt_tokens
         self.calls = calls
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens taken from the prefix cache: final once the first event has come."""
+        return self.handle.cached_tokens
+
     def cancel(self) -> None:
         """Stop generating after the current step and free the sequence (a no-op once done)."""
         self.handle.cancel()
@@ -94,7 +99,7 @@ class Answer:
                     yield event
                     return
                 elif isinstance(event, Done):
-                    for piece in streamed(self.calls.finish()):
+                    for piece in streamed(self.calls.finish(event.stop_reason)):
                         yield piece
                     yield Finished.of(event, bool(self.calls.calls))
                     return
@@ -247,6 +252,7 @@ class Server:
             raw=call.messages is None,
             ignore_eos=options.ignore_eos,
             matcher=prepared.matcher,
+            call_tokens=prepared.call_tokens,
             emit=emit,
             speculate=call.speculate,
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDelta, TextDelta
+from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDelta, TextDelta, with_calls
 from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.text.tool_calls import ToolCallDelta, calls_of
 
@@ -30,11 +30,17 @@ class Finished(Done):
 
     @classmethod
     def of(cls, done: Done, called: bool) -> "Finished":
+        """`called`: the answer holds whole calls; they are its finish only if it ended by
+        itself (`with_calls`): one cut by `max_tokens` is LENGTH, calls or not."""
         fields = {k: v for k, v in asdict(done).items() if k in Done.__dataclass_fields__}
+        called = with_calls(done.stop_reason, called) == TOOL_CALLS
         return cls(**fields, finish=TOOL_CALLS if called else finish_of(done))
 
 
 def finish_of(done: Done) -> str:
+    """Why `done`'s answer ended, in neutral words (a `Finished` says it itself)."""
+    if isinstance(done, Finished):
+        return done.finish
     if done.stop_reason in (MAX_TOKENS, CONTEXT):
         return LENGTH
     return FINISH_CANCELLED if done.stop_reason == CANCELLED else STOP

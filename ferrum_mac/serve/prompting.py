@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ferrum_mac.engine import LocalEngine, ResponseFormat
-from ferrum_mac.engine.prompt import AnswerGrammar, AnswerStart, with_call_opener
+from ferrum_mac.engine.prompt import AnswerGrammar, AnswerStart, another_call_tokens, with_call_opener
 from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import GrammarError, GrammarMatcher, UnsupportedSchemaError
 from ferrum_mac.grammar.guard import SchemaTooComplex
@@ -47,8 +47,13 @@ class Prompting:
             return Prepared(ids, self.answer_matcher(call.options.response_format, None, None, AnswerStart()))
         tools = call.tools
         text, ids = self.chat_prompt(call.messages, call.options.template_kwargs, tools)
-        start = AnswerStart.of(text, tools, self.engine.template.tool_format)
-        return Prepared(ids, self.answer_matcher(call.options.response_format, tools, text, start), start)
+        fmt = self.engine.template.tool_format
+        start = AnswerStart.of(text, tools, fmt)
+        matcher = self.answer_matcher(call.options.response_format, tools, text, start)
+        return Prepared(ids, matcher, start, another_call_tokens(tools, fmt, self._encode_text))
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     @staticmethod
     def grammar_checks(call: ChatCall) -> list["GrammarCheck"]:
@@ -154,6 +159,7 @@ class Prepared(NamedTuple):
     ids: list[int]
     matcher: GrammarMatcher | None
     start: AnswerStart = AnswerStart()  # what the answer starts inside (a <think>, a call's opener)
+    call_tokens: int | None = None  # the fewest tokens one more required call takes (`another_call_tokens`)
 
 
 def format_error(e: GrammarError, param: str = "response_format") -> api.ApiError:

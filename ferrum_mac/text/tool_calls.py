@@ -56,14 +56,24 @@ class ToolCallDelta:
 
 
 def calls_of(deltas: Sequence[ToolCallDelta]) -> list[ToolCall]:
-    """Whole calls from their pieces, in index order."""
+    """Whole calls from their pieces, in index order; a call whose pieces stopped before its
+    arguments were a whole JSON object (cut by `max_tokens`) is none: nobody may run it."""
     heads: dict[int, ToolCallDelta] = {}
     arguments: dict[int, list[str]] = {}
     for d in deltas:
         if d.index not in heads:
             heads[d.index] = d
         arguments.setdefault(d.index, []).append(d.arguments)
-    return [ToolCall(heads[i].name or "", "".join(arguments[i]), heads[i].id or "") for i in sorted(heads)]
+    calls = [ToolCall(heads[i].name or "", "".join(arguments[i]), heads[i].id or "") for i in sorted(heads)]
+    return [c for c in calls if is_whole(c)]
+
+
+def is_whole(call: ToolCall) -> bool:
+    """Whether a call's arguments are a whole JSON object (a cut one's are a part of one)."""
+    try:
+        return isinstance(json.loads(call.arguments), dict)
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -190,15 +200,29 @@ class StreamingToolParser:
                 break
         return self._kept(events)
 
-    def finish(self) -> list[str | ToolCall]:
-        """What is left once generation ended: an unclosed call parsed as it is, held text released."""
+    def finish(self, cut: bool = False) -> list[str | ToolCall]:
+        """What is left once generation ended: an unclosed call parsed as it is, held text
+        released. `cut`: the answer did not end by itself (`max_tokens`, a stop string), so a
+        call it left open and unparsable, or text held as a possible opener, was markup cut
+        short: neither text nor a call."""
         events: list[str | ToolCall] = []
         if self._opener is not None:
-            self._end_call(self._pending, events)
-        elif self._pending:
+            if not (cut and self._cut_call()):
+                self._end_call(self._pending, events)
+        elif self._pending and not cut:
             events.append(self._pending)
         self._pending, self._opener = "", None
         return self._kept(events)
+
+    def _cut_call(self) -> bool:
+        """Whether the open call's body is a call cut short: unparsable, and opened by a marker
+        or starting as a call does (Llama's bare `{` may open plain JSON text instead)."""
+        if self.fmt.parse_calls(self._pending) is not None:
+            return False
+        if self._opener in self.fmt.openers:
+            return True
+        start = "".join(self._pending.split()).lstrip("[")
+        return start.startswith(CALL_START) or CALL_START.startswith(start)
 
     def _kept(self, events: list) -> list:
         """`events` less the calls after the first when the answer may make only one."""
@@ -284,6 +308,8 @@ class StreamingToolParser:
             self._after_call = True
         self._opener = None
 
+
+CALL_START = '{"name"'  # how every family's call JSON starts (whitespace aside)
 
 # A call's head as the grammar (and most models) write it; the arguments must be an object to be
 # streamed (some models write them as a JSON string, which is only parsed whole).

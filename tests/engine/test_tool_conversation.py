@@ -118,3 +118,25 @@ def test_bad_tool_arguments_are_clear_errors(smollm2):
         with pytest.raises(FerrumError, match="no call of the last answer"):
             conv.add_tool_results({"call_x": "18C"})
         assert conv.messages == []
+
+
+@pytest.mark.parametrize("max_tokens", [8, 14])
+def test_a_required_call_cut_by_max_tokens_is_a_cut_answer_not_a_call(smollm2, max_tokens):
+    """Cut inside its only call: no call to run, no markup as text, and the answer says it was cut."""
+    with greedy(smollm2, max_tokens=max_tokens) as conv:
+        events = list(conv.send("Weather in Paris?", tools=[get_weather], tool_choice="required"))
+        assert not any(isinstance(e, ToolCallRequested) for e in events)
+        assert done(events).stop_reason == "max_tokens"
+        assert answer(events) == "" and conv.messages[-1]["content"] == ""
+        assert "tool_calls" not in conv.messages[-1]
+
+
+def test_a_required_answer_ends_after_its_whole_calls_when_another_cannot_fit(smollm2):
+    """34 tokens hold one call of get_weather but not a second: the answer ends after the first
+    (EOS, so TOOL_CALLS) instead of starting one the limit cuts."""
+    with greedy(smollm2, max_tokens=34) as conv:
+        events = list(conv.send("Weather in Paris?", tools=[get_weather], tool_choice="required"))
+        calls = requested(events)
+        assert done(events).stop_reason == TOOL_CALLS and done(events).generated_tokens < 34
+        assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}]
+        assert answer(events) == "" and not conv.messages[-1]["content"]

@@ -14,7 +14,7 @@ from serve_support import API_KEY, CHAT, LiveServer, open_models, open_stories
 from ferrum_mac.engine import Done, ReasoningDelta, TextDelta
 from ferrum_mac.serve.protocols import anthropic as anthropic_api
 from ferrum_mac.serve import checks as api
-from ferrum_mac.serve.events import ToolCallDelta
+from ferrum_mac.serve.events import Finished, ToolCallDelta
 from ferrum_mac.text.tool_calls import ToolCall
 
 MESSAGES = "/v1/messages"
@@ -65,6 +65,7 @@ def test_a_conversation_translates_to_openais_shapes():
         {
             "role": "assistant",
             "content": "",
+            "reasoning_content": "hm",  # the thinking block reaches the template as the turn's reasoning
             "tool_calls": [
                 {
                     "id": "toolu_1",
@@ -240,7 +241,7 @@ def test_stream_events_open_one_block_per_kind_in_order():
         ToolCallDelta(0, "call_a", "get_weather", '{"city": '),
         ToolCallDelta(0, None, None, '"Paris"}'),
         ToolCallDelta(1, "call_b", "get_weather", '{"city": "Rome"}'),
-        DONE,
+        Finished.of(DONE, called=True),  # the core's last event says whether the answer called
     )
 
     async def collect():
@@ -409,6 +410,21 @@ def test_a_resent_prompt_is_read_from_the_prefix_cache(claude):
     assert second.input_tokens + second.cache_read_input_tokens == first.input_tokens + first.cache_read_input_tokens
 
 
+def test_a_streamed_answer_counts_its_input_alike_in_message_start_and_message_delta(server):
+    """Both events say input_tokens = the uncached input and cache_read_input_tokens = the part
+    the prefix cache gave (message_start counted the whole prompt as input, with no cache field)."""
+    system = "You are a storyteller for children who like dragons. " * 8
+    body = {"model": MODEL, "max_tokens": 2, "system": system, "messages": STORY, "temperature": 0, "stream": True}
+    headers = {"x-api-key": "unused", "anthropic-version": "2023-06-01"}
+    for _ in range(2):  # the second is read from the prefix cache
+        response = httpx.post(server.url + MESSAGES, json=body, headers=headers, timeout=60)
+        events = dict(_parse_sse(response.text))
+        start, delta = events["message_start"]["message"]["usage"], events["message_delta"]["usage"]
+        inputs = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        assert {k: start[k] for k in inputs} == {k: delta[k] for k in inputs}, (start, delta)
+    assert delta["cache_read_input_tokens"] > 0 and delta["input_tokens"] > 0
+
+
 @pytest.fixture(scope="module")
 def registry_claude(stories_path):
     """A server that serves the models of a registry (as `ferrum serve` does), so a name matters."""
@@ -542,3 +558,36 @@ def test_thinking_reaches_the_template_and_reasoning_comes_first(qwen3_claude):
         kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()
     assert kinds[0] == "thinking_delta" and final.content[0].thinking == message.content[0].thinking
+
+
+THOUGHT = "They want the weather in Paris; the tool knows it."
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": [
+            {"type": "thinking", "thinking": THOUGHT, "signature": "sig"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+        ],
+    },
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18C"}]},
+]
+
+
+def test_thinking_blocks_of_the_history_become_the_turns_reasoning():
+    messages = anthropic_api.openai_body({"model": "m", "max_tokens": 4, "messages": TOOL_TURNS})["messages"]
+    assert messages[1]["reasoning_content"] == THOUGHT and messages[1]["tool_calls"][0]["id"] == "toolu_1"
+
+
+@pytest.mark.slow  # building the random Qwen3 takes seconds
+def test_thinking_blocks_of_the_history_reach_qwen3s_template(qwen3_claude):
+    """Qwen3 renders the reasoning of the turns after the last question (a tool loop's): the
+    thinking block sent back is in the prompt (it used to be dropped)."""
+    weather = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    without = [TOOL_TURNS[0], {**TOOL_TURNS[1], "content": TOOL_TURNS[1]["content"][2:]}, TOOL_TURNS[2]]
+
+    def count(messages) -> int:
+        return qwen3_claude.messages.count_tokens(model="qwen3-random", messages=messages, tools=[weather]).input_tokens
+
+    assert count(TOOL_TURNS) > count(without) + 5  # the thought is a dozen tokens and <think> tags

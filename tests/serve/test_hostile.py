@@ -246,6 +246,51 @@ def test_nan_and_infinity_are_a_400(server, field, literal):
     assert error_of(post_raw(server, CHAT, raw), 400)["code"] == "invalid_json"
 
 
+HUGE = "1" * 400  # an integer no float holds: float() of it raises OverflowError
+ASK = [{"role": "user", "content": "Hi"}]
+HUGE_NUMBERS = [
+    (CHAT, {"messages": MESSAGES, "temperature": HUGE}, "temperature"),
+    (CHAT, {"messages": MESSAGES, "top_p": HUGE}, "top_p"),
+    (CHAT, {"messages": MESSAGES, "presence_penalty": f"-{HUGE}"}, "presence_penalty"),
+    (CHAT, {"messages": MESSAGES, "logit_bias": {"5": HUGE}}, "logit_bias.5"),
+    (CHAT, {"messages": MESSAGES, "max_tokens": HUGE}, "max_tokens"),
+    (CHAT, {"messages": MESSAGES, "seed": HUGE}, "seed"),
+    (COMPLETIONS, {"prompt": [1, 2, HUGE]}, "prompt[2]"),
+    ("/v1/messages", {"messages": ASK, "max_tokens": 4, "temperature": HUGE}, "temperature"),
+    ("/v1/messages", {"messages": ASK, "max_tokens": HUGE}, "max_tokens"),
+    ("/v1/messages", {"messages": ASK, "max_tokens": 4, "top_k": HUGE}, "top_k"),
+    ("/api/chat", {"messages": ASK, "options": {"temperature": HUGE}}, "options.temperature"),
+    ("/api/chat", {"messages": ASK, "options": {"top_p": HUGE}}, "options.top_p"),
+    ("/api/chat", {"messages": ASK, "options": {"num_ctx": HUGE}}, "options.num_ctx"),
+    ("/api/chat", {"messages": ASK, "keep_alive": HUGE}, "keep_alive"),
+    ("/api/generate", {"prompt": "Hi", "options": {"num_predict": HUGE}}, "options.num_predict"),
+    ("/api/generate", {"prompt": "Hi", "options": {"repeat_penalty": "1e400"}}, "options.repeat_penalty"),
+]
+
+
+@pytest.mark.parametrize("path, fields, param", HUGE_NUMBERS, ids=[f"{p}-{f}" for p, _, f in HUGE_NUMBERS])
+def test_a_number_past_a_floats_range_is_a_400_naming_its_field(server, path, fields, param):
+    """Anywhere a client sends a number, 400 digits (or 1e400) is a 400 naming the field, never a
+    500 from a check that converts it (OverflowError)."""
+    raw = json.dumps({"model": "stories260K", **fields}).replace(f'"{HUGE}"', HUGE).replace('"1e400"', "1e400")
+    response = post_raw(server, path, raw.encode())
+    assert response.status_code == 400, response.text
+    body = response.json()
+    message = body["error"] if isinstance(body["error"], str) else body["error"]["message"]
+    assert f"'{param}'" in message, message
+    if path.startswith("/v1/chat") or path == COMPLETIONS:
+        assert body["error"]["param"] == param
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_keep_alive_past_a_century_is_forever():
+    """Longer would put the expiry past what a date holds (/api/ps answered 500)."""
+    from ferrum_mac.serve.batching.models import FOREVER, keep_alive_seconds
+
+    assert keep_alive_seconds(1e300) == FOREVER and keep_alive_seconds("1e12") == FOREVER
+    assert keep_alive_seconds(86400 * 365) == 86400 * 365
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [

@@ -212,7 +212,8 @@ def test_show_lists_tools_for_a_model_whose_template_has_no_tool_section(client,
     shown = client.show(MODEL)
     assert "tools" in shown.capabilities and "thinking" not in shown.capabilities
     assert "tools" not in shown.template  # the server describes the tools itself, and its grammar writes the call
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    no_arguments = {"type": "object", "properties": {}, "additionalProperties": False}  # a call stories can finish
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": no_arguments}}
     body = {"messages": ASK, "tools": [tool], "tool_choice": "required", "max_tokens": 40, "temperature": 0}
     answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
     assert answer["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
@@ -468,3 +469,43 @@ def test_think_reaches_the_template_and_reasoning_comes_as_thinking(qwen3):
     }
     assert oa.OllamaAnswer("m", chat=True, show_thinking=False).piece(ReasoningDelta("x")) is None  # think: false
     assert oa.OllamaAnswer("m", chat=False).piece(ReasoningDelta("y"))["thinking"] == "y"  # /api/generate
+
+
+# -- options.num_ctx below the prompt -------------------------------------------------------------
+
+SYSTEM = {"role": "system", "content": "You tell short stories."}
+TURNS = [
+    {"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: Lily saw a big red ball in the park."}
+    for i in range(7)
+]
+
+
+def prompt_tokens(server, messages: list[dict]) -> int:
+    """The prompt tokens of `messages` as the server renders them (its count_tokens route)."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [m for m in messages if m["role"] != "system"]
+    body = {"model": MODEL, "messages": rest, **({"system": system[0]} if system else {})}
+    return httpx.post(server.url + "/v1/messages/count_tokens", json=body, timeout=60).json()["input_tokens"]
+
+
+def test_num_ctx_below_the_prompt_keeps_the_system_and_the_newest_messages_that_fit(server):
+    """As Ollama does: the system message stays, then the longest tail of the conversation whose
+    prompt fits in num_ctx (it was ignored: the whole prompt was read)."""
+    whole = prompt_tokens(server, [SYSTEM, *TURNS])
+    expected = prompt_tokens(server, [SYSTEM, *TURNS[-3:]])
+    assert expected < prompt_tokens(server, [SYSTEM, *TURNS[-4:]]) < whole
+    body = {"model": MODEL, "messages": [SYSTEM, *TURNS], "stream": False, "options": {"num_predict": 2}}
+    cut = httpx.post(server.url + "/api/chat", json={**body, "options": {"num_predict": 2, "num_ctx": expected + 1}})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["prompt_eval_count"] == expected
+    full = httpx.post(server.url + "/api/chat", json={**body, "options": {"num_predict": 2, "num_ctx": whole}})
+    assert full.json()["prompt_eval_count"] == whole
+
+
+def test_num_ctx_below_the_newest_message_is_a_400(server):
+    body = {"model": MODEL, "messages": [SYSTEM, *TURNS], "options": {"num_ctx": 8}}
+    assert "more than options.num_ctx (8)" in error_of(httpx.post(server.url + "/api/chat", json=body), 400)
+    body = {"model": MODEL, "prompt": TURNS[0]["content"], "options": {"num_ctx": 8}}
+    assert "more than options.num_ctx (8)" in error_of(httpx.post(server.url + "/api/generate", json=body), 400)
+    body = {"model": MODEL, "prompt": TURNS[0]["content"], "raw": True, "options": {"num_ctx": 8}}
+    assert "more than options.num_ctx (8)" in error_of(httpx.post(server.url + "/api/generate", json=body), 400)

@@ -435,17 +435,56 @@ def test_arguments_stream_as_they_are_written(family, text, names):
     assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris"}, {"zone": "UTC"}]
 
 
-def test_a_call_that_never_parses_is_text_and_a_cut_one_keeps_its_pieces():
-    from ferrum_mac.engine import CallSplitter
+def test_a_call_that_never_parses_is_text_and_a_cut_one_is_no_call():
+    from ferrum_mac.engine import EOS, MAX_TOKENS, CallSplitter
     from ferrum_mac.text.tool_calls import FORMATS, HERMES, ToolCallDelta
 
     split = CallSplitter(FORMATS[HERMES], stream_arguments=True)
-    events = split.feed("<tool_call>\nnot a call\n</tool_call> ok") + split.finish()
+    events = split.feed("<tool_call>\nnot a call\n</tool_call> ok") + split.finish(EOS)
     assert "".join(e.text for e in events) == "\nnot a call\n ok" and not split.calls
     cut = CallSplitter(FORMATS[HERMES], stream_arguments=True)
-    events = cut.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U') + cut.finish()
-    assert all(isinstance(e, ToolCallDelta) for e in events)  # cut by the limit: the pieces stand
-    assert [(c.name, c.arguments) for c in cut.calls] == [("get_time", '{"zone": "U')]
+    events = cut.feed('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U') + cut.finish(MAX_TOKENS)
+    assert all(isinstance(e, ToolCallDelta) for e in events)  # streamed as it came, but no call to run
+    assert cut.calls == []
+
+
+CUT = [
+    ("second call's head", "hermes", TWO_CALLS.split('"get_time"')[0], ["get_weather"], ""),
+    ("second opener", "hermes", TWO_CALLS[: TWO_CALLS.rindex("<tool_call>")] + "<tool_call>\n{", ["get_weather"], ""),
+    (
+        "half an opener",
+        "hermes",
+        'Sure. <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_',
+        ["get_time"],
+        "Sure. ",
+    ),
+    ("no head yet", "hermes", "<tool_call>\n", [], ""),
+    ("llama call", "llama3", '{"name": "get_weather", "parameters": {"city": "Par', [], ""),
+    ("llama JSON text", "llama3", '{"answer": 4', [], '{"answer": 4'),
+    (
+        "mistral list",
+        "mistral",
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get',
+        ["get_time"],
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize("case, family, text, names, content", CUT, ids=[c[0] for c in CUT])
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_call_cut_by_max_tokens_is_neither_a_call_nor_text(case, family, text, names, content, stream):
+    """Whatever the limit cuts inside call markup comes back as no text and no call; whole calls
+    before it stay, and text that is no call (Llama's bare JSON) stays text."""
+    from ferrum_mac.engine import MAX_TOKENS, CallSplitter, TextDelta
+    from ferrum_mac.text.tool_calls import FORMATS
+
+    split = CallSplitter(FORMATS[family], stream_arguments=stream)
+    events = [e for ch in text for e in split.feed(ch)] + split.finish(MAX_TOKENS)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == content == split.text
+    if family == "mistral" and not stream:
+        names = []  # one body holds the whole list: unparsable once cut, its whole first call with it
+    assert [c.name for c in split.calls] == names
 
 
 # -- Qwen3's own template and tokenizer (<tool_call> is one token there), on random weights -----
@@ -549,3 +588,66 @@ def test_allowed_tools_narrow_what_an_answer_may_call():
     )
     assert tools.choice == "required"
     assert [f["name"] for f in tools.functions] == [TWENTY_TOOLS[1]["function"]["name"]]
+
+
+# -- a forced call and max_tokens, through OpenAI's and Anthropic's routes --------------------
+
+PARIS = [{"role": "user", "content": "Weather in Paris?"}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def _sse_data(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("max_tokens", [8, 14, 34])
+def test_a_forced_call_is_whole_or_a_cut_answer_never_a_cut_call_or_markup(smollm2_server, max_tokens):
+    """8 and 14 tokens cut the only call: a cut answer (length / max_tokens) with no call and no
+    text. 34 hold one call but not a second: the answer ends after the first (tool_calls /
+    tool_use), where it used to start a second whose head came back as text."""
+    cut = max_tokens < 34
+    base = {"model": "smollm2", "messages": PARIS, "max_tokens": max_tokens, "temperature": 0}
+    openai_body = {**base, "tools": [_function("get_weather", CITY)], "tool_choice": "required"}
+    choice = httpx.post(smollm2_server.url + CHAT, json=openai_body, timeout=300).json()["choices"][0]
+    assert choice["finish_reason"] == ("length" if cut else "tool_calls"), choice
+    assert not choice["message"]["content"]
+    calls = choice["message"].get("tool_calls") or []
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == ([] if cut else [{"city": "Paris"}])
+    chunks = _sse_data(httpx.post(smollm2_server.url + CHAT, json={**openai_body, "stream": True}, timeout=300))
+    assert not "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == choice["finish_reason"]
+
+    anthropic_body = {**base, "tools": [{"name": "get_weather", "input_schema": CITY}], "tool_choice": {"type": "any"}}
+    message = httpx.post(smollm2_server.url + "/v1/messages", json=anthropic_body, timeout=300).json()
+    assert message["stop_reason"] == ("max_tokens" if cut else "tool_use"), message
+    assert [b["type"] for b in message["content"]] == (["text"] if cut else ["tool_use"])
+    assert all(b["text"] == "" for b in message["content"] if b["type"] == "text")
+    events = _sse_data(
+        httpx.post(smollm2_server.url + "/v1/messages", json={**anthropic_body, "stream": True}, timeout=300)
+    )
+    assert not any(e.get("delta", {}).get("type") == "text_delta" for e in events)
+    assert [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"] == [message["stop_reason"]]
+
+
+def test_ollama_sends_no_call_cut_by_num_predict():
+    """Ollama's answer gathers the calls' pieces and sends them whole: a cut one is left out
+    (it used to go out with `arguments: {}`), and the answer is "length"."""
+    from ferrum_mac.engine import Done
+    from ferrum_mac.serve.events import Finished
+    from ferrum_mac.serve.protocols.ollama import OllamaAnswer
+    from ferrum_mac.text.tool_calls import ToolCallDelta
+
+    pieces = [
+        ToolCallDelta(0, "call_a", "get_weather", ""),
+        ToolCallDelta(0, None, None, '{"city": "Paris"}'),
+        ToolCallDelta(1, "call_b", "get_time", ""),
+        ToolCallDelta(1, None, None, '{"zone": '),
+    ]
+    out = OllamaAnswer("smollm2", chat=True)
+    assert all(out.piece(p) is None for p in pieces)
+    done = Finished.of(Done("max_tokens", 10, 0, 30, 0.1, 10.0, 10.0), called=True)
+    last = out.last(done, 1.0)
+    assert out.calls_object()["message"]["tool_calls"] == [
+        {"id": "call_a", "function": {"index": 0, "name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
+    assert last["done_reason"] == "length" and done.finish == "length"

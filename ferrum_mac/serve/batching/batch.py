@@ -116,6 +116,7 @@ class Batch:
             max_tokens=request.max_tokens,
             ignore_eos=request.ignore_eos,
             timing=timing,
+            call_tokens=request.call_tokens,
         )
 
     def kv_need(self, request: GenerationRequest) -> int:

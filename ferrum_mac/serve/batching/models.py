@@ -41,6 +41,7 @@ log = logging.getLogger("ferrum.serve")
 
 FOREVER = math.inf
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: five minutes
+LONGEST_KEEP_ALIVE_S = 100 * 365 * 86400.0  # longer is forever (and past a date's range when written)
 REAP_INTERVAL_S = 0.2  # how often idle models are looked at
 LOAD_GRACE_S = 1.0  # a model just loaded is kept this long, so the requests that waited for it get it
 KV_SHARE_OF_WEIGHTS = 0.25  # memory a model needs beyond its weights, for its KV pool and activations
@@ -54,7 +55,7 @@ Opener = Callable[[Path | str], Scheduler]  # a model's path or name -> its star
 
 def keep_alive_seconds(value) -> float | None:
     """Ollama's `keep_alive`: seconds as a number, or a Go duration ("5m", "1h30m", "300ms") or a
-    number as text; 0 unloads after the answer, a negative value never. None when absent."""
+    number as text; 0 unloads after the answer, a negative value (or over a century) never. None when absent."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -67,7 +68,7 @@ def keep_alive_seconds(value) -> float | None:
         raise _bad_keep_alive(value)
     if not math.isfinite(seconds):
         raise _bad_keep_alive(value)
-    return FOREVER if seconds < 0 else seconds
+    return FOREVER if seconds < 0 or seconds > LONGEST_KEEP_ALIVE_S else seconds
 
 
 def _duration_seconds(text: str) -> float:

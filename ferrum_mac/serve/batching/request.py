@@ -38,6 +38,7 @@ class GenerationRequest:
     ignore_eos: bool = False  # generate max_tokens whatever the model says (for load tests)
     # structured output: the answer's grammar state, used by the scheduler thread only; None: free text
     matcher: GrammarMatcher | None = None
+    call_tokens: int | None = None  # the fewest tokens one more required call takes (`AnswerState`)
     speculate: str | None = None  # auto, ngram or off (guess tokens, verify them in one step); None: the server's
     emit: Callable[[object], None] | None = None  # called on the scheduler thread with each event
 
@@ -47,6 +48,7 @@ class RequestHandle:
         self.request = request
         self.cache_id = f"request-{next(_ids)}"
         self._cancelled = threading.Event()
+        self.cached_tokens = 0  # prompt tokens the prefix cache gave (set by the scheduler, final once it prefilled)
 
     def cancel(self) -> None:
         """Stop generating after the current step and free the request's KV cache."""

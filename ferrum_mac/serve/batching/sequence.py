@@ -42,6 +42,7 @@ class Sequence:
         """Start from what `state.reuse` attached: prefill only the rest of the prompt."""
         prompt = self.request.prompt_ids
         self.pos, self.cached, self.miss = reuse.tokens, reuse.tokens, reuse.miss
+        self.handle.cached_tokens = reuse.tokens
         self.unprefilled = list(prompt[reuse.tokens :])
 
     def held_tokens(self, held: int) -> list[int]:

@@ -18,16 +18,16 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ferrum_mac.engine import CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, ReasoningDelta, TextDelta
+from ferrum_mac.engine import CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, ReasoningDelta, TextDelta, with_calls
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.api_errors import error_shapes
-from ferrum_mac.serve.events import ToolCallDelta
+from ferrum_mac.serve.events import TOOL_CALLS, ToolCallDelta, finish_of
 from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.text.tool_calls import ToolCall
 
@@ -209,13 +209,27 @@ def content_blocks(content, role: str, where: str) -> list[dict]:
 
 
 def assistant_message(blocks: list[dict], where: str) -> dict:
-    """Text and calls; thinking blocks a client sends back are dropped (templates drop old reasoning)."""
+    """Text, calls, and the reasoning of its thinking blocks as `reasoning_content`, which the
+    chat template renders where the model's own rules keep it (Qwen3: the turns after the last
+    question, as while it calls tools); redacted_thinking carries no text to render."""
     text = "".join(b["text"] for b in blocks if b["type"] == "text")
     calls = [tool_call(b, f"{where}.content.{j}") for j, b in enumerate(blocks) if b["type"] == "tool_use"]
+    reasoning = "".join(
+        thinking_text(b, f"{where}.content.{j}") for j, b in enumerate(blocks) if b["type"] == "thinking"
+    )
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return message
+
+
+def thinking_text(block: dict, where: str) -> str:
+    thinking = block.get("thinking")
+    if not isinstance(thinking, str):
+        raise bad(f"{where}.thinking: must be a string")
+    return thinking
 
 
 def tool_call(block: dict, where: str) -> dict:
@@ -346,18 +360,25 @@ def tool_use_id(call_id: str | None) -> str:
     return "toolu_" + (call_id or uuid.uuid4().hex[:24]).removeprefix("call_")
 
 
-def stop_reason(done: Done, called: bool) -> str:
-    if called:
+def stop_reason(done: Done, called: bool = False) -> str:
+    """`tool_use` when the answer ended by itself holding whole calls (`called`, or as the core's
+    `Finished` says); one cut short is `max_tokens`, whatever calls it holds."""
+    if finish_of(done) == TOOL_CALLS or with_calls(done.stop_reason, called) == TOOL_CALLS:
         return "tool_use"
     return STOP_REASONS.get(done.stop_reason, "end_turn")
 
 
 def usage(done: Done) -> dict:
-    """input_tokens counts what was prefilled; the prefix cache's reused tokens are cache reads."""
+    return usage_of(done.prompt_tokens, done.cached_tokens, done.generated_tokens)
+
+
+def usage_of(prompt: int, cached: int, generated: int) -> dict:
+    """Anthropic's meaning: input_tokens counts what was prefilled (the uncached input), the
+    prefix cache's reused tokens are cache reads."""
     return {
-        "input_tokens": done.prompt_tokens - done.cached_tokens,
-        "output_tokens": done.generated_tokens,
-        "cache_read_input_tokens": done.cached_tokens,
+        "input_tokens": prompt - cached,
+        "output_tokens": generated,
+        "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
 
@@ -390,6 +411,20 @@ def message_body(message_id: str, model: str, text: str, reasoning: str, calls: 
     }
 
 
+def message_start(message_id: str, model: str, usage: dict) -> str:
+    message: dict[str, Any] = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
+    return sse("message_start", {"type": "message_start", "message": message})
+
+
 def sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -401,7 +436,6 @@ class StreamBlocks:
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None  # "thinking", "text" or "tool_use:<call index>"
-        self.called = False
 
     def text(self, kind: str, piece: str) -> list[str]:
         """Events for more text of `kind` ("thinking" or "text")."""
@@ -414,7 +448,6 @@ class StreamBlocks:
         return out
 
     def call(self, delta: ToolCallDelta) -> list[str]:
-        self.called = True
         out = self._switch(f"tool_use:{delta.index}", {**tool_use_block(delta.id, delta.name, ""), "input": {}})
         if delta.arguments:
             piece = {"type": "input_json_delta", "partial_json": delta.arguments}
@@ -445,27 +478,25 @@ async def stream_events(answer: "Answer", message_id: str, model: str, prompt_to
     """Server-sent events; when the client goes away starlette cancels this generator, and the
     `finally` cancels the request, so its KV is released at the next step."""
     try:
-        async for piece in sse_events(answer.events(), message_id, model, prompt_tokens):
+        async for piece in sse_events(answer.events(), message_id, model, prompt_tokens, lambda: answer.cached_tokens):
             yield piece
     finally:
         answer.cancel()
 
 
-async def sse_events(events: AsyncIterator, message_id: str, model: str, prompt_tokens: int) -> AsyncIterator[str]:
-    """Anthropic's server-sent events for the core's neutral events."""
-    start: dict[str, Any] = {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
-    }
-    yield sse("message_start", {"type": "message_start", "message": start})
+async def sse_events(
+    events: AsyncIterator, message_id: str, model: str, prompt_tokens: int, cached: Callable[[], int] = lambda: 0
+) -> AsyncIterator[str]:
+    """Anthropic's server-sent events for the core's neutral events. `message_start` goes once
+    the first event has come: the prompt is prefilled then, and `cached()` says how much of it
+    the prefix cache gave, so its usage says what `message_delta`'s does."""
     blocks = StreamBlocks()
+    started = False
     async for event in events:
+        if not started:
+            started = True
+            reused = event.cached_tokens if isinstance(event, Done) else cached()
+            yield message_start(message_id, model, usage_of(prompt_tokens, reused, 0))
         if isinstance(event, TextDelta):
             pieces = blocks.text("text", event.text) if event.text else []
         elif isinstance(event, ReasoningDelta):
@@ -479,7 +510,7 @@ async def sse_events(events: AsyncIterator, message_id: str, model: str, prompt_
             for piece in blocks.close():
                 yield piece
             delta = {
-                "stop_reason": stop_reason(event, blocks.called),
+                "stop_reason": stop_reason(event),
                 "stop_sequence": event.stop_string if event.stop_reason == STOP_STRING else None,
             }
             yield sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(event)})

@@ -5,7 +5,8 @@ This module only translates. A chat or generate body becomes an OpenAI-shaped bo
 the same checks as /v1/chat/completions (`call.call_from_openai`), so a limit or a fix applies to
 every protocol; the checks here are Ollama's own (its field types, `options`, `keep_alive`).
 Unknown `options` keys are ignored, as Ollama ignores them, but a known one of the wrong type is
-a 400. The core's neutral events become NDJSON objects (one JSON object a line, the last with
+a 400. An `options.num_ctx` below the prompt keeps the newest messages that fit, as Ollama
+does (`fit_num_ctx`). The core's neutral events become NDJSON objects (one JSON object a line, the last with
 `done: true` and Ollama's counts and nanosecond durations), or one object with `stream: false`.
 Errors on these routes take Ollama's shape, `{"error": "message"}`.
 
@@ -17,6 +18,7 @@ suffix is accepted and dropped. Not honoured: images (a 400 until the models rea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import numbers
 import time
@@ -204,6 +206,41 @@ def context_limit(options: dict, capacity: int) -> None:
         raise bad(f"options.num_ctx is {num_ctx}; this model's context holds at most {capacity} tokens")
 
 
+async def fit_num_ctx(server, call, num_ctx: int | None) -> None:
+    """Ollama's `num_ctx` below the prompt: as Ollama does, the chat keeps its system messages and
+    the newest messages that fit in `num_ctx` tokens (the last always); a prompt that cannot fit
+    even so (the newest message alone, a generate prompt) is a 400 rather than Ollama's cut of
+    the prompt's tokens. The longest fitting tail is found by halving, a render each."""
+    if num_ctx is None:
+        return
+    needed = await server.count_tokens(call)
+    messages = call.messages
+    if needed <= num_ctx:
+        return
+    if messages is None:
+        raise bad(
+            f"the prompt needs {needed} tokens, more than options.num_ctx ({num_ctx}); raise num_ctx or shorten it"
+        )
+
+    def kept(start: int) -> list[dict]:
+        return [m for m in messages[:start] if m.get("role") == "system"] + messages[start:]
+
+    fits, cut = len(messages) - 1, 0  # the tail from `fits` may fit; from `cut` it does not
+    while fits - cut > 1:
+        start = (fits + cut) // 2
+        if await server.count_tokens(dataclasses.replace(call, messages=kept(start))) <= num_ctx:
+            fits = start
+        else:
+            cut = start
+    call.messages = kept(fits)
+    needed = await server.count_tokens(call)
+    if needed > num_ctx:
+        raise bad(
+            f"the newest message needs {needed} prompt tokens, more than options.num_ctx ({num_ctx}); "
+            "raise num_ctx or shorten the message"
+        )
+
+
 def penalty_window(options: dict, capacity: int) -> int | None:
     """`repeat_last_n`: tokens the repetition penalty looks back over (-1: the whole context)."""
     last_n = options.get("repeat_last_n")
@@ -358,19 +395,12 @@ def final_fields(done, total_s: float, load_s: float = 0.0) -> dict:
 
 def done_reason(done) -> str:
     """Ollama says "length" for a cut answer and "stop" for the rest, tool calls included."""
-    finish = getattr(done, "finish", None) or finish_of(done)
-    return "length" if finish == "length" else "stop"
+    return "length" if finish_of(done) == "length" else "stop"
 
 
 def ollama_call(call, index: int) -> dict:
-    """A whole call as Ollama sends it: `arguments` an object, not JSON text."""
-    try:
-        arguments = json.loads(call.arguments) if call.arguments else {}
-    except ValueError:
-        arguments = {}
-    if not isinstance(arguments, dict):
-        arguments = {}
-    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": arguments}}
+    """A whole call (`calls_of` makes no other) as Ollama sends it: `arguments` an object, not JSON text."""
+    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": json.loads(call.arguments)}}
 
 
 class OllamaAnswer:
@@ -517,6 +547,7 @@ class OllamaRoutes:
         model = await models.acquire(call.model, keep_alive)  # held, so its context is known and stays
         try:
             context_limit(options, model.context)
+            await fit_num_ctx(self.server, call, options.get("num_ctx"))
             window = penalty_window(options, model.context)
             if window is not None:
                 call.options.sampling = call.options.sampling.replace(penalty_window=window)

@@ -1,7 +1,7 @@
 """An answer's events as every API module sees them, whatever protocol it speaks.
 
-The scheduler emits the engine's `TextDelta` and `ReasoningDelta`, then one `Done` (or serve's
-`Failed`). When the request offered tools, the engine's `CallSplitter` splits the text into plain
+The scheduler emits the engine's `TextDelta` and `ReasoningDelta` (each token's `TokenLogprob`
+before its text, when the request asks for them), then one `Done` (or serve's `Failed`). When the request offered tools, the engine's `CallSplitter` splits the text into plain
 text and `ToolCallDelta`s, so no call markup reaches a client, and the last event becomes a
 `Finished`: a `Done` that also says, in neutral words, why the answer ended (`finish`).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDelta, TextDelta
+from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDelta, TextDelta, TokenLogprob
 from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.text.tool_calls import ToolCallDelta, calls_of
 
@@ -40,4 +40,4 @@ def finish_of(done: Done) -> str:
     return FINISH_CANCELLED if done.stop_reason == CANCELLED else STOP
 
 
-AnswerEvent = TextDelta | ReasoningDelta | ToolCallDelta | Done | Failed
+AnswerEvent = TextDelta | ReasoningDelta | ToolCallDelta | TokenLogprob | Done | Failed

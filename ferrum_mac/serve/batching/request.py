@@ -38,6 +38,7 @@ class GenerationRequest:
     ignore_eos: bool = False  # generate max_tokens whatever the model says (for load tests)
     # structured output: the answer's grammar state, used by the scheduler thread only; None: free text
     matcher: GrammarMatcher | None = None
+    logprobs: int | None = None  # None: none; k: each answer token's log-probability and the k likeliest
     speculate: str | None = None  # auto, ngram or off (guess tokens, verify them in one step); None: the server's
     emit: Callable[[object], None] | None = None  # called on the scheduler thread with each event
 

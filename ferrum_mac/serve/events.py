@@ -14,7 +14,17 @@ from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDel
 from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.text.tool_calls import ToolCallDelta, calls_of
 
-__all__ = ["LENGTH", "STOP", "TOOL_CALLS", "AnswerEvent", "Finished", "ToolCallDelta", "calls_of", "finish_of"]
+__all__ = [
+    "LENGTH",
+    "STOP",
+    "TOOL_CALLS",
+    "AnswerEvent",
+    "Finished",
+    "ToolCallDelta",
+    "calls_of",
+    "finish_of",
+    "logprob_entries",
+]
 
 # Why an answer ended, in the words the API modules translate into their own.
 STOP, LENGTH, TOOL_CALLS = "stop", "length", "tool_calls"
@@ -38,6 +48,16 @@ def finish_of(done: Done) -> str:
     if done.stop_reason in (MAX_TOKENS, CONTEXT):
         return LENGTH
     return FINISH_CANCELLED if done.stop_reason == CANCELLED else STOP
+
+
+def logprob_entries(tokens: list[TokenLogprob]) -> list[dict]:
+    """Tokens' log-probabilities as OpenAI's chat and Ollama both list them: each token, its
+    log-probability, its bytes and its likeliest alternatives."""
+
+    def entry(text: str, data: bytes, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(data)}
+
+    return [{**entry(t.text, t.data, t.logprob), "top_logprobs": [entry(*top) for top in t.top]} for t in tokens]
 
 
 AnswerEvent = TextDelta | ReasoningDelta | ToolCallDelta | TokenLogprob | Done | Failed

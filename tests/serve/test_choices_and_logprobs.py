@@ -60,6 +60,15 @@ def test_greedy_choices_agree_and_usage_sums(client):
     assert reply.usage.completion_tokens == 3 * one.usage.completion_tokens
 
 
+def test_later_choices_take_the_prompt_from_the_prefix_cache(live):
+    prompt = " ".join([PROMPT] * 12)
+    body = {"prompt": prompt, "n": 4, "max_tokens": 8, "temperature": 0.7, "seed": 3}
+    reply = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+    stats = reply["stats"]  # ferrum's own figures, one per choice
+    assert [s["prompt_tokens"] for s in stats] == [reply["usage"]["prompt_tokens"]] * 4
+    assert all(s["cached_tokens"] >= s["prompt_tokens"] - 1 for s in stats[1:]), stats
+
+
 @pytest.mark.parametrize("chat", [True, False])
 def test_streamed_choices_come_by_index_and_equal_the_whole_ones(client, chat):
     settings = dict(model="m", n=3, temperature=0.8, seed=11, max_tokens=20)
@@ -218,3 +227,30 @@ def assert_consistent(token: str, logprob: float, top: list[tuple[str, float]], 
             assert value == pytest.approx(logprob)
             return
     assert logprob <= values[-1] + 1e-5  # not among the k likeliest: no likelier than the last
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ollama_logprobs_through_its_client(live, stream):
+    import ollama
+
+    client = ollama.Client(host=live.url, timeout=60)
+    settings = dict(model="m", options={"temperature": 0, "num_predict": 16}, logprobs=True, top_logprobs=3)
+    chat = dict(messages=MESSAGES, **settings)
+    plain = client.chat(model="m", messages=MESSAGES, options=settings["options"])
+    if stream:
+        text, entries = "", []
+        for part in client.chat(**chat, stream=True):
+            text += part.message.content
+            entries += part.logprobs or []
+    else:
+        reply = client.chat(**chat)
+        text, entries = reply.message.content, list(reply.logprobs)
+    assert text == plain.message.content and plain.logprobs is None
+    assert entries
+    for entry in entries:
+        assert_consistent(entry.token, entry.logprob, [(t.token, t.logprob) for t in entry.top_logprobs], 3)
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    generated = client.generate(
+        model="m", prompt=PROMPT, raw=True, logprobs=True, top_logprobs=2, **{"options": settings["options"]}
+    )
+    assert "".join(e.token for e in generated.logprobs) == generated.response

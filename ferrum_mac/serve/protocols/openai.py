@@ -25,7 +25,7 @@ from starlette.routing import Route
 from ferrum_mac.engine import CANCELLED, SEED_LIMIT, Done, ReasoningDelta, TextDelta, TokenLogprob
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.batching.request import Failed
-from ferrum_mac.serve.events import LENGTH, TOOL_CALLS, AnswerEvent, Finished
+from ferrum_mac.serve.events import LENGTH, TOOL_CALLS, AnswerEvent, Finished, logprob_entries
 from ferrum_mac.text.tool_calls import ToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
@@ -238,16 +238,7 @@ async def interleaved(answers: list["Answer"]) -> AsyncIterator[tuple[int, Answe
 
 def chat_logprobs(tokens: list[TokenLogprob]) -> dict:
     """A chat choice's `logprobs`: each token, its log-probability, its bytes and the likeliest."""
-
-    def entry(text: str, data: bytes, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(data)}
-
-    return {
-        "content": [
-            {**entry(t.text, t.data, t.logprob), "top_logprobs": [entry(*top) for top in t.top]} for t in tokens
-        ],
-        "refusal": None,
-    }
+    return {"content": logprob_entries(tokens), "refusal": None}
 
 
 def completion_logprobs(tokens: list[TokenLogprob], offset: int) -> dict:

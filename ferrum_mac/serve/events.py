@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDelta, TextDelta, TokenLogprob
+from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDelta, TextDelta
 from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.text.tool_calls import ToolCallDelta, calls_of
+from ferrum_mac.engine.events import TokenLogprob
 
 __all__ = [
     "LENGTH",

@@ -41,6 +41,7 @@ from ferrum_mac.engine.events import (
     Notice,
     ReasoningDelta,
     TextDelta,
+    TokenLogprob,
     ToolCallRequested,
 )
 from ferrum_mac.engine.sampling import SEED_LIMIT, Sampler, SamplingError, SamplingParams
@@ -78,6 +79,7 @@ __all__ = [
     "SamplingError",
     "SamplingParams",
     "TextDelta",
+    "TokenLogprob",
     "ToolCallRequested",
     "Timing",
     "done_event",

@@ -24,6 +24,21 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One answer token's log-probability, before the text it adds (only for a request that asks).
+
+    The model's own distribution: log_softmax of its logits, before the request's temperature,
+    penalties, bias, top-k/top-p or grammar (as vLLM reports by default, and as OpenAI's do not
+    change with temperature). `top`: the likeliest tokens at that step, most likely first, as
+    (text, bytes, logprob). A token's text is its bytes as UTF-8 (a partial character escaped)."""
+
+    text: str
+    data: bytes
+    logprob: float
+    top: tuple[tuple[str, bytes, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class ReasoningDelta:
     """More of the model's reasoning (the `<think>` section)."""
 
@@ -63,4 +78,4 @@ class Done:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
-Event = Union[TextDelta, ReasoningDelta, Notice, ToolCallRequested, Done]
+Event = Union[TextDelta, ReasoningDelta, Notice, ToolCallRequested, Done, TokenLogprob]

@@ -132,3 +132,9 @@ class Sampler(Protocol):
     def read(self, token: Token) -> int:
         """Wait for `token` and return its id."""
         ...
+
+    def logprobs(self, logits: Any, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """`token`'s log-probability in `logits` (the model's own, before this sampler's settings)
+        and the `k` likeliest ids with theirs, most likely first; read on the host, so called
+        only for a request that asks for them."""
+        ...

@@ -53,7 +53,7 @@ def call_from_openai(
         body = api.check_body(body)
         messages = api.chat_messages(body) if chat else None
         prompt = None if chat else api.completion_prompt(body)
-        options = api.options(body, limits.sampling, limits.vocab_size, limits.template_names)
+        options = api.options(body, limits.sampling, limits.vocab_size, limits.template_names, chat=chat)
         tools = api.tool_request(body) if chat else None
         speculate = speculate_field(body)
     except api.ApiError as e:

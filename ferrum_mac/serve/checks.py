@@ -5,8 +5,8 @@ the one validation layer (`call.call_from_openai` builds a call from its answers
 the OpenAI API: a wrong field answers 400 with `{"error": {message, type,
 param, code}}`. Everything a client sends is checked here, at the edge: JSON nested at most
 `MAX_DEPTH` deep, no NaN or infinities, strings that are valid Unicode (no lone surrogates),
-every number finite and in its range. Fields ferrum cannot honour (n > 1, functions, logprobs,
-...) are refused rather than ignored; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
+every number finite and in its range. Fields ferrum cannot honour (functions, audio, `echo` with
+`logprobs`, ...) are refused rather than ignored; vLLM's extras `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos` and `chat_template_kwargs` are accepted.
 """
 
@@ -30,6 +30,9 @@ from ferrum_mac.serve.api_errors import ApiError
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit
+MAX_CHOICES = 8  # `n`: answers to one request (each a sequence of the batch)
+MAX_TOP_LOGPROBS = 20  # chat's `top_logprobs`, OpenAI's limit
+MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs`, OpenAI's limit
 
 MAX_STOPS = 4
 MAX_STOP_CHARS = 1000  # the answer is searched for each at every token
@@ -43,12 +46,9 @@ TEMPLATE_ARGUMENTS = frozenset(
 UNSUPPORTED = {
     "functions": None,
     "function_call": None,
-    "logprobs": False,
-    "top_logprobs": None,
     "audio": None,
     "prediction": None,
     "best_of": 1,
-    "echo": False,
     "suffix": None,
 }
 
@@ -63,6 +63,9 @@ class Options:
     ignore_eos: bool = False
     template_kwargs: dict = field(default_factory=dict)
     response_format: ResponseFormat | None = None  # None: free text
+    n: int = 1  # answers to the request, each its own sequence
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
+    echo: bool = False  # a completion: its text starts with the prompt
 
 
 def parse_json(raw: bytes):
@@ -84,14 +87,15 @@ def check_body(body) -> dict:
     for name, allowed in UNSUPPORTED.items():
         if body.get(name) not in (None, allowed):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name, code="unsupported_parameter")
-    if _integer(body, "n", 1) not in (None, 1):
-        raise ApiError(400, "only n=1 is supported", param="n", code="unsupported_parameter")
     return body
 
 
-def options(body: dict, defaults: SamplingParams, vocab_size: int, template_names=frozenset()) -> Options:
+def options(
+    body: dict, defaults: SamplingParams, vocab_size: int, template_names=frozenset(), chat: bool = True
+) -> Options:
     """The request's settings over the model's defaults. `template_names`: the variables the
-    chat template gets besides TEMPLATE_ARGUMENTS (its special tokens)."""
+    chat template gets besides TEMPLATE_ARGUMENTS (its special tokens); `chat`: the body is a
+    chat's (else a completion's, whose `logprobs` is a count and which may `echo`)."""
     sampling = _sampling(body, defaults, vocab_size)
     max_tokens = _integer(body, "max_completion_tokens", 1)
     if max_tokens is None:
@@ -106,7 +110,37 @@ def options(body: dict, defaults: SamplingParams, vocab_size: int, template_name
         template_kwargs=_template_kwargs(body, TEMPLATE_ARGUMENTS | frozenset(template_names)),
         ignore_eos=bool(_typed(body, "ignore_eos", bool)),
         response_format=response_format(body),
+        n=_integer(body, "n", 1, MAX_CHOICES) or 1,
+        logprobs=logprobs_asked(body, chat),
+        echo=_echo(body, chat),
     )
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """How many likeliest tokens each answer token's log-probability comes with; None: no
+    log-probabilities. A chat says `logprobs: true` and `top_logprobs` (0 to 20), a completion
+    `logprobs` (0 to 5)."""
+    if not chat:
+        return None if body.get("logprobs") is False else _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    asked = _typed(body, "logprobs", bool)
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not asked:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+    return (top or 0) if asked else None
+
+
+def _echo(body: dict, chat: bool) -> bool:
+    echo = bool(_typed(body, "echo", bool))
+    if echo and chat:
+        raise ApiError(400, "'echo' is a completions field", param="echo", code="unsupported_parameter")
+    if echo and body.get("logprobs") not in (None, False):
+        raise ApiError(
+            400,
+            "'echo' with 'logprobs' (the prompt's log-probabilities) is not supported; ask for either alone",
+            param="echo",
+            code="unsupported_parameter",
+        )
+    return echo
 
 
 def response_format(body: dict) -> ResponseFormat | None:

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from ferrum_mac.engine import CallSplitter, Done, LocalEngine, ReasoningDelta, TextDelta
+from ferrum_mac.engine import CallSplitter, Done, LocalEngine, ReasoningDelta, TextDelta, TokenLogprob
 from ferrum_mac.engine.prompt import AnswerStart
 from ferrum_mac.errors import FerrumError, KvCapacityError
 from ferrum_mac.grammar import GrammarMatcher
@@ -42,17 +42,20 @@ class ClientGone(Exception):
 
 
 class Whole(NamedTuple):
-    """A whole answer: its text (calls' markup taken out), reasoning, tool calls and last event."""
+    """A whole answer: its text (calls' markup taken out), reasoning, tool calls and last event,
+    and its tokens' log-probabilities when the request asked for them."""
 
     text: str
     reasoning: str
     calls: list[ToolCall]
     done: Finished
+    logprobs: list[TokenLogprob] = []
 
 
 class Answer:
-    """One request's answer as neutral events: TextDelta, ReasoningDelta and ToolCallDelta, then
-    one `Finished` (a `Done` with its finish reason) or one `Failed`. Iterate `events()` once to
+    """One request's answer as neutral events: TextDelta, ReasoningDelta and ToolCallDelta (each
+    token's `TokenLogprob` before its text, when asked for), then one `Finished` (a `Done` with
+    its finish reason) or one `Failed`. Iterate `events()` once to
     stream, or await `whole()`; either way the request is cancelled (its KV freed) if the client
     goes, and `cancel()` does it at once."""
 
@@ -73,6 +76,7 @@ class Answer:
         self.model_name = model_name
         self.prompt_tokens = prompt_tokens
         self.calls = calls
+        self.echo = ""  # a completion that asked for `echo`: its prompt's text
 
     @property
     def cached_tokens(self) -> int:
@@ -93,7 +97,7 @@ class Answer:
                 if isinstance(event, TextDelta):
                     for piece in streamed(self.calls.feed(event.text)):
                         yield piece
-                elif isinstance(event, ReasoningDelta):
+                elif isinstance(event, (ReasoningDelta, TokenLogprob)):
                     yield event
                 elif isinstance(event, Failed):
                     yield event
@@ -120,9 +124,12 @@ class Answer:
         text: list[str] = []
         reasoning: list[str] = []
         calls: list[ToolCallDelta] = []
+        logprobs: list[TokenLogprob] = []
         async for event in self.events():
             if isinstance(event, TextDelta):
                 text.append(event.text)
+            elif isinstance(event, TokenLogprob):
+                logprobs.append(event)
             elif isinstance(event, ReasoningDelta):
                 reasoning.append(event.text)
             elif isinstance(event, ToolCallDelta):
@@ -130,7 +137,7 @@ class Answer:
             elif isinstance(event, Failed):
                 raise api.ApiError(500, event.message, kind="server_error", code="generation_failed")
             elif isinstance(event, Finished):
-                return Whole("".join(text), "".join(reasoning), calls_of(calls), event)
+                return Whole("".join(text), "".join(reasoning), calls_of(calls), event, logprobs)
         raise api.ApiError(500, "the answer ended without a last event", kind="server_error", code="internal_error")
 
 
@@ -254,13 +261,18 @@ class Server:
             matcher=prepared.matcher,
             call_tokens=prepared.call_tokens,
             emit=emit,
+            logprobs=options.logprobs,
             speculate=call.speculate,
         )
         handle = _submit(model.scheduler, request, "messages" if call.messages is not None else "prompt")
         tools = call.tools
         fmt = prompting.engine.template.tool_format if tools is not None else None
         calls = CallSplitter(fmt, tools is None or tools.parallel, prepared.start.call_prefix, stream_arguments=True)
-        return Answer(http, handle, queue, model.name, len(prepared.ids), calls, done)
+        answer = Answer(http, handle, queue, model.name, len(prepared.ids), calls, done)
+        if options.echo:
+            prompt = call.prompt
+            answer.echo = prompt if isinstance(prompt, str) else prompting.engine.tokenizer.decode(prepared.ids)
+        return answer
 
     async def check_grammars(self, http: Request | None, call: ChatCall) -> None:
         """Check the grammars `call` needs within the guard's bounds, before the server compiles

@@ -1,7 +1,7 @@
 """An answer's events as every API module sees them, whatever protocol it speaks.
 
-The scheduler emits the engine's `TextDelta` and `ReasoningDelta`, then one `Done` (or serve's
-`Failed`). When the request offered tools, the engine's `CallSplitter` splits the text into plain
+The scheduler emits the engine's `TextDelta` and `ReasoningDelta` (each token's `TokenLogprob`
+before its text, when the request asks for them), then one `Done` (or serve's `Failed`). When the request offered tools, the engine's `CallSplitter` splits the text into plain
 text and `ToolCallDelta`s, so no call markup reaches a client, and the last event becomes a
 `Finished`: a `Done` that also says, in neutral words, why the answer ended (`finish`).
 """
@@ -13,8 +13,19 @@ from dataclasses import asdict, dataclass
 from ferrum_mac.engine import CANCELLED, CONTEXT, MAX_TOKENS, Done, ReasoningDelta, TextDelta, with_calls
 from ferrum_mac.serve.batching.request import Failed
 from ferrum_mac.text.tool_calls import ToolCallDelta, calls_of
+from ferrum_mac.engine.events import TokenLogprob
 
-__all__ = ["LENGTH", "STOP", "TOOL_CALLS", "AnswerEvent", "Finished", "ToolCallDelta", "calls_of", "finish_of"]
+__all__ = [
+    "LENGTH",
+    "STOP",
+    "TOOL_CALLS",
+    "AnswerEvent",
+    "Finished",
+    "ToolCallDelta",
+    "calls_of",
+    "finish_of",
+    "logprob_entries",
+]
 
 # Why an answer ended, in the words the API modules translate into their own.
 STOP, LENGTH, TOOL_CALLS = "stop", "length", "tool_calls"
@@ -46,4 +57,14 @@ def finish_of(done: Done) -> str:
     return FINISH_CANCELLED if done.stop_reason == CANCELLED else STOP
 
 
-AnswerEvent = TextDelta | ReasoningDelta | ToolCallDelta | Done | Failed
+def logprob_entries(tokens: list[TokenLogprob]) -> list[dict]:
+    """Tokens' log-probabilities as OpenAI's chat and Ollama both list them: each token, its
+    log-probability, its bytes and its likeliest alternatives."""
+
+    def entry(text: str, data: bytes, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(data)}
+
+    return [{**entry(t.text, t.data, t.logprob), "top_logprobs": [entry(*top) for top in t.top]} for t in tokens]
+
+
+AnswerEvent = TextDelta | ReasoningDelta | ToolCallDelta | TokenLogprob | Done | Failed

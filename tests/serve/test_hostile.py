@@ -303,7 +303,7 @@ def test_a_keep_alive_past_a_century_is_forever():
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"max_tokens": 1.5}, "max_tokens"),
         ({"max_completion_tokens": -4}, "max_completion_tokens"),
-        ({"n": 2.0}, "n"),
+        ({"n": 9.0}, "n"),
         ({"n": "1"}, "n"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": "yes"}}, "include_usage"),

@@ -146,12 +146,12 @@ def error_of(response: httpx.Response, status: int) -> dict:
         ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
         ({"messages": "hello"}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages[0]"),
-        ({"messages": MESSAGES, "n": 2}, "n"),
+        ({"messages": MESSAGES, "n": 9}, "n"),
         (
             {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f g"}}]},
             "tools[0].function.name",
         ),
-        ({"messages": MESSAGES, "logprobs": True}, "logprobs"),
+        ({"messages": MESSAGES, "logprobs": "yes"}, "logprobs"),
         ({"messages": MESSAGES, "stop": [1, 2]}, "stop"),
     ],
 )

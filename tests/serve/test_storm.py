@@ -163,7 +163,7 @@ MALFORMED_BODIES = [
     b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"}',
     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999999999999999999999}',
     b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "n": 5}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "n": 9}',
     b'{"messages": [{"role": "user", "content": "hi"}], "top_k": 1e3}',
     b'{"messages": [{"role": "user", "content": "hi"}], "stop": [1]}',
     b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}',

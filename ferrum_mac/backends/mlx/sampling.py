@@ -54,6 +54,18 @@ class MlxSampler:
     def read(self, token: mx.array) -> int:
         return int(token.item())
 
+    def logprobs(self, logits: mx.array, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """`token`'s log-probability under the model's own distribution (the raw logits, before
+        this sampler's settings), and the `k` likeliest ids with theirs, most likely first."""
+        x = logits.reshape(-1)[: self.vocab_size].astype(mx.float32)
+        logprobs = x - mx.logsumexp(x)
+        top = mx.argpartition(-logprobs, kth=k - 1)[:k] if k else mx.array([], dtype=mx.uint32)
+        mx.eval(logprobs, top)
+        ids = top.tolist()
+        values = logprobs[top].tolist() if k else []
+        ranked = sorted(zip(ids, values), key=lambda pair: -pair[1])
+        return float(logprobs[token].item()), ranked
+
     @staticmethod
     def sample_rows(samplers: Sequence["MlxSampler"], rows: Sequence[mx.array]) -> list[int]:
         """Token ids for many sequences at once, row i by samplers[i]: the plain greedy rows

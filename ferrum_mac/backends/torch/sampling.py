@@ -61,6 +61,13 @@ class TorchSampler:
         pending = self.reads.pop(id(token), None)
         return pending() if pending else int(token.item())
 
+    def logprobs(self, logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """`token`'s log-probability under the model's own distribution (the raw logits, before
+        this sampler's settings), and the `k` likeliest ids with theirs, most likely first."""
+        logprobs = torch.log_softmax(logits.reshape(-1)[: self.vocab_size].float(), dim=-1)
+        values, ids = torch.topk(logprobs, k)
+        return float(logprobs[token].item()), list(zip(ids.tolist(), values.tolist()))
+
     def _penalise(self, x: torch.Tensor) -> torch.Tensor:
         p = self.params
         counts = torch.zeros_like(x).index_add_(0, self.window, torch.ones_like(self.window, dtype=x.dtype))

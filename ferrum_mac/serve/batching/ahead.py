@@ -11,7 +11,7 @@ keeps a batch on it while its steps are plain decodes:
     read t_k+1 ...
 
 A step runs ahead only where nothing needs the tokens before the step is queued: no grammar
-(its mask needs the last token), no guesses this step (they are looked up in the tokens read),
+(its mask needs the last token), no log-probabilities asked for (read with their row), no guesses this step (they are looked up in the tokens read),
 and room in every cache for a position the answer may never use (its last token, fed before it
 is read). A finished answer's queued row is wasted, never wrong: what a sequence remembers is
 what it read (`Batch._remember_answer`).
@@ -48,7 +48,7 @@ def may_run_ahead(decoding: list[Sequence], capacity: int) -> bool:
     if not decoding:
         return False
     for seq in decoding:
-        if seq.request.matcher is not None:
+        if seq.request.matcher is not None or seq.request.logprobs is not None:
             return False
         if seq.pos + 2 > capacity:  # the queued row sits at pos; a read token must still fit after it
             return False

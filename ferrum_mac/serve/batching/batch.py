@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ferrum_mac.engine import CANCELLED, CONTEXT, AnswerState, AnswerText, Timing
+from ferrum_mac.engine import CANCELLED, CONTEXT, AnswerState, AnswerText, Timing, TokenLogprob
 from ferrum_mac.engine.context import common_prefix
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.errors import FerrumError
@@ -162,9 +162,10 @@ class Batch:
 
     # -- tokens and ends ---------------------------------------------------------------------
 
-    def accept(self, seq: Sequence, token: int) -> None:
+    def accept(self, seq: Sequence, token: int, logits=None) -> None:
         """Hand `seq` its next token: its text goes out, and the answer's rules (or a full
-        context) may end it; else the token goes into its cache next step."""
+        context) may end it; else the token goes into its cache next step. `logits`: the row it
+        was drawn from, for a request that asks for log-probabilities (`TokenLogprob`)."""
         if seq.generated == 0:  # its prompt is in the cache: requests that start alike share it now
             self.model.state.remember(seq.cache_id, seq.request.prompt_ids)
             log.info("%s", prefix_line(seq))
@@ -172,6 +173,9 @@ class Batch:
         if seq.speculator is not None:
             seq.history.append(token)
         self.stats.generated_tokens += 1
+        k = seq.request.logprobs
+        if k is not None and logits is not None and (token not in self.eos_ids or seq.request.ignore_eos):
+            seq.emit(self.token_logprob(seq, logits, token, k))
         for event in seq.answer.add(token):
             seq.emit(event)
         reason = seq.answer.reason
@@ -182,10 +186,21 @@ class Batch:
         else:
             self.finish(seq, reason)
 
-    def accept_or_fail(self, seq: Sequence, token: int) -> None:
+    def token_logprob(self, seq: Sequence, logits, token: int, k: int) -> TokenLogprob:
+        logprob, top = seq.sampler.logprobs(logits, token, k)
+        return TokenLogprob(*self.token_text(token), logprob, tuple((*self.token_text(i), lp) for i, lp in top))
+
+    def token_text(self, token: int) -> tuple[str, bytes]:
+        """A token's text and bytes as a client sees them: a special token by its spelling."""
+        data = self.tokenizer.token_bytes(token)
+        if not data:
+            data = (self.tokenizer.id_to_piece(token) or "").encode()
+        return data.decode("utf-8", errors="backslashreplace"), data
+
+    def accept_or_fail(self, seq: Sequence, token: int, logits=None) -> None:
         """`accept`; an error (e.g. its detokenizer) fails this sequence, not the others in the step."""
         try:
-            self.accept(seq, token)
+            self.accept(seq, token, logits)
         except Exception as e:
             log.exception("accepting a token failed")
             if seq in self.running:

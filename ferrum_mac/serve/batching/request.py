@@ -34,6 +34,7 @@ class GenerationRequest:
     max_tokens: int | None = None  # None: until EOS, a stop string or the end of the context
     stop: tuple[str, ...] = ()
     opens_reasoning: bool = False  # the prompt leaves a <think> open
+    logprobs: int | None = None  # None: none; k: each answer token's log-probability and the k likeliest
     raw: bool = False  # a completion: the text exactly as generated (no reasoning split, nothing trimmed)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (for load tests)
     # structured output: the answer's grammar state, used by the scheduler thread only; None: free text

@@ -107,8 +107,8 @@ class StepRunner:
         return list(zip(decoding, rows))
 
     def _accept_all(self, finals: list[tuple[Sequence, Logits]]) -> None:
-        for (seq, _), token in zip(finals, sample_all(finals)):
-            self.batch.accept_or_fail(seq, token)
+        for (seq, logits), token in zip(finals, sample_all(finals)):
+            self.batch.accept_or_fail(seq, token, logits)
 
     # -- plain decode steps, queued ahead of their reads ----------------------------------------
 

@@ -31,14 +31,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ferrum_mac.engine import ReasoningDelta, TextDelta
+from ferrum_mac.engine import ReasoningDelta, TextDelta, TokenLogprob
 from ferrum_mac.engine.defaults import sampling_defaults
 from ferrum_mac.errors import FerrumError, ModelNotFoundError
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.body import BODY_TIMEOUT_S, body_too_large, read_at_most
 from ferrum_mac.serve.api_errors import error_shapes, hide_paths
 from ferrum_mac.serve.batching.models import files_gone
-from ferrum_mac.serve.events import Finished, ToolCallDelta, calls_of, finish_of
+from ferrum_mac.serve.events import Finished, ToolCallDelta, calls_of, finish_of, logprob_entries
 from ferrum_mac.serve.batching.models import keep_alive_seconds
 from ferrum_mac.serve.protocols.ollama_models import (
     PULL_DONE,
@@ -175,6 +175,19 @@ def sampling_fields(options: dict) -> dict:
     if options.get("seed") == -1:  # llama.cpp's "random seed"
         del fields["seed"]
     return fields
+
+
+def logprobs_field(body: dict, chat: bool) -> dict:
+    """Ollama's `logprobs` (true or false) and `top_logprobs` as the OpenAI body's: a chat's, or
+    for a raw prompt a completion's `logprobs` count (the shared checks bound them)."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise bad("logprobs must be true or false")
+    if not asked:
+        return {}
+    if not chat:
+        return {"logprobs": 0 if top is None else top}
+    return {"logprobs": True} if top is None else {"logprobs": True, "top_logprobs": top}
 
 
 def format_field(fmt) -> dict:
@@ -336,6 +349,7 @@ def chat_body(body: dict) -> dict:
         **format_field(body.get("format")),
         **think_field(body.get("think")),
         **tools_field(body.get("tools")),
+        **logprobs_field(body, chat=True),
     }
 
 
@@ -361,9 +375,9 @@ def generate_body(body: dict) -> dict:
     if raw:
         if system:
             raise bad("system has no place in a raw prompt; write it into the prompt")
-        return {**fields, "prompt": prompt}
+        return {**fields, "prompt": prompt, **logprobs_field(body, chat=False)}
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return {**fields, "messages": messages, **think_field(body.get("think"))}
+    return {**fields, "messages": messages, **think_field(body.get("think")), **logprobs_field(body, chat=True)}
 
 
 # -- answers -------------------------------------------------------------------------------------
@@ -405,17 +419,22 @@ def ollama_call(call, index: int) -> dict:
 
 class OllamaAnswer:
     """Neutral answer events -> Ollama objects, for /api/chat (`chat`) or /api/generate.
-    Tool calls are gathered from their pieces and sent whole, in one object before the last."""
+    Tool calls are gathered from their pieces and sent whole, in one object before the last;
+    tokens' log-probabilities (`logprobs`: asked for) go with the next object sent."""
 
-    def __init__(self, model: str, chat: bool, show_thinking: bool = True, load_s: float = 0.0):
+    def __init__(self, model: str, chat: bool, show_thinking: bool = True, load_s: float = 0.0, logprobs: bool = False):
         self.model, self.chat, self.show_thinking = model, chat, show_thinking
         self.load_s = load_s  # the time this request waited for its model to load
         self.calls: dict[int, list[ToolCallDelta]] = {}
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None  # those not sent yet
 
     def piece(self, event) -> dict | None:
         """The object for one event (None: nothing to send yet); a Failed event raises."""
+        if isinstance(event, TokenLogprob) and self.logprobs is not None:
+            self.logprobs.append(event)
+            return None
         if isinstance(event, TextDelta):
-            return self._object(content=event.text) if event.text else None
+            return self._with_logprobs(self._object(content=event.text)) if event.text else None
         if isinstance(event, ReasoningDelta):
             if not self.show_thinking or not event.text:
                 return None
@@ -437,16 +456,24 @@ class OllamaAnswer:
         return self._object(tool_calls=calls) if calls and self.chat else None
 
     def last(self, done, total_s: float) -> dict:
-        return {**self._object(), **final_fields(done, total_s, self.load_s)}
+        return {**self._with_logprobs(self._object()), **final_fields(done, total_s, self.load_s)}
 
     def whole_answer(self, whole, total_s: float) -> dict:
         """The one object of a `stream: false` answer, from the core's whole answer."""
         thinking = whole.reasoning if self.show_thinking and whole.reasoning else None
         calls = [ollama_call(c, i) for i, c in enumerate(whole.calls)] if self.chat else []
+        if self.logprobs is not None:
+            self.logprobs = list(whole.logprobs)
         return {
-            **self._object(content=whole.text, thinking=thinking, tool_calls=calls or None),
+            **self._with_logprobs(self._object(content=whole.text, thinking=thinking, tool_calls=calls or None)),
             **final_fields(whole.done, total_s, self.load_s),
         }
+
+    def _with_logprobs(self, out: dict) -> dict:
+        """`out` with the log-probabilities not sent yet, when the request asked for them."""
+        if self.logprobs is not None:
+            out["logprobs"], self.logprobs = logprob_entries(self.logprobs), []
+        return out
 
     def empty(self) -> dict:
         return self._object()
@@ -554,7 +581,13 @@ class OllamaRoutes:
             answer = await self.server.start(http, call)
         finally:
             models.release(model)
-        out = OllamaAnswer(name_sent(body), chat, show_thinking=body.get("think") is not False, load_s=load_s)
+        out = OllamaAnswer(
+            name_sent(body),
+            chat,
+            show_thinking=body.get("think") is not False,
+            load_s=load_s,
+            logprobs=call.options.logprobs is not None,
+        )
         if stream:
             return StreamingResponse(self.lines(answer, out, started), media_type=NDJSON)
         whole = await answer.whole()

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -53,7 +54,7 @@ def ferrum_serve(stories_path, tmp_path_factory):
     while "serving" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "serving" in log.read_text(), log.read_text()
-    yield f"http://127.0.0.1:{port}", port, log
+    yield f"http://127.0.0.1:{port}", port, log, process.pid
     process.terminate()
     process.wait(timeout=30)
 
@@ -280,6 +281,62 @@ def other_malformed(rng, http, url):
     return http.post(url + path, json={"model": "stories260K", **body}).status_code
 
 
+PERSON = {
+    "type": "object",
+    "$defs": {"Pet": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}}},
+    "properties": {"pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"}, "maxItems": 2}},
+    "required": ["pets"],
+}
+
+
+def schema_bomb(patterns: int) -> dict:
+    """An `allOf` of `.*a.*`, `.*b.*`, ...: a few hundred bytes the grammar engine could spend
+    seconds and hundreds of MB on (the server checks it within bounds)."""
+    letters = [chr(ord("a") + i) for i in range(patterns)]
+    return {
+        "type": "object",
+        "properties": {"s": {"allOf": [{"type": "string", "pattern": f".*{c}.*"} for c in letters]}},
+    }
+
+
+def grammar_heavy(rng, http, url):
+    """Schemas as tools and structured output, on every protocol: `$defs` models, any object, a
+    small grammar bomb; a stream may be left early."""
+    schema = rng.choice([PERSON, schema_bomb(rng.randint(6, 12)), {"type": "object"}])
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    path, body = rng.choice(
+        [
+            (CHAT, {"messages": MESSAGES, "tools": [tool], "tool_choice": "required"}),
+            (
+                CHAT,
+                {
+                    "messages": MESSAGES,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                },
+            ),
+            (
+                MESSAGES_PATH,
+                {
+                    "messages": MESSAGES,
+                    "tools": [{"name": "f", "input_schema": schema}],
+                    "tool_choice": {"type": "any"},
+                },
+            ),
+            (OLLAMA_CHAT, {"messages": MESSAGES, "format": schema, "stream": False}),
+            (RESPONSES, {"input": "Lily", "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}),
+        ]
+    )
+    body = {**body, "model": "stories260K", "max_tokens": rng.randint(4, 24)}
+    if path == RESPONSES:
+        body["max_output_tokens"] = body.pop("max_tokens")
+    if path == OLLAMA_CHAT:
+        body["options"] = {"num_predict": body.pop("max_tokens")}
+    try:
+        return http.post(url + path, json=body, timeout=httpx.Timeout(60, read=rng.choice([0.5, 60]))).status_code
+    except httpx.ReadTimeout:  # a client that gave up: its check and answer must stop
+        return 0
+
+
 JSON_POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
@@ -323,33 +380,38 @@ KINDS = [
     (raw_socket, 2),
     (other_protocols, 4),
     (other_malformed, 4),
+    (grammar_heavy, 4),
 ]
 
 
 @pytest.mark.slow
 def test_storm(ferrum_serve):
-    url, port, log = ferrum_serve
+    url, port, log, pid = ferrum_serve
     with httpx.Client(timeout=60) as http:
         assert valid_chat(random.Random(0), http, url) == 200  # warm
         health_before = timed(lambda: http.get(url + "/health"))
         answer_before = timed(lambda: http.post(url + CHAT, json=SHORT_ANSWER))
     idle = metrics(url)
 
-    rng = random.Random(15)
-    kinds = rng.choices([k for k, _ in KINDS], weights=[w for _, w in KINDS], k=REQUESTS)
-    seeds = [rng.random() for _ in kinds]
-    start = time.monotonic()
-    with httpx.Client(timeout=60, limits=httpx.Limits(max_connections=WORKERS)) as http:
+    def storm(seed: int, requests: int) -> tuple[list[tuple[str, int]], float]:
+        rng = random.Random(seed)
+        kinds = rng.choices([k for k, _ in KINDS], weights=[w for _, w in KINDS], k=requests)
+        seeds = [rng.random() for _ in kinds]
+        start = time.monotonic()
+        with httpx.Client(timeout=60, limits=httpx.Limits(max_connections=WORKERS)) as http:
 
-        def one(job):
-            kind, seed = job
-            rng = random.Random(seed)
-            status = kind(rng, http, url, port) if kind is raw_socket else kind(rng, http, url)
-            return kind.__name__, status
+            def one(job):
+                kind, seed = job
+                rng = random.Random(seed)
+                status = kind(rng, http, url, port) if kind is raw_socket else kind(rng, http, url)
+                return kind.__name__, status
 
-        with ThreadPoolExecutor(WORKERS) as pool:
-            results = list(pool.map(one, zip(kinds, seeds)))
-    storm_s = time.monotonic() - start
+            with ThreadPoolExecutor(WORKERS) as pool:
+                return list(pool.map(one, zip(kinds, seeds))), time.monotonic() - start
+
+    storm(16, REQUESTS // 4)  # what the server keeps by design (its caches' fill, its pools) is taken first
+    rss_before = rss_mb(pid)
+    results, storm_s = storm(15, REQUESTS)
 
     server_errors = [(name, status) for name, status in results if status >= 500]
     assert not server_errors, server_errors
@@ -383,6 +445,15 @@ def test_storm(ferrum_serve):
     assert health_after < max(0.5, 5 * health_before)
     assert answer_after < max(1.0, 5 * answer_before)
     assert "Traceback" not in log.read_text()
+    rss_after = rss_mb(pid)
+    print(f"server RSS {rss_before:.0f} MB before the storm, {rss_after:.0f} MB after")
+    assert rss_after < 1.1 * rss_before  # nothing a storm does grows the server for good
+
+
+def rss_mb(pid: int) -> float:
+    """The process's resident memory (Linux's /proc), in MB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
 
 
 def timed(call) -> float:

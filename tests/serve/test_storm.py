@@ -46,6 +46,7 @@ def ferrum_serve(stories_path, tmp_path_factory):
                 str(MAX_BODY),
                 "--allow-origin",
                 "https://app.example",
+                "--verbose",
             ],
             stderr=out,
             stdout=out,
@@ -409,7 +410,7 @@ def test_storm(ferrum_serve):
             with ThreadPoolExecutor(WORKERS) as pool:
                 return list(pool.map(one, zip(kinds, seeds))), time.monotonic() - start
 
-    storm(16, REQUESTS // 4)  # what the server keeps by design (its caches' fill, its pools) is taken first
+    storm(16, REQUESTS)  # what the server keeps by design (its caches' fill, its pools) is taken first
     rss_before = rss_mb(pid)
     results, storm_s = storm(15, REQUESTS)
 

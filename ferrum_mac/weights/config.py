@@ -12,7 +12,7 @@ from typing import Any
 from ferrum_mac.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_TYPES = ("qwen3_moe",)
+MOE_TYPES = ("qwen3_moe", "gpt_oss")
 GEMMA3_TYPES = ("gemma3_text", "gemma3")  # gemma3: the text model inside the multimodal checkpoint
 # Phi-4 / Phi-4-mini (fused qkv and gate-up, partial RoPE, LongRoPE) and SmolLM3 (NoPE layers)
 ROPE_VARIANT_TYPES = ("phi3", "smollm3")
@@ -47,6 +47,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quantization: dict | None = None  # {"group_size", "bits", per-module overrides}
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window in tokens, 0 for full attention
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific keys (MoE)
 
     @property
@@ -306,6 +307,7 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
             eos_token_ids=_eos_ids(raw, generation),
             quantization=_mlx_quantization(raw, where),
             layer_windows=_layer_windows(raw),
+            attention_sinks=model_type == "gpt_oss",
             extra=raw,
         )
     except KeyError as e:

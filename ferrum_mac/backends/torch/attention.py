@@ -318,9 +318,8 @@ def windowed_segment(q, kv: torch.Tensor, seg: Segment, scale: float, window: in
     first = max(0, seg.offset - window + 1) if window else 0
     positions = torch.arange(seg.offset, end, device=q.device)
     visible = visible_keys(positions, torch.arange(first, end, device=q.device), window)
-    out = scores_attention(
-        q.transpose(0, 1)[None], kv[0][None, :, first:], kv[1][None, :, first:], visible, scale, softcap, head_sinks(sinks)
-    )
+    keys, values = kv[0][None, :, first:], kv[1][None, :, first:]
+    out = scores_attention(q.transpose(0, 1)[None], keys, values, visible, scale, softcap, head_sinks(sinks))
     return out[0].transpose(0, 1).reshape(seg.length, -1)
 
 

@@ -1,9 +1,12 @@
-"""gpt-oss (gpt-oss-20b, gpt-oss-120b): a pre-norm decoder of 128-token sliding-window layers
-alternating with full attention, YaRN RoPE, q/k/v/o projections with biases, a learned sink
-logit per head in every softmax's denominator (`Attention.sinks`), and a mixture of experts
-on every layer: a router with a bias keeps each token's top k experts, weighted by the softmax
-of their logits; each expert is a clamped SwiGLU with biases,
-out = down((clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)) with g = min(gate, limit).
+"""gpt-oss (20b, 120b): attention with sinks in alternating windows, experts with biases.
+
+A pre-norm decoder of 128-token sliding-window layers alternating with full attention, YaRN
+RoPE, q/k/v/o projections with biases, a learned sink logit per head in every softmax's
+denominator (`Attention.sinks`), and a mixture of experts on every layer: a router with a bias
+keeps each token's top k experts, weighted by the softmax of their logits; each expert is a
+clamped SwiGLU with biases,
+
+    out = down((clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)),  g = min(gate, limit).
 
 The experts run as Qwen3-MoE's do (`qwen3_moe.Experts`: one gathered matmul per projection,
 token-expert pairs sorted by expert for long steps), plus their biases; attention takes MLX's

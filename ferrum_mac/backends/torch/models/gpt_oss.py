@@ -1,9 +1,12 @@
-"""gpt-oss (gpt-oss-20b, gpt-oss-120b): a pre-norm decoder of 128-token sliding-window layers
-alternating with full attention, YaRN RoPE, q/k/v/o projections with biases, a learned sink
-logit per head in every softmax's denominator (`Attention.sinks`), and a mixture of experts
-on every layer: a router with a bias keeps each token's top k experts, weighted by the softmax
-of their logits; each expert is a clamped SwiGLU with biases,
-out = down((clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)) with g = min(gate, limit).
+"""gpt-oss (20b, 120b): attention with sinks in alternating windows, experts with biases.
+
+A pre-norm decoder of 128-token sliding-window layers alternating with full attention, YaRN
+RoPE, q/k/v/o projections with biases, a learned sink logit per head in every softmax's
+denominator (`Attention.sinks`), and a mixture of experts on every layer: a router with a bias
+keeps each token's top k experts, weighted by the softmax of their logits; each expert is a
+clamped SwiGLU with biases,
+
+    out = down((clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)),  g = min(gate, limit).
 
 Experts are stacked as Qwen3-MoE's (`qwen3_moe`): gate and up fused `(E, 2 * inter, hidden)`
 (gate first), down `(E, hidden, inter)`, with their biases, and run by the same routes
@@ -112,12 +115,20 @@ class MoeBlock:
         return h + self.experts(x, experts, weights)
 
 
+def swapped(a) -> torch.Tensor:
+    return to_torch(a).transpose(-1, -2)
+
+
+def copied(a) -> torch.Tensor:
+    return to_torch(a).contiguous()
+
+
 class Model(llama.Model):
     """The Llama decoder (its attention with biases and sinks) with gpt-oss's MoE on every layer."""
 
     def __init__(self, src: TensorSource, config: ModelConfig):
         self.moe = gpt_oss_moe(config)
-        split_experts(src.tensors, config.num_layers, lambda a: to_torch(a).transpose(-1, -2), lambda a: to_torch(a).contiguous())
+        split_experts(src.tensors, config.num_layers, swapped, copied)
         super().__init__(src, config)
 
     def make_mlp(self, src: TensorSource, layer: int):

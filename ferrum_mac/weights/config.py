@@ -181,6 +181,9 @@ def _layer_windows(raw: dict) -> tuple[int, ...]:
         return ()
     if raw.get("layer_types"):
         kinds = raw["layer_types"]
+        unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"layer_types holds {unknown[0]!r}, which ferrum does not run")
     elif raw.get("use_sliding_window") is not None:
         first = raw.get("max_window_layers", 0)
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]

@@ -242,3 +242,23 @@ def test_mxfp4_experts_are_refused_by_name(folder, tmp_path):
     with pytest.raises(UnsupportedModelError, match="MXFP4") as err:
         ferrum_mac.open_model(tmp_path, backend=BACKENDS[0], dtype="float32")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("layer_types", ["sliding_attention", "chunked_attention"], "chunked_attention"),
+        ("quantization_config", {"quant_method": "mxfp4"}, "mxfp4"),  # OpenAI's own config.json
+    ],
+)
+def test_a_variant_ferrum_does_not_run_names_its_field(folder, tmp_path, field, value, named):
+    import json
+    import shutil
+
+    shutil.copy(folder / "model.safetensors", tmp_path / "model.safetensors")
+    raw = json.loads((folder / "config.json").read_text())
+    raw[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match=named) as err:
+        ferrum_mac.open_model(tmp_path, backend=BACKENDS[0], dtype="float32")
+    assert "\n" not in str(err.value)

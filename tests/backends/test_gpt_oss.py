@@ -232,6 +232,35 @@ def test_an_mlx_lm_conversion_loads(folder, want, tmp_path, backend):
     assert_close(model.forward_verify("x", PROMPT[:40]), want[:40], FP32_REL, "mlx-lm's layout")
 
 
+@pytest.mark.skipif("mlx" not in BACKENDS, reason="MLX is not installed")
+def test_an_mlx_lm_quantized_conversion_matches_mlx_lm(folder, tmp_path):
+    """mlx-lm's converter quantizes the experts (4-bit, groups of 32) and the router (its
+    predicate: 8-bit, groups of 64); ferrum on both backends against mlx-lm's gpt_oss on the
+    very same packed weights. (mlx-lm fixes the clamp at gpt-oss's 7: so does this model.)"""
+    import mlx.core as mx
+    from mlx_lm import convert, load
+
+    import helpers
+
+    build_reference(swiglu_limit=7.0, intermediate_size=64).save_pretrained(tmp_path / "hf")
+    raw = mlx_lm_layout(tmp_path / "hf", tmp_path)
+    # mlx-lm reads rope_theta and rope_scaling, as transformers 4 wrote them, and YaRN's ramp
+    # always truncated (the default, which transformers and ferrum then agree on)
+    rope = raw.pop("rope_parameters")
+    del rope["truncate"]
+    raw["rope_theta"], raw["rope_scaling"] = rope.pop("rope_theta"), rope
+    helpers.write_config(tmp_path, raw)
+    helpers.write_tiny_tokenizer(tmp_path)
+    out = tmp_path / "q4"
+    convert(str(tmp_path), str(out), quantize=True, q_group_size=32, q_bits=4, dtype="float32")
+    assert helpers.read_config(out)["quantization"]["model.layers.0.mlp.router"]["bits"] == 8
+    reference, _ = load(str(out))
+    want = reference(mx.array([PROMPT[:40]]))[0]
+    for backend in BACKENDS:
+        model = ferrum_mac.open_model(out, backend=backend, dtype="float32")
+        assert_close(model.forward_verify("x", PROMPT[:40]), want, 1e-5, f"{backend} on mlx-lm's 4-bit experts")
+
+
 def test_mxfp4_experts_are_refused_by_name(folder, tmp_path):
     from safetensors.torch import load_file, save_file
 

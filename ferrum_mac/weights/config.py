@@ -165,6 +165,13 @@ def _mlx_quantization(raw: dict, where: str) -> dict | None:
     return q
 
 
+def _mxfp4_experts(raw: dict) -> bool:
+    """OpenAI's gpt-oss checkpoints: MXFP4 experts, which the family reads (`weights.gpt_oss`),
+    and every other weight dense."""
+    q = raw.get("quantization_config") or {}
+    return raw.get("model_type") == "gpt_oss" and q.get("quant_method") == "mxfp4"
+
+
 def check_model_type(model_type: str, where: str) -> None:
     if model_type not in SUPPORTED_TYPES:
         raise UnsupportedModelError(
@@ -308,7 +315,7 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
             dtype=str(dtype).replace("torch.", ""),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=_eos_ids(raw, generation),
-            quantization=_mlx_quantization(raw, where),
+            quantization=None if _mxfp4_experts(raw) else _mlx_quantization(raw, where),
             layer_windows=_layer_windows(raw),
             attention_sinks=model_type == "gpt_oss",
             extra=raw,

@@ -7,20 +7,27 @@ Layouts of a layer's experts, all brought to mlx-lm's names (`mlp.experts.{gate,
   gate and up interleaved along the last dim (gate at even columns), its bias
   `gate_up_proj_bias` `(E, 2 * inter)` likewise; `down_proj` `(E, inter, hidden)` and
   `down_proj_bias` `(E, hidden)`: inputs first, as `x @ W` takes them;
-- mlx-lm conversions (mlx-community): already split and outputs first, maybe affine-quantized.
-
-The released checkpoints store the experts as MXFP4 blocks and scales
-(`gate_up_proj_blocks`, `gate_up_proj_scales`): not read yet, refused by name.
+- mlx-lm conversions (mlx-community): already split and outputs first, maybe affine-quantized;
+- OpenAI's released checkpoints: MXFP4, `gate_up_proj_blocks` `(E, 2 * inter, hidden / 32, 16)`
+  (two 4-bit e2m1 values a byte, the low nibble first) and `gate_up_proj_scales`
+  `(E, 2 * inter, hidden / 32)` (a power of two per 32 values, biased by 127), outputs first;
+  `down_proj` likewise. They are dequantized here, at load, to the compute dtype (bf16 holds
+  every MXFP4 value exactly): correct, but dense in memory (gpt-oss-20b: about 40 GB).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from ferrum_mac.errors import CorruptModelError, UnsupportedModelError
+import numpy as np
+
+from ferrum_mac.errors import CorruptModelError
 from ferrum_mac.weights.config import ModelConfig
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# e2m1: a sign bit, two exponent bits, one mantissa bit
+FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -46,23 +53,52 @@ def gpt_oss_moe(config: ModelConfig) -> GptOssMoe:
     )
 
 
-def split_experts(tensors: dict, layers: int, transpose, contiguous=lambda a: a) -> None:
-    """transformers' fused, interleaved, inputs-first experts -> mlx-lm's names, in place.
-    `transpose(a)` swaps a stack's last two dims (each backend's own op); `contiguous` copies
-    a strided view where the backend needs it."""
+@dataclass(frozen=True)
+class ArrayOps:
+    """The few array ops loading needs, in a backend's own arrays."""
+
+    swapped: Callable  # the last two dims swapped
+    copied: Callable  # a strided view made contiguous
+    to_numpy: Callable
+    from_numpy: Callable
+
+
+def split_experts(tensors: dict, layers: int, ops: ArrayOps) -> None:
+    """transformers' fused, interleaved, inputs-first experts, or OpenAI's MXFP4 ones (fused,
+    interleaved, outputs first) -> mlx-lm's names, in place."""
     for layer in range(layers):
         p = f"layers.{layer}.mlp.experts"
         if f"{p}.gate_up_proj_blocks" in tensors:
-            raise UnsupportedModelError(
-                "this gpt-oss checkpoint stores its experts as MXFP4 blocks, which ferrum does not read yet; "
-                "use a bf16 or an MLX affine-quantized conversion"
-            )
-        if f"{p}.gate_up_proj" not in tensors:
+            gate_up = ops.from_numpy(mxfp4_stack(tensors, f"{p}.gate_up_proj", ops))
+            down = ops.from_numpy(mxfp4_stack(tensors, f"{p}.down_proj", ops))
+        elif f"{p}.gate_up_proj" in tensors:
+            gate_up, down = ops.swapped(tensors.pop(f"{p}.gate_up_proj")), ops.swapped(tensors.pop(f"{p}.down_proj"))
+        else:
             continue
-        gate_up, bias = transpose(tensors.pop(f"{p}.gate_up_proj")), tensors.pop(f"{p}.gate_up_proj_bias")
-        tensors[f"{p}.gate_proj.weight"] = contiguous(gate_up[:, 0::2])
-        tensors[f"{p}.up_proj.weight"] = contiguous(gate_up[:, 1::2])
-        tensors[f"{p}.gate_proj.bias"] = contiguous(bias[:, 0::2])
-        tensors[f"{p}.up_proj.bias"] = contiguous(bias[:, 1::2])
-        tensors[f"{p}.down_proj.weight"] = contiguous(transpose(tensors.pop(f"{p}.down_proj")))
+        bias = tensors.pop(f"{p}.gate_up_proj_bias")
+        tensors[f"{p}.gate_proj.weight"] = ops.copied(gate_up[:, 0::2])
+        tensors[f"{p}.up_proj.weight"] = ops.copied(gate_up[:, 1::2])
+        tensors[f"{p}.gate_proj.bias"] = ops.copied(bias[:, 0::2])
+        tensors[f"{p}.up_proj.bias"] = ops.copied(bias[:, 1::2])
+        tensors[f"{p}.down_proj.weight"] = ops.copied(down)
         tensors[f"{p}.down_proj.bias"] = tensors.pop(f"{p}.down_proj_bias")
+
+
+def mxfp4_stack(tensors: dict, name: str, ops: ArrayOps) -> np.ndarray:
+    """The MXFP4 stack `name` (its `_blocks` and `_scales`, popped) as float32 `(E, out, in)`."""
+    blocks, scales = tensors.pop(f"{name}_blocks"), tensors.pop(f"{name}_scales")
+    blocks, scales = ops.to_numpy(blocks), ops.to_numpy(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+        raise CorruptModelError(
+            f"{name}_blocks {blocks.shape} and _scales {scales.shape} are not MXFP4 blocks and their scales; "
+            "re-download the model"
+        )
+    return mxfp4_dense(blocks, scales)
+
+
+def mxfp4_dense(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """blocks `(..., G, 16)` (two e2m1 values a byte, the low nibble first) and scales `(..., G)`
+    (2^(s - 127) each) -> `(..., G * 32)` float32."""
+    values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)
+    values = np.ldexp(values, scales.astype(np.int32)[..., None, None] - 127)
+    return values.reshape(*blocks.shape[:-2], -1)

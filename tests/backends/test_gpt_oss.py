@@ -261,23 +261,50 @@ def test_an_mlx_lm_quantized_conversion_matches_mlx_lm(folder, tmp_path):
         assert_close(model.forward_verify("x", PROMPT[:40]), want, 1e-5, f"{backend} on mlx-lm's 4-bit experts")
 
 
-def test_mxfp4_experts_are_refused_by_name(folder, tmp_path):
-    from safetensors.torch import load_file, save_file
+def write_mxfp4_checkpoint(reference, folder, seed: int = 0):
+    """`reference` saved as OpenAI's gpt-oss checkpoints are: its experts replaced by random
+    MXFP4 blocks and scales (outputs first), `quant_method: mxfp4` in its config. Returns the
+    reference with those experts, as transformers' own loader dequantizes them."""
+    import json
 
-    mlx_lm_layout(folder, tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(4, 96, 2, 16, dtype=torch.uint8)
-    save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(UnsupportedModelError, match="MXFP4") as err:
-        ferrum_mac.open_model(tmp_path, backend=BACKENDS[0], dtype="float32")
-    assert "\n" not in str(err.value)
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    reference.save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    rng = torch.Generator().manual_seed(seed)
+    E, H, inter = reference.config.num_local_experts, reference.config.hidden_size, reference.config.intermediate_size
+    for i, layer in enumerate(reference.model.layers):
+        p = f"model.layers.{i}.mlp.experts"
+        for name, (out, inp) in (("gate_up_proj", (2 * inter, H)), ("down_proj", (H, inter))):
+            del tensors[f"{p}.{name}"]
+            blocks = torch.randint(0, 256, (E, out, inp // 32, 16), generator=rng, dtype=torch.uint8)
+            scales = torch.randint(122, 126, (E, out, inp // 32), generator=rng, dtype=torch.uint8)
+            tensors[f"{p}.{name}_blocks"], tensors[f"{p}.{name}_scales"] = blocks, scales
+            dense = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, in, out)
+            getattr(layer.mlp.experts, name).data.copy_(dense)
+    save_file(tensors, folder / "model.safetensors")
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (folder / "config.json").write_text(json.dumps(raw))
+    return reference
+
+
+def test_openai_mxfp4_experts_load(tmp_path):
+    """OpenAI's own layout: MXFP4 experts dequantized at load, as transformers dequantizes them."""
+    reference = write_mxfp4_checkpoint(build_reference(intermediate_size=64), tmp_path)
+    want = hf_logits(reference, PROMPT[:40])
+    for backend in BACKENDS:
+        model = ferrum_mac.open_model(tmp_path, backend=backend, dtype="float32")
+        assert_close(model.forward_verify("x", PROMPT[:40]), want, FP32_REL, f"{backend} on MXFP4 experts")
 
 
 @pytest.mark.parametrize(
     "field, value, named",
     [
         ("layer_types", ["sliding_attention", "chunked_attention"], "chunked_attention"),
-        ("quantization_config", {"quant_method": "mxfp4"}, "mxfp4"),  # OpenAI's own config.json
+        ("quantization_config", {"quant_method": "fp8"}, "fp8"),
+        ("quantization", {"group_size": 32, "bits": 4, "mode": "mxfp4"}, "mxfp4"),  # mlx-community's MXFP4-Q4/Q8
     ],
 )
 def test_a_variant_ferrum_does_not_run_names_its_field(folder, tmp_path, field, value, named):

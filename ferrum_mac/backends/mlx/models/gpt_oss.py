@@ -18,12 +18,13 @@ from __future__ import annotations
 from functools import partial
 
 import mlx.core as mx
+import numpy as np
 
 from ferrum_mac.backends.mlx.layers import TensorSource
 from ferrum_mac.backends.mlx.models import llama
 from ferrum_mac.backends.mlx.models.qwen3_moe import Experts, ExpertLinear, Router
 from ferrum_mac.weights import ModelConfig
-from ferrum_mac.weights.gpt_oss import PROJECTIONS, GptOssMoe, gpt_oss_moe, split_experts
+from ferrum_mac.weights.gpt_oss import PROJECTIONS, ArrayOps, GptOssMoe, gpt_oss_moe, split_experts
 
 
 @partial(mx.compile, shapeless=True)
@@ -80,12 +81,15 @@ class GptOssMoeBlock:
         return self.experts(flat, experts, weights).reshape(x.shape)
 
 
+MLX_ARRAYS = ArrayOps(lambda a: a.swapaxes(-1, -2), mx.contiguous, np.asarray, mx.array)
+
+
 class Model(llama.Model):
     """The Llama decoder (its attention with biases and sinks) with gpt-oss's MoE on every layer."""
 
     def __init__(self, src: TensorSource, config: ModelConfig):
         self.moe = gpt_oss_moe(config)
-        split_experts(src.tensors, config.num_layers, lambda a: a.swapaxes(-1, -2), mx.contiguous)
+        split_experts(src.tensors, config.num_layers, MLX_ARRAYS)
         super().__init__(src, config)
 
     def make_mlp(self, src: TensorSource, layer: int):

@@ -25,7 +25,7 @@ from ferrum_mac.backends.torch.models.qwen3_moe import GATHER_MAX_PAIRS, grouped
 from ferrum_mac.backends.torch.ops import Ops
 from ferrum_mac.backends.torch.weights import TensorSource, to_torch
 from ferrum_mac.weights import ModelConfig
-from ferrum_mac.weights.gpt_oss import GptOssMoe, gpt_oss_moe, split_experts
+from ferrum_mac.weights.gpt_oss import ArrayOps, GptOssMoe, gpt_oss_moe, split_experts
 
 
 class Router:
@@ -115,12 +115,12 @@ class MoeBlock:
         return h + self.experts(x, experts, weights)
 
 
-def swapped(a) -> torch.Tensor:
-    return to_torch(a).transpose(-1, -2)
-
-
-def copied(a) -> torch.Tensor:
-    return to_torch(a).contiguous()
+TORCH_ARRAYS = ArrayOps(
+    swapped=lambda a: to_torch(a).transpose(-1, -2),
+    copied=lambda a: to_torch(a).contiguous(),
+    to_numpy=lambda a: to_torch(a).cpu().numpy(),
+    from_numpy=torch.from_numpy,
+)
 
 
 class Model(llama.Model):
@@ -128,7 +128,7 @@ class Model(llama.Model):
 
     def __init__(self, src: TensorSource, config: ModelConfig):
         self.moe = gpt_oss_moe(config)
-        split_experts(src.tensors, config.num_layers, swapped, copied)
+        split_experts(src.tensors, config.num_layers, TORCH_ARRAYS)
         super().__init__(src, config)
 
     def make_mlp(self, src: TensorSource, layer: int):

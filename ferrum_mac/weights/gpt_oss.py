@@ -11,8 +11,10 @@ Layouts of a layer's experts, all brought to mlx-lm's names (`mlp.experts.{gate,
 - OpenAI's released checkpoints: MXFP4, `gate_up_proj_blocks` `(E, 2 * inter, hidden / 32, 16)`
   (two 4-bit e2m1 values a byte, the low nibble first) and `gate_up_proj_scales`
   `(E, 2 * inter, hidden / 32)` (a power of two per 32 values, biased by 127), outputs first;
-  `down_proj` likewise. They are dequantized here, at load, to the compute dtype (bf16 holds
-  every MXFP4 value exactly): correct, but dense in memory (gpt-oss-20b: about 40 GB).
+  `down_proj` likewise. MLX keeps them packed (its `mxfp4` quantization is this format:
+  `weight` the blocks as uint32 words, `scales` as they are); torch dequantizes them here, at
+  load, to the compute dtype (bf16 holds every MXFP4 value exactly), dense in memory
+  (gpt-oss-20b: about 40 GB).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class ArrayOps:
     copied: Callable  # a strided view made contiguous
     to_numpy: Callable
     from_numpy: Callable
+    # MXFP4 blocks `(E, out, G, 16)` and scales -> the backend's packed weight and scales; None: dequantize
+    packed_mxfp4: Callable | None = None
 
 
 def split_experts(tensors: dict, layers: int, ops: ArrayOps) -> None:
@@ -68,20 +72,40 @@ def split_experts(tensors: dict, layers: int, ops: ArrayOps) -> None:
     interleaved, outputs first) -> mlx-lm's names, in place."""
     for layer in range(layers):
         p = f"layers.{layer}.mlp.experts"
-        if f"{p}.gate_up_proj_blocks" in tensors:
+        if f"{p}.gate_up_proj_blocks" in tensors and ops.packed_mxfp4 is not None:
+            split_packed_mxfp4(tensors, p, ops)
+        elif f"{p}.gate_up_proj_blocks" in tensors:
             gate_up = ops.from_numpy(mxfp4_stack(tensors, f"{p}.gate_up_proj", ops))
             down = ops.from_numpy(mxfp4_stack(tensors, f"{p}.down_proj", ops))
+            tensors[f"{p}.gate_proj.weight"], tensors[f"{p}.up_proj.weight"] = deinterleaved(gate_up, ops)
+            tensors[f"{p}.down_proj.weight"] = ops.copied(down)
         elif f"{p}.gate_up_proj" in tensors:
             gate_up, down = ops.swapped(tensors.pop(f"{p}.gate_up_proj")), ops.swapped(tensors.pop(f"{p}.down_proj"))
+            tensors[f"{p}.gate_proj.weight"], tensors[f"{p}.up_proj.weight"] = deinterleaved(gate_up, ops)
+            tensors[f"{p}.down_proj.weight"] = ops.copied(down)
         else:
             continue
         bias = tensors.pop(f"{p}.gate_up_proj_bias")
-        tensors[f"{p}.gate_proj.weight"] = ops.copied(gate_up[:, 0::2])
-        tensors[f"{p}.up_proj.weight"] = ops.copied(gate_up[:, 1::2])
         tensors[f"{p}.gate_proj.bias"] = ops.copied(bias[:, 0::2])
         tensors[f"{p}.up_proj.bias"] = ops.copied(bias[:, 1::2])
-        tensors[f"{p}.down_proj.weight"] = ops.copied(down)
         tensors[f"{p}.down_proj.bias"] = tensors.pop(f"{p}.down_proj_bias")
+
+
+def deinterleaved(gate_up, ops: ArrayOps) -> tuple:
+    """A fused `(E, 2 * inter, ...)` stack's gate rows (even) and up rows (odd)."""
+    return ops.copied(gate_up[:, 0::2]), ops.copied(gate_up[:, 1::2])
+
+
+def split_packed_mxfp4(tensors: dict, p: str, ops: ArrayOps) -> None:
+    """OpenAI's MXFP4 experts kept packed: each stack's rows are whole blocks, so gate and up
+    split along them as the dense rows do."""
+    parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+    for fused, names in parts.items():
+        blocks, scales = tensors.pop(f"{p}.{fused}_blocks"), tensors.pop(f"{p}.{fused}_scales")
+        for i, name in enumerate(names):
+            rows = slice(i, None, len(names))
+            weight, packed_scales = ops.packed_mxfp4(blocks[:, rows], scales[:, rows])
+            tensors[f"{p}.{name}.weight"], tensors[f"{p}.{name}.scales"] = weight, packed_scales
 
 
 def mxfp4_stack(tensors: dict, name: str, ops: ArrayOps) -> np.ndarray:

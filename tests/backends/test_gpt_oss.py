@@ -291,12 +291,17 @@ def write_mxfp4_checkpoint(reference, folder, seed: int = 0):
 
 
 def test_openai_mxfp4_experts_load(tmp_path):
-    """OpenAI's own layout: MXFP4 experts dequantized at load, as transformers dequantizes them."""
+    """OpenAI's own layout: MXFP4 experts kept packed on MLX (its mxfp4 quantization is the same
+    format), dequantized at load on torch; both as transformers dequantizes them."""
     reference = write_mxfp4_checkpoint(build_reference(intermediate_size=64), tmp_path)
     want = hf_logits(reference, PROMPT[:40])
     for backend in BACKENDS:
         model = ferrum_mac.open_model(tmp_path, backend=backend, dtype="float32")
         assert_close(model.forward_verify("x", PROMPT[:40]), want, FP32_REL, f"{backend} on MXFP4 experts")
+        model.prefill("d", PROMPT[:39])  # (a prompt's pairs run sorted by expert, a decode's unsorted)
+        assert_close(model.decode("d", PROMPT[39], 39), want[39], FP32_REL, f"{backend} decoding on MXFP4 experts")
+        if backend == "mlx":
+            assert model.model.layers[0].mlp.experts.gate_up.mode == "mxfp4"
 
 
 @pytest.mark.parametrize(

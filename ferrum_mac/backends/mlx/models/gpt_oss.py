@@ -81,7 +81,13 @@ class GptOssMoeBlock:
         return self.experts(flat, experts, weights).reshape(x.shape)
 
 
-MLX_ARRAYS = ArrayOps(lambda a: a.swapaxes(-1, -2), mx.contiguous, np.asarray, mx.array)
+def packed_mxfp4(blocks: mx.array, scales: mx.array) -> tuple[mx.array, mx.array]:
+    """OpenAI's MXFP4 blocks `(E, out, G, 16)` as MLX's mxfp4 words `(E, out, G * 4)`: the same bytes."""
+    E, out = blocks.shape[:2]
+    return mx.contiguous(blocks).view(mx.uint32).reshape(E, out, -1), mx.contiguous(scales)
+
+
+MLX_ARRAYS = ArrayOps(lambda a: a.swapaxes(-1, -2), mx.contiguous, np.asarray, mx.array, packed_mxfp4)
 
 
 class Model(llama.Model):

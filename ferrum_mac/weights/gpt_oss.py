@@ -46,13 +46,26 @@ def gpt_oss_moe(config: ModelConfig) -> GptOssMoe:
     for key in ("num_local_experts", "num_experts_per_tok"):
         if raw.get(key) is None:
             raise CorruptModelError(f"the gpt_oss config lacks {key!r}; re-download the model or fix its config.json")
-    return GptOssMoe(
+    moe = GptOssMoe(
         num_experts=int(raw["num_local_experts"]),
         top_k=int(raw["num_experts_per_tok"]),
         intermediate_size=config.intermediate_size,
         swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
     )
+    impossible = {
+        "num_local_experts": moe.num_experts < 1,
+        "num_experts_per_tok": not 1 <= moe.top_k <= moe.num_experts,
+        "intermediate_size": moe.intermediate_size < 1,
+        "swiglu_limit": not moe.swiglu_limit > 0,
+    }
+    for key, wrong in impossible.items():
+        if wrong:
+            raise CorruptModelError(
+                f"the gpt_oss config gives {key} = {raw.get(key)}, which no model has "
+                f"({moe.num_experts} experts, top {moe.top_k}); re-download the model or fix its config.json"
+            )
+    return moe
 
 
 @dataclass(frozen=True)

@@ -323,3 +323,67 @@ def test_a_variant_ferrum_does_not_run_names_its_field(folder, tmp_path, field, 
     with pytest.raises(UnsupportedModelError, match=named) as err:
         ferrum_mac.open_model(tmp_path, backend=BACKENDS[0], dtype="float32")
     assert "\n" not in str(err.value)
+
+
+def test_gpt_oss_20b_config_reads():
+    """A config.json of gpt-oss-20b's shape and keys, as OpenAI's repository writes them:
+    alternating 128-token windows from the first layer, YaRN from 4,096 tokens by 32, sinks,
+    biases, and MXFP4 experts, which are not an MLX quantization of the whole model."""
+    from ferrum_mac.weights.config import config_from_dict
+    from ferrum_mac.weights.gpt_oss import gpt_oss_moe
+
+    raw = {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 201088,
+    }
+    c = config_from_dict(raw)
+    assert c.layer_windows == (128, 0) * 12 and c.attention_sinks and c.qkv_bias and c.o_bias
+    assert c.quantization is None and c.dtype == "bfloat16" and c.eos_token_ids == (200002,)
+    assert (c.rope_scaling["factor"], c.rope_scaling["original_max_position_embeddings"]) == (32.0, 4096)
+    moe = gpt_oss_moe(c)
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.swiglu_limit) == (32, 4, 2880, 7.0)

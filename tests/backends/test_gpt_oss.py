@@ -15,7 +15,7 @@ import torch
 
 import ferrum_mac
 from ferrum_mac.errors import UnsupportedModelError
-from ferrum_mac.llm import DecodeItem
+from ferrum_mac.llm import DecodeItem, ForwardItem
 from helpers import (
     FAMILY_FACTORIES,
     VOCAB,
@@ -106,6 +106,22 @@ def test_decode_batch_of_mixed_lengths(model, reference):
             assert_close(got[row], hf_logits(reference, tokens)[-1], FP32_REL, f"step {step} row {row}")
     for name in prompts:
         model.release(f"b-{name}")
+
+
+def test_unified_step_and_verify_batch(model, reference):
+    """A decode step beside a prefill chunk, then verifies of two sequences together."""
+    a, b = PROMPT[:50], PROMPT[10:75]
+    model.prefill("u-a", a)
+    model.prefill("u-b", b[:30])
+    out = model.unified_forward([ForwardItem("u-a", [5], len(a)), ForwardItem("u-b", b[30:], 30)])
+    assert_close(out[0], hf_logits(reference, a + [5])[-1], FP32_REL, "the decode step")
+    assert_close(out[1], hf_logits(reference, b)[-1], FP32_REL, "the chunk")
+    guesses = [ForwardItem("u-a", [7, 8, 9], len(a) + 1), ForwardItem("u-b", [4, 6], len(b))]
+    rows = model.verify_batch(guesses)
+    assert_close(rows[0], hf_logits(reference, a + [5, 7, 8, 9])[-3:], FP32_REL, "a's verify")
+    assert_close(rows[1], hf_logits(reference, b + [4, 6])[-2:], FP32_REL, "b's verify")
+    model.release("u-a")
+    model.release("u-b")
 
 
 def test_greedy_matches_transformers(model, reference):

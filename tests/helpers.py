@@ -103,6 +103,34 @@ def _smollm3():
     return SmolLM3Config(**TINY, no_rope_layer_interval=2, pad_token_id=0)
 
 
+def _gpt_oss(**extra):
+    from transformers import GptOssConfig
+
+    # a 16-token window, then full attention; top 2 of 4 experts, their SwiGLU clamped at 2
+    # (gpt-oss's 7 is rarely reached by tiny random weights); YaRN as gpt-oss's, on 256 tokens
+    settings = {
+        **TINY,
+        "intermediate_size": 48,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+        "swiglu_limit": 2.0,
+        "pad_token_id": 0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 256,
+            "rope_theta": 150000.0,
+        },
+        **extra,
+    }
+    return GptOssConfig(**settings)
+
+
 # name -> () -> transformers config of a tiny model of that family
 FAMILY_FACTORIES: dict[str, Callable[[], object]] = {
     "llama": _llama,
@@ -114,6 +142,7 @@ FAMILY_FACTORIES: dict[str, Callable[[], object]] = {
     "qwen3_moe": _qwen3_moe,
     "phi3": _phi3,
     "smollm3": _smollm3,
+    "gpt_oss": _gpt_oss,
 }
 FAMILIES = list(FAMILY_FACTORIES)
 

@@ -121,6 +121,8 @@ def test_unknown_rope_scaling_is_refused(tiny_copy):
     [
         ("phi3", "partial_rotary_factor", 1.5),  # more dims than a head has
         ("smollm3", "no_rope_layers", [1]),  # fewer flags than layers
+        ("gpt_oss", "num_experts_per_tok", 9),  # more than its 4 experts
+        ("gpt_oss", "swiglu_limit", -7.0),
     ],
 )
 def test_a_variant_field_no_model_has_is_named(zoo, tmp_path, family, key, value):

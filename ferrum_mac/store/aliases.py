@@ -2,7 +2,8 @@
 
 A name is one of:
   - an alias in Ollama's manner, `family:size[-quant]` (`qwen3:8b`, `qwen3:8b-8bit`), mapped
-    per backend: MLX prefers the mlx-community 4-bit conversion, torch the original repository;
+    per backend: MLX prefers the mlx-community 4-bit conversion (the original repository where
+    there is none in MLX's affine quantization), torch the original repository;
     a family of one size also by its family name (`phi4`, `phi4-mini-8bit`);
   - a Hugging Face repository id, `org/name[@revision][:QUANT]`, where `:QUANT` picks one GGUF
     file of a repository that holds several (`:Q8_0`), as `ollama pull hf.co/org/name:Q8_0` does;
@@ -26,7 +27,7 @@ BACKENDS = tuple(DEFAULT_QUANT)
 class Alias:
     name: str  # "qwen3:8b"
     original: str  # the publisher's bf16 repository
-    mlx_stem: str | None  # mlx-community repository without its "-4bit"/"-8bit" suffix
+    mlx_stem: str | None  # mlx-community repository without its "-4bit"/"-8bit" suffix; None: none
     bundled: bool = False  # the MLX default is the GGUF shipped through the package index
 
 
@@ -48,6 +49,9 @@ ALIASES = (
     Alias("phi4:14b", "microsoft/phi-4", "mlx-community/phi-4"),
     Alias("phi4-mini:3.8b", "microsoft/Phi-4-mini-instruct", "mlx-community/Phi-4-mini-instruct"),
     Alias("smollm3:3b", "HuggingFaceTB/SmolLM3-3B", "mlx-community/SmolLM3-3B"),
+    # mlx-community's gpt-oss conversions keep OpenAI's MXFP4 experts (-MXFP4-Q4/-Q8), not MLX's affine bits
+    Alias("gpt-oss:20b", "openai/gpt-oss-20b", None),
+    Alias("gpt-oss:120b", "openai/gpt-oss-120b", None),
 )
 _BY_NAME = {a.name: a for a in ALIASES}
 
@@ -123,6 +127,8 @@ def _alias_ref(name: str, backend: str) -> RepoRef | BundledRef:
         raise ModelNotFoundError(
             f"unknown model {name!r}{_did_you_mean(base)}; `ferrum list --available` shows the names"
         )
+    if quant is None and alias.mlx_stem is None and not alias.bundled:
+        return RepoRef(alias.original)  # no conversion to prefer: the original on either backend
     quant = quant or DEFAULT_QUANT[backend]
     if quant == "bf16":
         return RepoRef(alias.original)
@@ -133,7 +139,7 @@ def _alias_ref(name: str, backend: str) -> RepoRef | BundledRef:
     if alias.bundled and quant == "4bit":
         return BundledRef(alias.name)
     if alias.mlx_stem is None:
-        raise ModelNotFoundError(f"{name!r} has no {quant} conversion; use {alias.name} or {alias.name}-bf16")
+        raise ModelNotFoundError(f"{name!r} has no {quant} conversion; use {alias.name}-bf16, the original weights")
     return RepoRef(f"{alias.mlx_stem}-{quant}")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from ferrum_mac.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_TYPES = ("qwen3_moe",)
+MOE_TYPES = ("qwen3_moe", "gpt_oss")
 GEMMA3_TYPES = ("gemma3_text", "gemma3")  # gemma3: the text model inside the multimodal checkpoint
 # Phi-4 / Phi-4-mini (fused qkv and gate-up, partial RoPE, LongRoPE) and SmolLM3 (NoPE layers)
 ROPE_VARIANT_TYPES = ("phi3", "smollm3")
@@ -47,6 +47,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quantization: dict | None = None  # {"group_size", "bits", per-module overrides}
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window in tokens, 0 for full attention
+    attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific keys (MoE)
 
     @property
@@ -164,6 +165,13 @@ def _mlx_quantization(raw: dict, where: str) -> dict | None:
     return q
 
 
+def _mxfp4_experts(raw: dict) -> bool:
+    """OpenAI's gpt-oss checkpoints: MXFP4 experts, which the family reads (`weights.gpt_oss`),
+    and every other weight dense."""
+    q = raw.get("quantization_config") or {}
+    return raw.get("model_type") == "gpt_oss" and q.get("quant_method") == "mxfp4"
+
+
 def check_model_type(model_type: str, where: str) -> None:
     if model_type not in SUPPORTED_TYPES:
         raise UnsupportedModelError(
@@ -180,6 +188,9 @@ def _layer_windows(raw: dict) -> tuple[int, ...]:
         return ()
     if raw.get("layer_types"):
         kinds = raw["layer_types"]
+        unknown = sorted(set(kinds) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise UnsupportedModelError(f"layer_types holds {unknown[0]!r}, which ferrum does not run")
     elif raw.get("use_sliding_window") is not None:
         first = raw.get("max_window_layers", 0)
         kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -304,8 +315,9 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
             dtype=str(dtype).replace("torch.", ""),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=_eos_ids(raw, generation),
-            quantization=_mlx_quantization(raw, where),
+            quantization=None if _mxfp4_experts(raw) else _mlx_quantization(raw, where),
             layer_windows=_layer_windows(raw),
+            attention_sinks=model_type == "gpt_oss",
             extra=raw,
         )
     except KeyError as e:

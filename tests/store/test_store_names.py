@@ -32,6 +32,8 @@ from ferrum_mac.store.units import human_age, human_bytes
         ("phi4-mini-8bit", "mlx", RepoRef("mlx-community/Phi-4-mini-instruct-8bit")),
         ("smollm3:3b", "mlx", RepoRef("mlx-community/SmolLM3-3B-4bit")),
         ("smollm3", "torch", RepoRef("HuggingFaceTB/SmolLM3-3B")),
+        ("gpt-oss:20b", "mlx", RepoRef("openai/gpt-oss-20b")),  # (no affine MLX conversion)
+        ("gpt-oss:120b", "torch", RepoRef("openai/gpt-oss-120b")),
         ("org/model", "mlx", RepoRef("org/model")),
         ("org/model@v1.0", "mlx", RepoRef("org/model", "v1.0")),
         ("org/Model-GGUF:Q8_0", "mlx", RepoRef("org/Model-GGUF", gguf_quant="Q8_0")),
@@ -50,6 +52,7 @@ def test_names(name, backend, expected):
             r"unknown model 'qwen3:7b' \(did you mean qwen3:[\d.]+b\?\); `ferrum list --available`",
         ),
         ("qwen3:8b-8bit", UnsupportedModelError, "torch backend runs the original bf16 weights"),
+        ("gpt-oss:20b-4bit", ModelNotFoundError, "'gpt-oss:20b-4bit' has no 4bit conversion; use gpt-oss:20b-bf16,"),
         ("not a name", ModelNotFoundError, "is not a model name"),
     ],
 )
@@ -78,10 +81,22 @@ def test_issue_aliases_exist_and_map_back():
         "phi4:14b",
         "phi4-mini:3.8b",
         "smollm3:3b",
+        "gpt-oss:20b",
+        "gpt-oss:120b",
     ):
         assert required in names
     assert alias_for_repo("mlx-community/Qwen3-0.6B-4bit") == "qwen3:0.6b"
     assert alias_for_repo("Qwen/Qwen3-0.6B") == "qwen3:0.6b-bf16"
+    assert alias_for_repo("openai/gpt-oss-20b") == "gpt-oss:20b-bf16"
+
+
+def test_every_alias_has_a_row_on_every_backend():
+    """`ferrum list --available`: an alias without an MLX conversion lists its original."""
+    from ferrum_mac.store.aliases import BACKENDS, alias_table
+
+    for backend in BACKENDS:
+        rows = dict(alias_table(backend))
+        assert len(rows) == len(ALIASES) and rows["gpt-oss:20b"] == "openai/gpt-oss-20b"
 
 
 def test_paths_are_never_taken_for_names(tmp_path):

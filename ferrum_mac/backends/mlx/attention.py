@@ -166,15 +166,17 @@ class Attention:
         self.eps = c.rms_norm_eps
         self.rope = Rope(config)
         self.ops = src.ops  # the device's routes: `ops.project(self, ...)` is `self.project(...)` here
-        # A sliding window (0: none) and a tanh cap on the scores (Gemma's): the device's kernels
-        # take neither, so such a layer attends by this module's ops (`routes`).
+        # A sliding window (0: none), a tanh cap on the scores (Gemma's) and sink logits (one per
+        # head, gpt-oss's): the device's kernels take none of them, so such a layer attends by
+        # this module's ops (`routes`).
         self.window = c.layer_windows[layer] if c.layer_windows else 0
         self.softcap: float | None = None
+        self.sinks = src.take(f"{p}.sinks", (c.num_heads,)) if c.attention_sinks else None
 
     @property
     def routes(self):
         """Who attends this layer: the device's ops, or MLX's own here for what they do not take."""
-        return PLAIN_ROUTES if self.window or self.softcap else self.ops
+        return PLAIN_ROUTES if self.window or self.softcap or self.sinks is not None else self.ops
 
     def project(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """x `(1, T, hidden)` -> roped q, k and v: `(1, heads, T, dim)` for one segment
@@ -239,9 +241,10 @@ class Attention:
         return self.scores_attention(q, keys, values, seg.mask(self.window))
 
     def scores_attention(self, q, keys, values, mask) -> mx.array:
-        """Scaled dot-product attention, with the scores capped by `softcap` when it is set."""
+        """Scaled dot-product attention, with the scores capped by `softcap` when it is set, and
+        each head's sink logit in its softmax's denominator when the model has sinks."""
         if self.softcap is None:
-            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask, sinks=self.sinks)
         return softcapped_attention(q, keys, values, self.scale, self.softcap, mask)
 
 

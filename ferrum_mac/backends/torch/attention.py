@@ -65,10 +65,12 @@ class Attention:
             q_norm, k_norm = src.norm(f"{p}.q_norm", c.head_dim), src.norm(f"{p}.k_norm", c.head_dim)
             self.qk_norm = torch.cat([q_norm.expand(c.num_heads, -1), k_norm.expand(c.num_kv_heads, -1)])
         self.eps = c.rms_norm_eps
-        # A sliding window (0: none) and a tanh cap on the scores (Gemma's): Triton's decode
-        # attention takes neither, so such a layer attends by torch's ops (`ops_for`).
+        # A sliding window (0: none), a tanh cap on the scores (Gemma's) and sink logits (one per
+        # head, gpt-oss's): Triton's decode attention takes none of them, so such a layer attends
+        # by torch's ops (`ops_for`).
         self.window = c.layer_windows[layer] if c.layer_windows else 0
         self.softcap: float | None = None
+        self.sinks = src.take(f"{p}.sinks", (c.num_heads,)) if c.attention_sinks else None
 
     def __call__(self, h: torch.Tensor, norm: RmsNorm, plan, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h + attention(norm(h)), h `(T, hidden)`."""
@@ -83,8 +85,9 @@ class Attention:
         return self.ops_for(plan).attention(self, h, norm, plan, cos, sin)
 
     def ops_for(self, plan) -> Ops:
-        """The ops that attend this layer in `plan`: the plan's, or torch's own where they take no window or cap."""
-        return TORCH_OPS if plan.ops.triton and (self.window or self.softcap) else plan.ops
+        """The ops that attend this layer in `plan`: the plan's, or torch's own where they take no
+        window, cap or sinks."""
+        return TORCH_OPS if plan.ops.triton and (self.window or self.softcap or self.sinks is not None) else plan.ops
 
     def project(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The qkv projection's output -> roped q `(T, heads, dim)`, roped k and v `(T, kv_heads, dim)`."""
@@ -135,16 +138,18 @@ class Plan:
         scale: float,
         window: int = 0,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q `(T, heads, dim)`, k/v `(T, kv_heads, dim)` -> `(T, heads * dim)`; a `window`
-        layer's queries see only the last `window` positions up to their own."""
+        layer's queries see only the last `window` positions up to their own; `sinks` `(heads,)`
+        join each head's softmax."""
         outs = []
         for seg, writes, reads in zip(self.segments, self.writes, self.reads):
             rows = slice(seg.start, seg.start + seg.length)
             kv = seg.cache.pool.kv[layer]  # (2, kv_heads, token rows, dim)
             kv[:, :, writes] = torch.stack((k[rows], v[rows])).transpose(1, 2)
-            if window or softcap:
-                outs.append(windowed_segment(q[rows], kv[:, :, reads], seg, scale, window, softcap))
+            if window or softcap or sinks is not None:
+                outs.append(windowed_segment(q[rows], kv[:, :, reads], seg, scale, window, softcap, sinks))
             else:
                 outs.append(self._attend_segment(q[rows], kv[:, :, reads], seg, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -243,13 +248,16 @@ class DecodePlan:
         scale: float,
         window: int = 0,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dim = k.shape[2]
         kv = self.pool.kv[layer]  # (2, kv_heads, token rows, dim)
         kv.view(2, -1, dim)[:, self.places] = torch.stack((k, v)).view(2, -1, dim)
         gathered = kv[:, :, self.key_rows].transpose(1, 2)  # (2, rows, kv_heads, width * B, dim)
         grouped_q = q.reshape(self.total, k.shape[1], -1, dim)  # (rows, kv_heads, group, dim)
-        out = scores_attention(grouped_q, gathered[0], gathered[1], self.window_bias(window), scale, softcap)
+        if sinks is not None:  # a query head's sink, where the fold put its scores
+            sinks = sinks.view(k.shape[1], -1, 1)
+        out = scores_attention(grouped_q, gathered[0], gathered[1], self.window_bias(window), scale, softcap, sinks)
         return out.reshape(self.total, -1)
 
 
@@ -283,13 +291,14 @@ class FreshPlan:
         scale: float,
         window: int = 0,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dim = k.shape[2]
         self.pool.kv[layer].view(2, -1, dim)[:, self.places] = torch.stack((k, v)).view(2, -1, dim)
         q, k, v = (a.transpose(0, 1)[None] for a in (q, k, v))
-        if window or softcap:
+        if window or softcap or sinks is not None:
             visible = visible_keys(self.positions, self.positions, window)
-            out = scores_attention(q, k, v, visible, scale, softcap)
+            out = scores_attention(q, k, v, visible, scale, softcap, head_sinks(sinks))
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(self.total, -1)
@@ -302,34 +311,47 @@ def visible_keys(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torc
     return seen & (keys[None, :] > queries[:, None] - window) if window else seen
 
 
-def windowed_segment(q, kv: torch.Tensor, seg: Segment, scale: float, window: int, softcap: float | None):
-    """`Plan._attend_segment` for a windowed or capped layer: the keys from the first one a
-    query sees (`window` back from the segment's start) on, under a mask."""
+def windowed_segment(q, kv: torch.Tensor, seg: Segment, scale: float, window: int, softcap: float | None, sinks=None):
+    """`Plan._attend_segment` for a windowed, capped or sunk layer: the keys from the first one
+    a query sees (`window` back from the segment's start) on, under a mask."""
     end = seg.offset + seg.length
     first = max(0, seg.offset - window + 1) if window else 0
     positions = torch.arange(seg.offset, end, device=q.device)
     visible = visible_keys(positions, torch.arange(first, end, device=q.device), window)
-    out = scores_attention(
-        q.transpose(0, 1)[None], kv[0][None, :, first:], kv[1][None, :, first:], visible, scale, softcap
-    )
+    keys, values = kv[0][None, :, first:], kv[1][None, :, first:]
+    out = scores_attention(q.transpose(0, 1)[None], keys, values, visible, scale, softcap, head_sinks(sinks))
     return out[0].transpose(0, 1).reshape(seg.length, -1)
 
 
-def scores_attention(q, k, v, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+def scores_attention(
+    q, k, v, mask: torch.Tensor, scale: float, softcap: float | None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention of q `(..., heads, n, dim)` over k/v `(..., kv_heads, T, dim)` under `mask`
-    (boolean, or an additive bias), the scores capped by `softcap` (cap * tanh(s / cap)) when set."""
-    if softcap is None:
+    (boolean, or an additive bias), the scores capped by `softcap` (cap * tanh(s / cap)) when set,
+    and `sinks` (broadcast to the scores' `(..., heads, n, 1)`) one more logit in each softmax
+    whose weight goes to no value."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask
-    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def head_sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Sinks `(heads,)` as scores `(..., heads, n, T)` broadcast them."""
+    return None if sinks is None else sinks.view(-1, 1, 1)
 
 
 def attention_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -73,7 +73,7 @@ class Ops:
     ) -> torch.Tensor:
         """`attn` (an `attention.Attention`) on the block's input `h` `(T, hidden)` -> `(T, heads * dim)`."""
         q, k, v = attn.project(self.norm_matmul(h, norm, attn.qkv), cos, sin)
-        return plan.attend(attn.layer, q, k, v, attn.scale, attn.window, attn.softcap)
+        return plan.attend(attn.layer, q, k, v, attn.scale, attn.window, attn.softcap, attn.sinks)
 
     def sparse_moe(self, moe, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + `moe` (a `qwen3_moe.SparseMoe`) on the normed `x` `(T, hidden)`."""

@@ -414,3 +414,34 @@ def test_gemma3_decode_batch_through_triton_matches_torch(tmp_path, monkeypatch)
     for got, want in zip(got, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert calls["attention"] == 2  # the global layer's, one a step
+
+
+def test_gpt_oss_decode_batch_through_triton_matches_torch(tmp_path, monkeypatch):
+    """gpt-oss's layers all have sinks, which Triton's decode attention does not take: they
+    attend by torch's ops inside the Triton step (its norms, projections with biases, head),
+    and the MoE runs torch's routes; the logits equal torch's."""
+    import ferrum_mac
+    from transformers import AutoModelForCausalLM
+
+    from helpers import FAMILY_FACTORIES, decode_batch_steps
+
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(FAMILY_FACTORIES["gpt_oss"](), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0, 0.5)
+    reference.save_pretrained(tmp_path)
+    model = ferrum_mac.open_model(tmp_path, backend="torch", dtype="float32")
+    prompts = {"a": random_tokens(7, seed=4), "b": random_tokens(40, seed=5)}
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TORCH_OPS)
+    expected = decode_batch_steps(model, prompts, "torch")
+    model.reset()
+    monkeypatch.setattr(steps, "decode_ops", lambda device, options, verify=False: ops.TritonOps())
+    calls = {"attention": 0}
+    monkeypatch.setattr(triton_ops, "decode_attention", counted(triton_ops.decode_attention, "attention", calls))
+    got = decode_batch_steps(model, prompts, "triton")
+    model.reset()
+    for got, want in zip(got, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert calls["attention"] == 0  # (every layer's sinks keep it from Triton's attention)

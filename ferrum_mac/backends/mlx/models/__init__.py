@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ferrum_mac.backends.mlx.models import gemma3, llama, phi3, qwen3_moe, smollm3
+from ferrum_mac.backends.mlx.models import gemma3, gpt_oss, llama, phi3, qwen3_moe, smollm3
 
 FAMILIES = {
     "llama": llama.Model,
@@ -10,6 +10,8 @@ FAMILIES = {
     "qwen2": llama.Model,
     "qwen3": llama.Model,
     "qwen3_moe": qwen3_moe.Model,
+    # MoE with biases and a clamped SwiGLU, attention sinks, alternating windows
+    "gpt_oss": gpt_oss.Model,
     # Gemma 3 (text)
     "gemma3_text": gemma3.Model,
     # fused projections, partial RoPE and LongRoPE; NoPE layers

@@ -64,6 +64,7 @@ class ExpertLinear:
     biases: mx.array | None = None
     group_size: int = 0
     bits: int = 0
+    mode: str = "affine"  # or "mxfp4" (gpt-oss's experts: e2m1 values, a power-of-two scale per 32, no biases)
 
     def __call__(self, x: mx.array, experts: mx.array, sorted_indices: bool) -> mx.array:
         """x `(..., 1, in)` times the weight of `experts[...]` -> `(..., 1, out)`."""
@@ -77,6 +78,7 @@ class ExpertLinear:
                 transpose=True,
                 group_size=self.group_size,
                 bits=self.bits,
+                mode=self.mode,
                 sorted_indices=sorted_indices,
             )
         w = self.weight.swapaxes(-1, -2)
@@ -86,11 +88,19 @@ class ExpertLinear:
         return y.astype(x.dtype)
 
     def format(self) -> tuple:
-        return (self.scales is None, self.group_size, self.bits)
+        return (self.scales is None, self.group_size, self.bits, self.mode)
 
 
 def expert_linear(src: TensorSource, module: str, experts: int, out_dim: int, in_dim: int) -> ExpertLinear:
     quant = src.config.quant_for(module)
+    if quant is None and src.has(f"{module}.scales"):  # MXFP4 blocks (gpt-oss's own), kept packed
+        return ExpertLinear(
+            src.take(f"{module}.weight", (experts, out_dim, in_dim // 8), cast=False),
+            src.take(f"{module}.scales", (experts, out_dim, in_dim // 32), cast=False),
+            group_size=32,
+            bits=4,
+            mode="mxfp4",
+        )
     if quant is None:
         return ExpertLinear(src.ops.expert_weights(src.take(f"{module}.weight", (experts, out_dim, in_dim))))
     group, bits = quant["group_size"], quant["bits"]
@@ -111,7 +121,7 @@ def stack_outputs(a: ExpertLinear, b: ExpertLinear) -> ExpertLinear:
         parts = (getattr(a, name), getattr(b, name))
         return None if parts[0] is None else mx.concatenate(parts, axis=1)
 
-    return ExpertLinear(cat("weight"), cat("scales"), cat("biases"), a.group_size, a.bits)
+    return ExpertLinear(cat("weight"), cat("scales"), cat("biases"), a.group_size, a.bits, a.mode)
 
 
 # -- the sparse MoE block ---------------------------------------------------------------

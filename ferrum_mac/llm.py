@@ -49,8 +49,10 @@ from ferrum_mac.sequence_state import (  # noqa: F401  (re-exported: the contrac
     MISS_NO_PREFIX,
     MISS_OFF,
     MISS_OTHER_MODEL,
+    MISS_RECURRENT,
     MISS_WINDOW,
     FULL_ATTENTION,
+    RECURRENT,
     CountingState,
     LayerKind,
     PrefixReuse,
@@ -108,9 +110,13 @@ class LlmRuntimeConfig:
 
 
 def layer_kinds_of(c) -> tuple[LayerKind, ...]:
-    """Each layer's kind from a `ModelConfig`: a sliding window where it names one, else full attention."""
+    """Each layer's kind from a `ModelConfig`: a recurrent state for a linear-attention layer,
+    a sliding window where it names one, else full attention."""
     windows = tuple(getattr(c, "layer_windows", ())) or (0,) * c.num_layers
-    return tuple(SlidingWindow(w) if w else FULL_ATTENTION for w in windows)
+    recurrent: frozenset[int] = getattr(c, "recurrent_layers", frozenset())
+    return tuple(
+        RECURRENT if i in recurrent else SlidingWindow(w) if w else FULL_ATTENTION for i, w in enumerate(windows)
+    )
 
 
 @dataclass(frozen=True)

@@ -239,9 +239,9 @@ class Scheduler:
 
     def _speculator(self, request: GenerationRequest) -> Speculator | None:
         """A request's guesser, unless it may not guess: speculation off, a grammar (each row
-        would need its mask), or a model without a batched verify."""
+        would need its mask), a model without a batched verify or whose state cannot be cut back."""
         mode = request.speculate or self.speculate
-        if mode == OFF or request.matcher is not None or not self.verifies:
+        if mode == OFF or request.matcher is not None or not self.verifies or not self.model.state.cuts_back:
             return None
         return self.costs.speculator()
 

@@ -1,0 +1,202 @@
+"""Qwen3.5 / 3.6 (dense, text): Gated DeltaNet linear attention between gated attention layers.
+
+Three of every four layers are Gated DeltaNet linear attention (a short causal convolution
+and a recurrent state per sequence, `RecurrentStates`), the fourth gated full attention (an output gate, q/k norms, partial RoPE); norms are zero-centred
+(weighed by 1 + w), but for the linear layers' gated norm.
+
+The delta rule runs by its recurrent step, token by token, for prefill too (the chunked form
+is a later step); in float32, as transformers does."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ferrum_mac.backends.mlx.attention import Attention, Plan
+from ferrum_mac.backends.mlx.layers import Linear, Rope, TensorSource
+from ferrum_mac.backends.mlx.models.llama import Mlp
+from ferrum_mac.weights import ModelConfig
+from ferrum_mac.weights.qwen3_5 import text_tensors
+
+
+def zero_centred_norm(src: TensorSource, module: str, dim: int) -> mx.array:
+    """A Qwen3.5 RMSNorm weighs by (1 + w): as a plain RMSNorm weight."""
+    return 1.0 + src.norm(module, dim)
+
+
+class GatedAttention(Attention):
+    """Full attention whose q projection carries, per head, a gate on the output (sigmoid)."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int):
+        p, c = f"layers.{layer}.self_attn", config
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = src.linear(f"{p}.q_proj", 2 * q_out, c.hidden_size, c.qkv_bias)
+        self.k_proj = src.linear(f"{p}.k_proj", kv_out, c.hidden_size, c.qkv_bias)
+        self.v_proj = src.linear(f"{p}.v_proj", kv_out, c.hidden_size, c.qkv_bias)
+        self.o_proj = src.linear(f"{p}.o_proj", c.hidden_size, q_out, c.o_bias)
+        self.q_norm = zero_centred_norm(src, f"{p}.q_norm", c.head_dim)
+        self.k_norm = zero_centred_norm(src, f"{p}.k_norm", c.head_dim)
+        self.eps = c.rms_norm_eps
+        self.rope = Rope(config)
+        self.ops = src.ops
+        self.window, self.softcap = 0, None
+
+    def project_gated(self, x: mx.array, positions: mx.array):
+        """x `(1, T, hidden)` -> roped q, k, v (in `Attention.project`'s layouts) and the gate `(1, T, heads * dim)`."""
+        T, one = x.shape[1], positions.ndim == 0
+        qg = self.q_proj(x).reshape(1, T, self.heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(1, T, -1)
+        k = self.k_proj(x).reshape(1, T, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(1, T, self.kv_heads, self.head_dim)
+        q = mx.fast.rms_norm(q, self.q_norm, self.eps)
+        k = mx.fast.rms_norm(k, self.k_norm, self.eps)
+        if one:
+            q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+            return self.rope(q, positions), self.rope(k, positions), v, gate
+        q, k, v = q[0], k[0], v[0]  # (T, heads, dim): each token its own rope row, at its own position
+        q = self.rope(q[:, :, None, :], positions)[:, :, 0, :]
+        k = self.rope(k[:, :, None, :], positions)[:, :, 0, :]
+        return q, k, v, gate
+
+    def __call__(self, x: mx.array, plan: Plan) -> mx.array:
+        q, k, v, gate = self.project_gated(x, plan.positions)
+        out = self.attend(q, k, v, plan)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+class GatedDeltaNet:
+    """Linear attention by the gated delta rule: each sequence's state (its convolution's last
+    inputs `(1, kernel - 1, channels)` and `S` `(1, value heads, key dim, value dim)`) lives in
+    the plan's `recurrent` states, `layers[layer]`."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int):
+        p, e, hidden = f"layers.{layer}.linear_attn", config.extra, config.hidden_size
+        self.layer = layer
+        self.k_heads, self.v_heads = e["linear_num_key_heads"], e["linear_num_value_heads"]
+        self.k_dim, self.v_dim = e["linear_key_head_dim"], e["linear_value_head_dim"]
+        self.kernel = e["linear_conv_kernel_dim"]
+        key_dim, value_dim = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.channels = 2 * key_dim + value_dim
+        self.in_proj_qkv = src.linear(f"{p}.in_proj_qkv", self.channels, hidden)
+        self.in_proj_z = src.linear(f"{p}.in_proj_z", value_dim, hidden)
+        self.in_proj_b = src.linear(f"{p}.in_proj_b", self.v_heads, hidden)
+        self.in_proj_a = src.linear(f"{p}.in_proj_a", self.v_heads, hidden)
+        conv = src.take(f"{p}.conv1d.weight", (self.channels, 1, self.kernel))
+        self.conv = conv[:, 0, :].T  # (kernel, channels): tap i reads the input i - (kernel - 1) steps back
+        self.decay_rate = -mx.exp(src.take(f"{p}.A_log", (self.v_heads,), cast=False).astype(mx.float32))
+        self.dt_bias = src.take(f"{p}.dt_bias", (self.v_heads,), cast=False).astype(mx.float32)
+        self.norm = src.norm(f"{p}.norm", self.v_dim)
+        self.out_proj = src.linear(f"{p}.out_proj", hidden, value_dim)
+        self.eps = config.rms_norm_eps
+
+    def __call__(self, x: mx.array, plan: Plan) -> mx.array:
+        """x `(1, T, hidden)` -> `(1, T, hidden)`, each segment from its sequence's state."""
+        qkv, z = self.in_proj_qkv(x)[0], self.in_proj_z(x)[0]
+        beta = mx.sigmoid(self.in_proj_b(x)[0].astype(mx.float32))
+        decay = self.decay_rate * softplus(self.in_proj_a(x)[0].astype(mx.float32) + self.dt_bias)
+        outs = []
+        for seg, state in zip(plan.segments, plan.recurrent):
+            rows = slice(seg.start, seg.start + seg.length)
+            conv, S = state.layers.get(self.layer) or self.fresh_state(x.dtype)
+            mixed, conv = self.convolve(qkv[rows], conv)
+            out, S = self.delta_rule(mixed, beta[rows], decay[rows], S)
+            state.layers[self.layer] = (conv, S)
+            outs.append(out)
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # (T, v_heads, v_dim), float32
+        T = out.shape[0]
+        normed = mx.fast.rms_norm(out, self.norm.astype(mx.float32), self.eps)
+        gated = normed * nn_silu(z.reshape(T, self.v_heads, self.v_dim).astype(mx.float32))
+        return self.out_proj(gated.astype(x.dtype).reshape(1, T, -1))
+
+    def fresh_state(self, dtype) -> tuple[mx.array, mx.array]:
+        conv = mx.zeros((self.kernel - 1, self.channels), dtype=dtype)
+        return conv, mx.zeros((self.v_heads, self.k_dim, self.v_dim), dtype=mx.float32)
+
+    def convolve(self, x: mx.array, conv: mx.array) -> tuple[mx.array, mx.array]:
+        """The causal depthwise convolution (then SiLU) of `x` `(n, channels)` after the inputs
+        `conv` `(kernel - 1, channels)`; returns its output and the new last inputs."""
+        n, K = x.shape[0], self.kernel
+        joined = mx.concatenate([conv, x])
+        out = sum(joined[i : i + n] * self.conv[i] for i in range(K))
+        return nn_silu(out), joined[-(K - 1) :]
+
+    def delta_rule(self, mixed, beta, decay, S):
+        """The gated delta rule over one sequence's `n` tokens, step by step: `(n, v_heads,
+        v_dim)` outputs and the state after them."""
+        n, kd, vd = mixed.shape[0], self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        q = mixed[:, :kd].reshape(n, self.k_heads, self.k_dim).astype(mx.float32)
+        k = mixed[:, kd : 2 * kd].reshape(n, self.k_heads, self.k_dim).astype(mx.float32)
+        v = mixed[:, 2 * kd : 2 * kd + vd].reshape(n, self.v_heads, self.v_dim).astype(mx.float32)
+        group = self.v_heads // self.k_heads
+        if group > 1:
+            q, k = mx.repeat(q, group, axis=1), mx.repeat(k, group, axis=1)
+        q = l2norm(q) * self.k_dim**-0.5
+        k = l2norm(k)
+        gates = mx.exp(decay)
+        outs = []
+        for t in range(n):
+            S = S * gates[t][:, None, None]
+            remembered = (S * k[t][:, :, None]).sum(axis=-2)  # (v_heads, v_dim)
+            delta = (v[t] - remembered) * beta[t][:, None]
+            S = S + k[t][:, :, None] * delta[:, None, :]
+            outs.append((S * q[t][:, :, None]).sum(axis=-2))
+        return mx.stack(outs), S
+
+
+def l2norm(x: mx.array) -> mx.array:
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + 1e-6)
+
+
+def softplus(x: mx.array) -> mx.array:
+    return mx.logaddexp(x, 0.0)
+
+
+def nn_silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+class Block:
+    """Pre-norm token mixer (linear or gated attention) and SwiGLU MLP, with residuals."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int):
+        p, dim = f"layers.{layer}", config.hidden_size
+        linear = layer in config.recurrent_layers
+        self.mixer = GatedDeltaNet(src, config, layer) if linear else GatedAttention(src, config, layer)
+        self.attn = None if linear else self.mixer
+        self.mlp = Mlp(src, config, f"{p}.mlp", config.intermediate_size)
+        self.attn_norm = zero_centred_norm(src, f"{p}.input_layernorm", dim)
+        self.mlp_norm = zero_centred_norm(src, f"{p}.post_attention_layernorm", dim)
+        self.eps = config.rms_norm_eps
+
+    def __call__(self, x: mx.array, plan: Plan) -> mx.array:
+        h = x + self.mixer(mx.fast.rms_norm(x, self.attn_norm, self.eps), plan)
+        return h + self.mlp(mx.fast.rms_norm(h, self.mlp_norm, self.eps))
+
+
+class Model:
+    """`hidden(tokens, plan)` runs the blocks, `logits(h)` the norm and the head."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig):
+        c = self.config = config
+        src.tensors = text_tensors(src.tensors)
+        self.embed = src.linear("embed_tokens", c.vocab_size, c.hidden_size)
+        self.layers = [Block(src, c, i) for i in range(c.num_layers)]
+        self.norm = zero_centred_norm(src, "norm", c.hidden_size)
+        tied = c.tie_word_embeddings or not src.has("lm_head.weight")
+        self.head: Linear = self.embed if tied else src.linear("lm_head", c.vocab_size, c.hidden_size)
+
+    def use_context(self, tokens: int) -> None:
+        for block in self.layers:
+            if block.attn is not None:
+                block.attn.rope.use_context(tokens)
+
+    def hidden(self, tokens: mx.array, plan: Plan) -> mx.array:
+        h = self.embed.rows(tokens)[None]
+        for block in self.layers:
+            h = block(h, plan)
+        return h
+
+    def logits(self, h: mx.array) -> mx.array:
+        return self.head(mx.fast.rms_norm(h, self.norm, self.config.rms_norm_eps))

@@ -1,0 +1,244 @@
+"""Qwen3.5 (dense, text) on both backends against transformers' Qwen3_5ForCausalLM (torch CPU,
+fp32), on a tiny random model of three Gated DeltaNet layers and one gated attention layer:
+prefill over several chunks, decode steps, decode_batch of mixed lengths, a unified step,
+greedy decoding; and the recurrent states the state manager keeps beside the attention
+layers' keys and values: released, cut back (emptied: a state cannot go back), never reused
+from the prefix cache, and speculation off for the model.
+
+fp32 on both sides: transformers runs the delta rule's chunked form, ferrum its recurrent step,
+so the logits differ by summation order (~1e-6); 1e-4 catches any slip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ferrum_mac
+from ferrum_mac.errors import CacheStateError
+from ferrum_mac.llm import DecodeItem, ForwardItem
+from ferrum_mac.sequence_state import MISS_RECURRENT, Recurrent
+from helpers import (
+    VOCAB,
+    assert_close,
+    assert_same_tokens,
+    ferrum_greedy,
+    hf_greedy,
+    hf_logits,
+    installed_backends,
+    random_tokens,
+)
+
+FP32_REL = 1e-4
+PROMPT = random_tokens(80, seed=13)
+BACKENDS = [b for b in installed_backends() if b == "mlx"]  # torch: next
+
+
+def qwen3_5_config(**changes):
+    from transformers import Qwen3_5TextConfig
+
+    settings = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,  # linear, linear, linear, full
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # != hidden / heads; a quarter of it turned by RoPE
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,  # != key dim
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,  # each key head serves two value heads
+        initializer_range=0.2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return Qwen3_5TextConfig(**{**settings, **changes})
+
+
+def build_reference(**changes):
+    """A random Qwen3_5ForCausalLM whose norms' weights are random too (zero-centred: they start at 0)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(qwen3_5_config(**changes), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+            if name.endswith("dt_bias"):
+                p.normal_(0, 1.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return build_reference()
+
+
+@pytest.fixture(scope="module")
+def folder(reference, tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_5")
+    reference.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def want(reference):
+    return hf_logits(reference, PROMPT)
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def model(request, folder):
+    return ferrum_mac.open_model(folder, backend=request.param, dtype="float32")
+
+
+def test_the_layer_kinds_read_the_config(model):
+    kinds = model.config.layer_kinds
+    assert [isinstance(kind, Recurrent) for kind in kinds] == [True, True, True, False]
+    assert model.state.kinds == kinds
+    assert not model.state.cuts_back
+
+
+def test_prompt_logits_match_transformers(model, want):
+    assert_close(model.prefill("p", PROMPT), want[-1], FP32_REL, "prefill's last logits")
+    assert_close(model.forward_verify("v", PROMPT), want, FP32_REL, "every position's logits")
+    model.release("v")
+    model.release("p")
+
+
+def test_chunked_prefill_and_a_decode_step(model, want, monkeypatch):
+    monkeypatch.setattr(model, "prefill_chunk", 24)  # 4 chunks, each from the states the last left
+    assert_close(model.prefill("c", PROMPT[:-1]), want[-2], FP32_REL, "chunked prefill")
+    assert model.state.length("c") == len(PROMPT) - 1
+    assert_close(model.decode("c", PROMPT[-1], len(PROMPT) - 1), want[-1], FP32_REL, "a decode step")
+    model.release("c")
+
+
+def test_decode_batch_of_mixed_lengths(model, reference):
+    prompts = {"short": PROMPT[:9], "mid": PROMPT[:40], "long": PROMPT}
+    for name, prompt in prompts.items():
+        model.prefill(f"b-{name}", prompt)
+    for step in range(2):
+        items = [DecodeItem(f"b-{name}", 3 + step, len(p) + step) for name, p in prompts.items()]
+        got = model.decode_batch(items)
+        for row, prompt in enumerate(prompts.values()):
+            tokens = prompt + [3 + s for s in range(step + 1)]
+            assert_close(got[row], hf_logits(reference, tokens)[-1], FP32_REL, f"step {step} row {row}")
+    for name in prompts:
+        model.release(f"b-{name}")
+
+
+def test_unified_step(model, reference):
+    """A decode step beside a prefill chunk, each from its own sequence's states."""
+    a, b = PROMPT[:50], PROMPT[10:75]
+    model.prefill("u-a", a)
+    model.prefill("u-b", b[:30])
+    out = model.unified_forward([ForwardItem("u-a", [5], len(a)), ForwardItem("u-b", b[30:], 30)])
+    assert_close(out[0], hf_logits(reference, a + [5])[-1], FP32_REL, "the decode step")
+    assert_close(out[1], hf_logits(reference, b)[-1], FP32_REL, "the chunk")
+    model.release("u-a")
+    model.release("u-b")
+
+
+def test_greedy_matches_transformers(model, reference):
+    want = hf_greedy(reference, PROMPT, 64)
+    assert_same_tokens(ferrum_greedy(model, "g", PROMPT, 64), want)
+    model.release("g")
+
+
+def test_a_cut_empties_the_sequence_and_a_prefill_restores_it(model, want):
+    model.prefill("t", PROMPT[:40])
+    model.truncate_kv("t", 40)  # no shorter: nothing changes
+    assert model.state.length("t") == 40
+    model.truncate_kv("t", 30)  # a recurrent state cannot go back to position 30
+    assert model.state.length("t") == 0
+    assert_close(model.prefill("t", PROMPT), want[-1], FP32_REL, "prefilled again")
+    model.release("t")
+    assert model.state.length("t") == 0
+
+
+def test_a_forward_must_continue_the_state(model):
+    model.prefill("s", PROMPT[:10])
+    with pytest.raises(CacheStateError):
+        model.decode("s", 3, 12)
+    model.release("s")
+
+
+def test_the_prefix_cache_reuses_nothing_and_says_why(model):
+    first, second = PROMPT[:70] + [9, 9], PROMPT[:70] + [4, 5, 6]
+    model.prefill("first", first)
+    model.state.remember("first", first)
+    model.release("first")
+    found = model.state.reuse("second", second)
+    assert (found.tokens, found.cached, found.miss) == (0, 0, MISS_RECURRENT)
+    model.reset()
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(model, folder):
+    from ferrum_mac.engine import Engine
+    from ferrum_mac.text import load_chat_template, load_tokenizer
+
+    write_word_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
+    model.reset()
+    return Engine(model, tokenizer, load_chat_template(folder, tokenizer))
+
+
+def write_word_tokenizer(folder) -> None:
+    """Words `w3` ... of the vocabulary, each piece with its space before it: an answer's text
+    encodes to its own ids again, so the next turn's prompt starts with what the cache holds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"\u2581w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()  # (each word's piece starts with its space)
+    tok.decoder = decoders.Metaspace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(folder)
+
+
+def greedy_conversation(engine, **changes):
+    sampling = engine.default_sampling.replace(temperature=0.0, repetition_penalty=1.0)
+    return engine.conversation(sampling=sampling, max_tokens=10, prepare=False, **changes)
+
+
+def answer_of(events) -> str:
+    from ferrum_mac.engine import TextDelta
+
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def test_a_conversation_answers_as_a_fresh_prefill(engine):
+    """Turn after turn (speculation asked for: it stays off for this model), the conversation
+    answers as one that prefills its whole history anew."""
+    from ferrum_mac.engine.speculation import Speculate
+
+    from ferrum_mac.engine import Done
+
+    conv = greedy_conversation(engine, speculate=Speculate("ngram"))
+    continued = []
+    for text in ("w5 w6 w7 w8", "w9 w10", "w11 w12 w13", "w14"):
+        fresh = greedy_conversation(engine)
+        fresh.messages = [dict(m) for m in conv.messages]
+        want = answer_of(fresh.send(text))
+        engine.close_conversation(fresh)
+        events = list(conv.send(text))
+        assert answer_of(events) == want, text
+        assert engine.model.state.length(conv.cache_id) == len(conv.ledger)
+        done = events[-1]
+        assert isinstance(done, Done) and done.speculation is None
+        continued.append(done.cached_tokens)
+    assert len(conv.messages) == 8
+    # a turn whose history renders as the cache holds it goes on from the states the last left
+    # (after an answer cut at its end token, the render differs: that turn prefills anew)
+    assert any(continued[1:]), continued
+    engine.close_conversation(conv)

@@ -30,7 +30,7 @@ from helpers import (
 
 FP32_REL = 1e-4
 PROMPT = random_tokens(80, seed=13)
-BACKENDS = [b for b in installed_backends() if b == "mlx"]  # torch: next
+BACKENDS = installed_backends()
 
 
 def qwen3_5_config(**changes):

@@ -110,6 +110,13 @@ def test_prompt_logits_match_transformers(model, want):
     model.release("p")
 
 
+def test_a_prompt_of_several_delta_rule_chunks(model, reference):
+    """200 tokens: the delta rule's chunks of 64 (the last one padded), each from the state the last left."""
+    prompt = random_tokens(200, seed=17)
+    assert_close(model.prefill("long", prompt), hf_logits(reference, prompt)[-1], FP32_REL, "200 tokens")
+    model.release("long")
+
+
 def test_chunked_prefill_and_a_decode_step(model, want, monkeypatch):
     monkeypatch.setattr(model, "prefill_chunk", 24)  # 4 chunks, each from the states the last left
     assert_close(model.prefill("c", PROMPT[:-1]), want[-2], FP32_REL, "chunked prefill")

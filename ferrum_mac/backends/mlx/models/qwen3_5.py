@@ -4,8 +4,8 @@ Three of every four layers are Gated DeltaNet linear attention (a short causal c
 and a recurrent state per sequence, `RecurrentStates`), the fourth gated full attention (an output gate, q/k norms, partial RoPE); norms are zero-centred
 (weighed by 1 + w), but for the linear layers' gated norm.
 
-The delta rule runs by its recurrent step, token by token, for prefill too (the chunked form
-is a later step); in float32, as transformers does."""
+The delta rule runs by its chunked (WY) form over a prompt's chunks, as matrix products, and
+by its recurrent step for one token; in float32, as transformers does."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from ferrum_mac.backends.mlx.layers import Linear, Rope, TensorSource
 from ferrum_mac.backends.mlx.models.llama import Mlp
 from ferrum_mac.weights import ModelConfig
 from ferrum_mac.weights.qwen3_5 import text_tensors
+
+CHUNK = 64  # tokens per chunk of the delta rule's chunked form
 
 
 def zero_centred_norm(src: TensorSource, module: str, dim: int) -> mx.array:
@@ -123,8 +125,8 @@ class GatedDeltaNet:
         return nn_silu(out), joined[-(K - 1) :]
 
     def delta_rule(self, mixed, beta, decay, S):
-        """The gated delta rule over one sequence's `n` tokens, step by step: `(n, v_heads,
-        v_dim)` outputs and the state after them."""
+        """The gated delta rule over one sequence's `n` tokens (chunked; one token by the
+        recurrent step): `(n, v_heads, v_dim)` outputs and the state after them."""
         n, kd, vd = mixed.shape[0], self.k_heads * self.k_dim, self.v_heads * self.v_dim
         q = mixed[:, :kd].reshape(n, self.k_heads, self.k_dim).astype(mx.float32)
         k = mixed[:, kd : 2 * kd].reshape(n, self.k_heads, self.k_dim).astype(mx.float32)
@@ -134,15 +136,57 @@ class GatedDeltaNet:
             q, k = mx.repeat(q, group, axis=1), mx.repeat(k, group, axis=1)
         q = l2norm(q) * self.k_dim**-0.5
         k = l2norm(k)
-        gates = mx.exp(decay)
-        outs = []
-        for t in range(n):
-            S = S * gates[t][:, None, None]
-            remembered = (S * k[t][:, :, None]).sum(axis=-2)  # (v_heads, v_dim)
-            delta = (v[t] - remembered) * beta[t][:, None]
-            S = S + k[t][:, :, None] * delta[:, None, :]
-            outs.append((S * q[t][:, :, None]).sum(axis=-2))
-        return mx.stack(outs), S
+        if n == 1:
+            return recurrent_step(q[0], k[0], v[0], beta[0], decay[0], S)
+        return chunked_delta_rule(q, k, v, beta, decay, S)
+
+
+def recurrent_step(q, k, v, beta, decay, S):
+    """One token: q/k `(heads, k_dim)`, v `(heads, v_dim)`, beta/decay `(heads,)`, S `(heads, k_dim, v_dim)`."""
+    S = S * mx.exp(decay)[:, None, None]
+    remembered = (S * k[:, :, None]).sum(axis=-2)
+    delta = (v - remembered) * beta[:, None]
+    S = S + k[:, :, None] * delta[:, None, :]
+    return (S * q[:, :, None]).sum(axis=-2)[None], S
+
+
+def chunked_delta_rule(q, k, v, beta, decay, S, chunk: int = CHUNK):
+    """The delta rule over `n` tokens (q/k `(n, heads, k_dim)`, v `(n, heads, v_dim)`, beta and
+    decay `(n, heads)`) by chunks: within a chunk, the updates condensed by the UT transform
+    into matrix products; across chunks, the state carried.
+
+    The transform's unit lower-triangular system `I + N` (N strictly lower, so N^chunk = 0)
+    is inverted as (I - N)(I + N^2)(I + N^4)...: matrix products only, where a triangular
+    solve would leave the GPU."""
+    n, heads = q.shape[0], q.shape[1]
+    pad = (chunk - n % chunk) % chunk
+    q, k, v = (mx.pad(a.transpose(1, 0, 2), [(0, 0), (0, pad), (0, 0)]) for a in (q, k, v))  # (heads, n + pad, dim)
+    beta, decay = (mx.pad(a.T, [(0, 0), (0, pad)]) for a in (beta, decay))  # (heads, n + pad)
+    q, k, v = (a.reshape(heads, -1, chunk, a.shape[-1]) for a in (q, k, v))
+    beta, decay = beta.reshape(heads, -1, chunk), decay.reshape(heads, -1, chunk)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = mx.cumsum(decay, axis=-1)
+    rows, cols = mx.arange(chunk)[:, None], mx.arange(chunk)[None, :]
+    seen, strictly = rows >= cols, rows > cols
+    pairwise = mx.where(seen, mx.exp(mx.where(seen, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    lower = mx.where(strictly, (k_beta @ k.swapaxes(-1, -2)) * pairwise, 0.0)
+    inverse, power = mx.eye(chunk) - lower, lower @ lower
+    for _ in range(max(0, chunk.bit_length() - 2)):  # (I + N^2), (I + N^4), ... up to N^(chunk / 2)
+        inverse = inverse + inverse @ power
+        power = power @ power
+    values = inverse @ v_beta
+    k_decayed = inverse @ (k_beta * mx.exp(cum)[..., None])
+    within = (q @ k.swapaxes(-1, -2)) * pairwise
+    q = q * mx.exp(cum)[..., None]
+    k = k * mx.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = mx.exp(cum[..., -1])[..., None, None]
+    outs = []
+    for i in range(q.shape[1]):
+        v_new = values[:, i] - k_decayed[:, i] @ S
+        outs.append(q[:, i] @ S + within[:, i] @ v_new)
+        S = S * chunk_decay[:, i] + k[:, i].swapaxes(-1, -2) @ v_new
+    out = mx.concatenate(outs, axis=1)[:, :n]  # (heads, n, v_dim)
+    return out.transpose(1, 0, 2), S
 
 
 def l2norm(x: mx.array) -> mx.array:

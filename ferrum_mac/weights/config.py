@@ -16,8 +16,9 @@ MOE_TYPES = ("qwen3_moe",)
 GEMMA3_TYPES = ("gemma3_text", "gemma3")  # gemma3: the text model inside the multimodal checkpoint
 # Phi-4 / Phi-4-mini (fused qkv and gate-up, partial RoPE, LongRoPE) and SmolLM3 (NoPE layers)
 ROPE_VARIANT_TYPES = ("phi3", "smollm3")
-# Qwen3.5/3.6 (dense, text): Gated DeltaNet linear-attention layers between gated full-attention ones
-HYBRID_TYPES = ("qwen3_5_text", "qwen3_5")  # qwen3_5: the text model inside the multimodal checkpoint
+# Qwen3-Next and Qwen3.5/3.6 (dense and MoE, text): Gated DeltaNet linear-attention layers
+# between gated full-attention ones; qwen3_5 and qwen3_5_moe: the text model of the multimodal checkpoint
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES + GEMMA3_TYPES + ROPE_VARIANT_TYPES + HYBRID_TYPES
 ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 
@@ -391,10 +392,12 @@ LINEAR_DEFAULTS = {
 
 
 def qwen3_5_config(raw: dict, generation: dict, where: str) -> ModelConfig:
-    """Qwen3.5's text model: Gated DeltaNet layers (`linear_attention`) and gated full attention
-    with partial RoPE; a multimodal checkpoint's (`qwen3_5`) is its `text_config`. The linear
-    layers' sizes go in `extra` under their config names (`LINEAR_DEFAULTS`)."""
-    text = raw.get("text_config", raw) if raw["model_type"] == "qwen3_5" else raw
+    """Qwen3.5's and Qwen3-Next's text model: Gated DeltaNet layers (`linear_attention`) and
+    gated full attention with partial RoPE; a multimodal checkpoint's (`qwen3_5`,
+    `qwen3_5_moe`) is its `text_config`. The linear layers' sizes go in `extra` under their
+    config names (`LINEAR_DEFAULTS`), as do the MoE's (`weights.moe`)."""
+    family = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(raw["model_type"], raw["model_type"])
+    text = raw.get("text_config", raw) if raw["model_type"] in ("qwen3_5", "qwen3_5_moe") else raw
     layers = int(text.get("num_hidden_layers", 32))
     kinds = text.get("layer_types") or [
         "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
@@ -412,8 +415,10 @@ def qwen3_5_config(raw: dict, generation: dict, where: str) -> ModelConfig:
         generation,
         where,
     )
-    config.model_type, config.qk_norm = "qwen3_5_text", True
+    config.model_type, config.qk_norm = family, True
     config.tie_word_embeddings = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     config.recurrent_layers = frozenset(i for i, kind in enumerate(kinds) if kind == "linear_attention")
     config.extra = {**LINEAR_DEFAULTS, **text}
+    if family == "qwen3_5_moe_text":  # its router always renormalises its top k
+        config.extra["norm_topk_prob"] = True
     return config

@@ -14,3 +14,34 @@ def text_tensors(tensors):
     if not any(name.startswith(TEXT_PREFIX) for name in tensors):
         return {n: t for n, t in tensors.items() if not n.startswith(SKIPPED_PREFIXES)}
     return {n[len(TEXT_PREFIX) :]: t for n, t in tensors.items() if n.startswith(TEXT_PREFIX)}
+
+
+def unfuse_linear_projections(tensors: dict, config, concat) -> None:
+    """Qwen3-Next's fused projections of its linear layers, as Qwen3.5's, in place.
+
+    Its `in_proj_qkvz` holds per key head [q, k, v, z] (v and z: that head's value heads) and
+    `in_proj_ba` per key head [b, a]; Qwen3.5's `in_proj_qkv` holds every q, then every k,
+    then every v, beside `in_proj_z`, `in_proj_b` and `in_proj_a`. Rows move, so quantized
+    weights (their scales and biases by the same rows) move alike. `concat` joins arrays
+    along their first axis (the backend's)."""
+    e = config.extra
+    k_heads, v_heads = e["linear_num_key_heads"], e["linear_num_value_heads"]
+    k_dim, v_dim, per = e["linear_key_head_dim"], e["linear_value_head_dim"], v_heads // k_heads
+    for layer in config.recurrent_layers:
+        p = f"layers.{layer}.linear_attn"
+        for suffix in ("weight", "scales", "biases"):
+            if f"{p}.in_proj_qkvz.{suffix}" in tensors:
+                w = tensors.pop(f"{p}.in_proj_qkvz.{suffix}")
+                rest = tuple(w.shape[1:])
+                g = w.reshape(k_heads, 2 * k_dim + 2 * per * v_dim, *rest)
+                q, k = g[:, :k_dim], g[:, k_dim : 2 * k_dim]
+                v, z = g[:, 2 * k_dim : 2 * k_dim + per * v_dim], g[:, 2 * k_dim + per * v_dim :]
+                qkv = [q.reshape(k_heads * k_dim, *rest), k.reshape(k_heads * k_dim, *rest)]
+                tensors[f"{p}.in_proj_qkv.{suffix}"] = concat(qkv + [v.reshape(v_heads * v_dim, *rest)])
+                tensors[f"{p}.in_proj_z.{suffix}"] = z.reshape(v_heads * v_dim, *rest)
+            if f"{p}.in_proj_ba.{suffix}" in tensors:
+                w = tensors.pop(f"{p}.in_proj_ba.{suffix}")
+                rest = tuple(w.shape[1:])
+                g = w.reshape(k_heads, 2 * per, *rest)
+                tensors[f"{p}.in_proj_b.{suffix}"] = g[:, :per].reshape(v_heads, *rest)
+                tensors[f"{p}.in_proj_a.{suffix}"] = g[:, per:].reshape(v_heads, *rest)

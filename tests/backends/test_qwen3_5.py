@@ -249,3 +249,61 @@ def test_a_conversation_answers_as_a_fresh_prefill(engine):
     # (after an answer cut at its end token, the render differs: that turn prefills anew)
     assert any(continued[1:]), continued
     engine.close_conversation(conv)
+
+
+# -- the MoE variants: Qwen3-Next (fused linear projections) and Qwen3.5-MoE --------------------
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def variant_reference(name: str):
+    """A random Qwen3NextForCausalLM (its second layer a dense MLP) or Qwen3_5MoeForCausalLM."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig
+
+    settings = {k: v for k, v in qwen3_5_config().to_dict().items() if k in QWEN3_5_KEYS}
+    if name == "qwen3_next":
+        config = Qwen3NextConfig(**settings, **MOE, mlp_only_layers=[1], norm_topk_prob=False)
+    else:
+        config = Qwen3_5MoeTextConfig(**settings, **MOE)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "norm" in param_name:
+                p.normal_(0, 0.3)
+            if param_name.endswith(("dt_bias", "mlp.gate.weight")):
+                p.normal_(0, 1.0)
+    return model
+
+
+QWEN3_5_KEYS = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "head_dim linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim linear_num_key_heads "
+    "linear_num_value_heads initializer_range max_position_embeddings rms_norm_eps bos_token_id "
+    "eos_token_id pad_token_id"
+).split()
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+def variant(request, tmp_path_factory):
+    reference = variant_reference(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(path)
+    return reference, path
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "mlx"])  # torch: next
+def test_the_moe_variants_match_transformers(variant, backend, monkeypatch):
+    reference, path = variant
+    model = ferrum_mac.open_model(path, backend=backend, dtype="float32")
+    assert sum(isinstance(kind, Recurrent) for kind in model.config.layer_kinds) == 3
+    want = hf_logits(reference, PROMPT)
+    assert_close(model.prefill("p", PROMPT), want[-1], FP32_REL, "prefill")
+    monkeypatch.setattr(model, "prefill_chunk", 24)
+    assert_close(model.prefill("c", PROMPT[:-1]), want[-2], FP32_REL, "chunked prefill")
+    assert_close(model.decode("c", PROMPT[-1], len(PROMPT) - 1), want[-1], FP32_REL, "a decode step")
+    model.prefill("short", PROMPT[:9])
+    got = model.decode_batch([DecodeItem("short", 3, 9), DecodeItem("p", 4, len(PROMPT))])
+    assert_close(got[0], hf_logits(reference, PROMPT[:9] + [3])[-1], FP32_REL, "batch row 0")
+    assert_close(got[1], hf_logits(reference, PROMPT + [4])[-1], FP32_REL, "batch row 1")
+    assert_same_tokens(ferrum_greedy(model, "g", PROMPT, 64), hf_greedy(reference, PROMPT, 64))

@@ -1,8 +1,9 @@
-"""Qwen3.5 / 3.6 (dense, text): Gated DeltaNet linear attention between gated attention layers.
+"""Qwen3-Next and Qwen3.5 / 3.6 (text): Gated DeltaNet linear attention between gated attention layers.
 
 Three of every four layers are Gated DeltaNet linear attention (a short causal convolution
 and a recurrent state per sequence, `RecurrentStates`), the fourth gated full attention (an output gate, q/k norms, partial RoPE); norms are zero-centred
-(weighed by 1 + w), but for the linear layers' gated norm.
+(weighed by 1 + w), but for the linear layers' gated norm. The MoE variants (Qwen3-Next,
+`qwen3_5_moe`) add a shared expert, gated, to Qwen3-MoE's sparse block.
 
 The delta rule runs by its chunked (WY) form over a prompt's chunks, as matrix products, and
 by its recurrent step for one token; in float32, as transformers does."""
@@ -14,8 +15,10 @@ import mlx.core as mx
 from ferrum_mac.backends.mlx.attention import Attention, Plan
 from ferrum_mac.backends.mlx.layers import Linear, Rope, TensorSource
 from ferrum_mac.backends.mlx.models.llama import Mlp
+from ferrum_mac.backends.mlx.models.qwen3_moe import SparseMoe, sanitize
 from ferrum_mac.weights import ModelConfig
-from ferrum_mac.weights.qwen3_5 import text_tensors
+from ferrum_mac.weights.moe import MoeConfig, moe_config
+from ferrum_mac.weights.qwen3_5 import text_tensors, unfuse_linear_projections
 
 CHUNK = 64  # tokens per chunk of the delta rule's chunked form
 
@@ -201,15 +204,34 @@ def nn_silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
 
 
-class Block:
-    """Pre-norm token mixer (linear or gated attention) and SwiGLU MLP, with residuals."""
+class SharedExpertMoe:
+    """The sparse MoE (`qwen3_moe.SparseMoe`) beside a shared expert, which a sigmoid gate weighs."""
 
-    def __init__(self, src: TensorSource, config: ModelConfig, layer: int):
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int, moe: MoeConfig):
+        p = f"layers.{layer}.mlp"
+        self.sparse = SparseMoe(src, config, layer, moe)
+        self.shared = Mlp(src, config, f"{p}.shared_expert", config.extra["shared_expert_intermediate_size"])
+        self.shared_gate = src.linear(f"{p}.shared_expert_gate", 1, config.hidden_size)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.sparse(x) + mx.sigmoid(self.shared_gate(x)) * self.shared(x)
+
+
+def make_mlp(src: TensorSource, config: ModelConfig, layer: int, moe: MoeConfig | None):
+    if moe is not None and moe.is_sparse(layer):
+        return SharedExpertMoe(src, config, layer, moe)
+    return Mlp(src, config, f"layers.{layer}.mlp", config.intermediate_size)
+
+
+class Block:
+    """Pre-norm token mixer (linear or gated attention) and MLP (SwiGLU, or the MoE), with residuals."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int, moe: MoeConfig | None):
         p, dim = f"layers.{layer}", config.hidden_size
         linear = layer in config.recurrent_layers
         self.mixer = GatedDeltaNet(src, config, layer) if linear else GatedAttention(src, config, layer)
         self.attn = None if linear else self.mixer
-        self.mlp = Mlp(src, config, f"{p}.mlp", config.intermediate_size)
+        self.mlp = make_mlp(src, config, layer, moe)
         self.attn_norm = zero_centred_norm(src, f"{p}.input_layernorm", dim)
         self.mlp_norm = zero_centred_norm(src, f"{p}.post_attention_layernorm", dim)
         self.eps = config.rms_norm_eps
@@ -225,8 +247,12 @@ class Model:
     def __init__(self, src: TensorSource, config: ModelConfig):
         c = self.config = config
         src.tensors = text_tensors(src.tensors)
+        unfuse_linear_projections(src.tensors, c, mx.concatenate)  # (Qwen3-Next's)
+        moe = moe_config(c) if c.extra.get("num_experts") else None
+        if moe is not None:
+            sanitize(src.tensors, c, moe)
         self.embed = src.linear("embed_tokens", c.vocab_size, c.hidden_size)
-        self.layers = [Block(src, c, i) for i in range(c.num_layers)]
+        self.layers = [Block(src, c, i, moe) for i in range(c.num_layers)]
         self.norm = zero_centred_norm(src, "norm", c.hidden_size)
         tied = c.tie_word_embeddings or not src.has("lm_head.weight")
         self.head: Linear = self.embed if tied else src.linear("lm_head", c.vocab_size, c.hidden_size)

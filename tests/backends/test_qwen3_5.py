@@ -292,7 +292,7 @@ def variant(request, tmp_path_factory):
     return reference, path
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "mlx"])  # torch: next
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_the_moe_variants_match_transformers(variant, backend, monkeypatch):
     reference, path = variant
     model = ferrum_mac.open_model(path, backend=backend, dtype="float32")

@@ -17,4 +17,6 @@ FAMILIES = {
     "smollm3": smollm3.Model,
     # hybrid linear attention: Gated DeltaNet layers and gated full attention
     "qwen3_5_text": qwen3_5.Model,
+    "qwen3_5_moe_text": qwen3_5.Model,
+    "qwen3_next": qwen3_5.Model,
 }

@@ -1,8 +1,9 @@
-"""Qwen3.5 / 3.6 (dense, text): Gated DeltaNet linear attention between gated attention layers.
+"""Qwen3-Next and Qwen3.5 / 3.6 (text): Gated DeltaNet linear attention between gated attention layers.
 
 Three of every four layers are Gated DeltaNet linear attention (a short causal convolution
 and a recurrent state per sequence, `RecurrentStates`), the fourth gated full attention (an output gate, q/k norms, partial RoPE); norms are zero-centred
-(weighed by 1 + w), but for the linear layers' gated norm.
+(weighed by 1 + w), but for the linear layers' gated norm. The MoE variants (Qwen3-Next,
+`qwen3_5_moe`) add a shared expert, gated, to Qwen3-MoE's sparse block.
 
 The delta rule runs by its chunked (WY) form over a prompt's chunks, as matrix products, and
 by its recurrent step for one token; in float32, as transformers does. Every step runs
@@ -15,10 +16,12 @@ import torch.nn.functional as F
 
 from ferrum_mac.backends.torch.layers import RmsNorm, inverse_frequencies, linear, tied_head
 from ferrum_mac.backends.torch.models.llama import Mlp
+from ferrum_mac.backends.torch.models.qwen3_moe import SparseMoe
 from ferrum_mac.backends.torch.ops import TORCH_OPS, Ops
-from ferrum_mac.backends.torch.weights import TensorSource
+from ferrum_mac.backends.torch.weights import TensorSource, to_torch
 from ferrum_mac.weights import ModelConfig
-from ferrum_mac.weights.qwen3_5 import text_tensors
+from ferrum_mac.weights.moe import MoeConfig, moe_config
+from ferrum_mac.weights.qwen3_5 import text_tensors, unfuse_linear_projections
 
 CHUNK = 64  # tokens per chunk of the delta rule's chunked form
 
@@ -192,15 +195,38 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-class Block:
-    """Pre-norm token mixer (linear or gated attention) and SwiGLU MLP, with residuals."""
+class SharedExpertMoe:
+    """The sparse MoE (`qwen3_moe.SparseMoe`) beside a shared expert, which a sigmoid gate weighs."""
 
-    def __init__(self, src: TensorSource, config: ModelConfig, layer: int, rope: PartialRope):
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int, moe: MoeConfig):
+        p = f"layers.{layer}.mlp"
+        self.sparse = SparseMoe(src, config, layer, moe)
+        self.shared = Mlp(src, config, f"{p}.shared_expert", config.extra["shared_expert_intermediate_size"])
+        self.shared_gate = linear(src, f"{p}.shared_expert_gate", 1, config.hidden_size)
+
+    def __call__(self, h: torch.Tensor, norm: RmsNorm, ops: Ops) -> torch.Tensor:
+        """h + moe(norm(h)) + gate * shared(norm(h)), h `(T, hidden)`."""
+        x = norm(h)
+        gate, up = self.shared.gate_up(x).chunk(2, dim=-1)
+        shared = self.shared.down(F.silu(gate) * up) * torch.sigmoid(self.shared_gate(x))
+        return ops.sparse_moe(self.sparse, x, h + shared)
+
+
+def make_mlp(src: TensorSource, config: ModelConfig, layer: int, moe: MoeConfig | None):
+    if moe is not None and moe.is_sparse(layer):
+        return SharedExpertMoe(src, config, layer, moe)
+    return Mlp(src, config, f"layers.{layer}.mlp", config.intermediate_size)
+
+
+class Block:
+    """Pre-norm token mixer (linear or gated attention) and MLP (SwiGLU, or the MoE), with residuals."""
+
+    def __init__(self, src: TensorSource, config: ModelConfig, layer: int, rope: PartialRope, moe: MoeConfig | None):
         p, c = f"layers.{layer}", config
         linear_layer = layer in c.recurrent_layers
         self.attn = None if linear_layer else GatedAttention(src, c, layer, rope)
         self.linear_attn = GatedDeltaNet(src, c, layer) if linear_layer else None
-        self.mlp = Mlp(src, c, f"{p}.mlp", c.intermediate_size)
+        self.mlp = make_mlp(src, c, layer, moe)
         self.attn_norm = zero_centred_norm(src, f"{p}.input_layernorm", c.hidden_size, c.rms_norm_eps)
         self.mlp_norm = zero_centred_norm(src, f"{p}.post_attention_layernorm", c.hidden_size, c.rms_norm_eps)
 
@@ -216,9 +242,11 @@ class Model:
     def __init__(self, src: TensorSource, config: ModelConfig):
         c = self.config = config
         src.tensors = text_tensors(src.tensors)
+        unfuse_linear_projections(src.tensors, c, lambda parts: torch.cat([to_torch(a) for a in parts]))
+        moe = moe_config(c) if c.extra.get("num_experts") else None
         self.rope = PartialRope(c, src.device)
         self.embed = src.take("embed_tokens.weight", (c.vocab_size, c.hidden_size))
-        self.layers = [Block(src, c, i, self.rope) for i in range(c.num_layers)]
+        self.layers = [Block(src, c, i, self.rope, moe) for i in range(c.num_layers)]
         self.norm = zero_centred_norm(src, "norm", c.hidden_size, c.rms_norm_eps)
         tied = c.tie_word_embeddings or not src.has("lm_head.weight")
         self.head = tied_head(src, self.embed) if tied else linear(src, "lm_head", c.vocab_size, c.hidden_size)

@@ -3,17 +3,38 @@
 from __future__ import annotations
 
 # A Qwen3_5ForConditionalGeneration checkpoint names its text model `model.language_model.*`
-# (canonical `language_model.*`); its vision tower (`visual.*`) and multi-token-prediction
-# head (`mtp.*`) are not read here.
-TEXT_PREFIX = "language_model."
+# (canonical `language_model.*`), mlx-lm's conversion of it `language_model.model.*`; its
+# vision tower (`visual.*`) and multi-token-prediction head (`mtp.*`) are not read here.
+TEXT_PREFIXES = ("language_model.model.", "language_model.")
 SKIPPED_PREFIXES = ("visual.", "mtp.")
 
 
 def text_tensors(tensors):
     """`tensors` by canonical text-model names (`layers.0.linear_attn.in_proj_qkv.weight`)."""
-    if not any(name.startswith(TEXT_PREFIX) for name in tensors):
+    if not any(name.startswith(TEXT_PREFIXES) for name in tensors):
         return {n: t for n, t in tensors.items() if not n.startswith(SKIPPED_PREFIXES)}
-    return {n[len(TEXT_PREFIX) :]: t for n, t in tensors.items() if n.startswith(TEXT_PREFIX)}
+    out = {}
+    for name, tensor in tensors.items():
+        prefix = next((p for p in TEXT_PREFIXES if name.startswith(p)), None)
+        if prefix is not None:
+            out[name[len(prefix) :]] = tensor
+    return out
+
+
+def norm_offset(tensors) -> float:
+    """What the zero-centred norms' weights are offset by: 1 (weighed by 1 + w), or 0 in an
+    mlx-lm conversion, which adds the 1 into them (and is told by its convolution weights,
+    stored `(channels, kernel, 1)` where transformers stores `(channels, 1, kernel)`)."""
+    converted = any(name.endswith("conv1d.weight") and t.shape[-1] == 1 for name, t in tensors.items())
+    return 0.0 if converted else 1.0
+
+
+def conv_layout(tensors, name: str, channels: int, kernel: int) -> tuple[int, int, int]:
+    """The shape of a depthwise convolution's weight `name` as stored: transformers'
+    `(channels, 1, kernel)`, or mlx-lm's `(channels, kernel, 1)`."""
+    weight = tensors.get(name)
+    mlx_lm = weight is not None and kernel > 1 and tuple(weight.shape) == (channels, kernel, 1)
+    return (channels, kernel, 1) if mlx_lm else (channels, 1, kernel)
 
 
 def unfuse_linear_projections(tensors: dict, config, concat) -> None:

@@ -307,3 +307,36 @@ def test_the_moe_variants_match_transformers(variant, backend, monkeypatch):
     assert_close(got[0], hf_logits(reference, PROMPT[:9] + [3])[-1], FP32_REL, "batch row 0")
     assert_close(got[1], hf_logits(reference, PROMPT + [4])[-1], FP32_REL, "batch row 1")
     assert_same_tokens(ferrum_greedy(model, "g", PROMPT, 64), hf_greedy(reference, PROMPT, 64))
+
+
+# -- mlx-lm's conversions -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_mlx_lm_conversions_match_mlx_lm(name, tmp_path):
+    """mlx-lm stores the convolutions `(channels, kernel, 1)` and adds the 1 into the
+    zero-centred norms' weights (Qwen3.5 inside its multimodal wrapper: `language_model.model.*`):
+    both backends read them so, and answer as mlx-lm does."""
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx_lm import convert, load
+
+    import helpers
+
+    reference = build_reference() if name == "qwen3_5" else variant_reference(name)
+    folder = tmp_path / "hf"
+    reference.save_pretrained(folder)
+    helpers.write_tiny_tokenizer(folder)
+    raw = helpers.read_config(folder)
+    rope = raw.get("rope_parameters") or {}
+    raw = {**raw, "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"]}
+    if name == "qwen3_5":  # mlx-lm reads the multimodal checkpoint's config only
+        raw = {"model_type": "qwen3_5", "text_config": raw, "tie_word_embeddings": False}
+    helpers.write_config(folder, raw)
+    out = tmp_path / "mlx"
+    convert(str(folder), str(out), dtype="float32")
+    mlx_lm_model, _ = load(str(out))
+    want = helpers.to_np(mlx_lm_model(mx.array([PROMPT]))[0])
+    for backend in BACKENDS:
+        model = ferrum_mac.open_model(out, backend=backend, dtype="float32")
+        assert_close(model.forward_verify("m", PROMPT), want, FP32_REL, f"{backend} against mlx-lm")

@@ -18,14 +18,14 @@ from ferrum_mac.backends.mlx.models.llama import Mlp
 from ferrum_mac.backends.mlx.models.qwen3_moe import SparseMoe, sanitize
 from ferrum_mac.weights import ModelConfig
 from ferrum_mac.weights.moe import MoeConfig, moe_config
-from ferrum_mac.weights.qwen3_5 import text_tensors, unfuse_linear_projections
+from ferrum_mac.weights.qwen3_5 import conv_layout, norm_offset, text_tensors, unfuse_linear_projections
 
 CHUNK = 64  # tokens per chunk of the delta rule's chunked form
 
 
 def zero_centred_norm(src: TensorSource, module: str, dim: int) -> mx.array:
-    """A Qwen3.5 RMSNorm weighs by (1 + w): as a plain RMSNorm weight."""
-    return 1.0 + src.norm(module, dim)
+    """A Qwen3.5 RMSNorm weighs by (1 + w): as a plain RMSNorm weight (an mlx-lm conversion stores it so)."""
+    return src.config.extra.get("qwen3_5_norm_offset", 1.0) + src.norm(module, dim)
 
 
 class GatedAttention(Attention):
@@ -88,8 +88,11 @@ class GatedDeltaNet:
         self.in_proj_z = src.linear(f"{p}.in_proj_z", value_dim, hidden)
         self.in_proj_b = src.linear(f"{p}.in_proj_b", self.v_heads, hidden)
         self.in_proj_a = src.linear(f"{p}.in_proj_a", self.v_heads, hidden)
-        conv = src.take(f"{p}.conv1d.weight", (self.channels, 1, self.kernel))
-        self.conv = conv[:, 0, :].T  # (kernel, channels): tap i reads the input i - (kernel - 1) steps back
+        conv = f"{p}.conv1d.weight"
+        conv = src.take(conv, conv_layout(src.tensors, conv, self.channels, self.kernel))
+        self.conv = conv.reshape(
+            self.channels, self.kernel
+        ).T  # (kernel, channels): tap i reads the input i - (kernel - 1) steps back
         self.decay_rate = -mx.exp(src.take(f"{p}.A_log", (self.v_heads,), cast=False).astype(mx.float32))
         self.dt_bias = src.take(f"{p}.dt_bias", (self.v_heads,), cast=False).astype(mx.float32)
         self.norm = src.norm(f"{p}.norm", self.v_dim)
@@ -247,6 +250,7 @@ class Model:
     def __init__(self, src: TensorSource, config: ModelConfig):
         c = self.config = config
         src.tensors = text_tensors(src.tensors)
+        c.extra["qwen3_5_norm_offset"] = norm_offset(src.tensors)
         unfuse_linear_projections(src.tensors, c, mx.concatenate)  # (Qwen3-Next's)
         moe = moe_config(c) if c.extra.get("num_experts") else None
         if moe is not None:

@@ -21,14 +21,14 @@ from ferrum_mac.backends.torch.ops import TORCH_OPS, Ops
 from ferrum_mac.backends.torch.weights import TensorSource, to_torch
 from ferrum_mac.weights import ModelConfig
 from ferrum_mac.weights.moe import MoeConfig, moe_config
-from ferrum_mac.weights.qwen3_5 import text_tensors, unfuse_linear_projections
+from ferrum_mac.weights.qwen3_5 import conv_layout, norm_offset, text_tensors, unfuse_linear_projections
 
 CHUNK = 64  # tokens per chunk of the delta rule's chunked form
 
 
 def zero_centred_norm(src: TensorSource, module: str, dim: int, eps: float) -> RmsNorm:
-    """A Qwen3.5 RMSNorm weighs by (1 + w): as a plain RMSNorm weight."""
-    return RmsNorm(1.0 + src.norm(module, dim), eps)
+    """A Qwen3.5 RMSNorm weighs by (1 + w): as a plain RMSNorm weight (an mlx-lm conversion stores it so)."""
+    return RmsNorm(src.config.extra.get("qwen3_5_norm_offset", 1.0) + src.norm(module, dim), eps)
 
 
 class PartialRope:
@@ -99,7 +99,9 @@ class GatedDeltaNet:
         self.in_proj_z = linear(src, f"{p}.in_proj_z", value_dim, hidden)
         self.in_proj_b = linear(src, f"{p}.in_proj_b", self.v_heads, hidden)
         self.in_proj_a = linear(src, f"{p}.in_proj_a", self.v_heads, hidden)
-        self.conv = src.take(f"{p}.conv1d.weight", (self.channels, 1, self.kernel))
+        conv = f"{p}.conv1d.weight"
+        self.conv = src.take(conv, conv_layout(src.tensors, conv, self.channels, self.kernel))
+        self.conv = self.conv.reshape(self.channels, 1, self.kernel)
         self.decay_rate = -src.take(f"{p}.A_log", (self.v_heads,)).float().exp()
         self.dt_bias = src.take(f"{p}.dt_bias", (self.v_heads,)).float()
         self.norm = src.norm(f"{p}.norm", self.v_dim).float()
@@ -242,6 +244,7 @@ class Model:
     def __init__(self, src: TensorSource, config: ModelConfig):
         c = self.config = config
         src.tensors = text_tensors(src.tensors)
+        c.extra["qwen3_5_norm_offset"] = norm_offset(src.tensors)
         unfuse_linear_projections(src.tensors, c, lambda parts: torch.cat([to_torch(a) for a in parts]))
         moe = moe_config(c) if c.extra.get("num_experts") else None
         self.rope = PartialRope(c, src.device)

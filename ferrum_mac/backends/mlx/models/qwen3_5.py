@@ -104,19 +104,34 @@ class GatedDeltaNet:
         qkv, z = self.in_proj_qkv(x)[0], self.in_proj_z(x)[0]
         beta = mx.sigmoid(self.in_proj_b(x)[0].astype(mx.float32))
         decay = self.decay_rate * softplus(self.in_proj_a(x)[0].astype(mx.float32) + self.dt_bias)
-        outs = []
-        for seg, state in zip(plan.segments, plan.recurrent):
-            rows = slice(seg.start, seg.start + seg.length)
-            conv, S = state.layers.get(self.layer) or self.fresh_state(x.dtype)
-            mixed, conv = self.convolve(qkv[rows], conv)
-            out, S = self.delta_rule(mixed, beta[rows], decay[rows], S)
-            state.layers[self.layer] = (conv, S)
-            outs.append(out)
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # (T, v_heads, v_dim), float32
+        if len(plan.segments) > 1 and plan.total == len(plan.segments):  # a batched decode step
+            out = self.decode_batch(qkv, beta, decay, plan.recurrent, x.dtype)
+        else:
+            outs = []
+            for seg, state in zip(plan.segments, plan.recurrent):
+                rows = slice(seg.start, seg.start + seg.length)
+                conv, S = state.layers.get(self.layer) or self.fresh_state(x.dtype)
+                mixed, conv = self.convolve(qkv[rows], conv)
+                out, S = self.delta_rule(mixed, beta[rows], decay[rows], S)
+                state.layers[self.layer] = (conv, S)
+                outs.append(out)
+            out = outs[0] if len(outs) == 1 else mx.concatenate(outs)  # (T, v_heads, v_dim), float32
         T = out.shape[0]
         normed = mx.fast.rms_norm(out, self.norm.astype(mx.float32), self.eps)
         gated = normed * nn_silu(z.reshape(T, self.v_heads, self.v_dim).astype(mx.float32))
         return self.out_proj(gated.astype(x.dtype).reshape(1, T, -1))
+
+    def decode_batch(self, qkv, beta, decay, recurrent: list, dtype) -> mx.array:
+        """One token of each of B sequences, their states stacked: one convolution and one
+        recurrent step for all (not one per sequence); `(B, v_heads, v_dim)`."""
+        states = [state.layers.get(self.layer) or self.fresh_state(dtype) for state in recurrent]
+        conv, S = mx.stack([c for c, _ in states]), mx.stack([s for _, s in states])
+        joined = mx.concatenate([conv, qkv[:, None, :]], axis=1)  # (B, kernel, channels)
+        q, k, v = self.heads(nn_silu((joined * self.conv[None]).sum(axis=1)))
+        out, S = recurrent_step(q, k, v, beta, decay, S)
+        for i, state in enumerate(recurrent):
+            state.layers[self.layer] = (joined[i, 1:], S[i])
+        return out
 
     def fresh_state(self, dtype) -> tuple[mx.array, mx.array]:
         conv = mx.zeros((self.kernel - 1, self.channels), dtype=dtype)
@@ -133,6 +148,15 @@ class GatedDeltaNet:
     def delta_rule(self, mixed, beta, decay, S):
         """The gated delta rule over one sequence's `n` tokens (chunked; one token by the
         recurrent step): `(n, v_heads, v_dim)` outputs and the state after them."""
+        q, k, v = self.heads(mixed)
+        if mixed.shape[0] == 1:
+            out, S = recurrent_step(q[0], k[0], v[0], beta[0], decay[0], S)
+            return out[None], S
+        return chunked_delta_rule(q, k, v, beta, decay, S)
+
+    def heads(self, mixed: mx.array):
+        """The convolution's output `(n, channels)` -> q and k `(n, v_heads, k_dim)` (a key head
+        for each of its value heads; l2-normed, q scaled) and v `(n, v_heads, v_dim)`, float32."""
         n, kd, vd = mixed.shape[0], self.k_heads * self.k_dim, self.v_heads * self.v_dim
         q = mixed[:, :kd].reshape(n, self.k_heads, self.k_dim).astype(mx.float32)
         k = mixed[:, kd : 2 * kd].reshape(n, self.k_heads, self.k_dim).astype(mx.float32)
@@ -140,20 +164,17 @@ class GatedDeltaNet:
         group = self.v_heads // self.k_heads
         if group > 1:
             q, k = mx.repeat(q, group, axis=1), mx.repeat(k, group, axis=1)
-        q = l2norm(q) * self.k_dim**-0.5
-        k = l2norm(k)
-        if n == 1:
-            return recurrent_step(q[0], k[0], v[0], beta[0], decay[0], S)
-        return chunked_delta_rule(q, k, v, beta, decay, S)
+        return l2norm(q) * self.k_dim**-0.5, l2norm(k), v
 
 
 def recurrent_step(q, k, v, beta, decay, S):
-    """One token: q/k `(heads, k_dim)`, v `(heads, v_dim)`, beta/decay `(heads,)`, S `(heads, k_dim, v_dim)`."""
-    S = S * mx.exp(decay)[:, None, None]
-    remembered = (S * k[:, :, None]).sum(axis=-2)
-    delta = (v - remembered) * beta[:, None]
-    S = S + k[:, :, None] * delta[:, None, :]
-    return (S * q[:, :, None]).sum(axis=-2)[None], S
+    """One token (of each sequence, with a leading batch axis): q/k `(heads, k_dim)`, v
+    `(heads, v_dim)`, beta/decay `(heads,)`, S `(heads, k_dim, v_dim)` -> `(heads, v_dim)`, S."""
+    S = S * mx.exp(decay)[..., None, None]
+    remembered = (S * k[..., None]).sum(axis=-2)
+    delta = (v - remembered) * beta[..., None]
+    S = S + k[..., None] * delta[..., None, :]
+    return (S * q[..., None]).sum(axis=-2), S
 
 
 def chunked_delta_rule(q, k, v, beta, decay, S, chunk: int = CHUNK):

@@ -113,18 +113,33 @@ class GatedDeltaNet:
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         beta = torch.sigmoid(self.in_proj_b(x).float())
         decay = self.decay_rate * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        outs = []
-        for seg, state in zip(plan.segments, plan.recurrent):
-            rows = slice(seg.start, seg.start + seg.length)
-            conv, S = state.layers.get(self.layer) or self.fresh_state(x)
-            mixed, conv = self.convolve(qkv[rows], conv)
-            out, S = self.delta_rule(mixed, beta[rows], decay[rows], S)
-            state.layers[self.layer] = (conv, S)
-            outs.append(out)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, v_heads, v_dim), float32
+        if len(plan.segments) > 1 and plan.total == len(plan.segments):  # a batched decode step
+            out = self.decode_batch(qkv, beta, decay, plan.recurrent, x)
+        else:
+            outs = []
+            for seg, state in zip(plan.segments, plan.recurrent):
+                rows = slice(seg.start, seg.start + seg.length)
+                conv, S = state.layers.get(self.layer) or self.fresh_state(x)
+                mixed, conv = self.convolve(qkv[rows], conv)
+                out, S = self.delta_rule(mixed, beta[rows], decay[rows], S)
+                state.layers[self.layer] = (conv, S)
+                outs.append(out)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, v_heads, v_dim), float32
         normed = F.rms_norm(out, (self.v_dim,), self.norm, self.eps)
         gated = normed * F.silu(z.view(-1, self.v_heads, self.v_dim).float())
         return self.out_proj(gated.to(x.dtype).flatten(1))
+
+    def decode_batch(self, qkv, beta, decay, recurrent: list, x: torch.Tensor) -> torch.Tensor:
+        """One token of each of B sequences, their states stacked: one convolution and one
+        recurrent step for all (not one per sequence); `(B, v_heads, v_dim)`."""
+        states = [state.layers.get(self.layer) or self.fresh_state(x) for state in recurrent]
+        conv, S = torch.stack([c for c, _ in states]), torch.stack([s for _, s in states])
+        joined = torch.cat((conv, qkv[:, None, :]), dim=1)  # (B, kernel, channels)
+        q, k, v = self.heads(F.silu((joined * self.conv[:, 0].T[None]).sum(dim=1)))
+        out, S = recurrent_step(q, k, v, beta, decay, S)
+        for i, state in enumerate(recurrent):
+            state.layers[self.layer] = (joined[i, 1:], S[i])
+        return out
 
     def fresh_state(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         conv = x.new_zeros((self.kernel - 1, self.channels))
@@ -139,6 +154,15 @@ class GatedDeltaNet:
 
     def delta_rule(self, mixed, beta, decay, S):
         """The gated delta rule over one sequence's `n` tokens: `(n, v_heads, v_dim)` outputs and the state after them."""
+        q, k, v = self.heads(mixed)
+        if mixed.shape[0] == 1:
+            out, S = recurrent_step(q[0], k[0], v[0], beta[0], decay[0], S)
+            return out[None], S
+        return chunked_delta_rule(q, k, v, beta, decay, S)
+
+    def heads(self, mixed: torch.Tensor):
+        """The convolution's output `(n, channels)` -> q and k `(n, v_heads, k_dim)` (a key head
+        for each of its value heads; l2-normed, q scaled) and v `(n, v_heads, v_dim)`, float32."""
         n, kd, vd = mixed.shape[0], self.k_heads * self.k_dim, self.v_heads * self.v_dim
         q = mixed[:, :kd].view(n, self.k_heads, self.k_dim).float()
         k = mixed[:, kd : 2 * kd].view(n, self.k_heads, self.k_dim).float()
@@ -146,20 +170,17 @@ class GatedDeltaNet:
         group = self.v_heads // self.k_heads
         if group > 1:
             q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
-        q = l2norm(q) * self.k_dim**-0.5
-        k = l2norm(k)
-        if n == 1:
-            return recurrent_step(q[0], k[0], v[0], beta[0], decay[0], S)
-        return chunked_delta_rule(q, k, v, beta, decay, S)
+        return l2norm(q) * self.k_dim**-0.5, l2norm(k), v
 
 
 def recurrent_step(q, k, v, beta, decay, S):
-    """One token: q/k `(heads, k_dim)`, v `(heads, v_dim)`, beta/decay `(heads,)`, S `(heads, k_dim, v_dim)`."""
-    S = S * decay.exp()[:, None, None]
-    remembered = (S * k[:, :, None]).sum(dim=-2)
-    delta = (v - remembered) * beta[:, None]
-    S = S + k[:, :, None] * delta[:, None, :]
-    return (S * q[:, :, None]).sum(dim=-2)[None], S
+    """One token (of each sequence, with a leading batch axis): q/k `(heads, k_dim)`, v
+    `(heads, v_dim)`, beta/decay `(heads,)`, S `(heads, k_dim, v_dim)` -> `(heads, v_dim)`, S."""
+    S = S * decay.exp()[..., None, None]
+    remembered = (S * k[..., None]).sum(dim=-2)
+    delta = (v - remembered) * beta[..., None]
+    S = S + k[..., None] * delta[..., None, :]
+    return (S * q[..., None]).sum(dim=-2), S
 
 
 def chunked_delta_rule(q, k, v, beta, decay, S, chunk: int = CHUNK):

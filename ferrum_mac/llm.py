@@ -53,6 +53,7 @@ from ferrum_mac.sequence_state import (  # noqa: F401  (re-exported: the contrac
     MISS_WINDOW,
     FULL_ATTENTION,
     RECURRENT,
+    Recurrent,
     CountingState,
     LayerKind,
     PrefixReuse,
@@ -106,7 +107,9 @@ class LlmRuntimeConfig:
         )
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+        """Keys and values of one token in every layer that keeps them (a recurrent layer keeps none)."""
+        layers = self.num_layers - sum(isinstance(kind, Recurrent) for kind in self.layer_kinds)
+        return 2 * layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
 def layer_kinds_of(c) -> tuple[LayerKind, ...]:

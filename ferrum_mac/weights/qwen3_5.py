@@ -37,6 +37,18 @@ def conv_layout(tensors, name: str, channels: int, kernel: int) -> tuple[int, in
     return (channels, kernel, 1) if mlx_lm else (channels, 1, kernel)
 
 
+def recurrent_state_bytes(config, bytes_per_element: int) -> int:
+    """The bytes one sequence's recurrent states take: per linear layer, its convolution's last
+    `kernel - 1` inputs (the activations' dtype) and its float32 state of value heads x key
+    dim x value dim."""
+    e = config.extra
+    k_dim, v_dim = e["linear_key_head_dim"], e["linear_value_head_dim"]
+    channels = 2 * e["linear_num_key_heads"] * k_dim + e["linear_num_value_heads"] * v_dim
+    conv = (e["linear_conv_kernel_dim"] - 1) * channels * bytes_per_element
+    state = e["linear_num_value_heads"] * k_dim * v_dim * 4
+    return len(config.recurrent_layers) * (conv + state)
+
+
 def unfuse_linear_projections(tensors: dict, config, concat) -> None:
     """Qwen3-Next's fused projections of its linear layers, as Qwen3.5's, in place.
 

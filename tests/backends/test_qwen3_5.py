@@ -168,6 +168,20 @@ def test_a_cut_empties_the_sequence_and_a_prefill_restores_it(model, want):
     assert model.state.length("t") == 0
 
 
+def test_memory_counts_the_attention_layers_kv_and_each_sequences_states(model):
+    """KV per token: the one attention layer's (2 kv heads of 32, float32); each sequence's
+    states (3 layers: the convolution's last 3 inputs of 160 channels, and 4 x 16 x 24 floats)
+    are 24192 bytes, 48 such tokens, counted once per sequence."""
+    assert model.config.kv_bytes_per_token(4) == 2 * 2 * 32 * 4
+    assert model.state.recurrent.tokens_per_sequence == 48
+    pool = model.state.pool
+    assert model.state.tokens_for([100, 7]) == pool.allocation_for([100, 7]) + 2 * 48
+    model.prefill("mem", PROMPT[:5])
+    assert model.state.allocated_tokens() == pool.allocated_tokens + 48
+    assert model.state.recurrent.nbytes() == 3 * (3 * 160 * 4 + 4 * 16 * 24 * 4)
+    model.release("mem")
+
+
 def test_a_forward_must_continue_the_state(model):
     model.prefill("s", PROMPT[:10])
     with pytest.raises(CacheStateError):

@@ -23,7 +23,7 @@ from ferrum_mac.backends.mlx.ops import Ops, device_ops
 from ferrum_mac.backends.options import DEFAULTS, BackendOptions
 from ferrum_mac.backends.state.manager import PooledState
 from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
-from ferrum_mac.backends.state.recurrent import RecurrentStates
+from ferrum_mac.backends.state.recurrent import RecurrentStates, recurrent_tokens
 from ferrum_mac.backends.state.windowed import WindowedKv
 from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
@@ -103,7 +103,9 @@ class MlxLLM(PooledLLM):
             self.device_array_types,
             free_tokens=self._free_tokens,
             windowed=WindowedKv(window_pool, max(c.layer_windows), self.kv.prefix) if windowed else None,
-            recurrent=RecurrentStates() if c.recurrent_layers else None,
+            recurrent=RecurrentStates(recurrent_tokens(c, self._config, self.dtype.size))
+            if c.recurrent_layers
+            else None,
         )
 
     def _free_tokens(self) -> int:

@@ -121,9 +121,14 @@ class PooledState(StateManager):
     # With a windowed pool, token positions are counted as the model's: a position of every
     # layer, the two pools' positions weighed by their share of the layers.
 
+    # A recurrent model's sequences each hold their states too, counted as the KV token
+    # positions of the same memory (`RecurrentStates.tokens_per_sequence`).
+
     def allocated_tokens(self) -> int:
         if self.windowed is None:
-            return self.pool.allocated_tokens
+            return self.pool.allocated_tokens + self._recurrent_tokens(
+                len(self.recurrent.sequences) if self.recurrent else 0
+            )
         return self._weighed(self.pool.allocated_tokens, self.windowed.pool.allocated_tokens)
 
     def used_tokens(self) -> int:
@@ -131,8 +136,11 @@ class PooledState(StateManager):
 
     def tokens_for(self, lengths: Sequence[int]) -> int:
         if self.windowed is None:
-            return self.pool.allocation_for(lengths)
+            return self.pool.allocation_for(lengths) + self._recurrent_tokens(len(lengths))
         return self._weighed(self.pool.allocation_for(lengths), self.windowed.allocation_for(lengths))
+
+    def _recurrent_tokens(self, sequences: int) -> int:
+        return sequences * self.recurrent.tokens_per_sequence if self.recurrent is not None else 0
 
     def _weighed(self, full: int, windowed: int) -> int:
         return round(full * (1 - self.window_share) + windowed * self.window_share)

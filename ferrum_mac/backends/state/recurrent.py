@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ferrum_mac.errors import CacheStateError
+from ferrum_mac.weights.qwen3_5 import recurrent_state_bytes
 
 
 class SequenceRecurrent:
@@ -29,10 +30,13 @@ class SequenceRecurrent:
 
 
 class RecurrentStates:
-    """Every sequence's `SequenceRecurrent`, by cache_id."""
+    """Every sequence's `SequenceRecurrent`, by cache_id. `tokens_per_sequence`: what one
+    sequence's states cost, in the KV token positions of the same memory (what a scheduler
+    admits against: `PooledState.tokens_for`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens_per_sequence: int = 0) -> None:
         self.sequences: dict[str, SequenceRecurrent] = {}
+        self.tokens_per_sequence = tokens_per_sequence
 
     def length(self, cache_id: str) -> int:
         seq = self.sequences.get(cache_id)
@@ -64,3 +68,10 @@ class RecurrentStates:
     def nbytes(self) -> int:
         """Bytes the states of every sequence take (arrays with an `nbytes`)."""
         return sum(getattr(a, "nbytes", 0) for a in self.arrays())
+
+
+def recurrent_tokens(model_config, config, bytes_per_element: int) -> int:
+    """`RecurrentStates.tokens_per_sequence` of a checkpoint's `ModelConfig` and its runtime
+    config, with activations of `bytes_per_element` bytes."""
+    per_token = config.kv_bytes_per_token(bytes_per_element)
+    return -(-recurrent_state_bytes(model_config, bytes_per_element) // per_token)

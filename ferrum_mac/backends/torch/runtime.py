@@ -20,7 +20,7 @@ import torch
 from ferrum_mac.backends.state.padding import power_of_two_above, quarter_octave_above
 from ferrum_mac.backends.state.manager import PooledState
 from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
-from ferrum_mac.backends.state.recurrent import RecurrentStates
+from ferrum_mac.backends.state.recurrent import RecurrentStates, recurrent_tokens
 from ferrum_mac.backends.state.windowed import WindowedKv
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
@@ -132,7 +132,7 @@ class TorchLLM(PooledLLM):
             self.device_array_types,
             self._computing,
             windowed=self.windowed,
-            recurrent=RecurrentStates() if self.recurrent else None,
+            recurrent=RecurrentStates(recurrent_tokens(c, self._config, element)) if self.recurrent else None,
         )
         self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device, options, self.windowed)
         # (a captured prefill writes the full pool only: a windowed model prefills eagerly)

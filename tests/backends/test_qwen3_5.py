@@ -354,3 +354,37 @@ def test_mlx_lm_conversions_match_mlx_lm(name, tmp_path):
     for backend in BACKENDS:
         model = ferrum_mac.open_model(out, backend=backend, dtype="float32")
         assert_close(model.forward_verify("m", PROMPT), want, FP32_REL, f"{backend} against mlx-lm")
+
+
+# -- the server ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_scheduler_batches_hybrid_sequences_without_guessing(folder, backend):
+    """`ferrum serve`'s scheduler, speculation asked for: several requests batched together
+    answer as each does alone, and none guesses (its guesses could not be cut back)."""
+    from ferrum_mac.compose import open_engine
+    from ferrum_mac.engine import Done, TextDelta
+    from ferrum_mac.serve import EventQueue, GenerationRequest, Scheduler
+
+    write_word_tokenizer(folder)
+    scheduler = Scheduler(lambda: open_engine(folder, backend=backend, dtype="float32"), speculate="ngram").start()
+    try:
+        prompts = [PROMPT[:n] for n in (9, 30, 55, 80)]
+
+        def send(ids):
+            queue = EventQueue()
+            scheduler.submit(GenerationRequest(list(ids), emit=queue.put, max_tokens=16))
+            return queue
+
+        def answer(queue):
+            events = list(queue.events(timeout=120))
+            assert isinstance(events[-1], Done), events[-1]
+            return "".join(e.text for e in events if isinstance(e, TextDelta)), events[-1]
+
+        alone = [answer(send(p)) for p in prompts]
+        together = [answer(q) for q in [send(p) for p in prompts]]
+        assert [text for text, _ in together] == [text for text, _ in alone]
+        assert all(done.speculation is None for _, done in alone + together)
+    finally:
+        scheduler.stop()

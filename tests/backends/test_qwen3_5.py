@@ -388,3 +388,31 @@ def test_the_scheduler_batches_hybrid_sequences_without_guessing(folder, backend
         assert all(done.speculation is None for _, done in alone + together)
     finally:
         scheduler.stop()
+
+
+# -- MLX's CUDA routes (their kernels computed by MLX ops on this CPU) -----------------------
+
+
+@pytest.mark.skipif("mlx" not in BACKENDS, reason="MLX is not installed")
+def test_cuda_routes_take_the_gated_attention_layers(folder, reference, monkeypatch):
+    """On MLX's CUDA build the gated attention layer takes its routes (padded prefill
+    attention, the decode kernel through block tables); the linear layers MLX's own ops."""
+    from backends.test_gemma3 import decode_kernel_on_the_cpu
+    from ferrum_mac.backends.mlx.cuda import attention as cuda_attention
+    from ferrum_mac.backends.mlx.cuda.ops import CudaOps
+    from ferrum_mac.backends.options import BackendOptions
+    from helpers import open_mlx
+
+    class KernelOnTheCpu(CudaOps):
+        def decode_kernel_takes(self, attn) -> bool:
+            return True
+
+    monkeypatch.setattr(cuda_attention, "decode_attention", decode_kernel_on_the_cpu)
+    decode_kernel_on_the_cpu.calls = 0
+    model = open_mlx(folder, KernelOnTheCpu(BackendOptions(cuda_heads=False)))
+    assert_close(model.forward_verify("v", PROMPT), hf_logits(reference, PROMPT), FP32_REL, "a forward")
+    model.prefill("a", PROMPT[:33])
+    rows = model.decode_batch([DecodeItem("v", 3, len(PROMPT)), DecodeItem("a", 4, 33)])
+    assert_close(rows[0], hf_logits(reference, PROMPT + [3])[-1], FP32_REL, "a long row")
+    assert_close(rows[1], hf_logits(reference, PROMPT[:33] + [4])[-1], FP32_REL, "a short row")
+    assert decode_kernel_on_the_cpu.calls == 1  # the one attention layer's

@@ -37,9 +37,13 @@ class GatedAttention(Attention):
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = src.linear(f"{p}.q_proj", 2 * q_out, c.hidden_size, c.qkv_bias)
-        self.k_proj = src.linear(f"{p}.k_proj", kv_out, c.hidden_size, c.qkv_bias)
-        self.v_proj = src.linear(f"{p}.v_proj", kv_out, c.hidden_size, c.qkv_bias)
+        self.qkv = src.projections(  # q with its gate, k, v (as one matmul where the device fuses them)
+            [
+                src.linear(f"{p}.q_proj", 2 * q_out, c.hidden_size, c.qkv_bias),
+                src.linear(f"{p}.k_proj", kv_out, c.hidden_size, c.qkv_bias),
+                src.linear(f"{p}.v_proj", kv_out, c.hidden_size, c.qkv_bias),
+            ]
+        )
         self.o_proj = src.linear(f"{p}.o_proj", c.hidden_size, q_out, c.o_bias)
         self.q_norm = zero_centred_norm(src, f"{p}.q_norm", c.head_dim)
         self.k_norm = zero_centred_norm(src, f"{p}.k_norm", c.head_dim)
@@ -51,10 +55,11 @@ class GatedAttention(Attention):
     def project_gated(self, x: mx.array, positions: mx.array):
         """x `(1, T, hidden)` -> roped q, k, v (in `Attention.project`'s layouts) and the gate `(1, T, heads * dim)`."""
         T, one = x.shape[1], positions.ndim == 0
-        qg = self.q_proj(x).reshape(1, T, self.heads, 2 * self.head_dim)
+        qg, k, v = self.qkv(x)
+        qg = qg.reshape(1, T, self.heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(1, T, -1)
-        k = self.k_proj(x).reshape(1, T, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(1, T, self.kv_heads, self.head_dim)
+        k = k.reshape(1, T, self.kv_heads, self.head_dim)
+        v = v.reshape(1, T, self.kv_heads, self.head_dim)
         q = mx.fast.rms_norm(q, self.q_norm, self.eps)
         k = mx.fast.rms_norm(k, self.k_norm, self.eps)
         if one:

@@ -49,8 +49,11 @@ from ferrum_mac.sequence_state import (  # noqa: F401  (re-exported: the contrac
     MISS_NO_PREFIX,
     MISS_OFF,
     MISS_OTHER_MODEL,
+    MISS_RECURRENT,
     MISS_WINDOW,
     FULL_ATTENTION,
+    RECURRENT,
+    Recurrent,
     CountingState,
     LayerKind,
     PrefixReuse,
@@ -104,13 +107,19 @@ class LlmRuntimeConfig:
         )
 
     def kv_bytes_per_token(self, bytes_per_element: int = 2) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+        """Keys and values of one token in every layer that keeps them (a recurrent layer keeps none)."""
+        layers = self.num_layers - sum(isinstance(kind, Recurrent) for kind in self.layer_kinds)
+        return 2 * layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
 def layer_kinds_of(c) -> tuple[LayerKind, ...]:
-    """Each layer's kind from a `ModelConfig`: a sliding window where it names one, else full attention."""
+    """Each layer's kind from a `ModelConfig`: a recurrent state for a linear-attention layer,
+    a sliding window where it names one, else full attention."""
     windows = tuple(getattr(c, "layer_windows", ())) or (0,) * c.num_layers
-    return tuple(SlidingWindow(w) if w else FULL_ATTENTION for w in windows)
+    recurrent: frozenset[int] = getattr(c, "recurrent_layers", frozenset())
+    return tuple(
+        RECURRENT if i in recurrent else SlidingWindow(w) if w else FULL_ATTENTION for i, w in enumerate(windows)
+    )
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ manager (`DecoderOnlyLLM.state`) and never which kinds it holds.
 
 A manager refuses a model with a kind it does not keep (`UnsupportedModelError`), when the
 model loads: a new kind is a class here and the manager that learns to keep it, not a
-special case in the scheduler or the cache. Full attention and sliding windows are kept today.
+special case in the scheduler or the cache. Full attention, sliding windows and recurrent
+states are kept today; a recurrent state cannot be cut back (`StateManager.cuts_back`).
 
 This module imports neither backend: the engine reads it.
 """
@@ -74,6 +75,7 @@ class Recurrent:
 LayerKind: TypeAlias = FullAttention | SlidingWindow | SharedKV | Recurrent
 KindClass: TypeAlias = type[FullAttention] | type[SlidingWindow] | type[SharedKV] | type[Recurrent]
 FULL_ATTENTION = FullAttention()
+RECURRENT = Recurrent()
 
 
 def every_layer_full(num_layers: int) -> tuple[LayerKind, ...]:
@@ -90,6 +92,7 @@ MISS_CHANGED = "changed earlier tokens"  # a cached sequence continues the match
 MISS_OTHER_MODEL = "different model"  # cached for another model (or dtype) only
 MISS_OFF = "no prefix cache"  # the backend keeps none
 MISS_WINDOW = "window not kept"  # a cached sequence continues the match, but not its sliding-window layers' keys there
+MISS_RECURRENT = "recurrent state not kept"  # the model's recurrent layers keep no state to resume a prefix from
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,10 @@ class StateManager(abc.ABC):
     """
 
     holds: tuple[KindClass, ...] = (FullAttention,)  # the layer kinds this manager keeps
+    # Whether `truncate` keeps the positions before the new length. When not (a recurrent
+    # state cannot go back), a cut sequence holds nothing after, and speculation, which cuts
+    # rejected guesses off, stays off for the model.
+    cuts_back: bool = True
 
     def __init__(self, kinds: Sequence[LayerKind]):
         refuse_unheld(kinds, self.holds)

@@ -11,6 +11,7 @@ import ferrum_mac
 from ferrum_mac.backends.state.block_pool import BLOCK_TOKENS as B
 from ferrum_mac.backends.state.block_pool import BlockPool
 from ferrum_mac.backends.state.manager import PooledState
+from ferrum_mac.backends.state.recurrent import RecurrentStates
 from ferrum_mac.errors import CacheStateError, UnsupportedModelError
 from ferrum_mac.llm import DecoderOnlyLLM, LlmRuntimeConfig
 from ferrum_mac.sequence_state import (
@@ -102,6 +103,14 @@ def test_a_layer_kind_the_manager_does_not_hold_is_refused(kind):
 def test_the_pooled_manager_keeps_sliding_windows():
     kinds = (SlidingWindow(16), FULL_ATTENTION)
     assert PooledState(BlockPool(32), LlmRuntimeConfig(8, 2, 1, 8, 16, 32, layer_kinds=kinds)).kinds == kinds
+
+
+def test_the_pooled_manager_keeps_recurrent_states_in_their_store():
+    kinds = (Recurrent(), FULL_ATTENTION)
+    config = LlmRuntimeConfig(8, 2, 1, 8, 16, 32, layer_kinds=kinds)
+    state = PooledState(BlockPool(32), config, recurrent=RecurrentStates())
+    assert state.kinds == kinds and not state.cuts_back
+    assert PooledState(BlockPool(32), LlmRuntimeConfig(8, 2, 1, 8, 16, 32)).cuts_back
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -45,10 +45,12 @@ def answer_tokens(
 ) -> tuple[Generator[int, None, None], SpeculationStats | None]:
     """The answer's token ids, and the speculation counts they will have filled in when the
     answer ends (None: it does not speculate). A grammar turns speculation off: its mask
-    for a guessed position depends on the guesses before it, which are not read yet."""
+    for a guessed position depends on the guesses before it, which are not read yet. So does
+    a model whose state cannot be cut back (`StateManager.cuts_back`): rejected guesses would
+    stay in it."""
     if matcher is not None:
         return constrained_tokens(model, sampler, cache_id, logits, limit, matcher), None
-    if speculate is None or not speculate.enabled:
+    if speculate is None or not speculate.enabled or not model.state.cuts_back:
         return sampled_tokens(model, sampler, cache_id, logits, limit), None
     speculator = Speculator.for_answer(model, speculate, cache_id)
     return speculative_tokens(model, sampler, cache_id, logits, limit, speculator, prompt), speculator.stats

@@ -16,7 +16,10 @@ MOE_TYPES = ("qwen3_moe", "gpt_oss")
 GEMMA3_TYPES = ("gemma3_text", "gemma3")  # gemma3: the text model inside the multimodal checkpoint
 # Phi-4 / Phi-4-mini (fused qkv and gate-up, partial RoPE, LongRoPE) and SmolLM3 (NoPE layers)
 ROPE_VARIANT_TYPES = ("phi3", "smollm3")
-SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES + GEMMA3_TYPES + ROPE_VARIANT_TYPES
+# Qwen3-Next and Qwen3.5/3.6 (dense and MoE, text): Gated DeltaNet linear-attention layers
+# between gated full-attention ones; qwen3_5 and qwen3_5_moe: the text model of the multimodal checkpoint
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+SUPPORTED_TYPES = DENSE_TYPES + MOE_TYPES + GEMMA3_TYPES + ROPE_VARIANT_TYPES + HYBRID_TYPES
 ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 
 
@@ -48,6 +51,7 @@ class ModelConfig:
     quantization: dict | None = None  # {"group_size", "bits", per-module overrides}
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window in tokens, 0 for full attention
     attention_sinks: bool = False  # a learned logit per head joins each softmax's denominator (gpt-oss)
+    recurrent_layers: frozenset[int] = frozenset()  # layers of linear attention (a recurrent state, no KV)
     extra: dict[str, Any] = field(default_factory=dict)  # family-specific keys (MoE)
 
     @property
@@ -287,6 +291,8 @@ def _config_from_dict(raw: dict, generation: dict, where: str) -> ModelConfig:
     check_model_type(model_type, where)
     if model_type in GEMMA3_TYPES:
         return gemma3_config(raw, generation, where)
+    if model_type in HYBRID_TYPES:
+        return qwen3_5_config(raw, generation, where)
     theta, scaling = _rope_settings(raw)
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float16"
     try:
@@ -384,3 +390,47 @@ def refuse_gemma3_variants(text: dict, where: str) -> None:
     activation = text.get("hidden_activation") or text.get("hidden_act") or GEMMA3_ACTIVATIONS[0]
     if activation not in GEMMA3_ACTIVATIONS:
         raise UnsupportedModelError(f"{where}: hidden_activation {activation!r} is not Gemma 3's gelu_pytorch_tanh")
+
+
+# -- Qwen3.5 / 3.6 (hybrid linear attention) -----------------------------------------------
+
+LINEAR_DEFAULTS = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+}
+
+
+def qwen3_5_config(raw: dict, generation: dict, where: str) -> ModelConfig:
+    """Qwen3.5's and Qwen3-Next's text model: Gated DeltaNet layers (`linear_attention`) and
+    gated full attention with partial RoPE; a multimodal checkpoint's (`qwen3_5`,
+    `qwen3_5_moe`) is its `text_config`. The linear layers' sizes go in `extra` under their
+    config names (`LINEAR_DEFAULTS`), as do the MoE's (`weights.moe`)."""
+    family = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(raw["model_type"], raw["model_type"])
+    text = raw.get("text_config", raw) if raw["model_type"] in ("qwen3_5", "qwen3_5_moe") else raw
+    layers = int(text.get("num_hidden_layers", 32))
+    kinds = text.get("layer_types") or [
+        "full_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else "linear_attention"
+        for i in range(layers)
+    ]
+    unknown = sorted(set(kinds) - {"linear_attention", "full_attention"})
+    if unknown or len(kinds) != layers:
+        raise CorruptModelError(f"{where}: layer_types {str(unknown or kinds)[:60]} does not fit {layers} layers")
+    params = {"partial_rotary_factor": 0.25, **(text.get("rope_parameters") or {})}
+    if text.get("partial_rotary_factor"):
+        params["partial_rotary_factor"] = text["partial_rotary_factor"]
+    base = {k: v for k, v in text.items() if k not in ("layer_types", "rope_parameters", "sliding_window")}
+    config = _config_from_dict(
+        {**base, "model_type": "llama", "rope_parameters": params, "head_dim": text.get("head_dim", 256)},
+        generation,
+        where,
+    )
+    config.model_type, config.qk_norm = family, True
+    config.tie_word_embeddings = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    config.recurrent_layers = frozenset(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    config.extra = {**LINEAR_DEFAULTS, **text}
+    if family == "qwen3_5_moe_text":  # its router always renormalises its top k
+        config.extra["norm_topk_prob"] = True
+    return config

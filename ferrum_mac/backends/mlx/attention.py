@@ -77,6 +77,7 @@ class Plan:
     they attend together: `decoding` lists them, with what attending them together needs."""
 
     windowed: "Plan | None" = None  # the same rows over the windowed layers' pool, when the model has one
+    recurrent: list | None = None  # each segment's recurrent states (`SequenceRecurrent`), when the model has them
 
     def __init__(self, segments: list[Segment]):
         self.segments = segments

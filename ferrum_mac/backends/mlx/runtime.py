@@ -23,6 +23,7 @@ from ferrum_mac.backends.mlx.ops import Ops, device_ops
 from ferrum_mac.backends.options import DEFAULTS, BackendOptions
 from ferrum_mac.backends.state.manager import PooledState
 from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.state.recurrent import RecurrentStates, recurrent_tokens
 from ferrum_mac.backends.state.windowed import WindowedKv
 from ferrum_mac.llm import KV_MEMORY_SHARE, DecodeItem, LlmRuntimeConfig, kv_capacity_within
 from ferrum_mac.weights import Checkpoint
@@ -79,6 +80,8 @@ class MlxLLM(PooledLLM):
             self._config, free, self.dtype.size, BLOCK_TOKENS, options.prefix_cache_mb
         )
         windowed = [i for i, w in enumerate(c.layer_windows) if w]
+        if c.recurrent_layers:  # (the prefix cache keeps no recurrent state: nothing to reuse)
+            cache_blocks = 0
         disk = cache_blocks and not windowed  # (the disk tier keeps every layer's blocks: none with windows)
         self.kv = KvManager(
             c.num_layers,
@@ -89,7 +92,7 @@ class MlxLLM(PooledLLM):
             max_blocks,
             cache_blocks,
             self._prefix_disk(checkpoint, f"mlx-{self.ops.device}", options) if disk else None,
-            layers=[i for i in range(c.num_layers) if i not in windowed],
+            layers=[i for i in range(c.num_layers) if i not in windowed and i not in c.recurrent_layers],
         )
         window_pool = KvManager(
             c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self._capacity, max_blocks, layers=windowed
@@ -100,6 +103,9 @@ class MlxLLM(PooledLLM):
             self.device_array_types,
             free_tokens=self._free_tokens,
             windowed=WindowedKv(window_pool, max(c.layer_windows), self.kv.prefix) if windowed else None,
+            recurrent=RecurrentStates(recurrent_tokens(c, self._config, self.dtype.size))
+            if c.recurrent_layers
+            else None,
         )
 
     def _free_tokens(self) -> int:
@@ -116,7 +122,8 @@ class MlxLLM(PooledLLM):
             logits = self.decode(WARMUP_ID, mx.argmax(logits), warm)
             mx.eval(logits)
         self.release(WARMUP_ID)
-        self.ops.warm_up(self.model.layers[0].attn, self.dtype)  # the batched decode's, on CUDA
+        attention = next(block.attn for block in self.model.layers if block.attn is not None)
+        self.ops.warm_up(attention, self.dtype)  # the batched decode's, on CUDA
 
     def reset(self) -> None:
         self.state.reset()
@@ -132,11 +139,18 @@ class MlxLLM(PooledLLM):
     def _token_ids(self, tokens) -> mx.array:
         return as_token_array(tokens, self._config.vocab_size)
 
-    def _hidden(self, token_parts: list[mx.array], segments: list[Segment], windowed: list | None = None) -> mx.array:
+    def _hidden(
+        self,
+        token_parts: list[mx.array],
+        segments: list[Segment],
+        windowed: list | None = None,
+        recurrent: list | None = None,
+    ) -> mx.array:
         tokens = token_parts[0] if len(token_parts) == 1 else mx.concatenate(token_parts)
         plan = self.ops.plan(segments)
         if windowed is not None:  # the windowed layers' pool, attended by MLX's own ops
             plan.windowed = Plan(windowed)
+        plan.recurrent = recurrent
         return self.model.hidden(tokens, plan)
 
     def _logits_at(self, h: mx.array, rows) -> mx.array:
@@ -148,7 +162,10 @@ class MlxLLM(PooledLLM):
         return self._logits_at(self._forward([(it.cache_id, it.token, it.pos) for it in items]), slice(None))
 
     def _after_chunk(self) -> None:
-        mx.eval(self.kv.arrays())  # the chunk's work, before the next one queues more
+        recurrent = self._state.recurrent
+        mx.eval(
+            self.kv.arrays(), recurrent.arrays() if recurrent else []
+        )  # the chunk's work, before the next one queues more
 
 
 def as_token_array(tokens, vocab_size: int) -> mx.array:

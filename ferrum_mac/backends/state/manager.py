@@ -7,12 +7,15 @@ from typing import Callable, Sequence
 
 from ferrum_mac.backends.state.block_pool import BlockPool
 from ferrum_mac.llm import LlmRuntimeConfig, check_token_ids, host_tokens
+from ferrum_mac.backends.state.recurrent import RecurrentStates
 from ferrum_mac.backends.state.windowed import WindowedKv
 from ferrum_mac.sequence_state import (
+    MISS_RECURRENT,
     MISS_WINDOW,
     FullAttention,
     PrefixReuse,
     PrefixStats,
+    Recurrent,
     SlidingWindow,
     StateManager,
     refuse_negative,
@@ -23,13 +26,15 @@ class PooledState(StateManager):
     """Every attention layer's keys and values of every sequence, in the blocks of `pool`
     (shared by prefix, cached after a release and spilled to disk by the pool's `prefix` cache),
     the sliding-window layers' in the pool of `windowed` when given (`windowed.py`: each
-    sequence keeps its window only), else in `pool` too (read only within the window).
+    sequence keeps its window only), else in `pool` too (read only within the window); the
+    recurrent layers' states in `recurrent` (`recurrent.py`), when the model has such layers:
+    then nothing is reused from the prefix cache and a cut sequence holds nothing after.
 
     `computing` is the context the backend's forwards run in (reusing a partly matched block
     copies it on the device, a release may reallocate the buffers); `free_tokens` counts the
     tokens free memory holds, when the backend can tell."""
 
-    holds = (FullAttention, SlidingWindow)
+    holds = (FullAttention, SlidingWindow, Recurrent)
 
     def __init__(
         self,
@@ -39,8 +44,13 @@ class PooledState(StateManager):
         computing: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         free_tokens: Callable[[], int] | None = None,
         windowed: WindowedKv | None = None,
+        recurrent: RecurrentStates | None = None,
     ):
+        if recurrent is None:  # (without a store for them, recurrent layers are refused)
+            self.holds = (FullAttention, SlidingWindow)
         super().__init__(config.layer_kinds)
+        self.recurrent = recurrent
+        self.cuts_back = recurrent is None
         self.pool, self.vocab, self.device_types = pool, config.vocab_size, device_types
         self.computing, self._free_tokens = computing, free_tokens
         self.windowed = windowed
@@ -54,6 +64,9 @@ class PooledState(StateManager):
         """As `StateManager.truncate`; but a windowed sequence cut back past the window it kept
         holds nothing after (reuse or prefill it again)."""
         refuse_negative(cache_id, new_len)
+        if self.recurrent is not None and new_len < self.length(cache_id):
+            self.release(cache_id)  # (a recurrent state cannot go back to a shorter prefix)
+            return
         self.pool.truncate(cache_id, new_len)
         if self.windowed is not None:
             self.windowed.pool.truncate(cache_id, new_len)
@@ -65,15 +78,22 @@ class PooledState(StateManager):
             self.pool.release(cache_id)
             if self.windowed is not None:
                 self.windowed.pool.release(cache_id)
+            if self.recurrent is not None:
+                self.recurrent.release(cache_id)
 
     def reset(self) -> None:
         self.pool.reset()
+        if self.recurrent is not None:
+            self.recurrent.reset()
         if self.windowed is not None:
             self.windowed.clear()
             self.windowed.pool.reset()
 
     def reuse(self, cache_id: str, tokens: Sequence[int]) -> PrefixReuse:
         tokens = self._checked(cache_id, tokens)
+        if self.recurrent is not None:  # (the cache keeps keys and values, no recurrent state)
+            held = self.length(cache_id)
+            return PrefixReuse(held, 0, None if held >= len(tokens) - 1 else MISS_RECURRENT)
         with self.computing():
             held = self.length(cache_id)
             found = self.pool.prefix.reuse(cache_id, tokens)
@@ -85,6 +105,8 @@ class PooledState(StateManager):
 
     def remember(self, cache_id: str, tokens: Sequence[int]) -> None:
         tokens = self._checked(cache_id, tokens)
+        if self.recurrent is not None:
+            return
         with self.computing():  # the disk tier may read blocks back
             self.pool.prefix.remember(cache_id, tokens)
             if self.windowed is not None:
@@ -99,9 +121,14 @@ class PooledState(StateManager):
     # With a windowed pool, token positions are counted as the model's: a position of every
     # layer, the two pools' positions weighed by their share of the layers.
 
+    # A recurrent model's sequences each hold their states too, counted as the KV token
+    # positions of the same memory (`RecurrentStates.tokens_per_sequence`).
+
     def allocated_tokens(self) -> int:
         if self.windowed is None:
-            return self.pool.allocated_tokens
+            return self.pool.allocated_tokens + self._recurrent_tokens(
+                len(self.recurrent.sequences) if self.recurrent else 0
+            )
         return self._weighed(self.pool.allocated_tokens, self.windowed.pool.allocated_tokens)
 
     def used_tokens(self) -> int:
@@ -109,8 +136,11 @@ class PooledState(StateManager):
 
     def tokens_for(self, lengths: Sequence[int]) -> int:
         if self.windowed is None:
-            return self.pool.allocation_for(lengths)
+            return self.pool.allocation_for(lengths) + self._recurrent_tokens(len(lengths))
         return self._weighed(self.pool.allocation_for(lengths), self.windowed.allocation_for(lengths))
+
+    def _recurrent_tokens(self, sequences: int) -> int:
+        return sequences * self.recurrent.tokens_per_sequence if self.recurrent is not None else 0
 
     def _weighed(self, full: int, windowed: int) -> int:
         return round(full * (1 - self.window_share) + windowed * self.window_share)

@@ -9,7 +9,8 @@ the rows of the result each call returns; what the sequences hold between calls 
 reuse, truncation, release, the memory counters) is its state manager's (`PooledState`,
 over the same pool). A backend adds only what runs on its device:
 
-- `_hidden(token_parts, segments)`: the model over the segments' tokens -> hidden states;
+- `_hidden(token_parts, segments)`: the model over the segments' tokens -> hidden states
+  (with `windowed` and `recurrent`, the segments' other states, where the model has them);
 - `_token_ids(tokens)`: one segment's tokens as the backend's ids (device tokens clipped);
 - `_logits_at(h, rows)`: logits of the token rows `rows` (an index, a slice or a list) of `h`;
 - `_decode_batch(items)`: a batched decode step (checked already);
@@ -211,10 +212,23 @@ class PooledLLM(DecoderOnlyLLM):
             token_parts.append(ids)
             start += n
         windowed = self._windowed_segments(placed)
-        h = self._hidden(token_parts, placed) if windowed is None else self._hidden(token_parts, placed, windowed)
+        recurrent = self._recurrent_segments(placed)
+        more = {} if recurrent is None else {"recurrent": recurrent}
+        if windowed is not None:
+            more["windowed"] = windowed
+        h = self._hidden(token_parts, placed, **more)
         for seg in placed + (windowed or []):
             seg.cache.length = seg.offset + seg.length
+        for seg, state in zip(placed, recurrent or []):
+            state.length = seg.offset + seg.length
         return h
+
+    def _recurrent_segments(self, placed: list) -> list | None:
+        """Each segment's recurrent states (`RecurrentStates.place`), or None when the model keeps none."""
+        recurrent = self._state.recurrent
+        if recurrent is None:
+            return None
+        return [recurrent.place(seg.cache.cache_id, seg.offset) for seg in placed]
 
     def _windowed_segments(self, placed: list) -> list | None:
         """The segments over the windowed layers' pool, or None when the model has none."""

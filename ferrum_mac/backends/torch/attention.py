@@ -120,6 +120,7 @@ def positions_rows(seq: SequenceBlocks, start: int, end: int) -> torch.Tensor | 
 class Plan:
     ops: Ops = TORCH_OPS  # eager steps: torch's own ops
     windowed: "Plan | None" = None  # the same rows over the windowed layers' pool, when the model has one
+    recurrent: list | None = None  # each segment's recurrent states (`SequenceRecurrent`), when the model has them
 
     def __init__(self, segments: list[Segment], device: torch.device):
         self.segments = segments

@@ -11,6 +11,8 @@ context.
 
 from __future__ import annotations
 
+import numbers
+
 from typing import Sequence
 
 import torch
@@ -18,6 +20,7 @@ import torch
 from ferrum_mac.backends.state.padding import power_of_two_above, quarter_octave_above
 from ferrum_mac.backends.state.manager import PooledState
 from ferrum_mac.backends.state.pooled_llm import PooledLLM, model_family, named_dtype, pool_limits
+from ferrum_mac.backends.state.recurrent import RecurrentStates, recurrent_tokens
 from ferrum_mac.backends.state.windowed import WindowedKv
 from ferrum_mac.backends.torch.attention import Plan, Segment
 from ferrum_mac.backends.torch.kv import BLOCK_TOKENS, KvManager
@@ -94,6 +97,9 @@ class TorchLLM(PooledLLM):
             self._config, free_memory_bytes(self.device), element, BLOCK_TOKENS, options.prefix_cache_mb
         )
         windowed = [i for i, w in enumerate(c.layer_windows) if w]
+        self.recurrent = bool(c.recurrent_layers)  # (its steps run eagerly: a captured step keeps no recurrent state)
+        if self.recurrent:  # (the prefix cache keeps no recurrent state: nothing to reuse)
+            cache_blocks = 0
         disk = cache_blocks and not windowed  # (the disk tier keeps every layer's blocks: none with windows)
         self.kv = KvManager(
             c.num_layers,
@@ -105,7 +111,7 @@ class TorchLLM(PooledLLM):
             max_blocks,
             cache_blocks,
             self._prefix_disk(checkpoint, f"torch-{self.device.type}", options) if disk else None,
-            layers=[i for i in range(c.num_layers) if i not in windowed],
+            layers=[i for i in range(c.num_layers) if i not in windowed and i not in c.recurrent_layers],
         )
         self.windowed = None
         if windowed:
@@ -121,12 +127,19 @@ class TorchLLM(PooledLLM):
             )
             self.windowed = WindowedKv(pool, max(c.layer_windows), self.kv.prefix)
         self._state = PooledState(
-            self.kv, self._config, self.device_array_types, self._computing, windowed=self.windowed
+            self.kv,
+            self._config,
+            self.device_array_types,
+            self._computing,
+            windowed=self.windowed,
+            recurrent=RecurrentStates(recurrent_tokens(c, self._config, element)) if self.recurrent else None,
         )
         self.steps = DecodeSteps(self.model, self.kv, self.dtype, self.device, options, self.windowed)
         # (a captured prefill writes the full pool only: a windowed model prefills eagerly)
-        self.captured_prefill = self.steps.captured and self.windowed is None  # off once a capture fails
-        self.verify_rows = VERIFY_ROWS if self.device.type == "cuda" else 0
+        self.captured_prefill = (
+            self.steps.captured and self.windowed is None and not self.recurrent
+        )  # off once a capture fails
+        self.verify_rows = VERIFY_ROWS if self.device.type == "cuda" and not self.recurrent else 0
 
     # -- contract -------------------------------------------------------------------
 
@@ -140,7 +153,8 @@ class TorchLLM(PooledLLM):
         cache = self.kv.prepare(cache_id, tokens)
         held = cache.length
         # (past a held sequence, a windowed model's warm-up would move its window on: none)
-        warm = min(WARMUP_TOKENS, self._capacity - held - 1) if not (held and self.windowed) else 0
+        # (nor a recurrent one's: its states cannot be cut back after)
+        warm = min(WARMUP_TOKENS, self._capacity - held - 1) if not (held and (self.windowed or self.recurrent)) else 0
         if warm >= 1:
             self._forward([(cache_id, [0] * warm, held)])
             self.decode(cache_id, 0, held + warm)
@@ -152,7 +166,7 @@ class TorchLLM(PooledLLM):
         outside any batch, so it writes only the scratch block."""
         widest = max(MIN_WIDTH, power_of_two_above(self.kv.blocks_for(min(tokens, self._capacity))))
         width = MIN_WIDTH
-        while width <= widest:
+        while width <= widest and not self.recurrent:
             step = self.steps.get(1, width)
             if not step.captured:
                 return  # eager steps (the CPU): nothing to capture
@@ -178,12 +192,17 @@ class TorchLLM(PooledLLM):
         return torch.inference_mode()
 
     def _hidden(
-        self, token_parts: list[list[int]], segments: list[Segment], windowed: list | None = None
+        self,
+        token_parts: list[list[int]],
+        segments: list[Segment],
+        windowed: list | None = None,
+        recurrent: list | None = None,
     ) -> torch.Tensor:
-        ids = torch.tensor([t for part in token_parts for t in part], device=self.device)
+        ids = token_tensor(token_parts, self._config.vocab_size, self.device)
         plan = Plan(segments, self.device)
         if windowed is not None:  # the windowed layers' pool
             plan.windowed = Plan(windowed, self.device)
+        plan.recurrent = recurrent
         return self.model.hidden(ids, plan)
 
     def _logits_at(self, h: torch.Tensor, rows) -> torch.Tensor:
@@ -248,7 +267,9 @@ class TorchLLM(PooledLLM):
         return logits if len(batch) == step.rows else logits[: len(batch)]
 
     def _decode_batch(self, items: Sequence[DecodeItem]) -> torch.Tensor:
-        """One `DecodeStep` over the batch's sequences."""
+        """One `DecodeStep` over the batch's sequences (a recurrent model: one eager forward)."""
+        if self.recurrent:
+            return self._logits_at(self._forward([(it.cache_id, it.token, it.pos) for it in items]), slice(None))
         caches = [self.kv.acquire(it.cache_id) for it in items]
         for cache, it in zip(caches, items):
             self.kv.reserve(cache, it.pos, it.pos + 1)
@@ -259,3 +280,17 @@ class TorchLLM(PooledLLM):
             cache.length = it.pos + 1
             self._windows_hold(it.cache_id, cache.length)
         return logits
+
+
+def token_tensor(token_parts: list, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The segments' ids as one tensor: checked host ids (a list or one id), or device tokens
+    (a decode step's sampled ids, not checked: that would wait for them) clamped into the vocabulary."""
+    if all(isinstance(part, list) for part in token_parts):
+        return torch.tensor([t for part in token_parts for t in part], device=device)
+    parts = [
+        part.reshape(-1).to(device=device, dtype=torch.int64).clamp(0, vocab_size - 1)
+        if torch.is_tensor(part)
+        else torch.tensor([int(part)] if isinstance(part, numbers.Integral) else list(part), device=device)
+        for part in token_parts
+    ]
+    return torch.cat(parts)

@@ -240,9 +240,15 @@ class Scheduler:
     def _speculator(self, request: GenerationRequest) -> Speculator | None:
         """A request's guesser, unless it may not guess: speculation off, a grammar (each row
         would need its mask), log-probabilities asked for (a guessed token has no row of its own
-        in the batch's accepting), or a model without a batched verify."""
+        in the batch's accepting), a model without a batched verify or whose state cannot be cut back."""
         mode = request.speculate or self.speculate
-        if mode == OFF or request.matcher is not None or request.logprobs is not None or not self.verifies:
+        if (
+            mode == OFF
+            or request.matcher is not None
+            or request.logprobs is not None
+            or not self.verifies
+            or not self.model.state.cuts_back
+        ):
             return None
         return self.costs.speculator()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ferrum_mac.backends.mlx.models import gemma3, gpt_oss, llama, phi3, qwen3_moe, smollm3
+from ferrum_mac.backends.mlx.models import gemma3, gpt_oss, llama, phi3, qwen3_5, qwen3_moe, smollm3
 
 FAMILIES = {
     "llama": llama.Model,
@@ -17,4 +17,8 @@ FAMILIES = {
     # fused projections, partial RoPE and LongRoPE; NoPE layers
     "phi3": phi3.Model,
     "smollm3": smollm3.Model,
+    # hybrid linear attention: Gated DeltaNet layers and gated full attention
+    "qwen3_5_text": qwen3_5.Model,
+    "qwen3_5_moe_text": qwen3_5.Model,
+    "qwen3_next": qwen3_5.Model,
 }

@@ -10,25 +10,30 @@ correctness must not depend on the plan.
 from __future__ import annotations
 
 import re
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from serve_support import CHAT, COMPLETIONS, LiveServer, error_of, open_stories
 
-from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve
+from ferrum_mac.engine.speculation.controller import MAX_K, Controller
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
+from ferrum_mac.engine.speculation.step_times import StepTimes
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.serve.command import ServeOptionError, speculate_option
 from ferrum_mac.serve.batching.speculation import (
     FIRST_PAUSE,
     PACE_SAMPLES,
     PLAIN_EVERY,
+    PROBE_GUESSES,
+    PROBES,
     ROW_COUNTS,
     Offer,
     Pace,
     RowCosts,
     indexed,
+    learned,
     plan,
 )
 
@@ -292,13 +297,66 @@ def test_a_long_prompt_is_indexed_a_slice_a_step():
     """A stream's lookups take a long prompt in over several steps, then guess as a lookup
     that took it in at once does."""
     history = [t % 97 for t in range(3000)] + [5, 6, 7]
-    speculator = Speculator(PromptLookup(), lambda: fixed_curve([1.0] * (MAX_K + 1)), True)
+    speculator = Speculator(PromptLookup(), StepTimes())
     steps = 1
     while not indexed(speculator, history, 1000)[0]:
         steps += 1
     assert steps == 4
     assert (
-        speculator.candidate(history, MAX_K)
+        speculator.candidate(history, MAX_K, known=True)
         == PromptLookup().propose(history, MAX_K)
         == Proposal([8, 9, 10, 11, 12, 13, 14, 15], "ngram3")
     )
+
+
+def test_a_fresh_server_learns_the_step_costs_from_its_requests(stories_path, monkeypatch):
+    """Nothing is timed apart from requests: every forward of the first request is on its own
+    cache, and before the step costs are known a step verifies at most PROBE_GUESSES guesses,
+    PROBES such steps; then they are known, and the answer is the plain one."""
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    scheduler = Scheduler(open_stories(stories_path), max_batch=4).start()
+    scheduler.pace = Pace(judged=False)
+    model, costs = scheduler.model, scheduler.costs
+    verifies: list[tuple[set, int, bool]] = []  # (cache ids, guesses, costs known)
+    prefills: set = set()
+    verify_batch, prefill, unified_forward = model.verify_batch, model.prefill, model.unified_forward
+
+    def watched_verify(items):
+        verifies.append(({i.cache_id for i in items}, sum(len(i.tokens) - 1 for i in items), costs.measured))
+        return verify_batch(items)
+
+    def watched_prefill(cache_id, tokens):
+        prefills.add(cache_id)
+        return prefill(cache_id, tokens)
+
+    monkeypatch.setattr(model, "verify_batch", watched_verify)
+    def watched_forward(items):
+        prefills.update(i.cache_id for i in items)
+        return unified_forward(items)
+
+    monkeypatch.setattr(model, "prefill", watched_prefill)
+    monkeypatch.setattr(model, "unified_forward", watched_forward)
+    live = LiveServer(build_app(scheduler, "stories260K"))
+    try:
+        fast, stats = completion(live, PROMPTS[1], "auto")
+        assert len(prefills) == 1 and all(ids == prefills for ids, _, _ in verifies)
+        probes = [guesses for _, guesses, known in verifies if not known]
+        assert len(probes) == PROBES and max(probes) <= PROBE_GUESSES
+        assert costs.measured and stats["speculation"]["accepted"] > 0
+        assert fast == completion(live, PROMPTS[1], "off")[0]
+    finally:
+        live.stop()
+        scheduler.stop()
+
+
+def test_learned_step_costs_grow_past_the_largest_timed_size():
+    plain, verify = {1: deque([1.0, 0.9])}, {4: deque([2.0, 1.2])}  # the fastest counts
+    costs = learned(plain, verify)
+    assert costs.plain_time(1) == pytest.approx(0.9)
+    assert costs.time(1) == costs.time(4) == pytest.approx(1.2)  # no smaller size timed: as dear
+    assert costs.time(8) == pytest.approx(1.2 + 4 * 0.1)  # per row as from one plain row to four
+    verify[16] = deque([1.5])
+    assert learned(plain, verify).time(64) == pytest.approx(1.5 + 48 * 0.3 / 12)
+    assert learned({}, verify).time(2) == float("inf")  # no plain step timed: no guess pays

@@ -19,7 +19,6 @@ import numpy as np
 
 from ferrum_mac.engine.speculation.proposers import Proposal
 from ferrum_mac.engine.speculation.verify import Speculator, accepted_ids
-from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import fill_masks
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, KvCapacityError, Logits
 from ferrum_mac.serve.batching.batch import Batch, one_line
@@ -103,7 +102,7 @@ class StepRunner:
         """Every decoding sequence's token, with the guesses worth their rows (one `verify_batch`),
         else one plain batched decode. Timed for `pace`."""
         stats = self.batch.stats
-        start, generated, timed = time.perf_counter(), stats.generated_tokens, self.costs.measured
+        start, generated, known = time.perf_counter(), stats.generated_tokens, self.costs.measured
         guesses = self._guesses(decoding) if pace.allows(len(decoding)) else {}
         if not (guesses and self._verify(decoding, guesses)):
             for seq in decoding:
@@ -111,33 +110,35 @@ class StepRunner:
                     seq.speculator.plain_token()
             self._accept_all(self._decode(decoding, True))
             guesses = {}
-        if timed or not self.costs.measured:  # the step that timed the model's steps is no measure
-            tokens = stats.generated_tokens - generated
-            pace.record(len(decoding), tokens, time.perf_counter() - start, bool(guesses))
+        seconds = time.perf_counter() - start
+        self.costs.record(len(decoding) + sum(len(p.tokens) for p in guesses.values()), seconds, bool(guesses))
+        if known or not guesses:  # a step that guessed before guessing was judged is no measure of it
+            pace.record(len(decoding), stats.generated_tokens - generated, seconds, bool(guesses))
 
     def _guesses(self, decoding: list[Sequence]) -> dict[Sequence, Proposal]:
-        """The proposals (cut to what the planner keeps of them) of the sequences that guess this step."""
+        """The proposals (cut to what the planner keeps of them) of the sequences that guess this
+        step; before the step costs are known, a few guesses of the likeliest stream, to time them."""
         if len(decoding) >= MAX_ROWS:
             return {}
         candidates: list[tuple[Sequence, Speculator, Proposal]] = []
         budget = INDEX_STEP_TOKENS
+        known = self.costs.measured
         for seq in decoding:
             if seq.speculator is None:
                 continue
             ready, spent = indexed(seq.speculator, seq.history, budget)
             budget -= spent
-            proposal = seq.speculator.candidate(seq.history, self._guess_room(seq)) if ready else None
+            proposal = seq.speculator.candidate(seq.history, self._guess_room(seq), known) if ready else None
             if proposal is not None:
                 candidates.append((seq, seq.speculator, proposal))
         if not candidates:
             return {}
-        try:
-            costs = self.costs.get()
-        except FerrumError as e:  # no room to time steps now (a full KV pool): guess later
-            log.debug("speculation waits: %s", one_line(e))
-            return {}
         offers = [(seq, Offer(p, speculator.controller.acceptance(p.kind))) for seq, speculator, p in candidates]
-        counts = choose_guesses(offers, len(decoding), costs)
+        if not known:
+            seq, offer = max(offers, key=lambda item: item[1].acceptance)
+            probe = self.costs.probe()
+            return {seq: Proposal(offer.proposal.tokens[:probe], offer.proposal.kind)} if probe else {}
+        counts = choose_guesses(offers, len(decoding), self.costs.get())
         return {seq: Proposal(p.tokens[: counts[seq]], p.kind) for seq, _, p in candidates if seq in counts}
 
     def _guess_room(self, seq: Sequence) -> int:

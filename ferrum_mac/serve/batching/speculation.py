@@ -3,12 +3,12 @@
 A step with nothing to prefill is one `verify_batch`: each decoding sequence feeds its next
 token, and a speculating one also its guesses (prompt lookup, `PromptLookup`), a row each.
 The time of a step grows with its rows, so a guess is worth a row only when the step's
-expected tokens per second rise with it. The time of a step of R rows is measured once per
-model, at the first step that has a guess worth it (`StepCosts`: R in powers of two up to
-MAX_ROWS, a few forwards on throw-away caches, the rows spread over sequences as guesses
-spread over streams: a backend may attend each sequence of a verify apart, as MLX does, and
-its cost grows with them), and read as the time of the next power of two at or above R (a torch step rounds its rows up so; elsewhere the estimate is on the safe
-side). Each guess adds the chance that it and the guesses before it are kept, from its
+expected tokens per second rise with it. The times are learned from the decode steps the
+scheduler runs (`StepCosts`: the fastest recent step of each size, with guesses and without,
+sizes in powers of two; a size not yet timed is estimated from the timed ones, never as
+cheaper than a smaller one), so nothing is timed apart from requests; until two steps with
+guesses are timed, a step verifies at most a few guesses of one stream (real guesses: what it
+keeps counts). Each guess adds the chance that it and the guesses before it are kept, from its
 stream's own controller (`Controller.acceptance`, by kind of proposal); `plan` adds guesses
 in order of that chance and keeps the prefix with the best rate, when it beats the step
 without guesses by the controller's MARGIN. With one stream this is the engine's rule
@@ -16,9 +16,9 @@ without guesses by the controller's MARGIN. With one stream this is the engine's
 in the engine. Guesses are accepted by the engine's rule (`accepted_guesses`), so answers
 are those of plain decoding.
 
-The timed forwards leave out what the host does around them (sampling, reads, bookkeeping),
-so the scheduler also times whole steps (`Pace`): where steps with guesses give fewer tokens
-a second than plain steps of the same batch size, guessing stops there for a while. A long
+The plan weighs one step at a time; the scheduler also keeps the tokens per second whole
+steps give (`Pace`): where steps with guesses give fewer than plain steps of the same batch
+size, guessing stops there for a while. A long
 prompt is indexed for lookups a slice a step (`indexed`), never all in one step.
 
 Draft models are not offered here: a request for one is refused (`speculate_field`).
@@ -28,24 +28,24 @@ from __future__ import annotations
 
 import functools
 import heapq
-import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from ferrum_mac.engine.speculation.controller import MARGIN, MAX_K, CostCurve, wait_for
+from ferrum_mac.engine.speculation.controller import MARGIN, MAX_K, CostCurve
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.setting import AUTO, DRAFT, NGRAM, OFF
+from ferrum_mac.engine.speculation.step_times import StepTimes
 from ferrum_mac.engine.speculation.verify import Speculator
-from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem
+from ferrum_mac.llm import DecoderOnlyLLM
 from ferrum_mac.serve import checks as api
 
 SERVE_MODES = (AUTO, NGRAM, OFF)
 MAX_ROWS = 64  # rows of one speculating step (torch runs up to this many as a captured decode step)
-ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes timed
-CALIBRATION_PROMPT = 32  # tokens in each throw-away cache the steps are timed on
-CALIBRATION_ROWS_EACH = 2  # rows of a timed step a sequence holds: its token and one guess
-CALIBRATION_RUNS = 2  # the fastest run counts: a run disturbed by other work does not
-CALIBRATION_ID = "serve-speculation-calibration"
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes the costs are kept for
+PROBES = 2  # steps with guesses timed before the costs count (the first may pay a first use)
+PROBE_GUESSES = 3  # most guesses such a step holds, of one stream
+KEPT = 8  # recent times kept of each size
 INDEX_STEP_TOKENS = 2048  # prompt positions indexed for lookups in one step, over all streams
 INDEX_SLACK = 64  # a stream this few positions behind is indexed by its lookup itself
 PACE_WEIGHT = 0.25  # of a step's rate in the moving average of its kind and size
@@ -113,79 +113,70 @@ class RowCosts:
 
 
 class StepCosts:
-    """One model's step times, measured at the first use (`get`) or set (`use`); the model's
-    scheduler keeps them, so they go when it unloads."""
+    """One model's step times, learned from the decode steps the scheduler runs (`record`), or
+    set (`use`); the model's scheduler keeps them, so they go when it unloads. Until a few steps
+    with guesses are timed (`measured`), a step may verify a few guesses of one stream (`probe`)."""
 
     def __init__(self, model: DecoderOnlyLLM):
         self.model = model
+        self.plain: dict[int, deque[float]] = {}  # decode steps by size (a power of two): seconds
+        self.verify: dict[int, deque[float]] = {}  # steps with guesses by rows (a power of two)
         self._costs: RowCosts | None = None
+        self._fixed = False
 
     @property
     def measured(self) -> bool:
-        """Whether the step times are known (set or measured)."""
-        return self._costs is not None
+        """Whether the step times are known (set, or enough steps timed)."""
+        return self._fixed or (sum(map(len, self.verify.values())) >= PROBES and bool(self.plain))
+
+    def probe(self) -> int:
+        """Guesses one stream may verify while the times are not known (0: none, the steps
+        with guesses being timed already)."""
+        return 0 if self._fixed or sum(map(len, self.verify.values())) >= PROBES else PROBE_GUESSES
+
+    def record(self, rows: int, seconds: float, guessed: bool) -> None:
+        """A decode step of `rows` rows (with guesses, or one per sequence) took `seconds`."""
+        if self._fixed or not 0 < rows <= MAX_ROWS:
+            return
+        times = self.verify if guessed else self.plain
+        times.setdefault(_size(rows), deque(maxlen=KEPT)).append(seconds)
+        self._costs = None
 
     def get(self) -> RowCosts:
         if self._costs is None:
-            self._costs = _measure(self.model)
+            self._costs = learned(self.plain, self.verify)
         return self._costs
 
     def use(self, seconds: Sequence[float], plain: float = 1.0) -> None:
-        """Take `seconds` (a step of each of ROW_COUNTS rows) as the model's instead of measuring:
-        tests that need speculation to run, or never to run, on any machine."""
-        self._costs = RowCosts(tuple(seconds), plain)
+        """Take `seconds` (a step of each of ROW_COUNTS rows) as the model's instead of learning
+        them: tests that need speculation to run, or never to run, on any machine."""
+        self._costs, self._fixed = RowCosts(tuple(seconds), plain), True
 
     def speculator(self) -> Speculator:
         """One sequence's proposer, controller (its acceptance figures, its stretches aside) and counts."""
-        return Speculator(PromptLookup(), lambda: self.get().curve(), self.measured)
+        return Speculator(PromptLookup(), StepTimes())
 
 
-def _measure(model: DecoderOnlyLLM) -> RowCosts:
-    """Time verify steps of each of ROW_COUNTS rows on throw-away caches (a row per token,
-    CALIBRATION_ROWS_EACH rows a sequence)."""
-    vocab = model.config.vocab_size
-    room = model.kv_capacity() - MAX_ROWS - 1
-    if room < 1:  # a context too small to hold a step of guesses: never speculate
+def learned(plain: dict[int, deque[float]], verify: dict[int, deque[float]]) -> RowCosts:
+    """Step costs from timed steps (the fastest of each size): sizes not timed with guesses
+    cost what the nearest smaller timed one does plus, per row, what the rows between the two
+    largest timed sizes (or the plain step of one row and the timed size) cost."""
+    if not verify or not plain:
         return RowCosts((1.0,) + (float("inf"),) * (len(ROW_COUNTS) - 1))
-    prompt = [(7 * i + 3) % vocab for i in range(min(CALIBRATION_PROMPT, room))]
-    caches = [f"{CALIBRATION_ID}-{i}" for i in range(MAX_ROWS // CALIBRATION_ROWS_EACH)]
-    try:
-        for cache_id in caches:
-            wait_for(model.prefill(cache_id, prompt))
-        held = len(prompt)
-
-        def seconds(rows: int) -> float:
-            each = min(rows, CALIBRATION_ROWS_EACH)
-            items = [
-                ForwardItem(cache_id, [(5 * i + j + 1) % vocab for j in range(each)], held)
-                for i, cache_id in enumerate(caches[: rows // each])
-            ]
-            start = time.perf_counter()
-            wait_for(model.verify_batch(items)[-1])
-            elapsed = time.perf_counter() - start
-            for item in items:
-                model.truncate_kv(item.cache_id, held)
-            return elapsed
-
-        def decode_seconds() -> float:
-            start = time.perf_counter()
-            wait_for(model.decode_batch([DecodeItem(caches[0], prompt[-1], held)]))
-            elapsed = time.perf_counter() - start
-            model.truncate_kv(caches[0], held)
-            return elapsed
-
-        for rows in ROW_COUNTS:  # first use: kernels compiled, graphs captured
-            seconds(rows)
-        times = [min(seconds(rows) for _ in range(CALIBRATION_RUNS)) for rows in ROW_COUNTS]
-        plain = 1.0  # without a batched decode the scheduler decodes one by one
-        if model.capabilities.batched_decode:
-            decode_seconds()
-            plain = min(decode_seconds() for _ in range(CALIBRATION_RUNS)) / times[0]
-    finally:
-        for cache_id in caches:
-            model.release(cache_id)
-    times = [max(times[: i + 1]) for i in range(len(times))]  # never cheaper with more rows
-    return RowCosts(tuple(times), min(plain, 1.0))
+    points = sorted((size, min(times)) for size, times in verify.items())
+    one_row = min(plain[min(plain)])
+    if len(points) > 1:
+        (r0, t0), (r1, t1) = points[-2], points[-1]
+    else:
+        (r0, t0), (r1, t1) = (1, one_row), points[-1]
+    slope = max(0.0, (t1 - t0) / (r1 - r0)) if r1 > r0 else t1 / r1
+    seconds = []
+    for count in ROW_COUNTS:
+        below = [t for size, t in points if size <= count]
+        seconds.append(below[-1] + slope * (count - points[len(below) - 1][0]) if below else points[0][1])
+    seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # never cheaper with more rows
+    size, plain_seconds = min(plain), one_row
+    return RowCosts(tuple(seconds), min(1.0, plain_seconds / seconds[ROW_COUNTS.index(size)]))
 
 
 def indexed(speculator: Speculator, history: Sequence[int], budget: int) -> tuple[bool, int]:

@@ -332,6 +332,7 @@ def test_a_fresh_server_learns_the_step_costs_from_its_requests(stories_path, mo
         return prefill(cache_id, tokens)
 
     monkeypatch.setattr(model, "verify_batch", watched_verify)
+
     def watched_forward(items):
         prefills.update(i.cache_id for i in items)
         return unified_forward(items)

@@ -35,6 +35,8 @@ class Finished(Done):
 
 
 def finish_of(done: Done) -> str:
+    """A loop stopped finishes as "stop" (ferrum's `stats` say "loop"): "length" would ask a
+    client to continue the answer, which would loop on."""
     if done.stop_reason in (MAX_TOKENS, CONTEXT):
         return LENGTH
     return FINISH_CANCELLED if done.stop_reason == CANCELLED else STOP

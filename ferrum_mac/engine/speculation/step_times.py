@@ -49,16 +49,20 @@ class StepTimes:
         self._curves.clear()
 
     def record_decode(self, seconds: float) -> None:
-        self.decode.append(seconds)
-        self._curves.clear()
+        self._add(self.decode, seconds)
 
     def record_verify(self, guesses: int, seconds: float) -> None:
-        self.verify.setdefault(guesses, deque(maxlen=KEPT)).append(seconds)
-        self._curves.clear()
+        self._add(self.verify.setdefault(guesses, deque(maxlen=KEPT)), seconds)
 
     def record_guess(self, draft: str, seconds_each: float) -> None:
-        self.guess.setdefault(draft, deque(maxlen=KEPT)).append(seconds_each)
-        self._curves.clear()
+        self._add(self.guess.setdefault(draft, deque(maxlen=KEPT)), seconds_each)
+
+    def _add(self, times: deque[float], seconds: float) -> None:
+        """A time in; the curves are made again only when the fastest recent one changes."""
+        before = (len(times), min(times, default=None))
+        times.append(seconds)
+        if before != (len(times), min(times)):
+            self._curves.clear()
 
     def known(self, draft: str | None = None) -> bool:
         """Whether enough steps are timed to judge guessing (with `draft`'s guesses too)."""

@@ -24,7 +24,7 @@ from ferrum_mac.engine import ChatSettings, Engine
 from ferrum_mac.engine.events import CONTEXT, EOS, MAX_TOKENS, STOP_STRING
 from ferrum_mac.engine.speculation import DRAFT, Speculate
 from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve
-from ferrum_mac.engine.speculation.step_times import PROBE_K, PROBES, StepTimes
+from ferrum_mac.engine.speculation.step_times import PROBE_K, PROBES, REPROBE_EVERY, StepTimes
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.verify import Speculator, speculative_tokens
 from ferrum_mac.errors import FerrumError
@@ -366,5 +366,7 @@ def test_step_times_are_the_fastest_recent_ones_and_grow_past_the_largest_timed(
     assert curve[6] == pytest.approx(2.0) and curve[MAX_K] == pytest.approx(1.5 + 5 * 0.5 / 3)
     times.record_guess("small", 0.1)
     assert times.curve("small").draft_step == pytest.approx(0.1)
+    refusals = [times.reprobe(room=8) for _ in range(2 * REPROBE_EVERY)]  # the costs said no each time
+    assert refusals.count(PROBE_K) == 2 and refusals[REPROBE_EVERY - 1] == PROBE_K
     times.forget()
     assert not times.known()

@@ -28,10 +28,12 @@ from ferrum_mac.serve.batching.speculation import (
     PLAIN_EVERY,
     PROBE_GUESSES,
     PROBES,
+    REPROBE_EVERY,
     ROW_COUNTS,
     Offer,
     Pace,
     RowCosts,
+    StepCosts,
     indexed,
     learned,
     plan,
@@ -324,7 +326,7 @@ def test_a_fresh_server_learns_the_step_costs_from_its_requests(stories_path, mo
     verify_batch, prefill, unified_forward = model.verify_batch, model.prefill, model.unified_forward
 
     def watched_verify(items):
-        verifies.append(({i.cache_id for i in items}, sum(len(i.tokens) - 1 for i in items), costs.measured))
+        verifies.append(({i.cache_id for i in items}, sum(len(i.tokens) - 1 for i in items), costs.measured(1)))
         return verify_batch(items)
 
     def watched_prefill(cache_id, tokens):
@@ -345,7 +347,7 @@ def test_a_fresh_server_learns_the_step_costs_from_its_requests(stories_path, mo
         assert len(prefills) == 1 and all(ids == prefills for ids, _, _ in verifies)
         probes = [guesses for _, guesses, known in verifies if not known]
         assert len(probes) == PROBES and max(probes) <= PROBE_GUESSES
-        assert costs.measured and stats["speculation"]["accepted"] > 0
+        assert costs.measured(1) and not costs.measured(2) and stats["speculation"]["accepted"] > 0
         assert fast == completion(live, PROMPTS[1], "off")[0]
     finally:
         live.stop()
@@ -353,11 +355,24 @@ def test_a_fresh_server_learns_the_step_costs_from_its_requests(stories_path, mo
 
 
 def test_learned_step_costs_grow_past_the_largest_timed_size():
-    plain, verify = {1: deque([1.0, 0.9])}, {4: deque([2.0, 1.2])}  # the fastest counts
-    costs = learned(plain, verify)
+    plain, verify = deque([1.0, 0.9]), {4: deque([2.0, 1.2])}  # the fastest counts
+    costs = learned(plain, verify, 1)
     assert costs.plain_time(1) == pytest.approx(0.9)
-    assert costs.time(1) == costs.time(4) == pytest.approx(1.2)  # no smaller size timed: as dear
-    assert costs.time(8) == pytest.approx(1.2 + 4 * 0.1)  # per row as from one plain row to four
+    assert costs.time(1) == costs.time(4) == pytest.approx(1.2)  # no fewer rows timed: as dear
+    assert costs.time(8) == pytest.approx(1.2 + 4 * 0.1)  # per row as from the plain step's one row to four
     verify[16] = deque([1.5])
-    assert learned(plain, verify).time(64) == pytest.approx(1.5 + 48 * 0.3 / 12)
-    assert learned({}, verify).time(2) == float("inf")  # no plain step timed: no guess pays
+    assert learned(plain, verify, 1).time(64) == pytest.approx(1.5 + 48 * 0.3 / 12)
+    assert learned((), verify, 1).time(2) == float("inf")  # no plain step timed: no guess pays
+    batch = learned(deque([2.0]), {8: deque([2.4])}, 4)  # four sequences: their plain step is the base
+    assert batch.plain_time(4) == pytest.approx(2.0) and batch.time(16) == pytest.approx(2.4 + 8 * 0.1)
+
+
+def test_step_costs_are_kept_by_batch_size_and_probed_again_when_they_refuse():
+    costs = StepCosts()
+    for _ in range(PROBES):
+        assert costs.probe(1) == PROBE_GUESSES
+        costs.record(1, 1 + PROBE_GUESSES, 1.0, guessed=True)
+    costs.record(1, 1, 0.5, guessed=False)
+    assert costs.probe(1) == 0 and costs.measured(1) and not costs.measured(4) and costs.probe(4) == PROBE_GUESSES
+    refusals = [costs.reprobe(1) for _ in range(2 * REPROBE_EVERY)]  # the plan found no guess worth it
+    assert refusals.count(PROBE_GUESSES) == 2 and refusals[REPROBE_EVERY - 1] == PROBE_GUESSES

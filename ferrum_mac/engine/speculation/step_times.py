@@ -4,7 +4,8 @@ Nothing is timed apart from answers: a plain decode step is timed as it happens 
 that had the step before it queued behind it, as the pipelined loop runs), a verify step of
 k guesses too, and a draft model's guesses where it makes them. Until a few of each are in,
 speculation is not judged: an answer with a strong guess verifies a few of them (`probe`,
-at most PROBE_K, real guesses whose kept tokens count) and decodes plainly otherwise. The
+at most PROBE_K, real guesses whose kept tokens count) and decodes plainly otherwise; once
+they are, a strong guess the costs refuse is verified so now and then (`reprobe`). The
 fastest recent time of each kind counts, so a step slowed by other work, or by a first use
 (kernels compiled, a graph captured), does not make guessing look dear for long.
 """
@@ -20,6 +21,7 @@ PROBE_K = 3  # most guesses in a verify taken before the costs are known
 PROBES = 2  # verify steps timed before the costs count (the first may pay a first use)
 DECODE_SAMPLES = 2  # plain steps timed before the costs count
 KEPT = 8  # recent times kept of each kind
+REPROBE_EVERY = 64  # strong guesses the costs refused before a few are verified anyway: times go stale
 
 
 class StepTimes:
@@ -33,6 +35,7 @@ class StepTimes:
         self.guess: dict[str, deque[float]] = {}  # draft name -> seconds per guessed token
         self._fixed: CostCurve | None = None
         self._curves: dict[str | None, CostCurve] = {}  # by draft, until a time is recorded
+        self._refused = 0  # strong guesses refused since the last probe
 
     def use(self, costs: Sequence[float], draft_step: float = 0.0) -> None:
         """Take `costs` (verify[k] / decode for k = 0, 1, ...) and `draft_step` (a draft's
@@ -80,6 +83,18 @@ class StepTimes:
             return 0
         verified = sum(len(times) for times in self.verify.values())
         return min(PROBE_K, room) if verified < PROBES else 0
+
+    def reprobe(self, room: int) -> int:
+        """Guesses a strong proposal the known costs refused may verify all the same: every
+        REPROBE_EVERY refusals a few, so a time taken while the machine was busy (or a step's
+        first use) does not keep guessing off for good."""
+        if self._fixed is not None:
+            return 0
+        self._refused += 1
+        if self._refused < REPROBE_EVERY:
+            return 0
+        self._refused = 0
+        return min(PROBE_K, room)
 
     def curve(self, draft: str | None = None) -> CostCurve:
         """Verify costs in decode steps from the fastest recent times: interpolated between the

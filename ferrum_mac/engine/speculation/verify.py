@@ -57,7 +57,10 @@ class Speculator:
         if not self.times.known(self.draft):
             return self.times.probe(room) if worth_measuring(kind) and self.controller.wait == 0 else 0
         self.controller.curve = self.times.curve(self.draft)  # kept until a step's time is recorded
-        return self.controller.guesses(kind, min(room, MAX_K))
+        k = self.controller.guesses(kind, min(room, MAX_K))
+        if k == 0 and worth_measuring(kind) and self.controller.wait == 0:
+            return self.times.reprobe(room)
+        return k
 
     def propose(self, history: Sequence[int], room: int) -> Proposal | None:
         k = self.guesses(history, room)

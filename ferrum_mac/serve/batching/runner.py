@@ -102,7 +102,7 @@ class StepRunner:
         """Every decoding sequence's token, with the guesses worth their rows (one `verify_batch`),
         else one plain batched decode. Timed for `pace`."""
         stats = self.batch.stats
-        start, generated, known = time.perf_counter(), stats.generated_tokens, self.costs.measured
+        start, generated, known = time.perf_counter(), stats.generated_tokens, self.costs.measured(len(decoding))
         guesses = self._guesses(decoding) if pace.allows(len(decoding)) else {}
         if not (guesses and self._verify(decoding, guesses)):
             for seq in decoding:
@@ -111,18 +111,20 @@ class StepRunner:
             self._accept_all(self._decode(decoding, True))
             guesses = {}
         seconds = time.perf_counter() - start
-        self.costs.record(len(decoding) + sum(len(p.tokens) for p in guesses.values()), seconds, bool(guesses))
+        rows = len(decoding) + sum(len(p.tokens) for p in guesses.values())
+        self.costs.record(len(decoding), rows, seconds, bool(guesses))
         if known or not guesses:  # a step that guessed before guessing was judged is no measure of it
             pace.record(len(decoding), stats.generated_tokens - generated, seconds, bool(guesses))
 
     def _guesses(self, decoding: list[Sequence]) -> dict[Sequence, Proposal]:
         """The proposals (cut to what the planner keeps of them) of the sequences that guess this
-        step; before the step costs are known, a few guesses of the likeliest stream, to time them."""
+        step; before the step costs are known, and now and then while they say no guess pays, a
+        few guesses of the likeliest stream, to time them."""
         if len(decoding) >= MAX_ROWS:
             return {}
         candidates: list[tuple[Sequence, Speculator, Proposal]] = []
         budget = INDEX_STEP_TOKENS
-        known = self.costs.measured
+        known = self.costs.measured(len(decoding))
         for seq in decoding:
             if seq.speculator is None:
                 continue
@@ -134,12 +136,13 @@ class StepRunner:
         if not candidates:
             return {}
         offers = [(seq, Offer(p, speculator.controller.acceptance(p.kind))) for seq, speculator, p in candidates]
-        if not known:
-            seq, offer = max(offers, key=lambda item: item[1].acceptance)
-            probe = self.costs.probe()
-            return {seq: Proposal(offer.proposal.tokens[:probe], offer.proposal.kind)} if probe else {}
-        counts = choose_guesses(offers, len(decoding), self.costs.get())
-        return {seq: Proposal(p.tokens[: counts[seq]], p.kind) for seq, _, p in candidates if seq in counts}
+        if known:
+            counts = choose_guesses(offers, len(decoding), self.costs.get(len(decoding)))
+            if counts:
+                return {seq: Proposal(p.tokens[: counts[seq]], p.kind) for seq, _, p in candidates if seq in counts}
+        probe = self.costs.reprobe(len(decoding)) if known else self.costs.probe(len(decoding))
+        seq, offer = max(offers, key=lambda item: item[1].acceptance)
+        return {seq: Proposal(offer.proposal.tokens[:probe], offer.proposal.kind)} if probe else {}
 
     def _guess_room(self, seq: Sequence) -> int:
         """Guesses the sequence may verify after its token: the cache must hold them, and the

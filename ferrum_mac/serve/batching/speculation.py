@@ -30,14 +30,13 @@ import functools
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from ferrum_mac.engine.speculation.controller import MARGIN, MAX_K, CostCurve
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.setting import AUTO, DRAFT, NGRAM, OFF
 from ferrum_mac.engine.speculation.step_times import StepTimes
 from ferrum_mac.engine.speculation.verify import Speculator
-from ferrum_mac.llm import DecoderOnlyLLM
 from ferrum_mac.serve import checks as api
 
 SERVE_MODES = (AUTO, NGRAM, OFF)
@@ -46,6 +45,7 @@ ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes the costs are kept for
 PROBES = 2  # steps with guesses timed before the costs count (the first may pay a first use)
 PROBE_GUESSES = 3  # most guesses such a step holds, of one stream
 KEPT = 8  # recent times kept of each size
+REPROBE_EVERY = 64  # steps whose guesses the costs refused before a few are verified anyway: times go stale
 INDEX_STEP_TOKENS = 2048  # prompt positions indexed for lookups in one step, over all streams
 INDEX_SLACK = 64  # a stream this few positions behind is indexed by its lookup itself
 PACE_WEIGHT = 0.25  # of a step's rate in the moving average of its kind and size
@@ -114,68 +114,95 @@ class RowCosts:
 
 class StepCosts:
     """One model's step times, learned from the decode steps the scheduler runs (`record`), or
-    set (`use`); the model's scheduler keeps them, so they go when it unloads. Until a few steps
-    with guesses are timed (`measured`), a step may verify a few guesses of one stream (`probe`)."""
+    set (`use`); the model's scheduler keeps them, so they go when it unloads. They are kept by
+    batch size (the decoding sequences, a power of two: a backend may attend each sequence of a
+    verify apart, so rows of one sequence and of several cost differently); until a few steps
+    of a size with guesses are timed (`measured`), its steps may verify a few guesses of one
+    stream (`probe`)."""
 
-    def __init__(self, model: DecoderOnlyLLM):
-        self.model = model
-        self.plain: dict[int, deque[float]] = {}  # decode steps by size (a power of two): seconds
-        self.verify: dict[int, deque[float]] = {}  # steps with guesses by rows (a power of two)
-        self._costs: RowCosts | None = None
-        self._fixed = False
+    def __init__(self) -> None:
+        self.plain: dict[int, deque[float]] = {}  # batch size -> its plain decode steps (seconds)
+        self.verify: dict[int, dict[int, deque[float]]] = {}  # batch size -> rows (a power of two) -> seconds
+        self._costs: dict[int, RowCosts] = {}
+        self._fixed: RowCosts | None = None
+        self._refused: dict[int, int] = {}  # batch size -> steps with guesses refused since a probe
 
-    @property
-    def measured(self) -> bool:
-        """Whether the step times are known (set, or enough steps timed)."""
-        return self._fixed or (sum(map(len, self.verify.values())) >= PROBES and bool(self.plain))
+    def measured(self, sequences: int) -> bool:
+        """Whether the step times of a batch of `sequences` are known (set, or enough timed)."""
+        size = _size(sequences)
+        return self._fixed is not None or (self._verified(size) >= PROBES and size in self.plain)
 
-    def probe(self) -> int:
-        """Guesses one stream may verify while the times are not known (0: none, the steps
-        with guesses being timed already)."""
-        return 0 if self._fixed or sum(map(len, self.verify.values())) >= PROBES else PROBE_GUESSES
+    def probe(self, sequences: int) -> int:
+        """Guesses one stream may verify while the times of this batch size are not known (0:
+        none, the steps with guesses being timed already)."""
+        return 0 if self._fixed is not None or self._verified(_size(sequences)) >= PROBES else PROBE_GUESSES
 
-    def record(self, rows: int, seconds: float, guessed: bool) -> None:
-        """A decode step of `rows` rows (with guesses, or one per sequence) took `seconds`."""
-        if self._fixed or not 0 < rows <= MAX_ROWS:
+    def reprobe(self, sequences: int) -> int:
+        """Guesses one stream may verify although the known times refused them: every
+        REPROBE_EVERY refusals a few, so a time taken while the machine was busy (or a step's
+        first use) does not keep guessing off for good."""
+        if self._fixed is not None:
+            return 0
+        size = _size(sequences)
+        self._refused[size] = self._refused.get(size, 0) + 1
+        if self._refused[size] < REPROBE_EVERY:
+            return 0
+        self._refused[size] = 0
+        return PROBE_GUESSES
+
+    def record(self, sequences: int, rows: int, seconds: float, guessed: bool) -> None:
+        """A decode step of `sequences` and `rows` rows (theirs and their guesses) took `seconds`."""
+        if self._fixed is not None or not 0 < rows <= MAX_ROWS:
             return
-        times = self.verify if guessed else self.plain
-        times.setdefault(_size(rows), deque(maxlen=KEPT)).append(seconds)
-        self._costs = None
+        size = _size(sequences)
+        if guessed:
+            times = self.verify.setdefault(size, {}).setdefault(_size(rows), deque(maxlen=KEPT))
+        else:
+            times = self.plain.setdefault(size, deque(maxlen=KEPT))
+        times.append(seconds)
+        self._costs.pop(size, None)
 
-    def get(self) -> RowCosts:
-        if self._costs is None:
-            self._costs = learned(self.plain, self.verify)
-        return self._costs
+    def get(self, sequences: int) -> RowCosts:
+        """The step costs of a batch of `sequences`, as `plan` reads them."""
+        if self._fixed is not None:
+            return self._fixed
+        size = _size(sequences)
+        if size not in self._costs:
+            self._costs[size] = learned(self.plain.get(size, ()), self.verify.get(size, {}), size)
+        return self._costs[size]
 
     def use(self, seconds: Sequence[float], plain: float = 1.0) -> None:
         """Take `seconds` (a step of each of ROW_COUNTS rows) as the model's instead of learning
         them: tests that need speculation to run, or never to run, on any machine."""
-        self._costs, self._fixed = RowCosts(tuple(seconds), plain), True
+        self._fixed = RowCosts(tuple(seconds), plain)
 
     def speculator(self) -> Speculator:
         """One sequence's proposer, controller (its acceptance figures, its stretches aside) and counts."""
         return Speculator(PromptLookup(), StepTimes())
 
+    def _verified(self, size: int) -> int:
+        return sum(map(len, self.verify.get(size, {}).values()))
 
-def learned(plain: dict[int, deque[float]], verify: dict[int, deque[float]]) -> RowCosts:
-    """Step costs from timed steps (the fastest of each size): sizes not timed with guesses
-    cost what the nearest smaller timed one does plus, per row, what the rows between the two
-    largest timed sizes (or the plain step of one row and the timed size) cost."""
-    if not verify or not plain:
+
+def learned(plain: Iterable[float], verify: dict[int, deque[float]], size: int) -> RowCosts:
+    """Step costs of a batch of `size` sequences from its timed steps (the fastest of each
+    kind): rows not timed with guesses cost what the nearest fewer timed ones do plus, per row,
+    what the rows between the two most timed cost (or between the plain step and the timed)."""
+    plain_times = list(plain)
+    if not verify or not plain_times:
         return RowCosts((1.0,) + (float("inf"),) * (len(ROW_COUNTS) - 1))
-    points = sorted((size, min(times)) for size, times in verify.items())
-    one_row = min(plain[min(plain)])
+    points = sorted((rows, min(times)) for rows, times in verify.items())
+    plain_seconds = min(plain_times)
     if len(points) > 1:
         (r0, t0), (r1, t1) = points[-2], points[-1]
     else:
-        (r0, t0), (r1, t1) = (1, one_row), points[-1]
+        (r0, t0), (r1, t1) = (size, plain_seconds), points[-1]
     slope = max(0.0, (t1 - t0) / (r1 - r0)) if r1 > r0 else t1 / r1
     seconds = []
     for count in ROW_COUNTS:
-        below = [t for size, t in points if size <= count]
+        below = [t for rows, t in points if rows <= count]
         seconds.append(below[-1] + slope * (count - points[len(below) - 1][0]) if below else points[0][1])
     seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # never cheaper with more rows
-    size, plain_seconds = min(plain), one_row
     return RowCosts(tuple(seconds), min(1.0, plain_seconds / seconds[ROW_COUNTS.index(size)]))
 
 

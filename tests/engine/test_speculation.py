@@ -24,7 +24,7 @@ from ferrum_mac.engine import ChatSettings, Engine
 from ferrum_mac.engine.events import CONTEXT, EOS, MAX_TOKENS, STOP_STRING
 from ferrum_mac.engine.speculation import DRAFT, Speculate
 from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve
-from ferrum_mac.engine.speculation.step_times import PROBE_K, PROBES, REPROBE_EVERY, StepTimes
+from ferrum_mac.engine.speculation.step_times import FIRST_PROBE_K, PROBE_K, PROBES, REPROBE_EVERY, StepTimes
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.verify import Speculator, speculative_tokens
 from ferrum_mac.errors import FerrumError
@@ -354,16 +354,18 @@ def test_a_first_answer_learns_the_step_costs_from_its_own_steps(stories_path, m
 
 def test_step_times_are_the_fastest_recent_ones_and_grow_past_the_largest_timed():
     times = StepTimes()
-    assert not times.known() and times.probe(room=8) == PROBE_K and times.probe(room=1) == 1
+    assert not times.known() and times.probe(room=8) == FIRST_PROBE_K
+    times.record_verify(1, 1.2)
+    assert times.probe(room=8) == PROBE_K and times.probe(room=2) == 2
     times.record_verify(3, 5.0)  # a first use: slow
-    times.record_verify(3, 1.5)
     assert times.probe(room=8) == 0 and not times.known()  # timed enough verifies; no plain step yet
+    times.record_verify(3, 1.5)
     times.record_decode(1.2)
     times.record_decode(1.0)
     assert times.known() and not times.known(draft="small")  # that draft's guesses are not timed
     curve = times.curve().verify
     assert curve[0] == 1.0 and curve[3] == pytest.approx(1.5)
-    assert curve[6] == pytest.approx(2.0) and curve[MAX_K] == pytest.approx(1.5 + 5 * 0.5 / 3)
+    assert curve[2] == pytest.approx(1.35) and curve[MAX_K] == pytest.approx(1.5 + 5 * 0.15)
     times.record_guess("small", 0.1)
     assert times.curve("small").draft_step == pytest.approx(0.1)
     refusals = [times.reprobe(room=8) for _ in range(2 * REPROBE_EVERY)]  # the costs said no each time

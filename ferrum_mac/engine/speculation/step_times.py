@@ -3,8 +3,9 @@
 Nothing is timed apart from answers: a plain decode step is timed as it happens (only one
 that had the step before it queued behind it, as the pipelined loop runs), a verify step of
 k guesses too, and a draft model's guesses where it makes them. Until a few of each are in,
-speculation is not judged: an answer with a strong guess verifies a few of them (`probe`,
-at most PROBE_K, real guesses whose kept tokens count) and decodes plainly otherwise; once
+speculation is not judged: an answer with a strong guess verifies one of it, then a few
+(`probe`: real guesses whose kept tokens count; the first verify of a short answer, which
+may be its only one, costs little) and decodes plainly otherwise; once
 they are, a strong guess the costs refuse is verified so now and then (`reprobe`). The
 fastest recent time of each kind counts, so a step slowed by other work, or by a first use
 (kernels compiled, a graph captured), does not make guessing look dear for long.
@@ -17,7 +18,8 @@ from typing import Sequence
 
 from ferrum_mac.engine.speculation.controller import MAX_K, CostCurve, interpolated
 
-PROBE_K = 3  # most guesses in a verify taken before the costs are known
+FIRST_PROBE_K = 1  # guesses in the first verify: on a slow CPU a verify of a few costs several decode steps
+PROBE_K = 4  # most guesses in a later verify taken before the costs are known (and in a reprobe)
 PROBES = 2  # verify steps timed before the costs count (the first may pay a first use)
 DECODE_SAMPLES = 2  # plain steps timed before the costs count
 KEPT = 8  # recent times kept of each kind
@@ -82,7 +84,9 @@ class StepTimes:
         if self._fixed is not None:
             return 0
         verified = sum(len(times) for times in self.verify.values())
-        return min(PROBE_K, room) if verified < PROBES else 0
+        if verified >= PROBES:
+            return 0
+        return min(FIRST_PROBE_K if verified == 0 else PROBE_K, room)
 
     def reprobe(self, room: int) -> int:
         """Guesses a strong proposal the known costs refused may verify all the same: every

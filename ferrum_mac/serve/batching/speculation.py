@@ -4,11 +4,12 @@ A step with nothing to prefill is one `verify_batch`: each decoding sequence fee
 token, and a speculating one also its guesses (prompt lookup, `PromptLookup`), a row each.
 The time of a step grows with its rows, so a guess is worth a row only when the step's
 expected tokens per second rise with it. The times are learned from the decode steps the
-scheduler runs (`StepCosts`: the fastest recent step of each size, with guesses and without,
-sizes in powers of two; a size not yet timed is estimated from the timed ones, never as
-cheaper than a smaller one), so nothing is timed apart from requests; until two steps with
-guesses are timed, a step verifies at most a few guesses of one stream (real guesses: what it
-keeps counts). Each guess adds the chance that it and the guesses before it are kept, from its
+scheduler runs (`StepCosts`: by batch size, the fastest recent plain step and step with
+guesses of each number of rows, in powers of two; rows not yet timed are estimated from the
+timed ones, never as cheaper than fewer), so nothing is timed apart from requests; until two
+steps with guesses of a batch size are timed, its steps verify at most a few guesses of one
+stream (real guesses: what they keep counts), and so again now and then while the times
+refuse every guess (`reprobe`). Each guess adds the chance that it and the guesses before it are kept, from its
 stream's own controller (`Controller.acceptance`, by kind of proposal); `plan` adds guesses
 in order of that chance and keeps the prefix with the best rate, when it beats the step
 without guesses by the controller's MARGIN. With one stream this is the engine's rule

@@ -24,6 +24,7 @@ from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.serve.command import ServeOptionError, speculate_option
 from ferrum_mac.serve.batching.speculation import (
     FIRST_PAUSE,
+    FIRST_PROBE_GUESSES,
     PACE_SAMPLES,
     PLAIN_EVERY,
     PROBE_GUESSES,
@@ -369,10 +370,10 @@ def test_learned_step_costs_grow_past_the_largest_timed_size():
 
 def test_step_costs_are_kept_by_batch_size_and_probed_again_when_they_refuse():
     costs = StepCosts()
-    for _ in range(PROBES):
-        assert costs.probe(1) == PROBE_GUESSES
-        costs.record(1, 1 + PROBE_GUESSES, 1.0, guessed=True)
+    for probe in (FIRST_PROBE_GUESSES, PROBE_GUESSES):
+        assert costs.probe(1) == probe
+        costs.record(1, 1 + probe, 1.0, guessed=True)
     costs.record(1, 1, 0.5, guessed=False)
-    assert costs.probe(1) == 0 and costs.measured(1) and not costs.measured(4) and costs.probe(4) == PROBE_GUESSES
+    assert costs.probe(1) == 0 and costs.measured(1) and not costs.measured(4) and costs.probe(4) == FIRST_PROBE_GUESSES
     refusals = [costs.reprobe(1) for _ in range(2 * REPROBE_EVERY)]  # the plan found no guess worth it
     assert refusals.count(PROBE_GUESSES) == 2 and refusals[REPROBE_EVERY - 1] == PROBE_GUESSES

@@ -44,7 +44,8 @@ SERVE_MODES = (AUTO, NGRAM, OFF)
 MAX_ROWS = 64  # rows of one speculating step (torch runs up to this many as a captured decode step)
 ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes the costs are kept for
 PROBES = 2  # steps with guesses timed before the costs count (the first may pay a first use)
-PROBE_GUESSES = 3  # most guesses such a step holds, of one stream
+FIRST_PROBE_GUESSES = 1  # guesses in a batch size's first such step: on a slow CPU a few cost a step or more
+PROBE_GUESSES = 3  # most guesses such a later step holds, of one stream (and a reprobe)
 KEPT = 8  # recent times kept of each size
 REPROBE_EVERY = 64  # steps whose guesses the costs refused before a few are verified anyway: times go stale
 INDEX_STEP_TOKENS = 2048  # prompt positions indexed for lookups in one step, over all streams
@@ -136,7 +137,10 @@ class StepCosts:
     def probe(self, sequences: int) -> int:
         """Guesses one stream may verify while the times of this batch size are not known (0:
         none, the steps with guesses being timed already)."""
-        return 0 if self._fixed is not None or self._verified(_size(sequences)) >= PROBES else PROBE_GUESSES
+        verified = self._verified(_size(sequences))
+        if self._fixed is not None or verified >= PROBES:
+            return 0
+        return FIRST_PROBE_GUESSES if verified == 0 else PROBE_GUESSES
 
     def reprobe(self, sequences: int) -> int:
         """Guesses one stream may verify although the known times refused them: every

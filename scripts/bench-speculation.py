@@ -11,8 +11,8 @@
 The order alternates from prompt to prompt and run to run (off first, then on first) so
 neither side always runs warm. The rate
 is the answer's decode tok/s (tokens after the first over the time after the first), summed
-over the runs as total tokens over total time. The cost curve the controller measured
-(verify of k guesses / one decode step) is printed too.
+over the runs as total tokens over total time. The cost curve the controller learned from the
+answers' steps (verify of k guesses / one decode step) is printed too.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 from ferrum_mac.compose import open_engine
 from ferrum_mac.engine import Done
 from ferrum_mac.engine.speculation import Speculate
-from ferrum_mac.engine.speculation.controller import cost_curve
 
 CODE = '''def parse_config(path):
     """Read a key = value file into a dict, skipping comments and blank lines."""
@@ -140,8 +139,6 @@ def main() -> None:
     engine = open_engine(args.model, backend=args.backend)
     print(f"model {engine.name or args.model} on {engine.device}")
     answer(engine, "Hi", "off", 8)  # warm up
-    curve = cost_curve(engine.model).verify
-    print("verify(k)/decode:", " ".join(f"k={k}:{c:.2f}" for k, c in enumerate(curve) if k))
     parts = args.part.split(",")
     for name, prompt in EDITS.items():
         if "edit" in parts:
@@ -151,6 +148,8 @@ def main() -> None:
                 f"acceptance {r['acceptance']:.2f} of {r['proposed']}  outputs differ: {r['differ']}",
                 flush=True,
             )
+    curve = engine.step_times.curve().verify  # learned from the answers above
+    print("verify(k)/decode:", " ".join(f"k={k}:{c:.2f}" for k, c in enumerate(curve) if k))
     if "chat" in parts:
         r = compare(engine, QUESTIONS, "auto", args.chat_runs, args.chat_tokens)
         print(

@@ -20,6 +20,7 @@ from ferrum_mac.cli.options import (
     KvCapacity,
     Remote,
     ServerApiKey,
+    ServerUrl,
 )
 from ferrum_mac.errors import FerrumError
 
@@ -101,6 +102,26 @@ def show(
     from ferrum_mac.cli.store_commands import show_command
 
     show_command(name, backend)
+
+
+@app.command()
+def ps(remote: ServerUrl = None, api_key: ApiKey = None) -> None:
+    """Models a running server has loaded, and when each unloads."""
+    from ferrum_mac.cli.server_commands import ps_command
+
+    ps_command(remote, api_key)
+
+
+@app.command()
+def stop(
+    model: str = typer.Argument(..., metavar="MODEL", help="A model `ferrum ps` lists."),
+    remote: ServerUrl = None,
+    api_key: ApiKey = None,
+) -> None:
+    """Unload a model from a running server (its memory returns; the next request loads it again)."""
+    from ferrum_mac.cli.server_commands import stop_command
+
+    stop_command(model, remote, api_key)
 
 
 @app.command(context_settings={"allow_interspersed_args": True})

@@ -24,6 +24,12 @@ Device = Annotated[
 Remote = Annotated[
     Optional[str], typer.Option("--remote", help="Chat with an OpenAI-compatible server at this URL instead.")
 ]
+ServerUrl = Annotated[
+    Optional[str],
+    typer.Option(
+        "--remote", help="The server's URL (default: where `ferrum serve` listens, then `ferrum serve --ollama`)."
+    ),
+]
 ApiKey = Annotated[
     Optional[str], typer.Option("--api-key", envvar=API_KEY_ENV, help="With --remote: the server's API key.")
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from ferrum_mac.engine import CONTEXT, MAX_TOKENS, Done, Event, Notice, ReasoningDelta, TextDelta
+from ferrum_mac.engine import CONTEXT, LOOP, MAX_TOKENS, Done, Event, Notice, ReasoningDelta, TextDelta
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 CONTEXT_ADVICE = "--kv-capacity sets its size, up to the model's context length"
@@ -71,13 +71,15 @@ class EventPrinter:
 
 
 def cut_line(done: Done, limit_setting: str, context_advice: str = CONTEXT_ADVICE) -> str | None:
-    """Why the answer stopped short, when a limit or the context cut it (not for its own end),
-    and how to change that."""
+    """Why the answer stopped short, when a limit or the context cut it (and how to change
+    that) or it looped (not for its own end)."""
     tokens = f"{done.generated_tokens} token{'s' if done.generated_tokens != 1 else ''}"
     if done.stop_reason == MAX_TOKENS:
         return f"the answer was cut at {tokens} ({limit_setting})"
     if done.stop_reason == CONTEXT:
         return f"the answer was cut at {tokens}: the context is full ({context_advice})"
+    if done.stop_reason == LOOP:
+        return f"the answer was stopped at {tokens}: it kept repeating itself"
     return None
 
 

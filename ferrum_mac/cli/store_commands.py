@@ -19,7 +19,7 @@ def list_command(available: bool, backend: str) -> None:
     if available:
         from ferrum_mac.store.aliases import alias_table
 
-        _table(["NAME", f"FETCHES ({backend})"], alias_table(backend))
+        print_table(["NAME", f"FETCHES ({backend})"], alias_table(backend))
         print("\nAdd -8bit or -bf16 for other precisions (qwen3:8b-8bit); any Hugging Face repo id works too.")
         return
     from ferrum_mac.store.catalog import list_models
@@ -32,7 +32,7 @@ def list_command(available: bool, backend: str) -> None:
 
         print("\n".join(first_model_lines(machine_memory_bytes(), backend, hub_offline())))
     else:
-        _table(
+        print_table(
             ["NAME", "SIZE", "QUANT", "FORMAT", "MODIFIED"],
             [(m.name, _size_with_copies(m), m.quant, m.format, human_age(m.modified)) for m in complete],
         )
@@ -97,7 +97,7 @@ def _count(n: int | None) -> str:
     return f"{n:,}"
 
 
-def _table(header: list[str], rows: list) -> None:
+def print_table(header: list[str], rows: list) -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("   ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())

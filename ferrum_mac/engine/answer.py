@@ -6,8 +6,10 @@ an `AnswerState`, which applies the rules every answer keeps:
 - an end-of-sequence token ends the answer and writes no text (unless `ignore_eos`, which a
   finished grammar still overrides);
 - a grammar that allows nothing more ends it (EOS), before a stop string or the limit;
-- then a stop string (STOP_STRING), then `max_tokens` (MAX_TOKENS); the caller, which knows
-  the cache, ends it when the context is full (CONTEXT) or it is cancelled (CANCELLED);
+- then a stop string (STOP_STRING), then `max_tokens` (MAX_TOKENS), then a loop: the answer
+  repeating itself over and over (LOOP, `loop_guard`; not with `ignore_eos`, whose caller wants
+  every token it asked for); the caller, which knows the cache, ends it when the context is
+  full (CONTEXT) or it is cancelled (CANCELLED);
 - an answer that must call tools ends (EOS) once its calls are whole and what is left of
   `max_tokens` cannot hold another call (`call_tokens`), so the limit never cuts a call it
   could have left out.
@@ -23,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from ferrum_mac.engine.answer_text import AnswerText
-from ferrum_mac.engine.events import EOS, MAX_TOKENS, STOP_STRING, TOOL_CALLS, Done, ReasoningDelta, TextDelta
+from ferrum_mac.engine.events import EOS, LOOP, MAX_TOKENS, STOP_STRING, TOOL_CALLS, Done, ReasoningDelta, TextDelta
+from ferrum_mac.engine.loop_guard import LoopGuard
 from ferrum_mac.grammar import GrammarMatcher
 from ferrum_mac.text.tool_calls import StreamingToolParser, ToolCall, ToolCallDelta, ToolFormat, calls_of
 
@@ -65,6 +68,7 @@ class AnswerState:
         self.timing = timing or Timing()
         self.generated = 0
         self.reason: str | None = None  # why the answer ended; None while it goes on
+        self.loops = None if ignore_eos else LoopGuard()
 
     def add(self, token: int, accepted: bool = False) -> list[TextDelta | ReasoningDelta]:
         self.timing.token()
@@ -77,6 +81,7 @@ class AnswerState:
             self.reason = EOS
             return []
         events = self.text.add(token)
+        looping = self.loops is not None and self.loops.add(token)
         if finished:
             self.reason = EOS
         elif self.text.stopped:
@@ -85,6 +90,8 @@ class AnswerState:
             self.reason = EOS
         elif self.generated == self.max_tokens:
             self.reason = MAX_TOKENS
+        elif looping:
+            self.reason = LOOP
         return events
 
     def _no_room_for_another_call(self) -> bool:

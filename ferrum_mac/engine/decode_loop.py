@@ -27,6 +27,7 @@ import numpy as np
 
 from ferrum_mac.engine.sampling import Sampler
 from ferrum_mac.engine.speculation import Speculate, SpeculationStats
+from ferrum_mac.engine.speculation.step_times import StepTimes
 from ferrum_mac.engine.speculation.verify import Speculator, speculative_tokens
 from ferrum_mac.grammar import GrammarMatcher
 from ferrum_mac.llm import DecoderOnlyLLM
@@ -42,9 +43,11 @@ def answer_tokens(
     matcher: GrammarMatcher | None = None,
     speculate: Speculate | None = None,
     prompt: Sequence[int] = (),
+    times: StepTimes | None = None,
 ) -> tuple[Generator[int, None, None], SpeculationStats | None]:
     """The answer's token ids, and the speculation counts they will have filled in when the
-    answer ends (None: it does not speculate). A grammar turns speculation off: its mask
+    answer ends (None: it does not speculate); `times`: the model's step times, which the
+    answer reads and adds to (None: its own). A grammar turns speculation off: its mask
     for a guessed position depends on the guesses before it, which are not read yet. So does
     a model whose state cannot be cut back (`StateManager.cuts_back`): rejected guesses would
     stay in it."""
@@ -52,7 +55,7 @@ def answer_tokens(
         return constrained_tokens(model, sampler, cache_id, logits, limit, matcher), None
     if speculate is None or not speculate.enabled or not model.state.cuts_back:
         return sampled_tokens(model, sampler, cache_id, logits, limit), None
-    speculator = Speculator.for_answer(model, speculate, cache_id)
+    speculator = Speculator.for_answer(model, speculate, cache_id, times or StepTimes())
     return speculative_tokens(model, sampler, cache_id, logits, limit, speculator, prompt), speculator.stats
 
 

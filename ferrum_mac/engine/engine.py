@@ -16,6 +16,7 @@ from ferrum_mac.engine.conversation import ChatSettings, Conversation
 from ferrum_mac.engine.defaults import DEFAULT_MAX_TOKENS
 from ferrum_mac.engine.events import Event
 from ferrum_mac.engine.sampling import SamplingParams
+from ferrum_mac.engine.speculation.step_times import StepTimes
 from ferrum_mac.engine.structured import Constraints, ResponseFormat
 from ferrum_mac.engine.tools import ToolRequest
 from ferrum_mac.engine.turn import run_turn
@@ -49,6 +50,7 @@ class Engine:
         # an answer's limit unless the user sets one (None: the end of the context)
         self.default_max_tokens = min(max_tokens, model.kv_capacity()) if max_tokens else None
         self.eos_ids = frozenset(tokenizer.eos_ids) | frozenset(model.config.eos_token_ids)
+        self.step_times = StepTimes()  # the model's decode and verify steps, as answers take them
         self._lock = threading.Lock()
         self._cancel: threading.Event | None = None
         self._ids = itertools.count(1)

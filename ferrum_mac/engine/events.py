@@ -14,6 +14,7 @@ MAX_TOKENS = "max_tokens"  # the answer reached max_tokens
 CANCELLED = "cancelled"  # the cancel event or Ctrl-C
 CONTEXT = "context"  # the KV cache is full
 TOOL_CALLS = "tool_calls"  # the answer called tools and waits for their results
+LOOP = "loop"  # the answer kept repeating itself (`loop_guard`)
 
 
 @dataclass(frozen=True)

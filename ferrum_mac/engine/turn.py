@@ -98,6 +98,7 @@ def run_turn(
             settings.max_tokens,
             matcher=matcher,
             speculate=settings.speculate,
+            times=engine.step_times,
             prompt=ids,
         )
         for token in tokens:

@@ -49,7 +49,9 @@ class Finished(Done):
 
 
 def finish_of(done: Done) -> str:
-    """Why `done`'s answer ended, in neutral words (a `Finished` says it itself)."""
+    """Why `done`'s answer ended, in neutral words (a `Finished` says it itself). A loop stopped
+    finishes as "stop" (ferrum's `stats` say "loop"): "length" would ask a client to continue
+    the answer, which would loop on."""
     if isinstance(done, Finished):
         return done.finish
     if done.stop_reason in (MAX_TOKENS, CONTEXT):

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from ferrum_mac.cli import app
 
-COMMANDS = ["bench", "pull", "list", "rm", "show", "run", "serve", "chat"]
+COMMANDS = ["bench", "pull", "list", "rm", "show", "run", "serve", "chat", "ps", "stop"]
 
 
 def ferrum(*args: str):
@@ -74,7 +74,7 @@ def test_bench_help_lists_the_shapes():
         assert ferrum("bench", subcommand, "-h").stdout.startswith(f"Usage: ferrum bench {subcommand} [OPTIONS]")
 
 
-@pytest.mark.parametrize("command", ["run", "chat"])
+@pytest.mark.parametrize("command", ["run", "chat", "ps"])
 def test_api_key_comes_from_the_environment(command, monkeypatch):
     monkeypatch.setenv("FERRUM_API_KEY", "from-env")
     ctx = get_command(app).commands[command].make_context(command, ["--remote", "http://127.0.0.1:1"])

@@ -77,6 +77,8 @@ ELSEWHERE = {
     "ferrum serve qwen3:0.6b --port 8000",
     "ferrum serve --keep-alive 10m",
     "ferrum serve --ollama",
+    "ferrum ps",
+    "ferrum stop smollm2:135m",
     'ferrum run --remote http://127.0.0.1:8000 "Hi"',
     "ferrum-chat --remote http://127.0.0.1:8000",
     "ferrum bench --shape qwen3-0.6b --quant 4bit",

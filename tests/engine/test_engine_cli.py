@@ -125,6 +125,16 @@ def test_an_answer_cut_by_a_full_context_says_so(stories_path, env):
     )
 
 
+def test_an_answer_stopped_as_a_loop_says_so(stories_path, env):
+    """stories260K's greedy answer to this repeats one sentence: it ends long before the limit,
+    with a line saying why."""
+    prompt = "The cat sat on the mat. The cat"
+    run = ferrum("run", str(stories_path), prompt, "--temperature", "0", "--max-tokens", "480", env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("It is a small, red cat.") > 10
+    assert re.fullmatch(r"ferrum: the answer was stopped at \d+ tokens: it kept repeating itself\n", run.stderr)
+
+
 @pytest.mark.slow
 def test_torch_runs_the_bundled_model_offline(bundled_env):
     """torch reads the bundled GGUF: no trip to the Hub for the default model."""

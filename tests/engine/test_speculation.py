@@ -1,7 +1,7 @@
 """Speculative decoding: the same answers as plain decoding, for the same reasons, with the
 sampler's own distribution, and a cache (and prefix cache) left as plain decoding leaves it.
 
-The cost curve is set per model (`use_costs`) so that speculation runs, or never runs,
+The cost curve is set per engine (`engine.step_times.use`) so that speculation runs, or never runs,
 whatever this machine measures: correctness must not depend on the controller's choice.
 """
 
@@ -23,7 +23,8 @@ from helpers import to_np
 from ferrum_mac.engine import ChatSettings, Engine
 from ferrum_mac.engine.events import CONTEXT, EOS, MAX_TOKENS, STOP_STRING
 from ferrum_mac.engine.speculation import DRAFT, Speculate
-from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve, forget_costs, use_costs
+from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve
+from ferrum_mac.engine.speculation.step_times import FIRST_PROBE_K, PROBE_K, PROBES, REPROBE_EVERY, StepTimes
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.verify import Speculator, speculative_tokens
 from ferrum_mac.errors import FerrumError
@@ -36,7 +37,7 @@ NGRAM, OFF = Speculate("ngram"), Speculate("off")
 @pytest.fixture(scope="module")
 def stories(stories_path) -> Engine:
     engine = Engine.open(stories_path, backend="mlx")
-    use_costs(engine.model, CHEAP)
+    engine.step_times.use(CHEAP)
     return engine
 
 
@@ -66,7 +67,7 @@ def test_greedy_answers_are_plain_greedy_answers(stories):
 
 def test_greedy_answers_are_plain_greedy_answers_on_torch(stories_path):
     engine = Engine.open(stories_path, backend="torch")
-    use_costs(engine.model, CHEAP)
+    engine.step_times.use(CHEAP)
     plain, _ = greedy_answer(engine, PROMPTS[1], OFF, max_tokens=20)
     fast, events = greedy_answer(engine, PROMPTS[1], NGRAM, max_tokens=20)
     assert fast == plain
@@ -76,7 +77,7 @@ def test_greedy_answers_are_plain_greedy_answers_on_torch(stories_path):
 def test_smollm2_greedy_answers_are_plain_greedy_answers(smollm2):
     """The bundled chat model: a copying task (long guesses kept) and a free question."""
     text = "Repeat exactly: The quick brown fox jumps over the lazy dog while the cat sleeps by the warm fire."
-    use_costs(smollm2.model, CHEAP)
+    smollm2.step_times.use(CHEAP)
     try:
         for prompt in (text, "What is the capital of France?"):
             plain, _ = greedy_answer(smollm2, prompt, OFF, max_tokens=32)
@@ -84,7 +85,7 @@ def test_smollm2_greedy_answers_are_plain_greedy_answers(smollm2):
             assert fast == plain, prompt
         assert done(events).speculation["steps"] > 0
     finally:
-        forget_costs(smollm2.model)  # the session's other tests measure as a user's run does
+        smollm2.step_times.forget()  # the session's other tests measure as a user's run does
 
 
 def test_penalties_apply_at_every_verified_position(stories):
@@ -129,7 +130,7 @@ def test_limits_stop_strings_and_eos_end_answers_as_without_speculation(stories)
 
 def test_a_full_context_ends_the_answer_where_plain_decoding_does(small_context):
     engine = small_context(64)
-    use_costs(engine.model, CHEAP)
+    engine.step_times.use(CHEAP)
     plain, plain_events = greedy_answer(engine, PROMPTS[2], OFF, max_tokens=None)
     fast, fast_events = greedy_answer(engine, PROMPTS[2], NGRAM, max_tokens=None)
     assert done(plain_events).stop_reason == done(fast_events).stop_reason == CONTEXT
@@ -173,8 +174,7 @@ def test_a_draft_model_keeps_its_cache_in_step(stories_path, stories):
     """The draft (here the same weights, so every greedy guess is right) is cut back and fed
     the accepted tokens before each guess; its cache is released with the answer."""
     draft = Engine.open(stories_path, backend="mlx").model
-    use_costs(draft, CHEAP, decode_time=1e-6)
-    use_costs(stories.model, CHEAP, decode_time=1.0)
+    stories.step_times.use(CHEAP, draft_step=1e-6)
     setting = Speculate(DRAFT, draft, "stories")
     for prompt in PROMPTS:
         plain, _ = greedy_answer(stories, prompt, OFF, max_tokens=50)
@@ -192,7 +192,6 @@ def test_sampled_tokens_follow_the_targets_distribution(stories_path):
     first's, where no guess was made."""
     engine = Engine.open(stories_path, backend="mlx")
     model = engine.model
-    use_costs(model, CHEAP)
     prompt = engine.tokenizer.encode("Once upon a time, there was a", add_special_tokens=True)
     start = model.prefill("stats", prompt)
     first_p = softmax(to_np(start))
@@ -200,10 +199,12 @@ def test_sampled_tokens_follow_the_targets_distribution(stories_path):
     second_p = softmax(to_np(model.forward_verify("stats", [first_id])[0]))
     model.truncate_kv("stats", len(prompt))
     guess = int(np.argsort(second_p)[-2])  # the second most likely: kept often, rejected often
+    cheap = StepTimes()
+    cheap.use(CHEAP)
     runs, firsts, seconds = 700, collections.Counter(), collections.Counter()
     for seed in range(runs):
         sampler = model.sampler(engine.default_sampling.replace(temperature=1.0, top_p=1.0, top_k=0, seed=seed))
-        speculator = Speculator(FixedGuess(guess), lambda: fixed_curve(CHEAP))
+        speculator = Speculator(FixedGuess(guess), cheap)
         tokens = speculative_tokens(model, sampler, "stats", start, 3, speculator, prompt)
         t1, t2 = next(tokens), next(tokens)
         tokens.close()
@@ -320,3 +321,54 @@ def test_ferrum_run_takes_speculate_and_reports_its_figures(stories_path, tmp_pa
     assert repl.returncode == 0, repl.stderr
     assert "Set speculation to off." in repl.stdout and "choose auto, ngram, draft:MODEL or off" in repl.stdout
     assert f"speculate         draft:{stories_path}" in repl.stdout
+
+
+def test_a_first_answer_learns_the_step_costs_from_its_own_steps(stories_path, monkeypatch):
+    """A fresh engine times nothing apart from answers: every forward is on the answer's own
+    cache. Until the costs are known a verify holds at most PROBE_K guesses, PROBES of them;
+    the answer's plain and verify steps make them known, and the answer is the plain one."""
+    engine = Engine.open(stories_path, backend="mlx")
+    model, times = engine.model, engine.step_times
+    forwards: list[tuple[str, str, int, bool]] = []  # (method, cache id, tokens, costs known)
+
+    def watched(name):
+        method = getattr(model, name)
+
+        def call(cache_id, tokens, *args):
+            size = len(tokens) if isinstance(tokens, list) else 1
+            forwards.append((name, cache_id, size, times.known()))
+            return method(cache_id, tokens, *args)
+
+        return call
+
+    for name in ("prefill", "decode", "forward_verify"):
+        monkeypatch.setattr(model, name, watched(name))
+    fast, events = greedy_answer(engine, PROMPTS[1], NGRAM, max_tokens=80)
+    monkeypatch.undo()
+    assert {cache_id for _, cache_id, _, _ in forwards} == {forwards[0][1]}
+    probes = [size - 1 for name, _, size, known in forwards if name == "forward_verify" and not known]
+    assert len(probes) == PROBES and max(probes) <= PROBE_K
+    assert times.known() and done(events).speculation["accepted"] > 0
+    assert fast == greedy_answer(engine, PROMPTS[1], OFF, max_tokens=80)[0]
+
+
+def test_step_times_are_the_fastest_recent_ones_and_grow_past_the_largest_timed():
+    times = StepTimes()
+    assert not times.known() and times.probe(room=8) == FIRST_PROBE_K
+    times.record_verify(1, 1.2)
+    assert times.probe(room=8) == PROBE_K and times.probe(room=2) == 2
+    times.record_verify(3, 5.0)  # a first use: slow
+    assert times.probe(room=8) == 0 and not times.known()  # timed enough verifies; no plain step yet
+    times.record_verify(3, 1.5)
+    times.record_decode(1.2)
+    times.record_decode(1.0)
+    assert times.known() and not times.known(draft="small")  # that draft's guesses are not timed
+    curve = times.curve().verify
+    assert curve[0] == 1.0 and curve[3] == pytest.approx(1.5)
+    assert curve[2] == pytest.approx(1.35) and curve[MAX_K] == pytest.approx(1.5 + 5 * 0.15)
+    times.record_guess("small", 0.1)
+    assert times.curve("small").draft_step == pytest.approx(0.1)
+    refusals = [times.reprobe(room=8) for _ in range(2 * REPROBE_EVERY)]  # the costs said no each time
+    assert refusals.count(PROBE_K) == 2 and refusals[REPROBE_EVERY - 1] == PROBE_K
+    times.forget()
+    assert not times.known()

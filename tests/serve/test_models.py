@@ -20,6 +20,7 @@ import httpx
 import pytest
 from serve_support import CHAT, MESSAGES, LiveServer, error_of, open_models
 
+from ferrum_mac.errors import FerrumError
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.app import build_app
 from ferrum_mac.serve.command import ServeOptionError, keep_alive_option, ollama_address, serving_line
@@ -80,6 +81,41 @@ def test_each_model_answers_with_its_own_output(two, server):
     assert models.unload(STORIES) and loaded(models) == [SMOLLM2]
     assert greedy(live, SMOLLM2) == smollm2  # alone now
     assert greedy(live, STORIES) == stories_alone  # opened again
+
+
+def test_ferrum_ps_lists_the_loaded_models_and_ferrum_stop_unloads_one(two, capsys):
+    """`ferrum ps` and `ferrum stop` against a live server, as Ollama's ps and stop: what is
+    loaded, with its size, processor, context and keep-alive; a model not loaded is one line."""
+    from ferrum_mac.cli.server_commands import ps_command, stop_command
+
+    live, models = two
+    greedy(live, SMOLLM2)
+    ps_command(live.url + "/v1", None)  # a client's base URL works as well as the root
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert set(rows) == {STORIES, SMOLLM2}
+    assert "CPU" in rows[SMOLLM2] and "512" in rows[SMOLLM2] and rows[SMOLLM2].endswith("forever")
+    stop_command(SMOLLM2, live.url, None)
+    assert capsys.readouterr().out == f"stopped {SMOLLM2}\n" and loaded(models) == [STORIES]
+    with pytest.raises(FerrumError, match=f"^{SMOLLM2} is not loaded on .*loaded: {STORIES}"):
+        stop_command(SMOLLM2, live.url, None)
+    assert greedy(live, SMOLLM2)  # the next request loads it again
+
+
+def test_ferrum_ps_without_a_server_is_one_line():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"127.0.0.1:{s.getsockname()[1]}"
+    for command in (["ps"], ["stop", SMOLLM2]):
+        result = subprocess.run(
+            [sys.executable, "-m", "ferrum_mac.cli", *command, "--remote", url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1 and result.stdout == ""
+        assert result.stderr == f"ferrum: no server is running at http://{url} (check the URL)\n"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")

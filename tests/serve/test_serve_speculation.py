@@ -10,25 +10,33 @@ correctness must not depend on the plan.
 from __future__ import annotations
 
 import re
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from serve_support import CHAT, COMPLETIONS, LiveServer, error_of, open_stories
 
-from ferrum_mac.engine.speculation.controller import MAX_K, Controller, fixed_curve
+from ferrum_mac.engine.speculation.controller import MAX_K, Controller
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
+from ferrum_mac.engine.speculation.step_times import StepTimes
 from ferrum_mac.engine.speculation.verify import Speculator
 from ferrum_mac.serve.command import ServeOptionError, speculate_option
 from ferrum_mac.serve.batching.speculation import (
     FIRST_PAUSE,
+    FIRST_PROBE_GUESSES,
     PACE_SAMPLES,
     PLAIN_EVERY,
+    PROBE_GUESSES,
+    PROBES,
+    REPROBE_EVERY,
     ROW_COUNTS,
     Offer,
     Pace,
     RowCosts,
+    StepCosts,
     indexed,
+    learned,
     plan,
 )
 
@@ -292,13 +300,80 @@ def test_a_long_prompt_is_indexed_a_slice_a_step():
     """A stream's lookups take a long prompt in over several steps, then guess as a lookup
     that took it in at once does."""
     history = [t % 97 for t in range(3000)] + [5, 6, 7]
-    speculator = Speculator(PromptLookup(), lambda: fixed_curve([1.0] * (MAX_K + 1)), True)
+    speculator = Speculator(PromptLookup(), StepTimes())
     steps = 1
     while not indexed(speculator, history, 1000)[0]:
         steps += 1
     assert steps == 4
     assert (
-        speculator.candidate(history, MAX_K)
+        speculator.candidate(history, MAX_K, known=True)
         == PromptLookup().propose(history, MAX_K)
         == Proposal([8, 9, 10, 11, 12, 13, 14, 15], "ngram3")
     )
+
+
+def test_a_fresh_server_learns_the_step_costs_from_its_requests(stories_path, monkeypatch):
+    """Nothing is timed apart from requests: every forward of the first request is on its own
+    cache, and before the step costs are known a step verifies at most PROBE_GUESSES guesses,
+    PROBES such steps; then they are known, and the answer is the plain one."""
+    from ferrum_mac.serve import Scheduler
+    from ferrum_mac.serve.app import build_app
+
+    scheduler = Scheduler(open_stories(stories_path), max_batch=4).start()
+    scheduler.pace = Pace(judged=False)
+    model, costs = scheduler.model, scheduler.costs
+    verifies: list[tuple[set, int, bool]] = []  # (cache ids, guesses, costs known)
+    prefills: set = set()
+    verify_batch, prefill, unified_forward = model.verify_batch, model.prefill, model.unified_forward
+
+    def watched_verify(items):
+        verifies.append(({i.cache_id for i in items}, sum(len(i.tokens) - 1 for i in items), costs.measured(1)))
+        return verify_batch(items)
+
+    def watched_prefill(cache_id, tokens):
+        prefills.add(cache_id)
+        return prefill(cache_id, tokens)
+
+    monkeypatch.setattr(model, "verify_batch", watched_verify)
+
+    def watched_forward(items):
+        prefills.update(i.cache_id for i in items)
+        return unified_forward(items)
+
+    monkeypatch.setattr(model, "prefill", watched_prefill)
+    monkeypatch.setattr(model, "unified_forward", watched_forward)
+    live = LiveServer(build_app(scheduler, "stories260K"))
+    try:
+        fast, stats = completion(live, PROMPTS[1], "auto")
+        assert len(prefills) == 1 and all(ids == prefills for ids, _, _ in verifies)
+        probes = [guesses for _, guesses, known in verifies if not known]
+        assert len(probes) == PROBES and max(probes) <= PROBE_GUESSES
+        assert costs.measured(1) and not costs.measured(2) and stats["speculation"]["accepted"] > 0
+        assert fast == completion(live, PROMPTS[1], "off")[0]
+    finally:
+        live.stop()
+        scheduler.stop()
+
+
+def test_learned_step_costs_grow_past_the_largest_timed_size():
+    plain, verify = deque([1.0, 0.9]), {4: deque([2.0, 1.2])}  # the fastest counts
+    costs = learned(plain, verify, 1)
+    assert costs.plain_time(1) == pytest.approx(0.9)
+    assert costs.time(1) == costs.time(4) == pytest.approx(1.2)  # no fewer rows timed: as dear
+    assert costs.time(8) == pytest.approx(1.2 + 4 * 0.1)  # per row as from the plain step's one row to four
+    verify[16] = deque([1.5])
+    assert learned(plain, verify, 1).time(64) == pytest.approx(1.5 + 48 * 0.3 / 12)
+    assert learned((), verify, 1).time(2) == float("inf")  # no plain step timed: no guess pays
+    batch = learned(deque([2.0]), {8: deque([2.4])}, 4)  # four sequences: their plain step is the base
+    assert batch.plain_time(4) == pytest.approx(2.0) and batch.time(16) == pytest.approx(2.4 + 8 * 0.1)
+
+
+def test_step_costs_are_kept_by_batch_size_and_probed_again_when_they_refuse():
+    costs = StepCosts()
+    for probe in (FIRST_PROBE_GUESSES, PROBE_GUESSES):
+        assert costs.probe(1) == probe
+        costs.record(1, 1 + probe, 1.0, guessed=True)
+    costs.record(1, 1, 0.5, guessed=False)
+    assert costs.probe(1) == 0 and costs.measured(1) and not costs.measured(4) and costs.probe(4) == FIRST_PROBE_GUESSES
+    refusals = [costs.reprobe(1) for _ in range(2 * REPROBE_EVERY)]  # the plan found no guess worth it
+    assert refusals.count(PROBE_GUESSES) == 2 and refusals[REPROBE_EVERY - 1] == PROBE_GUESSES

@@ -65,3 +65,48 @@ def test_the_same_answer_through_every_protocol(server):
     reference = answers["openai"][0]
     assert reference.strip()
     assert answers == {name: [reference, reference] for name in answers}
+
+
+LOOPING = [{"role": "user", "content": "The cat sat on the mat. The cat"}]  # stories260K repeats one sentence
+
+
+def test_a_looping_answer_stops_on_every_protocol_as_an_ended_one(server):
+    """stories260K's greedy answer here repeats "It is a small, red cat." until the limit: each
+    protocol ends it early, as an answer that ended ("stop", "end_turn"; never "length", which
+    asks a client to continue it), and ferrum's stats and the remote client say it looped."""
+    import httpx
+
+    from ferrum_mac.engine import LOOP, Done
+    from ferrum_mac.remote import RemoteEngine
+
+    limit = 480
+    openai = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": LOOPING, "temperature": 0, "max_tokens": limit},
+        timeout=120,
+    ).json()
+    assert (openai["choices"][0]["finish_reason"], openai["stats"]["stop_reason"]) == ("stop", LOOP)
+    looped = openai["usage"]["completion_tokens"]
+    assert looped < 350
+    anthropic = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": MODEL, "messages": LOOPING, "temperature": 0, "max_tokens": limit},
+        timeout=120,
+    ).json()
+    assert (anthropic["stop_reason"], anthropic["usage"]["output_tokens"]) == ("end_turn", looped)
+    ollama = httpx.post(
+        server.url + "/api/chat",
+        json={
+            "model": MODEL,
+            "messages": LOOPING,
+            "options": {"temperature": 0, "num_predict": limit},
+            "stream": False,
+        },
+        timeout=120,
+    ).json()
+    assert (ollama["done_reason"], ollama["eval_count"]) == ("stop", looped)
+    remote = RemoteEngine(server.url, model=MODEL)
+    conv = remote.conversation(max_tokens=limit, sampling=remote.default_sampling.replace(temperature=0.0))
+    done = [e for e in conv.send(LOOPING[0]["content"]) if isinstance(e, Done)][0]
+    assert (done.stop_reason, done.generated_tokens) == (LOOP, looped)
+    remote.close()

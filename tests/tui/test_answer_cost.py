@@ -47,6 +47,7 @@ def test_speculation_and_a_stop_by_the_person_in_the_footer():
         "40 tokens · 80.0 tok/s · first token 0.50 s · 12 cached · guessed 40, kept 30 · stopped by you"
     )
     assert answer_footer({**stats, "speculation": None, "stop_reason": "eos"}).endswith("12 cached")
+    assert answer_footer({**stats, "stop_reason": "loop"}).endswith("· stopped: it kept repeating itself")
 
 
 async def test_the_context_meter_moves_while_the_answer_streams(make_app):

@@ -10,7 +10,7 @@ import pytest
 from textual.widgets import Select
 
 from ferrum_mac.engine.speculation import Speculate
-from ferrum_mac.engine.speculation.controller import MAX_K, use_costs
+from ferrum_mac.engine.speculation.controller import MAX_K
 from ferrum_mac.tui.app import ChatApp
 from ferrum_mac.tui.services import ModelEntry, Services
 from ferrum_mac.tui.widgets.message_view import MessageView
@@ -135,7 +135,7 @@ async def test_on_stories_ngram_and_a_draft_answer_as_off(stories_store, history
     app = ChatApp(services, history, str(stories), {"max_tokens": 40, "temperature": 0.0, "speculate": "off"})
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None, timeout=60, what="the model")
-        use_costs(app.engine.model, CHEAP)
+        app.engine.step_times.use(CHEAP)
         await send(pilot, PROMPT, timeout=60)
         plain = history.messages(history.conversations()[0].id)[-1]
         assert plain.stats["speculation"] is None and "guessed" not in footer(app)
@@ -158,7 +158,7 @@ async def test_on_stories_ngram_and_a_draft_answer_as_off(stories_store, history
         await wait_for(
             pilot, lambda: f"Draft model {draft} loaded" in "".join(notices(app)), timeout=30, what="the draft"
         )
-        use_costs(app.drafts.loaded(app.engine, str(draft)).draft_model, CHEAP, decode_time=0.01)
+        app.engine.step_times.use(CHEAP, draft_step=0.01)
         await send(pilot, PROMPT, timeout=60)
         drafted = history.messages(app.chat.current_id)[-1]
         assert drafted.content == plain.content

@@ -1,8 +1,7 @@
 """When to speculate and how far: measured costs against the acceptance seen so far.
 
-The cost curve (`CostCurve`) is measured on the machine, once per model: a few timed decode
-steps and verify forwards of k+1 tokens on a throw-away cache, as ratios to one decode step.
-With a per-token acceptance rate a, a verify of k guesses yields (1 - a^(k+1)) / (1 - a)
+The cost curve (`CostCurve`): a verify of k guesses (k+1 tokens) in decode steps, from the
+steps answers take on this machine (`step_times.StepTimes`). With a per-token acceptance rate a, a verify of k guesses yields (1 - a^(k+1)) / (1 - a)
 tokens on average, so the rate against plain decoding is that over the verify's cost (plus
 the draft's steps). The controller picks the k with the best rate and speculates only when
 it beats plain decoding by a margin; acceptance is tracked per kind of proposal (a long
@@ -13,18 +12,10 @@ while it keeps failing.
 
 from __future__ import annotations
 
-import statistics
-import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ferrum_mac.llm import DecoderOnlyLLM
-
 MAX_K = 8  # most guesses per verify
-MEASURED_K = (2, 8)  # verify sizes timed at calibration; the others are interpolated
-CALIBRATION_PROMPT = 64  # tokens in the throw-away cache the timings run on
-CALIBRATION_RUNS = 2  # the median ratio counts: one run disturbed by other work does not
 MARGIN = 1.1  # speculate only when the expected rate beats plain decoding by this much
 DECAY = 0.9  # weight left to older verify steps in the acceptance counts
 MISSES_BEFORE_WAIT = 2  # verify steps in a row that keep nothing before the stream stands aside
@@ -33,13 +24,12 @@ LONGEST_STRETCH = 64
 # prior (accepted, tried) per kind: a long match is a passage being copied, a 1-token match rarely is
 PRIORS = {"copy": (2.7, 3.0), "ngram3": (2.1, 3.0), "ngram2": (1.5, 3.0), "ngram1": (0.6, 3.0), "draft": (2.0, 3.0)}
 DEFAULT_PRIOR = (1.0, 3.0)
-MEASURE_FROM = 0.6  # a kind this likely to be kept (by its prior) starts the measuring; weaker ones wait for it
+MEASURE_FROM = 0.6  # a kind this likely to be kept (by its prior) is verified to time a verify; weaker ones wait
 
 
 def worth_measuring(kind: str) -> bool:
-    """Whether a first guess of `kind` justifies measuring the cost curve (a few forwards on
-    the first answer that has one): a weak guess alone does not, so short answers measure
-    nothing."""
+    """Whether a first guess of `kind` is worth verifying before the costs are known (its
+    verify step is timed): a weak guess alone is not, so plain answers verify nothing."""
     accepted, tried = PRIORS.get(kind, DEFAULT_PRIOR)
     return accepted / tried >= MEASURE_FROM
 
@@ -56,76 +46,7 @@ class CostCurve:
         return self.verify[k] + k * self.draft_step
 
 
-_curves: "weakref.WeakKeyDictionary[DecoderOnlyLLM, tuple[float, ...]]" = weakref.WeakKeyDictionary()
-_step_times: "weakref.WeakKeyDictionary[DecoderOnlyLLM, float]" = weakref.WeakKeyDictionary()
-
-
-def cost_curve(model: DecoderOnlyLLM, draft: DecoderOnlyLLM | None = None) -> CostCurve:
-    """The model's measured verify costs (measured at the first call, then kept), with the
-    draft's step cost when there is one."""
-    if model not in _curves:
-        _curves[model] = _measure(model)
-    draft_step = _decode_time(draft) / _decode_time(model) if draft is not None else 0.0
-    return CostCurve(_curves[model], draft_step)
-
-
-def measured(*models: DecoderOnlyLLM | None) -> bool:
-    """Whether the cost curves of `models` (None: no model) are measured already."""
-    return all(model is None or model in _curves for model in models)
-
-
-def _decode_time(model: DecoderOnlyLLM) -> float:
-    if model not in _curves:
-        _curves[model] = _measure(model)
-    return _step_times[model]
-
-
-def _measure(model: DecoderOnlyLLM) -> tuple[float, ...]:
-    cache_id = "speculation-calibration"
-    vocab = model.config.vocab_size
-    prompt = [(7 * i + 3) % vocab for i in range(min(CALIBRATION_PROMPT, model.kv_capacity() - MAX_K - 2))]
-    if len(prompt) <= MAX_K:  # a context too small to guess in: never speculate
-        _step_times[model] = 1.0
-        return (1.0,) + (float("inf"),) * MAX_K
-    try:
-        wait_for(model.prefill(cache_id, prompt))
-        held = model.state.length(cache_id)
-
-        def decode() -> None:
-            wait_for(model.decode(cache_id, prompt[-1], held))
-
-        def verify(k: int):
-            return lambda: wait_for(model.forward_verify(cache_id, prompt[-k - 1 :]))
-
-        def seconds(step) -> float:
-            start = time.perf_counter()
-            step()
-            model.truncate_kv(cache_id, held)
-            return time.perf_counter() - start
-
-        seconds(decode)  # warm-up: first-use costs are not the curve
-        for k in MEASURED_K:
-            seconds(verify(k))
-        ratios: dict[int, list[float]] = {k: [] for k in MEASURED_K}
-        decode_times = []
-        for _ in range(CALIBRATION_RUNS):  # each verify against the decode step next to it
-            for k in MEASURED_K:
-                decode_times.append(seconds(decode))
-                ratios[k].append(seconds(verify(k)) / decode_times[-1])
-        measured = {0: 1.0, **{k: statistics.median(r) for k, r in ratios.items()}}
-        decode_time = statistics.median(decode_times)
-    finally:
-        model.release(cache_id)
-    _step_times[model] = decode_time
-    return _interpolated(measured)
-
-
-def wait_for(logits) -> None:
-    """Run the queued forward: read one value of the logits (nothing else reaches the host)."""
-    logits.reshape(-1)[0].item()
-
-
-def _interpolated(measured: dict[int, float]) -> tuple[float, ...]:
+def interpolated(measured: dict[int, float]) -> tuple[float, ...]:
     """Costs for every k up to MAX_K from the measured ones, never falling as k grows."""
     points = sorted(measured.items())
     costs: list[float] = []
@@ -186,19 +107,6 @@ class Controller:
             self.stretch = min(2 * self.stretch, LONGEST_STRETCH)
 
 
-def use_costs(model: DecoderOnlyLLM, costs: Sequence[float], decode_time: float = 1.0) -> None:
-    """Take `costs` (verify[k] / decode for k = 0, 1, ...) as `model`'s curve instead of
-    measuring it: tests that need speculation to run, or to never run, on any machine."""
-    _curves[model] = _interpolated(dict(enumerate(costs)))
-    _step_times[model] = decode_time
-
-
-def forget_costs(model: DecoderOnlyLLM) -> None:
-    """Drop `model`'s curve: the next answer that guesses measures it again."""
-    _curves.pop(model, None)
-    _step_times.pop(model, None)
-
-
 def fixed_curve(costs: Sequence[float], draft_step: float = 0.0) -> CostCurve:
     """A cost curve from given ratios (tests, and machines where measuring is not wanted)."""
-    return CostCurve(_interpolated(dict(enumerate(costs))), draft_step)
+    return CostCurve(interpolated(dict(enumerate(costs))), draft_step)

@@ -19,73 +19,80 @@ room for, so the answer ends at the same token, for the same reason, as without 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generator, Sequence
+import time
+from typing import Any, Generator, Sequence
 
 from ferrum_mac.engine.sampling import Sampler
-from ferrum_mac.engine.speculation.controller import (
-    MAX_K,
-    Controller,
-    CostCurve,
-    cost_curve,
-    measured,
-    worth_measuring,
-)
+from ferrum_mac.engine.speculation.controller import MAX_K, Controller, worth_measuring
 from ferrum_mac.engine.speculation.proposers import DraftModel, PromptLookup, Proposal, Proposer
 from ferrum_mac.engine.speculation.setting import DRAFT, Speculate, SpeculationStats
+from ferrum_mac.engine.speculation.step_times import StepTimes
 from ferrum_mac.llm import DecoderOnlyLLM
 
 
 class Speculator:
-    """One answer's proposer, controller and counts. The controller needs the model's cost
-    curve, measured at its first use: an answer that never has a good guess measures nothing."""
+    """One answer's proposer, controller and counts. The controller weighs the model's step
+    costs (`times`) once they are known; until then a strong guess is verified a few tokens at
+    a time so that a verify step is timed, and a weak one not at all."""
 
-    def __init__(self, proposer: Proposer, curve: Callable[[], CostCurve], measured: bool = False):
+    def __init__(self, proposer: Proposer, times: StepTimes, draft: str | None = None):
         self.proposer = proposer
-        self._curve = curve
-        self._controller: Controller | None = Controller(curve()) if measured else None
+        self.times = times
+        self.draft = draft  # the draft model's name: its guesses' time counts (None: prompt lookup)
+        self.controller = Controller(times.curve(draft))
         self.stats = SpeculationStats()
 
     @classmethod
-    def for_answer(cls, model: DecoderOnlyLLM, setting: Speculate, cache_id: str) -> "Speculator":
+    def for_answer(cls, model: DecoderOnlyLLM, setting: Speculate, cache_id: str, times: StepTimes) -> "Speculator":
         if setting.mode == DRAFT:
-            draft = setting.draft_model
-            proposer = DraftModel(draft, f"{cache_id}:draft", model.config.vocab_size)
-            return cls(proposer, lambda: cost_curve(model, draft), measured(model, draft))
-        return cls(PromptLookup(), lambda: cost_curve(model), measured(model))
-
-    @property
-    def controller(self) -> Controller:
-        if self._controller is None:
-            self._controller = Controller(self._curve())
-        return self._controller
+            proposer = DraftModel(setting.draft_model, f"{cache_id}:draft", model.config.vocab_size)
+            return cls(proposer, times, setting.draft_name or "draft")
+        return cls(PromptLookup(), times)
 
     def guesses(self, history: Sequence[int], room: int) -> int:
         """How many guesses to verify after `history` (0: a plain step)."""
         kind = self.proposer.peek(history)
-        if kind is None or room < 1 or (self._controller is None and not worth_measuring(kind)):
+        if kind is None or room < 1:
             return 0
-        return self.controller.guesses(kind, min(room, MAX_K))
+        if not self.times.known(self.draft):
+            return self.times.probe(room) if worth_measuring(kind) and self.controller.wait == 0 else 0
+        self.controller.curve = self.times.curve(self.draft)  # kept until a step's time is recorded
+        k = self.controller.guesses(kind, min(room, MAX_K))
+        if k == 0 and worth_measuring(kind) and self.controller.wait == 0:
+            return self.times.reprobe(room)
+        return k
 
     def propose(self, history: Sequence[int], room: int) -> Proposal | None:
         k = self.guesses(history, room)
-        return self.proposer.propose(history, k) if k else None
+        if not k:
+            return None
+        start = time.perf_counter()
+        proposal = self.proposer.propose(history, k)
+        if proposal is not None and self.draft is not None:
+            self.times.record_guess(self.draft, (time.perf_counter() - start) / len(proposal.tokens))
+        return proposal
 
-    def candidate(self, history: Sequence[int], room: int) -> Proposal | None:
+    def candidate(self, history: Sequence[int], room: int, known: bool) -> Proposal | None:
         """The longest proposal (at most `room` and MAX_K guesses) a caller that weighs several
         streams together may verify a prefix of; None while the stream stands aside, without a
-        guess, or with only a weak one before the cost curve is measured."""
-        if room < 1 or (self._controller is not None and self._controller.wait > 0):
+        guess, or with only a weak one before the step costs are `known`."""
+        if room < 1 or self.controller.wait > 0:
             return None
         proposal = self.proposer.propose(history, min(room, MAX_K))
-        if proposal is None or (self._controller is None and not worth_measuring(proposal.kind)):
+        if proposal is None or (not known and not worth_measuring(proposal.kind)):
             return None
         return proposal
 
-    def plain_token(self) -> None:
-        if self._controller is not None:
-            self._controller.plain_token()
+    def plain_token(self, seconds: float | None = None) -> None:
+        """A plain token went out; `seconds`: its decode step's time (None: not a timed one)."""
+        self.controller.plain_token()
+        if seconds is not None:
+            self.times.record_decode(seconds)
 
-    def record(self, proposal: Proposal, accepted: int) -> None:
+    def record(self, proposal: Proposal, accepted: int, seconds: float | None = None) -> None:
+        """A verify of `proposal` kept `accepted` guesses; `seconds`: the step's time."""
+        if seconds is not None:
+            self.times.record_verify(len(proposal.tokens), seconds)
         self.controller.record(proposal.kind, len(proposal.tokens), accepted)
         self.stats.proposed += len(proposal.tokens)
         self.stats.accepted += accepted
@@ -116,8 +123,10 @@ def speculative_tokens(
     history = list(prompt)
     token = sampler.sample(logits)  # the next answer token: drawn, maybe not read, not in the cache
     first = True  # read before step 1 is built, as in the plain loop
+    queued = False  # whether `token` comes from a decode step queued behind the one before it
     try:
         while True:
+            start = time.perf_counter()  # a step's time leaves out the caller's, between yields
             produced = len(history) - len(prompt)
             if limit is not None and produced + 1 >= limit or pos + 1 > capacity:
                 yield _read(sampler, token, history)  # the last one
@@ -128,8 +137,11 @@ def speculative_tokens(
             if not first and not speculator.guesses(history, room):  # plain, the next step queued first
                 following = sampler.sample(model.decode(cache_id, token, pos))
                 pos += 1
-                yield _read(sampler, token, history)
-                speculator.plain_token()
+                token_id = _read(sampler, token, history)
+                # a step that had none queued before it is no measure of the pipelined loop
+                speculator.plain_token(time.perf_counter() - start if queued else None)
+                queued = True
+                yield token_id
                 token = following
                 continue
             token_id = _read(sampler, token, history)
@@ -142,16 +154,21 @@ def speculative_tokens(
             if proposal is None:
                 token = sampler.sample(model.decode(cache_id, token_id, pos))
                 pos += 1
+                queued = True
                 if owed:
                     yield token_id
                 continue
+            start = time.perf_counter()
             rows = model.forward_verify(cache_id, [token_id, *proposal.tokens])
             if owed:
+                paused = time.perf_counter()
                 yield token_id
+                start += time.perf_counter() - paused
             kept, token = accepted_guesses(sampler, rows, proposal.tokens)
             pos += 1 + kept
             model.truncate_kv(cache_id, pos)
-            speculator.record(proposal, kept)
+            speculator.record(proposal, kept, time.perf_counter() - start)
+            queued = False
             for guess in proposal.tokens[:kept]:
                 history.append(guess)
                 yield guess

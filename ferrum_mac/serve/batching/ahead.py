@@ -19,7 +19,8 @@ what it read (`Batch._remember_answer`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ferrum_mac.serve.batching.sequence import Sequence
@@ -31,6 +32,7 @@ class InFlight:
 
     seqs: list[Sequence]
     tokens: list[Any]  # device scalars, one per sequence
+    queued_at: float = field(default_factory=time.perf_counter)
 
     def continued_by(self, decoding: list[Sequence], running: list[Sequence]) -> bool:
         """Whether `decoding` is this step's sequences that still run, in order: the next step

@@ -19,7 +19,6 @@ import numpy as np
 
 from ferrum_mac.engine.speculation.proposers import Proposal
 from ferrum_mac.engine.speculation.verify import Speculator, accepted_ids
-from ferrum_mac.errors import FerrumError
 from ferrum_mac.grammar import fill_masks
 from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem, KvCapacityError, Logits
 from ferrum_mac.serve.batching.ahead import InFlight, may_run_ahead
@@ -121,14 +120,15 @@ class StepRunner:
             return False
         if not self.in_flight.continued_by(decoding, self.batch.running):
             return False
-        return not (allowed and len(decoding) < MAX_ROWS and any(self._may_guess(seq) for seq in decoding))
+        known = self.costs.measured(len(decoding))
+        return not (allowed and len(decoding) < MAX_ROWS and any(self._may_guess(seq, known) for seq in decoding))
 
-    def _may_guess(self, seq: Sequence) -> bool:
+    def _may_guess(self, seq: Sequence, known: bool) -> bool:
         speculator = seq.speculator
         if speculator is None:
             return False
         ready, _ = indexed(speculator, seq.history, 0)  # a prompt still being indexed: `_guesses` goes on with it
-        return not ready or speculator.candidate(seq.history, self._guess_room(seq)) is not None
+        return not ready or speculator.candidate(seq.history, self._guess_room(seq), known) is not None
 
     def _decode_ahead(self, decoding: list[Sequence], pace: Pace) -> None:
         """Queue a decode step of `decoding`, fed the tokens of the step in flight unread (or the
@@ -149,15 +149,18 @@ class StepRunner:
         self.in_flight = InFlight(decoding, [seq.sampler.sample(row) for seq, row in zip(decoding, rows)])
         if previous is not None:
             self._read(previous)
-            pace.record(
-                len(decoding), self.batch.stats.generated_tokens - generated, time.perf_counter() - start, False
-            )
+            seconds = time.perf_counter() - start  # from one step queued to the next: a plain step's time
+            self.costs.record(len(decoding), len(decoding), seconds, False)
+            pace.record(len(decoding), self.batch.stats.generated_tokens - generated, seconds, False)
 
     def drain(self) -> None:
-        """Read and hand out the tokens of the step in flight, if any."""
+        """Read and hand out the tokens of the step in flight, if any: the time from its queuing
+        to its tokens read is a plain step's (what guesses are weighed against)."""
         if self.in_flight is not None:
             previous, self.in_flight = self.in_flight, None
             self._read(previous)
+            rows = len(previous.seqs)
+            self.costs.record(rows, rows, time.perf_counter() - previous.queued_at, False)
 
     def _read(self, step: InFlight) -> None:
         """Hand the sequences of `step` that still run their tokens, as a plain step would."""
@@ -180,7 +183,7 @@ class StepRunner:
         """Every decoding sequence's token, with the guesses worth their rows (one `verify_batch`)
         when `guessing`, else one plain batched decode. Timed for `pace`."""
         stats = self.batch.stats
-        start, generated, timed = time.perf_counter(), stats.generated_tokens, self.costs.measured
+        start, generated, known = time.perf_counter(), stats.generated_tokens, self.costs.measured(len(decoding))
         guesses = self._guesses(decoding) if guessing else {}
         if not guesses and self.runs_ahead and may_run_ahead(decoding, self.batch.capacity):
             self._decode_ahead(decoding, pace)
@@ -192,34 +195,39 @@ class StepRunner:
                     seq.speculator.plain_token()
             self._accept_all(self._decode(decoding, True))
             guesses = {}
-        if timed or not self.costs.measured:  # the step that timed the model's steps is no measure
-            tokens = stats.generated_tokens - generated
-            pace.record(len(decoding), tokens, time.perf_counter() - start, bool(guesses))
+        seconds = time.perf_counter() - start
+        rows = len(decoding) + sum(len(p.tokens) for p in guesses.values())
+        self.costs.record(len(decoding), rows, seconds, bool(guesses))
+        if known or not guesses:  # a step that guessed before guessing was judged is no measure of it
+            pace.record(len(decoding), stats.generated_tokens - generated, seconds, bool(guesses))
 
     def _guesses(self, decoding: list[Sequence]) -> dict[Sequence, Proposal]:
-        """The proposals (cut to what the planner keeps of them) of the sequences that guess this step."""
+        """The proposals (cut to what the planner keeps of them) of the sequences that guess this
+        step; before the step costs are known, and now and then while they say no guess pays, a
+        few guesses of the likeliest stream, to time them."""
         if len(decoding) >= MAX_ROWS:
             return {}
         candidates: list[tuple[Sequence, Speculator, Proposal]] = []
         budget = INDEX_STEP_TOKENS
+        known = self.costs.measured(len(decoding))
         for seq in decoding:
             if seq.speculator is None:
                 continue
             ready, spent = indexed(seq.speculator, seq.history, budget)
             budget -= spent
-            proposal = seq.speculator.candidate(seq.history, self._guess_room(seq)) if ready else None
+            proposal = seq.speculator.candidate(seq.history, self._guess_room(seq), known) if ready else None
             if proposal is not None:
                 candidates.append((seq, seq.speculator, proposal))
         if not candidates:
             return {}
-        try:
-            costs = self.costs.get()
-        except FerrumError as e:  # no room to time steps now (a full KV pool): guess later
-            log.debug("speculation waits: %s", one_line(e))
-            return {}
         offers = [(seq, Offer(p, speculator.controller.acceptance(p.kind))) for seq, speculator, p in candidates]
-        counts = choose_guesses(offers, len(decoding), costs)
-        return {seq: Proposal(p.tokens[: counts[seq]], p.kind) for seq, _, p in candidates if seq in counts}
+        if known:
+            counts = choose_guesses(offers, len(decoding), self.costs.get(len(decoding)))
+            if counts:
+                return {seq: Proposal(p.tokens[: counts[seq]], p.kind) for seq, _, p in candidates if seq in counts}
+        probe = self.costs.reprobe(len(decoding)) if known else self.costs.probe(len(decoding))
+        seq, offer = max(offers, key=lambda item: item[1].acceptance)
+        return {seq: Proposal(offer.proposal.tokens[:probe], offer.proposal.kind)} if probe else {}
 
     def _guess_room(self, seq: Sequence) -> int:
         """Guesses the sequence may verify after its token: the cache must hold them, and the

@@ -264,7 +264,7 @@ class Scheduler:
         if capabilities.batched_decode:
             self._warm_up_batches()
         self.batch = Batch(self.model, self.tokenizer, frozenset(engine.eos_ids), self.stats)
-        self.costs = StepCosts(self.model)  # the step times speculation weighs guesses by
+        self.costs = StepCosts()  # the step times speculation weighs guesses by
         self.runner = StepRunner(self.batch, self.model, self.costs)
         if self.kv_budget is None:
             self.kv_budget = self.model.state.free_tokens()  # None: only the batch size limits admission

@@ -3,12 +3,13 @@
 A step with nothing to prefill is one `verify_batch`: each decoding sequence feeds its next
 token, and a speculating one also its guesses (prompt lookup, `PromptLookup`), a row each.
 The time of a step grows with its rows, so a guess is worth a row only when the step's
-expected tokens per second rise with it. The time of a step of R rows is measured once per
-model, at the first step that has a guess worth it (`StepCosts`: R in powers of two up to
-MAX_ROWS, a few forwards on throw-away caches, the rows spread over sequences as guesses
-spread over streams: a backend may attend each sequence of a verify apart, as MLX does, and
-its cost grows with them), and read as the time of the next power of two at or above R (a torch step rounds its rows up so; elsewhere the estimate is on the safe
-side). Each guess adds the chance that it and the guesses before it are kept, from its
+expected tokens per second rise with it. The times are learned from the decode steps the
+scheduler runs (`StepCosts`: by batch size, the fastest recent plain step and step with
+guesses of each number of rows, in powers of two; rows not yet timed are estimated from the
+timed ones, never as cheaper than fewer), so nothing is timed apart from requests; until two
+steps with guesses of a batch size are timed, its steps verify at most a few guesses of one
+stream (real guesses: what they keep counts), and so again now and then while the times
+refuse every guess (`reprobe`). Each guess adds the chance that it and the guesses before it are kept, from its
 stream's own controller (`Controller.acceptance`, by kind of proposal); `plan` adds guesses
 in order of that chance and keeps the prefix with the best rate, when it beats the step
 without guesses by the controller's MARGIN. With one stream this is the engine's rule
@@ -16,9 +17,9 @@ without guesses by the controller's MARGIN. With one stream this is the engine's
 in the engine. Guesses are accepted by the engine's rule (`accepted_guesses`), so answers
 are those of plain decoding.
 
-The timed forwards leave out what the host does around them (sampling, reads, bookkeeping),
-so the scheduler also times whole steps (`Pace`): where steps with guesses give fewer tokens
-a second than plain steps of the same batch size, guessing stops there for a while. A long
+The plan weighs one step at a time; the scheduler also keeps the tokens per second whole
+steps give (`Pace`): where steps with guesses give fewer than plain steps of the same batch
+size, guessing stops there for a while. A long
 prompt is indexed for lookups a slice a step (`indexed`), never all in one step.
 
 Draft models are not offered here: a request for one is refused (`speculate_field`).
@@ -28,24 +29,25 @@ from __future__ import annotations
 
 import functools
 import heapq
-import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
-from ferrum_mac.engine.speculation.controller import MARGIN, MAX_K, CostCurve, wait_for
+from ferrum_mac.engine.speculation.controller import MARGIN, MAX_K, CostCurve
 from ferrum_mac.engine.speculation.proposers import PromptLookup, Proposal
 from ferrum_mac.engine.speculation.setting import AUTO, DRAFT, NGRAM, OFF
+from ferrum_mac.engine.speculation.step_times import StepTimes
 from ferrum_mac.engine.speculation.verify import Speculator
-from ferrum_mac.llm import DecodeItem, DecoderOnlyLLM, ForwardItem
 from ferrum_mac.serve import checks as api
 
 SERVE_MODES = (AUTO, NGRAM, OFF)
 MAX_ROWS = 64  # rows of one speculating step (torch runs up to this many as a captured decode step)
-ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes timed
-CALIBRATION_PROMPT = 32  # tokens in each throw-away cache the steps are timed on
-CALIBRATION_ROWS_EACH = 2  # rows of a timed step a sequence holds: its token and one guess
-CALIBRATION_RUNS = 2  # the fastest run counts: a run disturbed by other work does not
-CALIBRATION_ID = "serve-speculation-calibration"
+ROW_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # step sizes the costs are kept for
+PROBES = 2  # steps with guesses timed before the costs count (the first may pay a first use)
+FIRST_PROBE_GUESSES = 1  # guesses in a batch size's first such step: on a slow CPU a few cost a step or more
+PROBE_GUESSES = 3  # most guesses such a later step holds, of one stream (and a reprobe)
+KEPT = 8  # recent times kept of each size
+REPROBE_EVERY = 64  # steps whose guesses the costs refused before a few are verified anyway: times go stale
 INDEX_STEP_TOKENS = 2048  # prompt positions indexed for lookups in one step, over all streams
 INDEX_SLACK = 64  # a stream this few positions behind is indexed by its lookup itself
 PACE_WEIGHT = 0.25  # of a step's rate in the moving average of its kind and size
@@ -113,79 +115,100 @@ class RowCosts:
 
 
 class StepCosts:
-    """One model's step times, measured at the first use (`get`) or set (`use`); the model's
-    scheduler keeps them, so they go when it unloads."""
+    """One model's step times, learned from the decode steps the scheduler runs (`record`), or
+    set (`use`); the model's scheduler keeps them, so they go when it unloads. They are kept by
+    batch size (the decoding sequences, a power of two: a backend may attend each sequence of a
+    verify apart, so rows of one sequence and of several cost differently); until a few steps
+    of a size with guesses are timed (`measured`), its steps may verify a few guesses of one
+    stream (`probe`)."""
 
-    def __init__(self, model: DecoderOnlyLLM):
-        self.model = model
-        self._costs: RowCosts | None = None
+    def __init__(self) -> None:
+        self.plain: dict[int, deque[float]] = {}  # batch size -> its plain decode steps (seconds)
+        self.verify: dict[int, dict[int, deque[float]]] = {}  # batch size -> rows (a power of two) -> seconds
+        self._costs: dict[int, RowCosts] = {}
+        self._fixed: RowCosts | None = None
+        self._refused: dict[int, int] = {}  # batch size -> steps with guesses refused since a probe
 
-    @property
-    def measured(self) -> bool:
-        """Whether the step times are known (set or measured)."""
-        return self._costs is not None
+    def measured(self, sequences: int) -> bool:
+        """Whether the step times of a batch of `sequences` are known (set, or enough timed)."""
+        size = _size(sequences)
+        return self._fixed is not None or (self._verified(size) >= PROBES and size in self.plain)
 
-    def get(self) -> RowCosts:
-        if self._costs is None:
-            self._costs = _measure(self.model)
-        return self._costs
+    def probe(self, sequences: int) -> int:
+        """Guesses one stream may verify while the times of this batch size are not known (0:
+        none, the steps with guesses being timed already)."""
+        verified = self._verified(_size(sequences))
+        if self._fixed is not None or verified >= PROBES:
+            return 0
+        return FIRST_PROBE_GUESSES if verified == 0 else PROBE_GUESSES
+
+    def reprobe(self, sequences: int) -> int:
+        """Guesses one stream may verify although the known times refused them: every
+        REPROBE_EVERY refusals a few, so a time taken while the machine was busy (or a step's
+        first use) does not keep guessing off for good."""
+        if self._fixed is not None:
+            return 0
+        size = _size(sequences)
+        self._refused[size] = self._refused.get(size, 0) + 1
+        if self._refused[size] < REPROBE_EVERY:
+            return 0
+        self._refused[size] = 0
+        return PROBE_GUESSES
+
+    def record(self, sequences: int, rows: int, seconds: float, guessed: bool) -> None:
+        """A decode step of `sequences` and `rows` rows (theirs and their guesses) took `seconds`."""
+        if self._fixed is not None or not 0 < rows <= MAX_ROWS:
+            return
+        size = _size(sequences)
+        if guessed:
+            times = self.verify.setdefault(size, {}).setdefault(_size(rows), deque(maxlen=KEPT))
+        else:
+            times = self.plain.setdefault(size, deque(maxlen=KEPT))
+        times.append(seconds)
+        self._costs.pop(size, None)
+
+    def get(self, sequences: int) -> RowCosts:
+        """The step costs of a batch of `sequences`, as `plan` reads them."""
+        if self._fixed is not None:
+            return self._fixed
+        size = _size(sequences)
+        if size not in self._costs:
+            self._costs[size] = learned(self.plain.get(size, ()), self.verify.get(size, {}), size)
+        return self._costs[size]
 
     def use(self, seconds: Sequence[float], plain: float = 1.0) -> None:
-        """Take `seconds` (a step of each of ROW_COUNTS rows) as the model's instead of measuring:
-        tests that need speculation to run, or never to run, on any machine."""
-        self._costs = RowCosts(tuple(seconds), plain)
+        """Take `seconds` (a step of each of ROW_COUNTS rows) as the model's instead of learning
+        them: tests that need speculation to run, or never to run, on any machine."""
+        self._fixed = RowCosts(tuple(seconds), plain)
 
     def speculator(self) -> Speculator:
         """One sequence's proposer, controller (its acceptance figures, its stretches aside) and counts."""
-        return Speculator(PromptLookup(), lambda: self.get().curve(), self.measured)
+        return Speculator(PromptLookup(), StepTimes())
+
+    def _verified(self, size: int) -> int:
+        return sum(map(len, self.verify.get(size, {}).values()))
 
 
-def _measure(model: DecoderOnlyLLM) -> RowCosts:
-    """Time verify steps of each of ROW_COUNTS rows on throw-away caches (a row per token,
-    CALIBRATION_ROWS_EACH rows a sequence)."""
-    vocab = model.config.vocab_size
-    room = model.kv_capacity() - MAX_ROWS - 1
-    if room < 1:  # a context too small to hold a step of guesses: never speculate
+def learned(plain: Iterable[float], verify: dict[int, deque[float]], size: int) -> RowCosts:
+    """Step costs of a batch of `size` sequences from its timed steps (the fastest of each
+    kind): rows not timed with guesses cost what the nearest fewer timed ones do plus, per row,
+    what the rows between the two most timed cost (or between the plain step and the timed)."""
+    plain_times = list(plain)
+    if not verify or not plain_times:
         return RowCosts((1.0,) + (float("inf"),) * (len(ROW_COUNTS) - 1))
-    prompt = [(7 * i + 3) % vocab for i in range(min(CALIBRATION_PROMPT, room))]
-    caches = [f"{CALIBRATION_ID}-{i}" for i in range(MAX_ROWS // CALIBRATION_ROWS_EACH)]
-    try:
-        for cache_id in caches:
-            wait_for(model.prefill(cache_id, prompt))
-        held = len(prompt)
-
-        def seconds(rows: int) -> float:
-            each = min(rows, CALIBRATION_ROWS_EACH)
-            items = [
-                ForwardItem(cache_id, [(5 * i + j + 1) % vocab for j in range(each)], held)
-                for i, cache_id in enumerate(caches[: rows // each])
-            ]
-            start = time.perf_counter()
-            wait_for(model.verify_batch(items)[-1])
-            elapsed = time.perf_counter() - start
-            for item in items:
-                model.truncate_kv(item.cache_id, held)
-            return elapsed
-
-        def decode_seconds() -> float:
-            start = time.perf_counter()
-            wait_for(model.decode_batch([DecodeItem(caches[0], prompt[-1], held)]))
-            elapsed = time.perf_counter() - start
-            model.truncate_kv(caches[0], held)
-            return elapsed
-
-        for rows in ROW_COUNTS:  # first use: kernels compiled, graphs captured
-            seconds(rows)
-        times = [min(seconds(rows) for _ in range(CALIBRATION_RUNS)) for rows in ROW_COUNTS]
-        plain = 1.0  # without a batched decode the scheduler decodes one by one
-        if model.capabilities.batched_decode:
-            decode_seconds()
-            plain = min(decode_seconds() for _ in range(CALIBRATION_RUNS)) / times[0]
-    finally:
-        for cache_id in caches:
-            model.release(cache_id)
-    times = [max(times[: i + 1]) for i in range(len(times))]  # never cheaper with more rows
-    return RowCosts(tuple(times), min(plain, 1.0))
+    points = sorted((rows, min(times)) for rows, times in verify.items())
+    plain_seconds = min(plain_times)
+    if len(points) > 1:
+        (r0, t0), (r1, t1) = points[-2], points[-1]
+    else:
+        (r0, t0), (r1, t1) = (size, plain_seconds), points[-1]
+    slope = max(0.0, (t1 - t0) / (r1 - r0)) if r1 > r0 else t1 / r1
+    seconds = []
+    for count in ROW_COUNTS:
+        below = [t for rows, t in points if rows <= count]
+        seconds.append(below[-1] + slope * (count - points[len(below) - 1][0]) if below else points[0][1])
+    seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]  # never cheaper with more rows
+    return RowCosts(tuple(seconds), min(1.0, plain_seconds / seconds[ROW_COUNTS.index(size)]))
 
 
 def indexed(speculator: Speculator, history: Sequence[int], budget: int) -> tuple[bool, int]:

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ferrum_mac.engine import CONTEXT, EOS, MAX_TOKENS, STOP_STRING, Done, ReasoningDelta, TextDelta, with_calls
+from ferrum_mac.engine import CONTEXT, EOS, LOOP, MAX_TOKENS, STOP_STRING, Done, ReasoningDelta, TextDelta, with_calls
 from ferrum_mac.serve import checks as api
 from ferrum_mac.serve.api_errors import error_shapes
 from ferrum_mac.serve.events import TOOL_CALLS, ToolCallDelta, finish_of
@@ -85,7 +85,14 @@ RENAMED_PATHS = (
     (re.compile(r"tools\[(\d+)\]\.function\.parameters"), r"tools.\1.input_schema"),
     (re.compile(r"tools\[(\d+)\](?:\.function)?"), r"tools.\1"),
 )
-STOP_REASONS = {EOS: "end_turn", STOP_STRING: "stop_sequence", MAX_TOKENS: "max_tokens", CONTEXT: "max_tokens"}
+# a loop stopped is an answer at its end (its `stats` say why), never one to continue
+STOP_REASONS = {
+    EOS: "end_turn",
+    STOP_STRING: "stop_sequence",
+    MAX_TOKENS: "max_tokens",
+    CONTEXT: "max_tokens",
+    LOOP: "end_turn",
+}
 
 
 def routes(server: "Server") -> list[Route]:

@@ -29,6 +29,7 @@ STOP_REASONS = {
     "max_tokens": "cut at max tokens",
     "context": "context full (Ctrl+N starts afresh; FERRUM_KV_CAPACITY sets its size)",
     "cancelled": "stopped by you",
+    "loop": "stopped: it kept repeating itself",
     "error": "stopped by an error",
 }
 

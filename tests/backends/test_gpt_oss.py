@@ -178,24 +178,23 @@ def test_the_engines_speculation_is_exact(model):
     from ferrum_mac.engine.decode_loop import answer_tokens
     from ferrum_mac.engine.sampling import SamplingParams
     from ferrum_mac.engine.speculation import Speculate
-    from ferrum_mac.engine.speculation.controller import MAX_K, forget_costs, use_costs
+    from ferrum_mac.engine.speculation.controller import MAX_K
+    from ferrum_mac.engine.speculation.step_times import StepTimes
 
     prompt = random_tokens(20, seed=5) * 5  # 100 tokens: what follows a repeat is guessed
     greedy = SamplingParams(temperature=0.0)
-    use_costs(model, [1.0] * (MAX_K + 1))
-    try:
-        answers = []
-        for speculate in (None, Speculate("ngram")):
-            logits = model.prefill("e", prompt)
-            tokens, stats = answer_tokens(
-                model, model.sampler(greedy, prompt), "e", logits, 48, speculate=speculate, prompt=prompt
-            )
-            answers.append(list(tokens))
-            model.release("e")
-        assert stats is not None and stats.steps > 0 and stats.accepted > 0, stats
-        assert_same_tokens(answers[1], answers[0])
-    finally:
-        forget_costs(model)
+    times = StepTimes()
+    times.use([1.0] * (MAX_K + 1))  # a verify as cheap as a step: always guess
+    answers = []
+    for speculate in (None, Speculate("ngram")):
+        logits = model.prefill("e", prompt)
+        tokens, stats = answer_tokens(
+            model, model.sampler(greedy, prompt), "e", logits, 48, speculate=speculate, prompt=prompt, times=times
+        )
+        answers.append(list(tokens))
+        model.release("e")
+    assert stats is not None and stats.steps > 0 and stats.accepted > 0, stats
+    assert_same_tokens(answers[1], answers[0])
 
 
 @pytest.mark.skipif("torch" not in BACKENDS, reason="torch is not installed")

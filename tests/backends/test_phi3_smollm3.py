@@ -161,7 +161,8 @@ def test_each_feature_moves_the_reference(checkpoints):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_prefix_cache_and_speculation_keep_greedy_output(checkpoints, name, backend):
     from ferrum_mac.engine.sampling import SamplingParams
-    from ferrum_mac.engine.speculation.controller import MAX_K, use_costs
+    from ferrum_mac.engine.speculation.controller import MAX_K
+    from ferrum_mac.engine.speculation.step_times import StepTimes
     from ferrum_mac.engine.speculation import Speculate
     from ferrum_mac.engine.speculation.verify import Speculator, speculative_tokens
 
@@ -177,9 +178,10 @@ def test_prefix_cache_and_speculation_keep_greedy_output(checkpoints, name, back
     # a prompt that repeats itself, so prompt lookup has guesses to verify
     prompt = PROMPT[:20] * 3 + PROMPT[:10]
     plain = ferrum_greedy(model, "plain", prompt, 40)
-    use_costs(model, [1.0] * (MAX_K + 1))  # a verify as cheap as a step: always guess
+    times = StepTimes()
+    times.use([1.0] * (MAX_K + 1))  # a verify as cheap as a step: always guess
     sampler = model.sampler(SamplingParams(temperature=0.0))
-    speculator = Speculator.for_answer(model, Speculate("ngram"), "spec")
+    speculator = Speculator.for_answer(model, Speculate("ngram"), "spec", times)
     tokens = speculative_tokens(model, sampler, "spec", model.prefill("spec", prompt), 40, speculator, prompt)
     assert list(tokens) == plain
     assert speculator.stats.steps > 0  # it did verify guesses

@@ -108,12 +108,14 @@ def test_oterm_lists_the_model_and_streams_an_answer(serve, home, tmp_path):
         keys(session, "smollm2", literal=True)
         keys(session, "Down", "Down", "Enter")
         wait_for_screen(session, lambda s: "Model: smollm2:135m" in s and "0.2" in s, 30, "the model's parameters")
-        # temperature 0 and a short answer (the fields after the model list), then Save
-        keys(session, "Tab", "Tab", "Tab", "C-a", "C-k")
+        # temperature 0 and a short answer, then Save. The model offers tools, so oterm lists its
+        # own tools (how many depends on its version) before the parameters: they are reached
+        # backwards from the model list (past the buttons, Thinking, Seed, Max Tokens and Top P).
+        keys(session, *["BTab"] * 7, "C-a", "C-k")
         keys(session, "0", literal=True)
         keys(session, "Tab", "Tab")
         keys(session, str(MAX_TOKENS), literal=True)
-        keys(session, "Tab", "Tab", "Enter")
+        keys(session, "Tab", "Tab", "Enter")  # past Seed to Save
         wait_for_screen(session, lambda s: "chat #1 - smollm2:135m" in s, 30, "the chat")
         keys(session, QUESTION, literal=True)
         keys(session, "Enter")

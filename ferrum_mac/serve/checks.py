@@ -38,6 +38,20 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 1000  # the answer is searched for each at every token
 MAX_DEPTH = 32  # JSON nesting a request may have; real requests nest under ten deep
 LOGIT_BIAS_RANGE = 100  # OpenAI's: biases from -100 (ban) to 100 (force)
+# Fields another protocol's body carries with chat's name and meaning, passed on as they are
+# (top_k and the others top-level from older clients, or through the SDKs' extra_body).
+PASSED_AS_IS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "logit_bias",
+    "stream",
+    "chat_template_kwargs",
+    "speculate",  # ferrum's own: auto, ngram or off
+)
 # The variables ChatTemplate.render passes itself; chat_template_kwargs may not replace them.
 TEMPLATE_ARGUMENTS = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "raise_exception", "strftime_now"}

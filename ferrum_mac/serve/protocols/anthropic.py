@@ -35,20 +35,7 @@ if TYPE_CHECKING:
     from ferrum_mac.serve.core import Answer, Server
 
 MESSAGES_PATH = "/v1/messages"
-# Fields passed on as they are: the same name and meaning in OpenAI's body (top_k and the others
-# come top-level from older clients, or through the current SDK's extra_body).
-PASSED = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "seed",
-    "logit_bias",
-    "stream",
-    "chat_template_kwargs",
-    "speculate",  # ferrum's own: auto, ngram or off
-)
+PASSED = api.PASSED_AS_IS
 # Fields asking for what only Anthropic's own servers run: refused, so the client knows it did
 # not happen. Any other field this module does not read is a hint (metadata, service_tier,
 # context_management, ...) and ignored, as other local servers do.

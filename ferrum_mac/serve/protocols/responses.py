@@ -38,20 +38,7 @@ if TYPE_CHECKING:
     from ferrum_mac.serve.core import Answer, Server
 
 RESPONSES_PATH = "/v1/responses"
-# Fields passed on as they are: the same name and meaning in OpenAI's chat body.
-PASSED = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "seed",
-    "logit_bias",
-    "stream",
-    "parallel_tool_calls",
-    "chat_template_kwargs",
-    "speculate",  # ferrum's own: auto, ngram or off
-)
+PASSED = api.PASSED_AS_IS + ("parallel_tool_calls",)
 # Fields asking for what only OpenAI's servers run: refused, so the client knows it did not happen.
 SERVER_FEATURES = ("background", "conversation", "prompt")
 # OpenAI chat's field names -> this API's, for the shared checks' errors
